@@ -1,0 +1,772 @@
+//! The command line (CONTRACT §7): clap definitions and the small commands.
+
+use std::fs::{File, OpenOptions};
+use std::io::{Read, Seek, SeekFrom, Write};
+use std::os::unix::process::CommandExt as _;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, Result, bail};
+use clap::{Parser, Subcommand, ValueEnum};
+use serde_json::{Value, json};
+
+use crate::config::Config;
+use crate::events::render;
+use crate::state::model::{LoopState, Mode, SkillState, Status, TaskStatus, now_rfc3339};
+use crate::state::store::{Store, StoreError, new_id, validate_id};
+
+/// A mistake in what the user asked for: exit code 2.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct UsageError(pub String);
+
+fn usage(msg: impl Into<String>) -> anyhow::Error {
+    UsageError(msg.into()).into()
+}
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "loopd",
+    version,
+    about = "Drives autonomous coding-agent loops (CCW-compatible) as a daemon",
+    long_about = "Drives autonomous coding-agent loops (CCW-compatible) as a daemon.\n\n\
+        A loop lives in <root>/.loop/<id>.json. loopd checks termination, picks the next action \
+        (init, develop, debug, validate, complete), runs it as an executor subprocess, applies its \
+        result and repeats, until the goal is met or a limit stops it. Pause, resume and stop \
+        written by anyone to the state file take effect at once.\n\n\
+        Exit codes of run: 0 completed, 1 internal error, 2 bad input, 3 iteration limit, \
+        4 failed, 5 stopped by a user, 6 paused (--exit-on-pause)."
+)]
+pub struct Cli {
+    /// The project root [default: $LOOPD_ROOT, else the git top level, else the current directory]
+    #[arg(long, global = true, value_name = "DIR")]
+    pub root: Option<PathBuf>,
+    /// A config file layered over the others [default: $LOOPD_CONFIG]
+    #[arg(long, global = true, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum ModeArg {
+    Auto,
+    Interactive,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Write a new loop (status `created`) and print its id
+    Create {
+        #[arg(long)]
+        title: String,
+        #[arg(long, default_value = "")]
+        description: String,
+        #[arg(long, value_name = "N")]
+        max_iterations: Option<u64>,
+        #[arg(long, value_name = "N")]
+        max_errors: Option<u64>,
+        #[arg(long, value_enum, default_value = "auto")]
+        mode: ModeArg,
+        #[arg(long, value_name = "NAME")]
+        workflow: Option<String>,
+        /// A develop task (repeatable); written to the loop's task list
+        #[arg(long = "task", value_name = "TEXT")]
+        tasks: Vec<String>,
+    },
+    /// Drive a loop in the foreground until it ends
+    Run {
+        id: String,
+        /// Make every action use this executor
+        #[arg(long, value_name = "NAME")]
+        executor: Option<String>,
+        /// Exit with code 6 when the loop is paused, instead of waiting
+        #[arg(long)]
+        exit_on_pause: bool,
+    },
+    /// Drive a loop in the background; print the daemon's pid
+    Start {
+        id: String,
+        /// Make every action use this executor
+        #[arg(long, value_name = "NAME")]
+        executor: Option<String>,
+    },
+    /// Pause a loop: the action in flight is interrupted now
+    Pause { id: String },
+    /// Resume a paused or stopped loop; starts a daemon if none drives it
+    Resume { id: String },
+    /// Stop a loop (status `failed`, "Manually stopped by user")
+    Stop { id: String },
+    /// Choose the next action of a loop waiting in interactive mode
+    Next { id: String, action: String },
+    /// Show one loop
+    Status {
+        id: String,
+        /// Print the state file's JSON
+        #[arg(long)]
+        json: bool,
+    },
+    /// List every loop of the project
+    List {
+        #[arg(long)]
+        json: bool,
+    },
+    /// Show a loop's events
+    Logs {
+        id: String,
+        /// Keep printing new events until the loop ends
+        #[arg(long, short)]
+        follow: bool,
+        /// Raw NDJSON
+        #[arg(long)]
+        json: bool,
+    },
+    /// Run a complete example loop in a temporary project
+    Demo,
+    /// The demo's scripted executor (used by `demo`)
+    #[command(hide = true)]
+    DemoAgent,
+}
+
+/// The project root: `--root`, `$LOOPD_ROOT`, the git top level, or the working directory.
+pub fn resolve_root(flag: Option<&Path>) -> Result<PathBuf> {
+    let root = match flag {
+        Some(r) => r.to_owned(),
+        None => match std::env::var_os("LOOPD_ROOT").filter(|v| !v.is_empty()) {
+            Some(r) => PathBuf::from(r),
+            None => {
+                let cwd = std::env::current_dir().context("cannot read the working directory")?;
+                cwd.ancestors()
+                    .find(|d| d.join(".git").exists())
+                    .map(Path::to_owned)
+                    .unwrap_or(cwd)
+            }
+        },
+    };
+    if !root.is_dir() {
+        return Err(usage(format!(
+            "project root {} is not a directory",
+            root.display()
+        )));
+    }
+    root.canonicalize()
+        .with_context(|| format!("cannot resolve {}", root.display()))
+}
+
+/// A project: its root, config and store.
+pub struct Project {
+    pub root: PathBuf,
+    pub config: Config,
+    pub store: Store,
+    pub config_flag: Option<PathBuf>,
+}
+
+impl Project {
+    pub fn open(root: Option<&Path>, config: Option<&Path>) -> Result<Project> {
+        let root = resolve_root(root)?;
+        let config_flag = config.map(Path::to_owned);
+        let config = Config::load(&root, config)?;
+        let store = Store::new(root.join(&config.state_dir));
+        Ok(Project {
+            root,
+            config,
+            store,
+            config_flag,
+        })
+    }
+
+    /// Loads a loop, validating the id first.
+    pub fn load(&self, id: &str) -> Result<LoopState> {
+        validate_id(id)?;
+        Ok(self.store.load(id)?.state)
+    }
+}
+
+/// Runs a parsed command line; returns the exit code.
+pub fn run(cli: Cli) -> Result<i32> {
+    let Cli {
+        root,
+        config,
+        command,
+    } = cli;
+    let project = || Project::open(root.as_deref(), config.as_deref());
+    match command {
+        Command::Create {
+            title,
+            description,
+            max_iterations,
+            max_errors,
+            mode,
+            workflow,
+            tasks,
+        } => {
+            let p = project()?;
+            let id = create_loop(
+                &p,
+                &title,
+                &description,
+                max_iterations,
+                max_errors,
+                mode,
+                workflow,
+                &tasks,
+            )?;
+            println!("{id}");
+            Ok(0)
+        }
+        Command::Run {
+            id,
+            executor,
+            exit_on_pause,
+        } => crate::daemon::run_foreground(&project()?, &id, executor, exit_on_pause),
+        Command::Start { id, executor } => {
+            let p = project()?;
+            let pid = start(&p, &id, executor.as_deref())?;
+            println!("{pid}");
+            Ok(0)
+        }
+        Command::Pause { id } => control(&project()?, &id, Control::Pause),
+        Command::Resume { id } => control(&project()?, &id, Control::Resume),
+        Command::Stop { id } => control(&project()?, &id, Control::Stop),
+        Command::Next { id, action } => next(&project()?, &id, &action),
+        Command::Status { id, json } => status(&project()?, &id, json),
+        Command::List { json } => list(&project()?, json),
+        Command::Logs { id, follow, json } => logs(&project()?, &id, follow, json),
+        Command::Demo => crate::demo::run(),
+        Command::DemoAgent => crate::demo::agent(),
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+pub fn create_loop(
+    p: &Project,
+    title: &str,
+    description: &str,
+    max_iterations: Option<u64>,
+    max_errors: Option<u64>,
+    mode: ModeArg,
+    workflow: Option<String>,
+    tasks: &[String],
+) -> Result<String> {
+    if title.trim().is_empty() {
+        return Err(usage("--title must not be empty"));
+    }
+    if max_iterations == Some(0) {
+        return Err(usage("--max-iterations must be at least 1"));
+    }
+    if max_errors == Some(0) {
+        return Err(usage("--max-errors must be at least 1"));
+    }
+    if let Some(w) = &workflow
+        && crate::workflow::by_name(w).is_none()
+    {
+        return Err(usage(format!(
+            "unknown workflow {w:?} (known: {})",
+            crate::workflow::WORKFLOWS.join(", ")
+        )));
+    }
+    if tasks.iter().any(|t| t.trim().is_empty()) {
+        return Err(usage("--task must not be empty"));
+    }
+    let now = now_rfc3339();
+    let id = new_id();
+    let state = LoopState {
+        loop_id: id.clone(),
+        title: title.to_owned(),
+        description: description.to_owned(),
+        max_iterations: Some(max_iterations.unwrap_or(p.config.max_iterations)),
+        max_errors: Some(max_errors.unwrap_or(p.config.max_errors)),
+        status: Status::Created,
+        created_at: Some(now.clone()),
+        updated_at: Some(now),
+        skill_state: Some(SkillState {
+            mode: match mode {
+                ModeArg::Auto => Mode::Auto,
+                ModeArg::Interactive => Mode::Interactive,
+            },
+            workflow: Some(workflow.unwrap_or_else(|| p.config.workflow.clone())),
+            ..SkillState::default()
+        }),
+        ..LoopState::default()
+    };
+    p.store.create(&state)?;
+    if !tasks.is_empty() {
+        let lines: Vec<Value> = tasks
+            .iter()
+            .enumerate()
+            .map(|(i, t)| {
+                json!({
+                    "task_id": format!("task-{:03}", i + 1),
+                    "description": t,
+                    "order": i + 1,
+                    "status": "pending",
+                    "created_at": now_rfc3339(),
+                })
+            })
+            .collect();
+        p.store.append_tasks(&id, &lines)?;
+    }
+    Ok(id)
+}
+
+/// Who holds a loop's daemon lock, if anyone: the pid written in it.
+pub fn daemon_pid(store: &Store, id: &str) -> Option<u32> {
+    let path = store.daemon_lock_path(id);
+    let file = File::open(&path).ok()?;
+    match file.try_lock_shared() {
+        Ok(()) => None,
+        Err(_) => {
+            let mut text = String::new();
+            (&file).read_to_string(&mut text).ok()?;
+            Some(text.trim().parse().unwrap_or(0))
+        }
+    }
+}
+
+/// The lock that says "a daemon drives this loop", held for the daemon's lifetime.
+pub struct DaemonLock {
+    _file: File,
+}
+
+impl DaemonLock {
+    pub fn acquire(store: &Store, id: &str) -> Result<DaemonLock> {
+        let path = store.daemon_lock_path(id);
+        std::fs::create_dir_all(store.dir())
+            .with_context(|| format!("cannot create {}", store.dir().display()))?;
+        let mut file = OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .read(true)
+            .write(true)
+            .open(&path)
+            .with_context(|| format!("cannot open {}", path.display()))?;
+        if file.try_lock().is_err() {
+            let pid = daemon_pid(store, id).unwrap_or(0);
+            return Err(usage(format!(
+                "loop {id} is already driven by a daemon (pid {pid})"
+            )));
+        }
+        file.set_len(0)?;
+        file.seek(SeekFrom::Start(0))?;
+        write!(file, "{}", std::process::id())?;
+        file.flush()?;
+        Ok(DaemonLock { _file: file })
+    }
+}
+
+/// Starts a detached daemon for a loop; returns its pid once it holds the loop's daemon lock.
+pub fn start(p: &Project, id: &str, executor: Option<&str>) -> Result<u32> {
+    let state = p.load(id)?;
+    if let Some(pid) = daemon_pid(&p.store, id) {
+        return Err(usage(format!(
+            "loop {id} is already driven by a daemon (pid {pid})"
+        )));
+    }
+    if state.status == Status::Completed {
+        return Err(usage(format!("loop {id} is completed; nothing to start")));
+    }
+    let progress = p.store.progress_dir(id);
+    std::fs::create_dir_all(&progress)
+        .with_context(|| format!("cannot create {}", progress.display()))?;
+    let log_path = progress.join("daemon.log");
+    let log = OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&log_path)
+        .with_context(|| format!("cannot open {}", log_path.display()))?;
+    let exe = std::env::current_exe().context("cannot find the loopd binary")?;
+    let mut cmd = std::process::Command::new(exe);
+    cmd.arg("--root").arg(&p.root);
+    if let Some(c) = &p.config_flag {
+        cmd.arg("--config").arg(c);
+    }
+    cmd.args(["run", id]);
+    if let Some(e) = executor {
+        cmd.args(["--executor", e]);
+    }
+    // Its own process group: the terminal's signals are not for it.
+    cmd.stdin(Stdio::null())
+        .stdout(log.try_clone()?)
+        .stderr(log)
+        .process_group(0);
+    let mut child = cmd.spawn().context("cannot start the daemon")?;
+    let pid = child.id();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        if daemon_pid(&p.store, id) == Some(pid) {
+            return Ok(pid);
+        }
+        if let Some(status) = child.try_wait()? {
+            let tail = std::fs::read_to_string(&log_path).unwrap_or_default();
+            let last = tail.lines().last().unwrap_or("").to_owned();
+            bail!(
+                "the daemon exited at once ({status}); {}: {last}",
+                log_path.display()
+            );
+        }
+        if Instant::now() > deadline {
+            bail!(
+                "the daemon (pid {pid}) did not take the loop within 10s; see {}",
+                log_path.display()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+enum Control {
+    Pause,
+    Resume,
+    Stop,
+}
+
+/// pause / resume / stop: write the status the way the CCW dashboard API does.
+fn control(p: &Project, id: &str, what: Control) -> Result<i32> {
+    let state = p.load(id)?;
+    let status = state.status;
+    let allowed: &[Status] = match what {
+        Control::Pause => &[Status::Running, Status::Created],
+        Control::Resume => &[
+            Status::Paused,
+            Status::Failed,
+            Status::UserExit,
+            Status::Created,
+        ],
+        Control::Stop => &[Status::Running, Status::Paused, Status::Created],
+    };
+    let verb = match what {
+        Control::Pause => "pause",
+        Control::Resume => "resume",
+        Control::Stop => "stop",
+    };
+    let target = match what {
+        Control::Pause => Status::Paused,
+        Control::Resume => Status::Running,
+        Control::Stop => Status::Failed,
+    };
+    if status == target && !matches!(what, Control::Resume) {
+        eprintln!("loop {id} is already {status}");
+        return Ok(0);
+    }
+    if !allowed.contains(&status) {
+        if matches!(what, Control::Resume) && status == Status::Running {
+            // Running but perhaps with no daemon: starting one is what resume is for.
+        } else {
+            return Err(usage(format!("cannot {verb} loop {id}: it is {status}")));
+        }
+    }
+    let mut refused = None;
+    p.store.update(id, true, |raw, current| {
+        if current.status != status {
+            refused = Some(current.status.clone());
+            return;
+        }
+        raw.insert("status".into(), json!(target.as_str()));
+        match what {
+            Control::Stop => {
+                raw.insert("failure_reason".into(), json!("Manually stopped by user"));
+            }
+            Control::Resume => {
+                raw.remove("failure_reason");
+                raw.remove("completed_at");
+            }
+            Control::Pause => {}
+        }
+    })?;
+    if let Some(now) = refused {
+        return Err(usage(format!(
+            "loop {id} changed to {now} meanwhile; not written"
+        )));
+    }
+    eprintln!("loop {id}: {status} → {target}");
+    if matches!(what, Control::Resume) && daemon_pid(&p.store, id).is_none() {
+        let pid = start(p, id, None)?;
+        eprintln!("started daemon pid {pid}");
+        println!("{pid}");
+    }
+    Ok(0)
+}
+
+fn next(p: &Project, id: &str, action: &str) -> Result<i32> {
+    let state = p.load(id)?;
+    let workflow = loop_workflow(p, &state)?;
+    if state.mode() != Mode::Interactive {
+        return Err(usage(format!(
+            "loop {id} is in auto mode; it chooses its own actions"
+        )));
+    }
+    if !workflow.actions().contains(&action) {
+        return Err(usage(format!(
+            "invalid action {action:?}; valid choices: {}",
+            workflow.actions().join(", ")
+        )));
+    }
+    p.store.update(id, true, |raw, _| {
+        raw.insert("next_action".into(), json!(action));
+    })?;
+    eprintln!("loop {id}: next action {action}");
+    Ok(0)
+}
+
+/// The workflow a loop runs.
+pub fn loop_workflow(
+    p: &Project,
+    state: &LoopState,
+) -> Result<&'static dyn crate::workflow::Workflow> {
+    let name = state
+        .skill_state
+        .as_ref()
+        .and_then(|s| s.workflow.clone())
+        .unwrap_or_else(|| p.config.workflow.clone());
+    crate::workflow::by_name(&name).ok_or_else(|| {
+        usage(format!(
+            "loop {} uses unknown workflow {name:?} (known: {})",
+            state.loop_id,
+            crate::workflow::WORKFLOWS.join(", ")
+        ))
+    })
+}
+
+fn status(p: &Project, id: &str, as_json: bool) -> Result<i32> {
+    validate_id(id)?;
+    let loaded = p.store.load(id)?;
+    if as_json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&Value::Object(loaded.raw))?
+        );
+        return Ok(0);
+    }
+    let s = &loaded.state;
+    let skill = s.skill_state.clone().unwrap_or_default();
+    let daemon = match daemon_pid(&p.store, id) {
+        Some(pid) => format!("daemon pid {pid}"),
+        None => "no daemon".to_owned(),
+    };
+    let max_iter = s.max_iterations_or(p.config.max_iterations);
+    let max_err = s.max_errors_or(p.config.max_errors);
+    let mut out = String::new();
+    let row = |out: &mut String, k: &str, v: String| out.push_str(&format!("  {k:<10} {v}\n"));
+    out.push_str(&format!("{}  {}\n", s.loop_id, s.title));
+    row(&mut out, "status", format!("{} ({daemon})", s.status));
+    row(
+        &mut out,
+        "iteration",
+        format!(
+            "{}/{}  {}",
+            s.current_iteration,
+            max_iter,
+            bar(s.current_iteration, max_iter)
+        ),
+    );
+    row(
+        &mut out,
+        "errors",
+        format!("{}/{}", skill.error_count, max_err),
+    );
+    if let Some(reason) = &s.failure_reason {
+        row(&mut out, "reason", reason.clone());
+    }
+    if let Some(f) = &skill.in_flight {
+        let task = f
+            .task_id
+            .as_deref()
+            .map(|t| format!(" {t}"))
+            .unwrap_or_default();
+        row(
+            &mut out,
+            "action",
+            format!(
+                "{}{task} attempt {} (pid {}, since {})",
+                f.action, f.attempt, f.pid, f.started_at
+            ),
+        );
+    } else if let Some(last) = &skill.last_action {
+        row(&mut out, "last", last.clone());
+    }
+    if let Some(wait) = &skill.awaiting_choice {
+        row(
+            &mut out,
+            "waiting",
+            format!(
+                "for `loopd next {id} ACTION`: {} (suggested: {})",
+                wait.choices.join(", "),
+                wait.suggested.as_deref().unwrap_or("-")
+            ),
+        );
+    }
+    let tasks = &skill.develop.tasks;
+    let done = tasks
+        .iter()
+        .filter(|t| t.status == TaskStatus::Completed)
+        .count();
+    row(
+        &mut out,
+        "tasks",
+        format!("{done}/{} completed", tasks.len()),
+    );
+    for t in tasks {
+        let mark = match t.status {
+            TaskStatus::Completed => "x",
+            TaskStatus::Failed => "!",
+            TaskStatus::InProgress => ">",
+            TaskStatus::Pending => " ",
+        };
+        out.push_str(&format!(
+            "             [{mark}] {}  {}\n",
+            t.id, t.description
+        ));
+    }
+    let v = &skill.validate;
+    let validation = match &v.last_run_at {
+        None => "not run".to_owned(),
+        Some(at) => {
+            let mut text = format!(
+                "{} ({}% pass) at {at}",
+                if v.passed { "passed" } else { "not passed" },
+                v.pass_rate
+            );
+            if !v.failed_tests.is_empty() {
+                text.push_str(&format!("; failing: {}", v.failed_tests.join(", ")));
+            }
+            text
+        }
+    };
+    row(&mut out, "validate", validation);
+    if let Some(outcome) = &skill.outcome {
+        row(&mut out, "outcome", outcome.clone());
+    }
+    for e in skill.errors.iter().rev().take(3) {
+        row(
+            &mut out,
+            "error",
+            format!("{} {}: {}", e.timestamp, e.action, e.message),
+        );
+    }
+    row(
+        &mut out,
+        "files",
+        p.store.progress_dir(id).display().to_string(),
+    );
+    print!("{out}");
+    Ok(0)
+}
+
+fn bar(n: u64, max: u64) -> String {
+    let width = 20;
+    let filled = (n.min(max) * width).checked_div(max).unwrap_or(0) as usize;
+    format!(
+        "[{}{}]",
+        "#".repeat(filled),
+        ".".repeat(width as usize - filled)
+    )
+}
+
+fn list(p: &Project, as_json: bool) -> Result<i32> {
+    let ids = p.store.list_ids()?;
+    let mut rows = Vec::new();
+    for id in &ids {
+        match p.store.load(id) {
+            Ok(loaded) => {
+                if as_json {
+                    rows.push(Value::Object(loaded.raw));
+                    continue;
+                }
+                let s = loaded.state;
+                let skill = s.skill_state.clone().unwrap_or_default();
+                let done = skill
+                    .develop
+                    .tasks
+                    .iter()
+                    .filter(|t| t.status == TaskStatus::Completed)
+                    .count();
+                println!(
+                    "{:<34} {:<10} {:>7} {:>7}  {}",
+                    s.loop_id,
+                    s.status.as_str(),
+                    format!(
+                        "{}/{}",
+                        s.current_iteration,
+                        s.max_iterations_or(p.config.max_iterations)
+                    ),
+                    format!("{done}/{}", skill.develop.tasks.len()),
+                    s.title
+                );
+            }
+            Err(e) => {
+                if as_json {
+                    rows.push(json!({"loop_id": id, "error": e.to_string()}));
+                } else {
+                    println!("{id:<34} {:<10} {e}", "unreadable");
+                }
+            }
+        }
+    }
+    if as_json {
+        println!("{}", serde_json::to_string_pretty(&rows)?);
+    } else if ids.is_empty() {
+        eprintln!("no loops in {}", p.store.dir().display());
+    }
+    Ok(0)
+}
+
+fn logs(p: &Project, id: &str, follow: bool, as_json: bool) -> Result<i32> {
+    p.load(id)?;
+    let path = p.store.progress_dir(id).join("events.jsonl");
+    let mut offset = 0u64;
+    let mut pending = String::new();
+    loop {
+        let mut ended = false;
+        if let Ok(mut file) = File::open(&path) {
+            file.seek(SeekFrom::Start(offset))?;
+            let mut chunk = String::new();
+            let n = file.read_to_string(&mut chunk)?;
+            offset += n as u64;
+            pending.push_str(&chunk);
+            while let Some(nl) = pending.find('\n') {
+                let line: String = pending.drain(..=nl).collect();
+                let line = line.trim_end();
+                if line.is_empty() {
+                    continue;
+                }
+                match serde_json::from_str::<Value>(line) {
+                    Ok(event) => {
+                        if as_json {
+                            println!("{line}");
+                        } else {
+                            println!("{}", render(&event));
+                        }
+                        if event["event"] == crate::events::name::DAEMON_EXITED {
+                            ended = true;
+                        }
+                    }
+                    Err(_) if as_json => println!("{line}"),
+                    Err(_) => println!("(unreadable event) {line}"),
+                }
+            }
+        }
+        if !follow {
+            return Ok(0);
+        }
+        if (ended && daemon_pid(&p.store, id).is_none()) || finished(p, id) {
+            return Ok(0);
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// A loop that no daemon drives and that will not go on by itself.
+fn finished(p: &Project, id: &str) -> bool {
+    if daemon_pid(&p.store, id).is_some() {
+        return false;
+    }
+    match p.store.load(id) {
+        Ok(l) => matches!(
+            l.state.status,
+            Status::Completed | Status::Failed | Status::UserExit
+        ),
+        Err(StoreError::NotFound { .. }) => true,
+        Err(_) => false,
+    }
+}

@@ -1,0 +1,412 @@
+//! Layered configuration: the built-in `config.toml`, then `~/.config/loopd/config.toml`, then
+//! `<root>/.loop/config.toml`, then `$LOOPD_CONFIG` or `--config FILE`, key by key.
+//!
+//! Each layer is parsed on its own first, so a type error or an unknown key is reported against the
+//! file that has it; the merged result is then checked as a whole (limits, executors that exist),
+//! and a problem there names the last layer that set the key.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::Deserialize;
+
+/// The documented defaults.
+pub const DEFAULT_CONFIG: &str = include_str!("../config.toml");
+
+#[derive(Debug, thiserror::Error)]
+#[error("bad config {file}{}: {reason}", key.as_ref().map(|k| format!(", key `{k}`")).unwrap_or_default())]
+pub struct ConfigError {
+    pub file: String,
+    pub key: Option<String>,
+    pub reason: String,
+}
+
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Config {
+    pub state_dir: String,
+    pub workflow: String,
+    pub max_iterations: u64,
+    pub max_errors: u64,
+    pub action_retries: u32,
+    pub retry_backoff: f64,
+    pub executor: String,
+    pub executor_defaults: ExecutorDefaults,
+    pub executors: BTreeMap<String, ExecutorConfig>,
+    pub actions: BTreeMap<String, ActionConfig>,
+}
+
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ExecutorDefaults {
+    pub timeout: f64,
+    pub idle_timeout: f64,
+    pub kill_grace: f64,
+    pub output_cap: u64,
+}
+
+/// How the prompt reaches the executor.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PromptMode {
+    #[default]
+    Stdin,
+    Arg,
+    File,
+}
+
+/// How a result is read from the executor's output.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Format {
+    /// The last JSON object printed.
+    #[default]
+    Json,
+    /// The exit code alone.
+    Text,
+    /// A test command: exit 0 passed, else not passed; counts from the runner's summary.
+    Test,
+}
+
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ExecutorConfig {
+    pub command: Vec<String>,
+    pub prompt: PromptMode,
+    pub format: Format,
+    pub env: BTreeMap<String, String>,
+    pub timeout: Option<f64>,
+    pub idle_timeout: Option<f64>,
+    pub kill_grace: Option<f64>,
+    pub output_cap: Option<u64>,
+}
+
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ActionConfig {
+    pub executor: Option<String>,
+    pub timeout: Option<f64>,
+    pub idle_timeout: Option<f64>,
+    /// A shell command run with `sh -c` instead of an executor.
+    pub command: Option<String>,
+}
+
+/// Supervision limits of one attempt, resolved.
+#[derive(Clone, Copy, Debug)]
+pub struct Supervision {
+    pub timeout: Duration,
+    pub idle_timeout: Duration,
+    pub kill_grace: Duration,
+    pub output_cap: u64,
+}
+
+struct Layer {
+    name: String,
+    table: toml::Table,
+}
+
+impl Config {
+    /// Loads every layer for a project root; `explicit` is `--config` (else `$LOOPD_CONFIG`).
+    pub fn load(root: &Path, explicit: Option<&Path>) -> Result<Config, ConfigError> {
+        let mut files: Vec<PathBuf> = Vec::new();
+        if let Some(home) = std::env::var_os("HOME") {
+            files.push(Path::new(&home).join(".config/loopd/config.toml"));
+        }
+        // The project layer lives in the default state dir; `state_dir` cannot move it.
+        files.push(root.join(".loop/config.toml"));
+        let explicit = explicit
+            .map(Path::to_owned)
+            .or_else(|| std::env::var_os("LOOPD_CONFIG").map(PathBuf::from));
+        let mut layers = vec![parse_layer("built-in config.toml", DEFAULT_CONFIG)?];
+        for file in &files {
+            if let Ok(text) = std::fs::read_to_string(file) {
+                layers.push(parse_layer(&file.display().to_string(), &text)?);
+            }
+        }
+        if let Some(file) = explicit {
+            let text = std::fs::read_to_string(&file).map_err(|e| ConfigError {
+                file: file.display().to_string(),
+                key: None,
+                reason: e.to_string(),
+            })?;
+            layers.push(parse_layer(&file.display().to_string(), &text)?);
+        }
+        Self::from_layers(&layers)
+    }
+
+    /// The built-in defaults alone, plus `extra` TOML on top (used by the demo and tests).
+    pub fn builtin_with(extra: &str) -> Result<Config, ConfigError> {
+        let layers = [
+            parse_layer("built-in config.toml", DEFAULT_CONFIG)?,
+            parse_layer("extra", extra)?,
+        ];
+        Self::from_layers(&layers)
+    }
+
+    fn from_layers(layers: &[Layer]) -> Result<Config, ConfigError> {
+        let mut merged = toml::Table::new();
+        for layer in layers {
+            merge(&mut merged, &layer.table);
+        }
+        let config: Config =
+            toml::Value::Table(merged)
+                .try_into()
+                .map_err(|e: toml::de::Error| ConfigError {
+                    file: "merged configuration".into(),
+                    key: None,
+                    reason: e.message().to_owned(),
+                })?;
+        config.check().map_err(|(key, reason)| ConfigError {
+            file: layers
+                .iter()
+                .rev()
+                .find(|l| has_key(&l.table, &key))
+                .map_or_else(|| "configuration".to_owned(), |l| l.name.clone()),
+            key: Some(key),
+            reason,
+        })?;
+        Ok(config)
+    }
+
+    fn check(&self) -> Result<(), (String, String)> {
+        let positive = |key: &str, v: f64| {
+            if v.is_finite() && v > 0.0 {
+                Ok(())
+            } else {
+                Err((
+                    key.to_owned(),
+                    format!("must be a positive number, not {v}"),
+                ))
+            }
+        };
+        if self.state_dir.trim().is_empty() {
+            return Err(("state_dir".into(), "must not be empty".into()));
+        }
+        if crate::workflow::by_name(&self.workflow).is_none() {
+            return Err((
+                "workflow".into(),
+                format!(
+                    "unknown workflow {:?} (known: {})",
+                    self.workflow,
+                    crate::workflow::WORKFLOWS.join(", ")
+                ),
+            ));
+        }
+        if self.max_iterations == 0 {
+            return Err(("max_iterations".into(), "must be at least 1".into()));
+        }
+        if self.max_errors == 0 {
+            return Err(("max_errors".into(), "must be at least 1".into()));
+        }
+        if !(self.retry_backoff.is_finite() && self.retry_backoff >= 0.0) {
+            return Err((
+                "retry_backoff".into(),
+                "must be a number of seconds >= 0".into(),
+            ));
+        }
+        let d = &self.executor_defaults;
+        positive("executor_defaults.timeout", d.timeout)?;
+        positive("executor_defaults.idle_timeout", d.idle_timeout)?;
+        positive("executor_defaults.kill_grace", d.kill_grace)?;
+        if d.output_cap == 0 {
+            return Err((
+                "executor_defaults.output_cap".into(),
+                "must be at least 1".into(),
+            ));
+        }
+        self.executor_named(&self.executor)
+            .map_err(|reason| ("executor".to_owned(), reason))?;
+        for (name, e) in &self.executors {
+            if e.command.is_empty() || e.command[0].is_empty() {
+                return Err((
+                    format!("executors.{name}.command"),
+                    "must be a non-empty list of strings".into(),
+                ));
+            }
+            for (key, v) in [
+                ("timeout", e.timeout),
+                ("idle_timeout", e.idle_timeout),
+                ("kill_grace", e.kill_grace),
+            ] {
+                if let Some(v) = v {
+                    positive(&format!("executors.{name}.{key}"), v)?;
+                }
+            }
+        }
+        for (name, a) in &self.actions {
+            if let Some(executor) = &a.executor {
+                self.executor_named(executor)
+                    .map_err(|reason| (format!("actions.{name}.executor"), reason))?;
+            }
+            for (key, v) in [("timeout", a.timeout), ("idle_timeout", a.idle_timeout)] {
+                if let Some(v) = v {
+                    positive(&format!("actions.{name}.{key}"), v)?;
+                }
+            }
+            if a.command.as_deref().is_some_and(|c| c.trim().is_empty()) {
+                return Err((
+                    format!("actions.{name}.command"),
+                    "must not be empty".into(),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The executor called `name`, or why there is none.
+    pub fn executor_named(&self, name: &str) -> Result<&ExecutorConfig, String> {
+        self.executors.get(name).ok_or_else(|| {
+            format!(
+                "unknown executor {name:?} (configured: {})",
+                self.executors
+                    .keys()
+                    .cloned()
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )
+        })
+    }
+
+    /// The supervision limits for an executor, with an action's overrides.
+    pub fn supervision(
+        &self,
+        executor: &ExecutorConfig,
+        action: Option<&ActionConfig>,
+    ) -> Supervision {
+        let d = &self.executor_defaults;
+        let secs = |v: f64| Duration::from_secs_f64(v);
+        Supervision {
+            timeout: secs(
+                action
+                    .and_then(|a| a.timeout)
+                    .or(executor.timeout)
+                    .unwrap_or(d.timeout),
+            ),
+            idle_timeout: secs(
+                action
+                    .and_then(|a| a.idle_timeout)
+                    .or(executor.idle_timeout)
+                    .unwrap_or(d.idle_timeout),
+            ),
+            kill_grace: secs(executor.kill_grace.unwrap_or(d.kill_grace)),
+            output_cap: executor.output_cap.unwrap_or(d.output_cap),
+        }
+    }
+}
+
+fn parse_layer(name: &str, text: &str) -> Result<Layer, ConfigError> {
+    let located = |e: toml::de::Error| {
+        let (line, snippet) = e
+            .span()
+            .map(|span| {
+                let line = text[..span.start.min(text.len())].matches('\n').count() + 1;
+                let snippet = text.lines().nth(line - 1).unwrap_or("").trim().to_owned();
+                (line, snippet)
+            })
+            .unwrap_or((0, String::new()));
+        ConfigError {
+            file: name.to_owned(),
+            key: None,
+            reason: if line > 0 {
+                format!("line {line} ({snippet}): {}", e.message().trim())
+            } else {
+                e.message().trim().to_owned()
+            },
+        }
+    };
+    let table: toml::Table = toml::from_str(text).map_err(located)?;
+    // Types and unknown keys are checked per file, so the error names the file that has them.
+    toml::from_str::<Config>(text).map_err(located)?;
+    Ok(Layer {
+        name: name.to_owned(),
+        table,
+    })
+}
+
+fn merge(into: &mut toml::Table, from: &toml::Table) {
+    for (key, value) in from {
+        match (into.get_mut(key), value) {
+            (Some(toml::Value::Table(a)), toml::Value::Table(b)) => merge(a, b),
+            _ => {
+                into.insert(key.clone(), value.clone());
+            }
+        }
+    }
+}
+
+fn has_key(table: &toml::Table, dotted: &str) -> bool {
+    let mut current = table;
+    let mut parts = dotted.split('.').peekable();
+    while let Some(part) = parts.next() {
+        match current.get(part) {
+            Some(toml::Value::Table(t)) if parts.peek().is_some() => current = t,
+            Some(_) if parts.peek().is_none() => return true,
+            _ => return false,
+        }
+    }
+    false
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn builtin_defaults_load() {
+        let c = Config::builtin_with("").unwrap();
+        assert_eq!(c.state_dir, ".loop");
+        assert_eq!(c.max_errors, 3);
+        assert_eq!(c.action_retries, 2);
+        for name in ["claude", "codex", "gemini", "qwen", "bash"] {
+            assert!(c.executors.contains_key(name), "{name}");
+        }
+    }
+
+    #[test]
+    fn layers_override_key_by_key() {
+        let c = Config::builtin_with("max_errors = 7\n[executors.claude]\nformat = \"text\"\n")
+            .unwrap();
+        assert_eq!(c.max_errors, 7);
+        assert_eq!(c.max_iterations, 10);
+        assert_eq!(c.executors["claude"].format, Format::Text);
+        assert_eq!(c.executors["claude"].command[0], "claude");
+    }
+
+    #[test]
+    fn errors_name_file_key_and_reason() {
+        let e = Config::builtin_with("max_iterations = \"ten\"")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("extra") && e.contains("max_iterations") && e.contains("line 1"),
+            "{e}"
+        );
+        let e = Config::builtin_with("max_iterationz = 3")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("unknown field") && e.contains("max_iterationz"),
+            "{e}"
+        );
+        let e = Config::builtin_with("max_errors = 0")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("extra") && e.contains("`max_errors`") && e.contains("at least 1"),
+            "{e}"
+        );
+        let e = Config::builtin_with("[actions.develop]\nexecutor = \"nope\"")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("actions.develop.executor") && e.contains("unknown executor"),
+            "{e}"
+        );
+        let e = Config::builtin_with("[executor_defaults]\nkill_grace = -1.0")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("kill_grace") && e.contains("positive"), "{e}");
+        assert!(!e.contains('\n'), "one line: {e}");
+    }
+}

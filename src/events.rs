@@ -1,0 +1,321 @@
+//! The event log (`{id}.progress/events.jsonl`) and the progress files written for people.
+//!
+//! Every event is one NDJSON line appended with a single `write` (O_APPEND), and the same event
+//! is logged through `tracing` in its human form ([`render`]), which is also what `loopd logs`
+//! prints. Neither is fsynced: they are the story of the loop, the state file is its truth.
+
+use std::fs::{File, OpenOptions};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use serde_json::{Map, Value, json};
+
+use crate::state::model::{LoopState, TaskStatus, now_rfc3339};
+
+/// Event names, CONTRACT §7 plus loopd's own (documented in the README).
+pub mod name {
+    pub const DAEMON_STARTED: &str = "daemon_started";
+    pub const LOOP_STARTED: &str = "loop_started";
+    pub const ACTION_STARTED: &str = "action_started";
+    pub const ACTION_FINISHED: &str = "action_finished";
+    pub const ACTION_FAILED: &str = "action_failed";
+    pub const ACTION_INTERRUPTED: &str = "action_interrupted";
+    pub const PAUSED: &str = "paused";
+    pub const RESUMED: &str = "resumed";
+    pub const STOPPED: &str = "stopped";
+    pub const COMPLETED: &str = "completed";
+    pub const FAILED: &str = "failed";
+    pub const DAEMON_EXITED: &str = "daemon_exited";
+    /// loopd's: interactive mode waits for a choice.
+    pub const AWAITING_CHOICE: &str = "awaiting_choice";
+    /// loopd's: tasks appended to the task list joined the loop.
+    pub const TASKS_ADDED: &str = "tasks_added";
+    /// loopd's: a previous daemon's attempt was found in flight at start and cleaned up.
+    pub const RECOVERED: &str = "recovered";
+    /// loopd's: something worth a person's attention that changes nothing.
+    pub const WARNING: &str = "warning";
+}
+
+/// Appends events of one loop.
+pub struct EventLog {
+    loop_id: String,
+    path: PathBuf,
+    file: Option<File>,
+}
+
+/// One event being built.
+pub struct Event {
+    fields: Map<String, Value>,
+}
+
+impl Event {
+    pub fn new(event: &str) -> Event {
+        let mut fields = Map::new();
+        fields.insert("event".into(), json!(event));
+        Event { fields }
+    }
+
+    pub fn with(mut self, key: &str, value: impl Into<Value>) -> Event {
+        let value = value.into();
+        if !value.is_null() {
+            self.fields.insert(key.to_owned(), value);
+        }
+        self
+    }
+}
+
+impl EventLog {
+    pub fn open(loop_id: &str, progress_dir: &Path) -> std::io::Result<EventLog> {
+        std::fs::create_dir_all(progress_dir)?;
+        let path = progress_dir.join("events.jsonl");
+        let file = OpenOptions::new().create(true).append(true).open(&path)?;
+        Ok(EventLog {
+            loop_id: loop_id.to_owned(),
+            path,
+            file: Some(file),
+        })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    pub fn emit(&mut self, event: Event) {
+        let mut line = Map::new();
+        line.insert("ts".into(), json!(now_rfc3339()));
+        line.insert("loop_id".into(), json!(self.loop_id));
+        line.extend(event.fields);
+        let value = Value::Object(line);
+        let is_warning = value["event"] == name::WARNING;
+        if is_warning {
+            tracing::warn!("{}", render(&value));
+        } else {
+            tracing::info!("{}", render(&value));
+        }
+        let mut text = value.to_string();
+        text.push('\n');
+        if let Some(file) = &mut self.file
+            && let Err(e) = file.write_all(text.as_bytes())
+        {
+            tracing::warn!(path = %self.path.display(), "cannot append to the event log: {e}");
+            self.file = None;
+        }
+    }
+}
+
+/// One event for people: `HH:MM:SS.mmm  #iter  action  what  details`.
+pub fn render(event: &Value) -> String {
+    let s = |k: &str| event.get(k).and_then(Value::as_str).unwrap_or("");
+    let time = s("ts").get(11..23).unwrap_or(s("ts"));
+    let iteration = event
+        .get("iteration")
+        .and_then(Value::as_u64)
+        .map(|i| format!("#{i}"))
+        .unwrap_or_default();
+    let mut details = Vec::new();
+    if let Some(task) = event.get("task_id").and_then(Value::as_str) {
+        details.push(task.to_owned());
+    }
+    if let Some(a) = event.get("attempt").and_then(Value::as_u64)
+        && (a > 1 || s("event") == name::ACTION_FAILED)
+    {
+        details.push(format!("attempt {a}"));
+    }
+    if let Some(pid) = event.get("pid").and_then(Value::as_u64) {
+        details.push(format!("pid {pid}"));
+    }
+    if !s("outcome").is_empty() {
+        details.push(s("outcome").to_owned());
+    }
+    if let Some(ms) = event.get("duration_ms").and_then(Value::as_u64) {
+        details.push(format!("{:.2}s", ms as f64 / 1000.0));
+    }
+    if let Some(code) = event.get("exit_code").and_then(Value::as_i64) {
+        details.push(format!("exit {code}"));
+    }
+    if !s("summary").is_empty() {
+        details.push(format!("— {}", s("summary")));
+    }
+    if !s("error").is_empty() {
+        details.push(format!("— {}", s("error")));
+    }
+    if !s("message").is_empty() {
+        details.push(s("message").to_owned());
+    }
+    let what = s("event").replace('_', " ");
+    format!(
+        "{time}  {iteration:>4}  {:<9} {what:<19} {}",
+        s("action"),
+        details.join("  ")
+    )
+    .trim_end()
+    .to_owned()
+}
+
+/// The Markdown and NDJSON files of `{id}.progress/` written for people.
+pub struct Progress {
+    dir: PathBuf,
+}
+
+impl Progress {
+    pub fn new(dir: PathBuf) -> Progress {
+        Progress { dir }
+    }
+
+    pub fn actions_dir(&self) -> PathBuf {
+        self.dir.join("actions")
+    }
+
+    fn append(&self, file: &str, text: &str) {
+        let path = self.dir.join(file);
+        let result = OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)
+            .and_then(|mut f| f.write_all(text.as_bytes()));
+        if let Err(e) = result {
+            tracing::warn!(path = %path.display(), "cannot write progress file: {e}");
+        }
+    }
+
+    fn replace(&self, file: &str, text: &str) {
+        let path = self.dir.join(file);
+        if let Err(e) = crate::state::store::write_atomic(&path, text.as_bytes(), false) {
+            tracing::warn!(path = %path.display(), "cannot write progress file: {e}");
+        }
+    }
+
+    /// After a develop: a section in `develop.md` and a line in `changes.log`.
+    pub fn develop(
+        &self,
+        state: &LoopState,
+        task_id: &str,
+        ok: bool,
+        summary: &str,
+        files: &[String],
+    ) {
+        let skill = state.skill_state.as_ref();
+        let task = skill.and_then(|s| s.develop.task(task_id));
+        let description = task.map(|t| t.description.as_str()).unwrap_or("");
+        let now = now_rfc3339();
+        let mut text = format!(
+            "\n## {task_id}: {description}\n\n- result: {}\n- iteration: {}\n- at: {now}\n",
+            if ok { "completed" } else { "failed" },
+            state.current_iteration
+        );
+        if !summary.is_empty() {
+            text.push_str(&format!("- summary: {summary}\n"));
+        }
+        if !files.is_empty() {
+            text.push_str(&format!("- files: {}\n", files.join(", ")));
+        }
+        self.append("develop.md", &text);
+        let line = json!({
+            "timestamp": now,
+            "task_id": task_id,
+            "description": description,
+            "files_changed": files,
+            "result": if ok { "completed" } else { "failed" },
+        });
+        self.append("changes.log", &format!("{line}\n"));
+    }
+
+    /// After a debug: a section in `debug.md`.
+    pub fn debug(&self, state: &LoopState, ok: bool, summary: &str) {
+        let Some(skill) = state.skill_state.as_ref() else {
+            return;
+        };
+        let d = &skill.debug;
+        let mut text = format!(
+            "\n## Debug round {} (iteration {})\n\n- result: {}\n",
+            d.iteration,
+            state.current_iteration,
+            if ok { "analysed" } else { "failed" }
+        );
+        if !summary.is_empty() {
+            text.push_str(&format!("- summary: {summary}\n"));
+        }
+        if let Some(bug) = &d.active_bug {
+            text.push_str(&format!("- active bug: {bug}\n"));
+        }
+        if let Some(h) = &d.confirmed_hypothesis {
+            text.push_str(&format!("- confirmed hypothesis: {h}\n"));
+        }
+        for h in d.hypotheses.iter().rev().take(5) {
+            text.push_str(&format!("- {} [{}]: {}\n", h.id, h.status, h.description));
+        }
+        self.append("debug.md", &text);
+    }
+
+    /// After a validate: `validate.md` is the report of the last run.
+    pub fn validate(&self, state: &LoopState, ok: bool, summary: &str) {
+        let Some(skill) = state.skill_state.as_ref() else {
+            return;
+        };
+        let v = &skill.validate;
+        let mut text = format!(
+            "# Validation report\n\n- run at: {}\n- iteration: {}\n- result: {}\n- pass rate: {}%\n- coverage: {}%\n",
+            v.last_run_at.as_deref().unwrap_or("-"),
+            state.current_iteration,
+            if !ok {
+                "the validate action failed"
+            } else if v.passed {
+                "passed"
+            } else {
+                "not passed"
+            },
+            v.pass_rate,
+            v.coverage
+        );
+        if !summary.is_empty() {
+            text.push_str(&format!("- summary: {summary}\n"));
+        }
+        if !v.failed_tests.is_empty() {
+            text.push_str("\n## Failed tests\n\n");
+            for t in &v.failed_tests {
+                text.push_str(&format!("- {t}\n"));
+            }
+        }
+        self.replace("validate.md", &text);
+    }
+
+    /// At completion: `summary.md`.
+    pub fn summary(&self, state: &LoopState) {
+        let Some(skill) = state.skill_state.as_ref() else {
+            return;
+        };
+        let mut text = format!(
+            "# {}\n\n- loop: {}\n- outcome: {}\n- iterations: {}\n- errors: {}\n- completed at: {}\n",
+            state.title,
+            state.loop_id,
+            skill.outcome.as_deref().unwrap_or("-"),
+            state.current_iteration,
+            skill.error_count,
+            now_rfc3339()
+        );
+        if let Some(t) = skill
+            .summary
+            .as_ref()
+            .and_then(|s| s.get("text"))
+            .and_then(Value::as_str)
+        {
+            text.push_str(&format!("\n{t}\n"));
+        }
+        text.push_str("\n## Tasks\n\n");
+        for task in &skill.develop.tasks {
+            let mark = match task.status {
+                TaskStatus::Completed => "x",
+                TaskStatus::Failed => "!",
+                TaskStatus::InProgress => ">",
+                TaskStatus::Pending => " ",
+            };
+            text.push_str(&format!("- [{mark}] {}: {}\n", task.id, task.description));
+        }
+        let v = &skill.validate;
+        text.push_str(&format!(
+            "\n## Validation\n\n- passed: {}\n- pass rate: {}%\n",
+            v.passed, v.pass_rate
+        ));
+        self.replace("summary.md", &text);
+    }
+}

@@ -1,0 +1,367 @@
+//! Executors: run one action attempt as a subprocess and report how it ended.
+//!
+//! Theory of operation: the command starts in the project root, in a process group of its own, with
+//! the `LOOPD_*` environment. The prompt goes to stdin, which is then closed (or as an argument or
+//! a file). One task multiplexes the child's stdout and stderr, its exit, the wall-clock and idle
+//! timers and the cancellation token. Output goes to the attempt's log file up to a size cap; only a
+//! bounded tail of stdout is kept in memory, for finding the result. However the attempt ends (exit,
+//! timeout, cancellation) the whole process group is then ended — SIGTERM, grace, SIGKILL — and
+//! the child is always reaped, so no process of an attempt outlives it.
+//!
+//! An executor never touches the state file: it reports a [`Run`], and [`result`] turns that into
+//! an attempt's verdict.
+
+pub mod procs;
+pub mod result;
+
+use std::ffi::OsString;
+use std::fs::File;
+use std::io::{self, Write};
+use std::path::PathBuf;
+use std::process::{ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
+use tokio::process::Command;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::{PromptMode, Supervision};
+
+/// How much of stdout is kept in memory to find the result in.
+pub const TAIL_CAP: usize = 1 << 20;
+
+/// One attempt to run.
+#[derive(Clone, Debug)]
+pub struct Spec {
+    pub argv: Vec<String>,
+    pub prompt: String,
+    pub prompt_mode: PromptMode,
+    pub env: Vec<(String, OsString)>,
+    pub cwd: PathBuf,
+    pub supervision: Supervision,
+    /// The attempt's output log.
+    pub log_path: PathBuf,
+}
+
+/// The executor's process, once spawned.
+#[derive(Clone, Copy, Debug)]
+pub struct Spawned {
+    pub pid: u32,
+    pub pgid: u32,
+    pub proc_start: Option<u64>,
+}
+
+/// Why supervision ended the attempt.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Cut {
+    /// The wall-clock limit.
+    Timeout(Duration),
+    /// No output for this long.
+    Idle(Duration),
+    /// Cancelled from outside (pause, stop, shutdown).
+    Cancelled,
+}
+
+/// How an attempt's process ended.
+#[derive(Debug)]
+pub struct Run {
+    pub spawned: Spawned,
+    /// The main process's exit status (after a cut, the one the kill produced).
+    pub status: Option<ExitStatus>,
+    pub cut: Option<Cut>,
+    pub duration: Duration,
+    /// The last [`TAIL_CAP`] bytes of stdout.
+    pub stdout_tail: Vec<u8>,
+    /// The last [`TAIL_CAP`] bytes of stdout and stderr, interleaved as they came.
+    pub output_tail: Vec<u8>,
+    /// All output bytes, kept or not.
+    pub output_bytes: u64,
+    /// Whether the process group had to be SIGKILLed.
+    pub killed: bool,
+}
+
+#[async_trait::async_trait]
+pub trait Executor: Send + Sync {
+    /// Runs one attempt. `on_spawn` is called once the process exists, before any output is read.
+    async fn run(
+        &self,
+        spec: Spec,
+        cancel: CancellationToken,
+        on_spawn: &mut (dyn FnMut(Spawned) + Send),
+    ) -> io::Result<Run>;
+}
+
+/// The executor of real subprocesses.
+pub struct Subprocess;
+
+#[async_trait::async_trait]
+impl Executor for Subprocess {
+    async fn run(
+        &self,
+        spec: Spec,
+        cancel: CancellationToken,
+        on_spawn: &mut (dyn FnMut(Spawned) + Send),
+    ) -> io::Result<Run> {
+        run_subprocess(spec, cancel, on_spawn).await
+    }
+}
+
+async fn run_subprocess(
+    spec: Spec,
+    cancel: CancellationToken,
+    on_spawn: &mut (dyn FnMut(Spawned) + Send),
+) -> io::Result<Run> {
+    let started = Instant::now();
+    let Some((program, args)) = spec.argv.split_first() else {
+        return Err(io::Error::new(io::ErrorKind::InvalidInput, "empty command"));
+    };
+    let mut command = Command::new(program);
+    command
+        .args(args)
+        .current_dir(&spec.cwd)
+        .envs(spec.env.iter().map(|(k, v)| (k, v)))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .process_group(0)
+        .kill_on_drop(true);
+    match spec.prompt_mode {
+        PromptMode::Stdin => {
+            command.stdin(Stdio::piped());
+        }
+        PromptMode::Arg => {
+            command.arg(&spec.prompt).stdin(Stdio::null());
+        }
+        PromptMode::File => {
+            let path = spec.log_path.with_extension("prompt.md");
+            std::fs::write(&path, &spec.prompt)?;
+            command.arg(&path).stdin(Stdio::null());
+        }
+    }
+    let mut log = CappedLog::create(spec.log_path.clone(), spec.supervision.output_cap)?;
+    let mut child = command
+        .spawn()
+        .map_err(|e| io::Error::new(e.kind(), format!("cannot start {program:?}: {e}")))?;
+    let pid = child.id().unwrap_or(0);
+    let spawned = Spawned {
+        pid,
+        pgid: pid,
+        proc_start: procs::ProcStat::read(pid).map(|s| s.start),
+    };
+    procs::set_current_group(spawned.pgid);
+    on_spawn(spawned);
+
+    // Feed the prompt on its own task, so a child that never reads stdin cannot block us; dropping
+    // the pipe closes it.
+    if let Some(mut stdin) = child.stdin.take() {
+        let prompt = spec.prompt.clone();
+        tokio::spawn(async move {
+            let _ = stdin.write_all(prompt.as_bytes()).await;
+        });
+    }
+    let mut stdout = child.stdout.take();
+    let mut stderr = child.stderr.take();
+    let mut stdout_tail = Tail::default();
+    let mut output_tail = Tail::default();
+    let mut out_buf = vec![0u8; 16 * 1024];
+    let mut err_buf = vec![0u8; 16 * 1024];
+
+    let sup = spec.supervision;
+    let wall = tokio::time::sleep(sup.timeout);
+    let idle = tokio::time::sleep(sup.idle_timeout);
+    tokio::pin!(wall, idle);
+    let mut status: Option<ExitStatus> = None;
+    let mut cut = None;
+    // Once the main process has exited, what it left behind gets a moment to flush, then ends.
+    let mut drain_until: Option<tokio::time::Instant> = None;
+
+    loop {
+        if stdout.is_none() && stderr.is_none() && status.is_some() {
+            break;
+        }
+        let drain = async {
+            match drain_until {
+                Some(t) => tokio::time::sleep_until(t).await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            n = read_some(&mut stdout, &mut out_buf) => match n {
+                Some(n) => {
+                    log.write(&out_buf[..n]);
+                    stdout_tail.push(&out_buf[..n]);
+                    output_tail.push(&out_buf[..n]);
+                    idle.as_mut().reset(tokio::time::Instant::now() + sup.idle_timeout);
+                }
+                None => stdout = None,
+            },
+            n = read_some(&mut stderr, &mut err_buf) => match n {
+                Some(n) => {
+                    log.write(&err_buf[..n]);
+                    output_tail.push(&err_buf[..n]);
+                    idle.as_mut().reset(tokio::time::Instant::now() + sup.idle_timeout);
+                }
+                None => stderr = None,
+            },
+            s = child.wait(), if status.is_none() => {
+                status = Some(s?);
+                drain_until = Some(tokio::time::Instant::now() + Duration::from_millis(200));
+            }
+            () = drain => break,
+            () = &mut wall, if status.is_none() => { cut = Some(Cut::Timeout(sup.timeout)); break }
+            () = &mut idle, if status.is_none() => { cut = Some(Cut::Idle(sup.idle_timeout)); break }
+            () = cancel.cancelled(), if status.is_none() => { cut = Some(Cut::Cancelled); break }
+        }
+    }
+
+    // End whatever is left of the group, then reap the main process if it still runs.
+    let killed = procs::end_group(spawned.pgid, sup.kill_grace).await;
+    procs::set_current_group(0);
+    if status.is_none() {
+        status = Some(child.wait().await?);
+    }
+    // Whatever the group wrote before it ended is still in the pipes.
+    drain(&mut stdout, &mut out_buf, |bytes| {
+        log.write(bytes);
+        output_tail.push(bytes);
+        stdout_tail.push(bytes);
+    })
+    .await;
+    drain(&mut stderr, &mut err_buf, |bytes| {
+        log.write(bytes);
+        output_tail.push(bytes);
+    })
+    .await;
+    log.finish();
+    Ok(Run {
+        spawned,
+        status,
+        cut,
+        duration: started.elapsed(),
+        stdout_tail: stdout_tail.into_vec(),
+        output_tail: output_tail.into_vec(),
+        output_bytes: log.seen,
+        killed,
+    })
+}
+
+/// Reads from an optional pipe: `None` at end of file, error, or when there is no pipe (then it
+/// never resolves, so `select!` ignores it).
+async fn read_some<R: AsyncRead + Unpin>(pipe: &mut Option<R>, buf: &mut [u8]) -> Option<usize> {
+    match pipe {
+        Some(p) => match p.read(buf).await {
+            Ok(0) | Err(_) => None,
+            Ok(n) => Some(n),
+        },
+        None => std::future::pending().await,
+    }
+}
+
+/// Reads what is left in a pipe whose writers are gone, giving up on one that stays open
+/// (a process that escaped the group may hold it).
+async fn drain<R: AsyncRead + Unpin>(
+    pipe: &mut Option<R>,
+    buf: &mut [u8],
+    mut sink: impl FnMut(&[u8]),
+) {
+    while pipe.is_some() {
+        let Ok(Some(n)) =
+            tokio::time::timeout(Duration::from_millis(50), read_some(pipe, buf)).await
+        else {
+            return;
+        };
+        sink(&buf[..n]);
+    }
+}
+
+/// The last [`TAIL_CAP`] bytes written to it.
+#[derive(Default)]
+struct Tail {
+    buf: Vec<u8>,
+}
+
+impl Tail {
+    fn push(&mut self, bytes: &[u8]) {
+        if bytes.len() >= TAIL_CAP {
+            self.buf.clear();
+            self.buf.extend_from_slice(&bytes[bytes.len() - TAIL_CAP..]);
+            return;
+        }
+        let over = (self.buf.len() + bytes.len()).saturating_sub(TAIL_CAP);
+        if over > 0 {
+            self.buf.drain(..over);
+        }
+        self.buf.extend_from_slice(bytes);
+    }
+
+    fn into_vec(self) -> Vec<u8> {
+        self.buf
+    }
+}
+
+/// An attempt's log file, kept below `cap` bytes; what is over is counted.
+struct CappedLog {
+    file: Option<File>,
+    path: PathBuf,
+    cap: u64,
+    written: u64,
+    seen: u64,
+}
+
+impl CappedLog {
+    fn create(path: PathBuf, cap: u64) -> io::Result<CappedLog> {
+        let file = File::create(&path)
+            .map_err(|e| io::Error::new(e.kind(), format!("{}: {e}", path.display())))?;
+        Ok(CappedLog {
+            file: Some(file),
+            path,
+            cap,
+            written: 0,
+            seen: 0,
+        })
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        self.seen += bytes.len() as u64;
+        let room = self.cap.saturating_sub(self.written) as usize;
+        let keep = &bytes[..bytes.len().min(room)];
+        if keep.is_empty() {
+            return;
+        }
+        if let Some(file) = &mut self.file
+            && file.write_all(keep).is_err()
+        {
+            // A full disk must not stop the attempt; the log just ends here.
+            tracing::warn!(path = %self.path.display(), "cannot write the attempt log");
+            self.file = None;
+        }
+        self.written += keep.len() as u64;
+    }
+
+    fn finish(&mut self) {
+        if self.seen > self.written
+            && let Some(file) = &mut self.file
+        {
+            let _ = writeln!(
+                file,
+                "\n[loopd: output capped at {} bytes; {} bytes in all]",
+                self.written, self.seen
+            );
+        }
+        self.file = None;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tail_keeps_the_last_bytes() {
+        let mut t = Tail::default();
+        t.push(&vec![b'a'; TAIL_CAP - 2]);
+        t.push(b"bcd");
+        let v = t.into_vec();
+        assert_eq!(v.len(), TAIL_CAP);
+        assert!(v.ends_with(b"abcd"));
+    }
+}

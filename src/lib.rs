@@ -1,0 +1,19 @@
+//! loopd: an autonomous orchestrator daemon for coding-agent loops, compatible with the CCW loop.
+//!
+//! The flow of one loop: the state file is read ([`state::store`]), a pure [`workflow`] decides
+//! the next action, an [`executor`] runs it as a subprocess, the workflow applies its result, and
+//! the [`orchestrator`] writes the daemon's fields back — while [`watch`] reports control changes
+//! written by anyone, which cancel the attempt in flight.
+
+pub mod actions;
+pub mod cli;
+pub mod config;
+pub mod daemon;
+pub mod demo;
+pub mod events;
+pub mod executor;
+pub mod orchestrator;
+pub mod protocol;
+pub mod state;
+pub mod watch;
+pub mod workflow;

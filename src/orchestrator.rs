@@ -1,0 +1,1113 @@
+//! The loop: read state → check → select → run the executor → apply → write → repeat.
+//!
+//! Theory of operation: one task drives one loop and owns its copy of the daemon's fields. Each
+//! turn starts from a fresh read of the state file, so a control field written by anyone (status,
+//! limits, title, a choice in interactive mode) takes effect at the next selection; the daemon's
+//! writes go through [`Store::commit`], which only ever replaces the daemon's own fields. While an
+//! executor runs, the task `select!`s over it, the [`Watch`] of the state file and shutdown: a
+//! status that is no longer `running` cancels the attempt at once, which ends its process group.
+//!
+//! Durability: the attempt in flight is recorded right after the spawn (with its pid, process
+//! group and start time) by an atomic rename without fsync — it only matters if the daemon dies
+//! while the machine lives on — and every finished action is committed with fsync of the file and
+//! the directory before the next one starts.
+
+use std::collections::BTreeMap;
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, SystemTime};
+
+use anyhow::{Context as _, Result};
+use serde_json::Value;
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+
+use crate::actions::ActionDef;
+use crate::config::{Config, Format, PromptMode, Supervision};
+use crate::events::{Event, EventLog, Progress, name};
+use crate::executor::result::{Verdict, verdict};
+use crate::executor::{Executor, Spawned, Spec, procs};
+use crate::state::model::{
+    AwaitingChoice, HistoryEntry, InFlight, LoopState, Status, TaskStatus, now_rfc3339,
+};
+use crate::state::store::{Loaded, Store, Transition};
+use crate::watch::{Snapshot, Watch};
+use crate::workflow::{
+    self, Decision, Dispatch, Finish, Inputs, Limits, LoopEnd, Outcome, Workflow,
+};
+
+/// How a daemon's run of a loop ended; [`Exit::code`] is the process exit code (CONTRACT §7).
+#[derive(Clone, Debug, PartialEq)]
+pub enum Exit {
+    Completed(Outcome),
+    Failed(String),
+    Stopped(String),
+    Paused,
+    /// SIGINT or SIGTERM to the daemon; the loop stays `running` for the next daemon.
+    Signalled(i32),
+}
+
+impl Exit {
+    pub fn code(&self) -> i32 {
+        match self {
+            Exit::Completed(Outcome::Passed) => 0,
+            Exit::Completed(_) => 3,
+            Exit::Failed(_) => 4,
+            Exit::Stopped(_) => 5,
+            Exit::Paused => 6,
+            Exit::Signalled(sig) => 128 + sig,
+        }
+    }
+}
+
+/// How one action runs: its executor, resolved.
+#[derive(Clone, Debug)]
+struct Plan {
+    executor: String,
+    argv: Vec<String>,
+    prompt_mode: PromptMode,
+    format: Format,
+    env: Vec<(String, OsString)>,
+    supervision: Supervision,
+}
+
+/// Everything a daemon needs to drive one loop.
+pub struct Daemon {
+    pub root: PathBuf,
+    pub store: Store,
+    pub config: Config,
+    pub workflow: &'static dyn Workflow,
+    pub executor: Box<dyn Executor>,
+    pub executor_override: Option<String>,
+    pub exit_on_pause: bool,
+    actions: BTreeMap<String, ActionDef>,
+    plans: BTreeMap<String, Plan>,
+}
+
+/// What ended the wait for an attempt or a backoff.
+enum Interrupt {
+    Control,
+    Shutdown(i32),
+}
+
+impl Daemon {
+    /// Loads the action files and resolves every action's executor, so that a bad name or file
+    /// fails now, not in the middle of the loop.
+    pub fn new(
+        root: PathBuf,
+        store: Store,
+        config: Config,
+        workflow: &'static dyn Workflow,
+        executor: Box<dyn Executor>,
+        executor_override: Option<String>,
+        exit_on_pause: bool,
+    ) -> Result<Daemon> {
+        let actions = crate::actions::load(workflow.name(), workflow.actions(), store.dir())?;
+        let mut plans = BTreeMap::new();
+        for (name, def) in &actions {
+            plans.insert(
+                name.clone(),
+                plan(&config, def, executor_override.as_deref())?,
+            );
+        }
+        Ok(Daemon {
+            root,
+            store,
+            config,
+            workflow,
+            executor,
+            executor_override,
+            exit_on_pause,
+            actions,
+            plans,
+        })
+    }
+
+    fn limits(&self) -> Limits {
+        Limits {
+            max_iterations: self.config.max_iterations,
+            max_errors: self.config.max_errors,
+        }
+    }
+
+    /// Drives the loop until it ends. `shutdown` carries the signal number that asked to stop.
+    pub async fn run(&self, id: &str, shutdown: watch::Receiver<Option<i32>>) -> Result<Exit> {
+        let mut events = EventLog::open(id, &self.store.progress_dir(id))
+            .with_context(|| format!("cannot open the event log of {id}"))?;
+        let progress = Progress::new(self.store.progress_dir(id));
+        std::fs::create_dir_all(progress.actions_dir())
+            .with_context(|| format!("cannot create {}", progress.actions_dir().display()))?;
+        events.emit(
+            Event::new(name::DAEMON_STARTED)
+                .with("pid", std::process::id())
+                .with("workflow", self.workflow.name())
+                .with("executor", self.executor_override.clone()),
+        );
+        let mut turn = Turn {
+            daemon: self,
+            id,
+            events,
+            progress,
+            watch: Watch::start(&self.store, id),
+            shutdown,
+            tasks_seen: None,
+        };
+        let exit = turn.drive().await;
+        let (code, outcome) = match &exit {
+            Ok(e) => (e.code(), format!("{e:?}")),
+            Err(e) => (1, format!("internal error: {e:#}")),
+        };
+        turn.events.emit(
+            Event::new(name::DAEMON_EXITED)
+                .with("pid", std::process::id())
+                .with("exit_code", code)
+                .with("outcome", outcome),
+        );
+        exit
+    }
+}
+
+/// Resolves the executor of an action: `--executor`, else `[actions.NAME]`, else the action
+/// file's front matter, else the config's `executor`.
+fn plan(config: &Config, def: &ActionDef, override_: Option<&str>) -> Result<Plan> {
+    let action_config = config.actions.get(&def.name);
+    let command = action_config.and_then(|a| a.command.clone());
+    if let (Some(command), None) = (command, override_) {
+        let defaults = crate::config::ExecutorConfig::default();
+        let mut supervision = config.supervision(&defaults, action_config);
+        if action_config.and_then(|a| a.timeout).is_none()
+            && let Some(t) = def.front.timeout
+        {
+            supervision.timeout = Duration::from_secs_f64(t);
+        }
+        return Ok(Plan {
+            executor: format!("command: {command}"),
+            argv: vec!["sh".into(), "-c".into(), command],
+            prompt_mode: PromptMode::Stdin,
+            format: if def.name == "validate" {
+                Format::Test
+            } else {
+                Format::Json
+            },
+            env: Vec::new(),
+            supervision,
+        });
+    }
+    let name = override_
+        .map(str::to_owned)
+        .or_else(|| action_config.and_then(|a| a.executor.clone()))
+        .or_else(|| def.front.executor.clone())
+        .unwrap_or_else(|| config.executor.clone());
+    let executor = config
+        .executor_named(&name)
+        .map_err(|reason| anyhow::anyhow!("action {} ({}): {reason}", def.name, def.source))?;
+    let mut supervision = config.supervision(executor, action_config);
+    if action_config.and_then(|a| a.timeout).is_none()
+        && executor.timeout.is_none()
+        && let Some(t) = def.front.timeout
+    {
+        supervision.timeout = Duration::from_secs_f64(t);
+    }
+    if action_config.and_then(|a| a.idle_timeout).is_none()
+        && executor.idle_timeout.is_none()
+        && let Some(t) = def.front.idle_timeout
+    {
+        supervision.idle_timeout = Duration::from_secs_f64(t);
+    }
+    Ok(Plan {
+        executor: name,
+        argv: executor.command.clone(),
+        prompt_mode: executor.prompt,
+        format: executor.format,
+        env: executor
+            .env
+            .iter()
+            .map(|(k, v)| (k.clone(), OsString::from(v)))
+            .collect(),
+        supervision,
+    })
+}
+
+/// The state of one daemon's drive of a loop.
+struct Turn<'a> {
+    daemon: &'a Daemon,
+    id: &'a str,
+    events: EventLog,
+    progress: Progress,
+    watch: Watch,
+    shutdown: watch::Receiver<Option<i32>>,
+    /// The task list file as last absorbed (length, modification time).
+    tasks_seen: Option<(u64, SystemTime)>,
+}
+
+impl Turn<'_> {
+    fn store(&self) -> &Store {
+        &self.daemon.store
+    }
+
+    fn signalled(&self) -> Option<i32> {
+        *self.shutdown.borrow()
+    }
+
+    async fn drive(&mut self) -> Result<Exit> {
+        let mut loaded = self.store().load(self.id)?;
+        if loaded.state.status == Status::Created {
+            loaded = self.store().commit(
+                &loaded.state,
+                Some(&Transition {
+                    from: &[Status::Created],
+                    to: Status::Running,
+                    failure_reason: None,
+                    completed_at: false,
+                }),
+                true,
+            )?;
+        }
+        self.recover(&mut loaded).await?;
+        self.events.emit(
+            Event::new(name::LOOP_STARTED)
+                .with("iteration", loaded.state.current_iteration)
+                .with("status", loaded.state.status.as_str())
+                .with("title", loaded.state.title.clone()),
+        );
+        let mut paused_logged = false;
+        loop {
+            if let Some(sig) = self.signalled() {
+                return Ok(Exit::Signalled(sig));
+            }
+            let loaded = self.store().load(self.id)?;
+            let mut state = loaded.state;
+            match &state.status {
+                Status::Running => {
+                    if paused_logged {
+                        paused_logged = false;
+                        self.events.emit(Event::new(name::RESUMED));
+                    }
+                }
+                Status::Created => {
+                    // Someone reset the loop: start it again.
+                    self.store().commit(
+                        &state,
+                        Some(&Transition {
+                            from: &[Status::Created],
+                            to: Status::Running,
+                            failure_reason: None,
+                            completed_at: false,
+                        }),
+                        true,
+                    )?;
+                    continue;
+                }
+                Status::Paused => {
+                    if !paused_logged {
+                        paused_logged = true;
+                        self.events.emit(Event::new(name::PAUSED));
+                    }
+                    if self.daemon.exit_on_pause {
+                        return Ok(Exit::Paused);
+                    }
+                    if let Some(sig) = self.wait_for_change().await {
+                        return Ok(Exit::Signalled(sig));
+                    }
+                    continue;
+                }
+                Status::Completed => {
+                    let outcome = state
+                        .skill_state
+                        .as_ref()
+                        .and_then(|s| s.outcome.as_deref())
+                        .and_then(Outcome::parse)
+                        .unwrap_or(Outcome::Passed);
+                    return Ok(Exit::Completed(outcome));
+                }
+                Status::Failed | Status::UserExit | Status::Other(_) => {
+                    return self.stopped(&state);
+                }
+            }
+
+            self.absorb_tasks(&mut state)?;
+            match workflow::decide(self.daemon.workflow, &state, self.daemon.limits()) {
+                Decision::Abort(reason) => {
+                    let after = self.store().commit(
+                        &state,
+                        Some(&Transition {
+                            from: &[Status::Running],
+                            to: Status::Failed,
+                            failure_reason: Some(reason.clone()),
+                            completed_at: false,
+                        }),
+                        true,
+                    )?;
+                    if after.state.status == Status::Failed {
+                        self.events
+                            .emit(Event::new(name::FAILED).with("error", reason.clone()));
+                        return Ok(Exit::Failed(reason));
+                    }
+                }
+                Decision::Wait {
+                    choices,
+                    suggested,
+                    refused,
+                } => {
+                    if let Some(sig) = self
+                        .await_choice(state, choices, suggested, refused)
+                        .await?
+                    {
+                        return Ok(Exit::Signalled(sig));
+                    }
+                }
+                Decision::Run(dispatch) => {
+                    let consumed = state.next_action.clone();
+                    if let Some(end) = self.run_action(state, &dispatch, consumed).await? {
+                        return Ok(end);
+                    }
+                }
+            }
+        }
+    }
+
+    /// A status that is neither running nor paused: record the stop and say why.
+    fn stopped(&mut self, state: &LoopState) -> Result<Exit> {
+        let reason = match &state.status {
+            Status::Other(s) => format!("unknown status {s:?}, treated as a stop"),
+            _ => match &state.failure_reason {
+                Some(r) => r.clone(),
+                None => {
+                    self.store().update(self.id, true, |raw, current| {
+                        if current.failure_reason.is_none() {
+                            raw.insert("failure_reason".into(), "stopped by user".into());
+                        }
+                    })?;
+                    "stopped by user".to_owned()
+                }
+            },
+        };
+        self.events.emit(
+            Event::new(name::STOPPED)
+                .with("status", state.status.as_str())
+                .with("error", reason.clone()),
+        );
+        Ok(Exit::Stopped(reason))
+    }
+
+    /// Waits without using CPU until a controller changes something or a signal arrives.
+    async fn wait_for_change(&mut self) -> Option<i32> {
+        let mut rx = self.watch.subscribe();
+        rx.borrow_and_update();
+        tokio::select! {
+            _ = rx.changed() => None,
+            _ = self.shutdown.changed() => self.signalled(),
+        }
+    }
+
+    /// Interactive mode: record what the loop waits for, then wait for a change.
+    async fn await_choice(
+        &mut self,
+        mut state: LoopState,
+        choices: Vec<String>,
+        suggested: Option<String>,
+        refused: Option<String>,
+    ) -> Result<Option<i32>> {
+        if let Some(bad) = &refused {
+            self.events.emit(Event::new(name::WARNING).with(
+                "message",
+                format!(
+                    "refused choice {bad:?}: valid choices are {}",
+                    choices.join(", ")
+                ),
+            ));
+        }
+        let skill = state.skill();
+        let unchanged = skill
+            .awaiting_choice
+            .as_ref()
+            .is_some_and(|a| a.choices == choices && a.suggested == suggested);
+        if !unchanged || refused.is_some() {
+            skill.awaiting_choice = Some(AwaitingChoice {
+                since: now_rfc3339(),
+                choices: choices.clone(),
+                suggested: suggested.clone(),
+            });
+            self.store()
+                .commit_consuming(&state, refused.as_deref(), true)?;
+            self.events.emit(
+                Event::new(name::AWAITING_CHOICE)
+                    .with("choices", choices.join(","))
+                    .with("suggested", suggested),
+            );
+        }
+        Ok(self.wait_for_change().await)
+    }
+
+    /// Tasks appended to the task list since the last look join the loop as `pending`.
+    fn absorb_tasks(&mut self, state: &mut LoopState) -> Result<()> {
+        let path = self.store().tasks_path(self.id);
+        let stamp = std::fs::metadata(&path)
+            .ok()
+            .map(|m| (m.len(), m.modified().unwrap_or(SystemTime::UNIX_EPOCH)));
+        if stamp.is_none() || stamp == self.tasks_seen {
+            return Ok(());
+        }
+        self.tasks_seen = stamp;
+        let (listed, warnings) = self.store().read_tasks(self.id)?;
+        for w in warnings {
+            self.events
+                .emit(Event::new(name::WARNING).with("message", w));
+        }
+        let joined = self.daemon.workflow.absorb_tasks(state, &listed);
+        if joined > 0 {
+            *state = self.store().commit(state, None, true)?.state;
+            self.events
+                .emit(Event::new(name::TASKS_ADDED).with("count", joined));
+        }
+        Ok(())
+    }
+
+    /// A daemon that died left an attempt in flight: end what is left of its process group and
+    /// record the attempt as interrupted.
+    async fn recover(&mut self, loaded: &mut Loaded) -> Result<()> {
+        let Some(flight) = loaded
+            .state
+            .skill_state
+            .as_mut()
+            .and_then(|s| s.in_flight.take())
+        else {
+            return Ok(());
+        };
+        let same_process = procs::ProcStat::read(flight.pid)
+            .is_some_and(|p| flight.proc_start.is_none_or(|start| p.start == start));
+        if same_process || procs::group_alive(flight.pgid) {
+            let grace = self
+                .daemon
+                .plans
+                .get(&flight.action)
+                .map_or(Duration::from_secs(5), |p| p.supervision.kill_grace);
+            procs::end_group(flight.pgid, grace).await;
+        }
+        workflow::record_attempt(
+            &mut loaded.state,
+            HistoryEntry {
+                action: flight.action.clone(),
+                iteration: flight.iteration,
+                attempt: flight.attempt,
+                task_id: flight.task_id.clone(),
+                started_at: flight.started_at.clone(),
+                finished_at: Some(now_rfc3339()),
+                outcome: "interrupted".into(),
+                error: Some(format!(
+                    "daemon {} ended during the attempt",
+                    flight.daemon_pid
+                )),
+                ..HistoryEntry::default()
+            },
+        );
+        loaded.state.skill().current_action = None;
+        *loaded = self.store().commit(&loaded.state, None, true)?;
+        self.events.emit(
+            Event::new(name::RECOVERED)
+                .with("action", flight.action)
+                .with("iteration", flight.iteration)
+                .with("attempt", flight.attempt)
+                .with("pid", flight.pid)
+                .with(
+                    "message",
+                    "an attempt of a previous daemon was in flight; recorded as interrupted",
+                ),
+        );
+        Ok(())
+    }
+
+    /// Runs one action with its retries; returns how the loop ends, if it does.
+    async fn run_action(
+        &mut self,
+        mut state: LoopState,
+        dispatch: &Dispatch,
+        consumed_choice: Option<String>,
+    ) -> Result<Option<Exit>> {
+        let daemon = self.daemon;
+        let wf = daemon.workflow;
+        let plan = daemon
+            .plans
+            .get(&dispatch.action)
+            .with_context(|| format!("no plan for action {}", dispatch.action))?;
+        let def = &daemon.actions[&dispatch.action];
+        let iteration = state.current_iteration + u64::from(wf.counts_iteration(&dispatch.action));
+        let now = now_rfc3339();
+        wf.begin(&mut state, dispatch, &now);
+        state.skill().awaiting_choice = None;
+        let attempts = daemon.config.action_retries + 1;
+        let mut backoff = Duration::from_secs_f64(daemon.config.retry_backoff);
+        let mut last_error = String::new();
+        let mut consumed_choice = consumed_choice;
+        let mut attempt = 1;
+        while attempt <= attempts {
+            let outcome = self
+                .attempt(
+                    &mut state,
+                    dispatch,
+                    def,
+                    plan,
+                    iteration,
+                    attempt,
+                    consumed_choice.take(),
+                )
+                .await?;
+            match outcome {
+                Attempted::Done(verdict_) => match verdict_ {
+                    Verdict::Success(result) => {
+                        return self.finish(state, dispatch, iteration, Finish::Success(result));
+                    }
+                    Verdict::Failed { message, .. } => last_error = message,
+                    Verdict::Interrupted => unreachable!("handled as Attempted::Interrupted"),
+                },
+                Attempted::Interrupted(Interrupt::Shutdown(sig)) => {
+                    return Ok(Some(Exit::Signalled(sig)));
+                }
+                Attempted::Interrupted(Interrupt::Control) => return Ok(None),
+            }
+            attempt += 1;
+            if attempt <= attempts {
+                match self.sleep_unless_interrupted(backoff).await {
+                    None => {}
+                    Some(Interrupt::Shutdown(sig)) => return Ok(Some(Exit::Signalled(sig))),
+                    Some(Interrupt::Control) => return Ok(None),
+                }
+                backoff *= 2;
+            }
+        }
+        self.finish(state, dispatch, iteration, Finish::Failed(last_error))
+    }
+
+    /// Sleeps, unless the status leaves `running` or a signal arrives first.
+    async fn sleep_unless_interrupted(&mut self, duration: Duration) -> Option<Interrupt> {
+        let mut rx = self.watch.subscribe();
+        let sleep = tokio::time::sleep(duration);
+        tokio::pin!(sleep);
+        loop {
+            tokio::select! {
+                () = &mut sleep => return None,
+                _ = rx.changed() => {
+                    if !still_running(&rx) {
+                        return Some(Interrupt::Control);
+                    }
+                }
+                _ = self.shutdown.changed() => {
+                    if let Some(sig) = self.signalled() {
+                        return Some(Interrupt::Shutdown(sig));
+                    }
+                }
+            }
+        }
+    }
+
+    /// One attempt: spawn, record in flight, supervise, classify, record.
+    #[allow(clippy::too_many_arguments)]
+    async fn attempt(
+        &mut self,
+        state: &mut LoopState,
+        dispatch: &Dispatch,
+        def: &ActionDef,
+        plan: &Plan,
+        iteration: u64,
+        attempt: u32,
+        consumed_choice: Option<String>,
+    ) -> Result<Attempted> {
+        let daemon = self.daemon;
+        let id = self.id;
+        let store = &daemon.store;
+        let progress_dir = store.progress_dir(id);
+        let stem = format!(
+            "{:04}-{}-{}",
+            state.skill_state.as_ref().map_or(0, |s| s.seq) + 1,
+            dispatch.action,
+            attempt
+        );
+        let actions_dir = self.progress.actions_dir();
+        let log_path = actions_dir.join(format!("{stem}.log"));
+        let result_path = actions_dir.join(format!("{stem}.result.json"));
+        let _ = std::fs::remove_file(&result_path);
+        let task = dispatch
+            .task_id
+            .as_deref()
+            .and_then(|t| state.skill_state.as_ref()?.develop.task(t).cloned());
+        let vars = template_vars(
+            state,
+            dispatch,
+            state.max_iterations_or(daemon.config.max_iterations),
+            &self.daemon.root,
+            &store.state_path(id),
+            &progress_dir,
+            &result_path,
+            iteration,
+            attempt,
+        );
+        let prompt = def.render(&vars);
+        let mut env: Vec<(String, OsString)> = vec![
+            ("LOOPD_LOOP_ID".into(), id.into()),
+            ("LOOPD_ACTION".into(), dispatch.action.clone().into()),
+            ("LOOPD_ITERATION".into(), iteration.to_string().into()),
+            ("LOOPD_ATTEMPT".into(), attempt.to_string().into()),
+            ("LOOPD_ROOT".into(), daemon.root.clone().into()),
+            ("LOOPD_STATE_FILE".into(), store.state_path(id).into()),
+            ("LOOPD_PROGRESS_DIR".into(), progress_dir.clone().into()),
+            ("LOOPD_RESULT_FILE".into(), result_path.clone().into()),
+        ];
+        if let Some(task) = &task {
+            env.push(("LOOPD_TASK_ID".into(), task.id.clone().into()));
+            env.push(("LOOPD_TASK".into(), task.description.clone().into()));
+        }
+        env.extend(plan.env.iter().cloned());
+        let spec = Spec {
+            argv: plan.argv.clone(),
+            prompt,
+            prompt_mode: plan.prompt_mode,
+            env,
+            cwd: daemon.root.clone(),
+            supervision: plan.supervision,
+            log_path: log_path.clone(),
+        };
+        let started_at = now_rfc3339();
+        let cancel = CancellationToken::new();
+        let mut spawn_error: Option<anyhow::Error> = None;
+        let run = {
+            let events = &mut self.events;
+            let consumed = consumed_choice.as_deref();
+            let mut on_spawn = |spawned: Spawned| {
+                state.skill().in_flight = Some(InFlight {
+                    action: dispatch.action.clone(),
+                    iteration,
+                    attempt,
+                    task_id: dispatch.task_id.clone(),
+                    started_at: started_at.clone(),
+                    pid: spawned.pid,
+                    pgid: spawned.pgid,
+                    proc_start: spawned.proc_start,
+                    daemon_pid: std::process::id(),
+                    extra: Default::default(),
+                });
+                // Durable against a daemon crash (the rename); an fsync buys nothing here, since
+                // after a power loss no executor is left to clean up.
+                if let Err(e) = store.commit_consuming(state, consumed, false) {
+                    spawn_error = Some(e.into());
+                }
+                events.emit(
+                    Event::new(name::ACTION_STARTED)
+                        .with("iteration", iteration)
+                        .with("action", dispatch.action.clone())
+                        .with("attempt", attempt)
+                        .with("task_id", dispatch.task_id.clone())
+                        .with("executor", plan.executor.clone())
+                        .with("pid", spawned.pid),
+                );
+            };
+            let exec = daemon.executor.run(spec, cancel.clone(), &mut on_spawn);
+            tokio::pin!(exec);
+            let mut rx = self.watch.subscribe();
+            let mut interrupt = None;
+            let shutdown = &mut self.shutdown;
+            let run = loop {
+                tokio::select! {
+                    run = &mut exec => break run,
+                    _ = rx.changed(), if interrupt.is_none() => {
+                        if !still_running(&rx) {
+                            interrupt = Some(Interrupt::Control);
+                            cancel.cancel();
+                        }
+                    }
+                    _ = shutdown.changed(), if interrupt.is_none() => {
+                        if let Some(sig) = *shutdown.borrow() {
+                            interrupt = Some(Interrupt::Shutdown(sig));
+                            cancel.cancel();
+                        }
+                    }
+                }
+            };
+            (run, interrupt)
+        };
+        if let Some(e) = spawn_error {
+            return Err(e);
+        }
+        let (run, interrupt) = run;
+        let run = match run {
+            Ok(run) => run,
+            Err(e) => {
+                // The executor could not even start: a failed attempt like any other.
+                let message = e.to_string();
+                self.record(
+                    state,
+                    dispatch,
+                    iteration,
+                    attempt,
+                    &started_at,
+                    "failed",
+                    None,
+                    Some(&message),
+                )?;
+                self.events.emit(
+                    Event::new(name::ACTION_FAILED)
+                        .with("iteration", iteration)
+                        .with("action", dispatch.action.clone())
+                        .with("attempt", attempt)
+                        .with("error", message.clone()),
+                );
+                return Ok(Attempted::Done(Verdict::Failed {
+                    message,
+                    result: None,
+                }));
+            }
+        };
+        let mut v = verdict(plan.format, &result_path, &run);
+        if let Verdict::Success(result) = &v
+            && let Err(reason) = daemon.workflow.validate(&dispatch.action, result)
+        {
+            v = Verdict::Failed {
+                message: format!("invalid result: {reason}"),
+                result: Some(result.clone()),
+            };
+        }
+        let duration_ms = run.duration.as_millis() as u64;
+        let exit_code = run.status.and_then(|s| s.code());
+        let base = |event: &str| {
+            Event::new(event)
+                .with("iteration", iteration)
+                .with("action", dispatch.action.clone())
+                .with("attempt", attempt)
+                .with("task_id", dispatch.task_id.clone())
+                .with("pid", run.spawned.pid)
+                .with("duration_ms", duration_ms)
+                .with("exit_code", exit_code)
+                .with("log", log_path.display().to_string())
+        };
+        match &v {
+            Verdict::Interrupted => {
+                self.record(
+                    state,
+                    dispatch,
+                    iteration,
+                    attempt,
+                    &started_at,
+                    "interrupted",
+                    None,
+                    None,
+                )?;
+                let why = match interrupt {
+                    Some(Interrupt::Shutdown(sig)) => format!("daemon received signal {sig}"),
+                    _ => "the loop's status left running".to_owned(),
+                };
+                self.events.emit(
+                    base(name::ACTION_INTERRUPTED)
+                        .with("outcome", "interrupted")
+                        .with("message", why),
+                );
+                Ok(Attempted::Interrupted(
+                    interrupt.unwrap_or(Interrupt::Control),
+                ))
+            }
+            Verdict::Success(result) => {
+                let summary = (!result.summary.is_empty()).then(|| result.summary.clone());
+                self.record(
+                    state,
+                    dispatch,
+                    iteration,
+                    attempt,
+                    &started_at,
+                    "success",
+                    summary.as_deref(),
+                    None,
+                )?;
+                self.events.emit(
+                    base(name::ACTION_FINISHED)
+                        .with("outcome", "success")
+                        .with("summary", summary),
+                );
+                Ok(Attempted::Done(v))
+            }
+            Verdict::Failed { message, .. } => {
+                self.record(
+                    state,
+                    dispatch,
+                    iteration,
+                    attempt,
+                    &started_at,
+                    "failed",
+                    None,
+                    Some(message),
+                )?;
+                self.events.emit(
+                    base(name::ACTION_FAILED)
+                        .with("outcome", "failed")
+                        .with("error", message.clone()),
+                );
+                Ok(Attempted::Done(v))
+            }
+        }
+    }
+
+    /// Records a finished attempt in the history and clears the in-flight record.
+    #[allow(clippy::too_many_arguments)]
+    fn record(
+        &self,
+        state: &mut LoopState,
+        dispatch: &Dispatch,
+        iteration: u64,
+        attempt: u32,
+        started_at: &str,
+        outcome: &str,
+        summary: Option<&str>,
+        error: Option<&str>,
+    ) -> Result<()> {
+        state.skill().in_flight = None;
+        workflow::record_attempt(
+            state,
+            HistoryEntry {
+                action: dispatch.action.clone(),
+                iteration,
+                attempt,
+                task_id: dispatch.task_id.clone(),
+                started_at: started_at.to_owned(),
+                finished_at: Some(now_rfc3339()),
+                outcome: outcome.to_owned(),
+                summary: summary.map(str::to_owned),
+                error: error.map(str::to_owned),
+                ..HistoryEntry::default()
+            },
+        );
+        match outcome {
+            "interrupted" => {
+                // The attempt did not happen, as far as the workflow is concerned.
+                state.skill().current_action = None;
+                self.store().commit(state, None, true)?;
+            }
+            // A success is written with its result, by `finish`.
+            "success" => {}
+            _ => {
+                self.store().commit(state, None, false)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Applies an action's final outcome, writes it durably, updates the progress files.
+    fn finish(
+        &mut self,
+        mut state: LoopState,
+        dispatch: &Dispatch,
+        iteration: u64,
+        finish: Finish,
+    ) -> Result<Option<Exit>> {
+        let wf = self.daemon.workflow;
+        let now = now_rfc3339();
+        let listed = if dispatch.action == "init" {
+            let (tasks, warnings) = self.store().read_tasks(self.id)?;
+            for w in warnings {
+                self.events
+                    .emit(Event::new(name::WARNING).with("message", w));
+            }
+            tasks
+        } else {
+            Vec::new()
+        };
+        let inputs = Inputs {
+            now: now.clone(),
+            listed_tasks: listed,
+        };
+        let end = wf.apply(&mut state, dispatch, &finish, &inputs);
+        workflow::record_finish(wf, &mut state, dispatch, &finish, &now);
+        let transition = end.as_ref().map(|LoopEnd::Completed(_)| Transition {
+            from: &[Status::Running],
+            to: Status::Completed,
+            failure_reason: None,
+            completed_at: true,
+        });
+        let after = self.store().commit(&state, transition.as_ref(), true)?;
+        let state = after.state;
+        let (ok, summary, files) = match &finish {
+            Finish::Success(r) => (true, r.summary.clone(), r.files_changed.clone()),
+            Finish::Failed(e) => (false, e.clone(), Vec::new()),
+        };
+        match dispatch.action.as_str() {
+            "develop" => {
+                if let Some(task) = &dispatch.task_id {
+                    self.progress.develop(&state, task, ok, &summary, &files);
+                }
+            }
+            "debug" => self.progress.debug(&state, ok, &summary),
+            "validate" => self.progress.validate(&state, ok, &summary),
+            _ => {}
+        }
+        if dispatch.action == "init" {
+            self.tasks_seen = std::fs::metadata(self.store().tasks_path(self.id))
+                .ok()
+                .map(|m| (m.len(), m.modified().unwrap_or(SystemTime::UNIX_EPOCH)));
+        }
+        if let Finish::Failed(error) = &finish {
+            let skill = state.skill_state.as_ref();
+            self.events.emit(
+                Event::new(name::WARNING)
+                    .with("iteration", iteration)
+                    .with("action", dispatch.action.clone())
+                    .with(
+                        "message",
+                        format!(
+                            "{} failed after its retries ({} of {} errors): {error}",
+                            dispatch.action,
+                            skill.map_or(0, |s| s.error_count),
+                            state.max_errors_or(self.daemon.config.max_errors)
+                        ),
+                    ),
+            );
+        }
+        match end {
+            Some(LoopEnd::Completed(outcome)) if state.status == Status::Completed => {
+                self.progress.summary(&state);
+                let text = state
+                    .skill_state
+                    .as_ref()
+                    .and_then(|s| s.summary.as_ref())
+                    .and_then(|s| s.get("text"))
+                    .and_then(Value::as_str)
+                    .map(str::to_owned);
+                self.events.emit(
+                    Event::new(name::COMPLETED)
+                        .with("iteration", state.current_iteration)
+                        .with("outcome", outcome.as_str())
+                        .with("summary", text),
+                );
+                Ok(Some(Exit::Completed(outcome)))
+            }
+            _ => Ok(None),
+        }
+    }
+}
+
+enum Attempted {
+    Done(Verdict),
+    Interrupted(Interrupt),
+}
+
+fn still_running(rx: &watch::Receiver<Option<Snapshot>>) -> bool {
+    rx.borrow()
+        .as_ref()
+        .is_none_or(|s| s.status == Status::Running)
+}
+
+/// The values of the template placeholders (see [`crate::actions::PLACEHOLDERS`]).
+#[allow(clippy::too_many_arguments)]
+fn template_vars(
+    state: &LoopState,
+    dispatch: &Dispatch,
+    max_iterations: u64,
+    root: &Path,
+    state_file: &Path,
+    progress_dir: &Path,
+    result_file: &Path,
+    iteration: u64,
+    attempt: u32,
+) -> BTreeMap<&'static str, String> {
+    let skill = state.skill_state.clone().unwrap_or_default();
+    let task = dispatch
+        .task_id
+        .as_deref()
+        .and_then(|id| skill.develop.task(id));
+    let tasks = if skill.develop.tasks.is_empty() {
+        "(none yet)".to_owned()
+    } else {
+        skill
+            .develop
+            .tasks
+            .iter()
+            .map(|t| {
+                let mark = match t.status {
+                    TaskStatus::Completed => "x",
+                    TaskStatus::Failed => "!",
+                    TaskStatus::InProgress => ">",
+                    TaskStatus::Pending => " ",
+                };
+                format!("- [{mark}] {}: {}", t.id, t.description)
+            })
+            .collect::<Vec<_>>()
+            .join("\n")
+    };
+    let v = &skill.validate;
+    let validation = if v.last_run_at.is_none() {
+        "not run yet".to_owned()
+    } else {
+        let mut text = format!(
+            "{} (pass rate {}%, coverage {}%)",
+            if v.passed { "passed" } else { "NOT passed" },
+            v.pass_rate,
+            v.coverage
+        );
+        if !v.failed_tests.is_empty() {
+            text.push_str(&format!("; failed tests: {}", v.failed_tests.join(", ")));
+        }
+        text
+    };
+    let d = &skill.debug;
+    let mut debug = format!(
+        "active bug: {}; confirmed hypothesis: {}",
+        d.active_bug.as_deref().unwrap_or("none"),
+        d.confirmed_hypothesis.as_deref().unwrap_or("none")
+    );
+    for h in &d.hypotheses {
+        debug.push_str(&format!("\n- {} [{}]: {}", h.id, h.status, h.description));
+    }
+    let errors = if skill.errors.is_empty() {
+        "none".to_owned()
+    } else {
+        skill
+            .errors
+            .iter()
+            .map(|e| format!("- {} {}: {}", e.timestamp, e.action, e.message))
+            .collect::<Vec<_>>()
+            .join("\n")
+    };
+    let previous = if skill.action_history.is_empty() {
+        "none".to_owned()
+    } else {
+        skill
+            .action_history
+            .iter()
+            .map(|h| {
+                let detail = h.summary.as_deref().or(h.error.as_deref()).unwrap_or("");
+                format!(
+                    "- #{} {} attempt {}: {} {detail}",
+                    h.iteration, h.action, h.attempt, h.outcome
+                )
+            })
+            .collect::<Vec<_>>()
+            .join("\n")
+    };
+    let path = |p: &Path| p.display().to_string();
+    BTreeMap::from([
+        ("loop_id", state.loop_id.clone()),
+        ("title", state.title.clone()),
+        ("description", state.description.clone()),
+        ("action", dispatch.action.clone()),
+        ("iteration", iteration.to_string()),
+        ("max_iterations", max_iterations.to_string()),
+        ("attempt", attempt.to_string()),
+        ("root", path(root)),
+        ("state_file", path(state_file)),
+        ("progress_dir", path(progress_dir)),
+        ("result_file", path(result_file)),
+        ("task_id", task.map(|t| t.id.clone()).unwrap_or_default()),
+        (
+            "task_description",
+            task.map(|t| t.description.clone()).unwrap_or_default(),
+        ),
+        ("tasks", tasks),
+        ("validation", validation),
+        ("debug", debug),
+        ("errors", errors),
+        ("previous", previous),
+        (
+            "outcome",
+            dispatch
+                .outcome
+                .map(Outcome::as_str)
+                .unwrap_or("")
+                .to_owned(),
+        ),
+    ])
+}

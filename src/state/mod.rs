@@ -1,0 +1,4 @@
+//! The loop state: its model and its store.
+
+pub mod model;
+pub mod store;

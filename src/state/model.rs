@@ -1,0 +1,536 @@
+//! The loop state of `{id}.json`: the seed's `LoopState`, typed.
+//!
+//! Every struct carries an `extra` map flattened into it, so fields this version of loopd does not
+//! know survive a read and a write unchanged, at every level. The typed view is what the workflow
+//! reasons about; which of its fields the daemon may write back is decided in [`super::store`], not
+//! here.
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+use serde_json::{Map, Value};
+
+/// Fields a struct does not know, kept verbatim.
+pub type Extra = Map<String, Value>;
+
+/// How many entries `skill_state.action_history` keeps.
+pub const ACTION_HISTORY_WINDOW: usize = 10;
+/// How many entries `skill_state.errors` keeps.
+pub const ERRORS_WINDOW: usize = 5;
+/// How many entries `skill_state.completed_actions` keeps.
+pub const COMPLETED_ACTIONS_WINDOW: usize = 20;
+/// How many hypotheses `skill_state.debug.hypotheses` keeps.
+pub const HYPOTHESES_WINDOW: usize = 20;
+/// How many test results `skill_state.validate.test_results` keeps.
+pub const TEST_RESULTS_WINDOW: usize = 50;
+/// How many names `skill_state.validate.failed_tests` keeps.
+pub const FAILED_TESTS_WINDOW: usize = 50;
+/// How many paths a task's `files_changed` keeps.
+pub const FILES_CHANGED_WINDOW: usize = 50;
+
+/// The loop's status, as the CCW API writes it. Unknown values are kept as they were written.
+#[derive(Clone, Debug, PartialEq, Eq, Default)]
+pub enum Status {
+    #[default]
+    Created,
+    Running,
+    Paused,
+    Completed,
+    Failed,
+    UserExit,
+    Other(String),
+}
+
+impl Status {
+    pub fn as_str(&self) -> &str {
+        match self {
+            Status::Created => "created",
+            Status::Running => "running",
+            Status::Paused => "paused",
+            Status::Completed => "completed",
+            Status::Failed => "failed",
+            Status::UserExit => "user_exit",
+            Status::Other(s) => s,
+        }
+    }
+
+    pub fn parse(s: &str) -> Status {
+        match s {
+            "created" => Status::Created,
+            "running" => Status::Running,
+            "paused" => Status::Paused,
+            "completed" => Status::Completed,
+            "failed" => Status::Failed,
+            "user_exit" => Status::UserExit,
+            other => Status::Other(other.to_owned()),
+        }
+    }
+}
+
+impl fmt::Display for Status {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl Serialize for Status {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(self.as_str())
+    }
+}
+
+impl<'de> Deserialize<'de> for Status {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        Ok(Status::parse(&String::deserialize(d)?))
+    }
+}
+
+/// `skill_state.mode`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Mode {
+    #[default]
+    Auto,
+    Interactive,
+}
+
+/// `{id}.json`.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct LoopState {
+    #[serde(default)]
+    pub loop_id: String,
+    #[serde(default)]
+    pub title: String,
+    #[serde(default)]
+    pub description: String,
+    /// Absent means the configured default.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_iterations: Option<u64>,
+    /// loopd's addition; absent means the configured default.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_errors: Option<u64>,
+    pub status: Status,
+    #[serde(default)]
+    pub current_iteration: u64,
+    #[serde(default)]
+    pub created_at: Option<String>,
+    #[serde(default)]
+    pub updated_at: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub completed_at: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub failure_reason: Option<String>,
+    /// Interactive mode: the action a controller chose (`loopd next`, or a dashboard writing it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub next_action: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub skill_state: Option<SkillState>,
+    #[serde(flatten)]
+    pub extra: Extra,
+}
+
+/// `skill_state`: everything in it belongs to the daemon.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct SkillState {
+    #[serde(default)]
+    pub current_action: Option<String>,
+    #[serde(default)]
+    pub last_action: Option<String>,
+    /// The last [`COMPLETED_ACTIONS_WINDOW`] actions that finished.
+    #[serde(default)]
+    pub completed_actions: Vec<String>,
+    #[serde(default)]
+    pub mode: Mode,
+    /// The workflow driving this loop (loopd's addition; absent means `ccw-loop`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub workflow: Option<String>,
+    #[serde(default)]
+    pub develop: DevelopState,
+    #[serde(default)]
+    pub debug: DebugState,
+    #[serde(default)]
+    pub validate: ValidateState,
+    /// The last [`ERRORS_WINDOW`] errors.
+    #[serde(default)]
+    pub errors: Vec<ErrorEntry>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub summary: Option<Value>,
+
+    // loopd's additions, documented in the README.
+    /// Actions that failed after their last retry, ever (the `errors` window keeps only the last 5).
+    #[serde(default)]
+    pub error_count: u64,
+    /// The last [`ACTION_HISTORY_WINDOW`] attempts.
+    #[serde(default)]
+    pub action_history: Vec<HistoryEntry>,
+    /// The attempt running now, so that a restarted daemon can clean up after a crash.
+    #[serde(default)]
+    pub in_flight: Option<InFlight>,
+    /// When `init` finished ("planned"), even if it planned nothing.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub initialized_at: Option<String>,
+    /// How many actions have finished; the clock of `finished`.
+    #[serde(default)]
+    pub seq: u64,
+    /// For each action, when (`seq`) it last finished and whether it succeeded.
+    #[serde(default)]
+    pub finished: BTreeMap<String, Finished>,
+    /// `seq` of the last develop that left a task failed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub develop_failed_seq: Option<u64>,
+    /// Why the loop completed: `passed`, `iteration_limit` or `incomplete`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub outcome: Option<String>,
+    /// Interactive mode: the choice the daemon waits for.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub awaiting_choice: Option<AwaitingChoice>,
+    #[serde(flatten)]
+    pub extra: Extra,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Finished {
+    pub seq: u64,
+    pub ok: bool,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct AwaitingChoice {
+    pub since: String,
+    pub choices: Vec<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub suggested: Option<String>,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct DevelopState {
+    #[serde(default)]
+    pub total: u64,
+    #[serde(default)]
+    pub completed: u64,
+    #[serde(default)]
+    pub current_task: Option<String>,
+    #[serde(default)]
+    pub tasks: Vec<DevelopTask>,
+    #[serde(default)]
+    pub last_progress_at: Option<String>,
+    #[serde(flatten)]
+    pub extra: Extra,
+}
+
+/// The status of a develop task.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TaskStatus {
+    #[default]
+    Pending,
+    InProgress,
+    Completed,
+    Failed,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct DevelopTask {
+    pub id: String,
+    #[serde(default)]
+    pub description: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mode: Option<String>,
+    #[serde(default)]
+    pub status: TaskStatus,
+    #[serde(default)]
+    pub files_changed: Vec<String>,
+    #[serde(default)]
+    pub created_at: Option<String>,
+    #[serde(default)]
+    pub completed_at: Option<String>,
+    #[serde(flatten)]
+    pub extra: Extra,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct DebugState {
+    #[serde(default)]
+    pub active_bug: Option<String>,
+    #[serde(default)]
+    pub hypotheses_count: u64,
+    /// The last [`HYPOTHESES_WINDOW`] hypotheses.
+    #[serde(default)]
+    pub hypotheses: Vec<Hypothesis>,
+    #[serde(default)]
+    pub confirmed_hypothesis: Option<String>,
+    #[serde(default)]
+    pub iteration: u64,
+    #[serde(default)]
+    pub last_analysis_at: Option<String>,
+    #[serde(flatten)]
+    pub extra: Extra,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct Hypothesis {
+    #[serde(default)]
+    pub id: String,
+    #[serde(default)]
+    pub description: String,
+    #[serde(default)]
+    pub testable_condition: String,
+    #[serde(default)]
+    pub logging_point: String,
+    #[serde(default)]
+    pub evidence_criteria: EvidenceCriteria,
+    #[serde(default)]
+    pub likelihood: u64,
+    #[serde(default = "default_hypothesis_status")]
+    pub status: String,
+    #[serde(default)]
+    pub evidence: Option<Value>,
+    #[serde(default)]
+    pub verdict_reason: Option<String>,
+    #[serde(flatten)]
+    pub extra: Extra,
+}
+
+fn default_hypothesis_status() -> String {
+    "pending".to_owned()
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct EvidenceCriteria {
+    #[serde(default)]
+    pub confirm: String,
+    #[serde(default)]
+    pub reject: String,
+    #[serde(flatten)]
+    pub extra: Extra,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct ValidateState {
+    #[serde(default)]
+    pub pass_rate: f64,
+    #[serde(default)]
+    pub coverage: f64,
+    /// The last [`TEST_RESULTS_WINDOW`] results of the last run.
+    #[serde(default)]
+    pub test_results: Vec<TestResult>,
+    #[serde(default)]
+    pub passed: bool,
+    /// At most [`FAILED_TESTS_WINDOW`] names from the last run.
+    #[serde(default)]
+    pub failed_tests: Vec<String>,
+    #[serde(default)]
+    pub last_run_at: Option<String>,
+    #[serde(flatten)]
+    pub extra: Extra,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct TestResult {
+    #[serde(default)]
+    pub test_name: String,
+    #[serde(default)]
+    pub suite: String,
+    #[serde(default)]
+    pub status: String,
+    #[serde(default)]
+    pub duration_ms: f64,
+    #[serde(default)]
+    pub error_message: Option<String>,
+    #[serde(default)]
+    pub stack_trace: Option<String>,
+    #[serde(flatten)]
+    pub extra: Extra,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct ErrorEntry {
+    pub action: String,
+    pub message: String,
+    pub timestamp: String,
+    #[serde(flatten)]
+    pub extra: Extra,
+}
+
+/// One attempt in `skill_state.action_history`.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct HistoryEntry {
+    pub action: String,
+    pub iteration: u64,
+    pub attempt: u32,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub task_id: Option<String>,
+    pub started_at: String,
+    #[serde(default)]
+    pub finished_at: Option<String>,
+    /// `success`, `failed` or `interrupted`.
+    pub outcome: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub summary: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+    #[serde(flatten)]
+    pub extra: Extra,
+}
+
+/// The attempt in flight, recorded while its executor runs.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct InFlight {
+    pub action: String,
+    pub iteration: u64,
+    pub attempt: u32,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub task_id: Option<String>,
+    pub started_at: String,
+    /// The executor's pid, which is also its process group id.
+    pub pid: u32,
+    pub pgid: u32,
+    /// The process's start time in clock ticks since boot (`/proc/PID/stat` field 22), so that a
+    /// recycled pid is never mistaken for the executor.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub proc_start: Option<u64>,
+    /// The pid of the daemon that started it.
+    pub daemon_pid: u32,
+    #[serde(flatten)]
+    pub extra: Extra,
+}
+
+impl LoopState {
+    /// The skill state, created empty when missing.
+    pub fn skill(&mut self) -> &mut SkillState {
+        self.skill_state.get_or_insert_with(SkillState::default)
+    }
+
+    pub fn max_iterations_or(&self, default: u64) -> u64 {
+        self.max_iterations.unwrap_or(default)
+    }
+
+    pub fn max_errors_or(&self, default: u64) -> u64 {
+        self.max_errors.unwrap_or(default)
+    }
+
+    pub fn mode(&self) -> Mode {
+        self.skill_state
+            .as_ref()
+            .map(|s| s.mode)
+            .unwrap_or_default()
+    }
+}
+
+impl DevelopState {
+    /// Recomputes `total` and `completed` from the task list.
+    pub fn recount(&mut self) {
+        self.total = self.tasks.len() as u64;
+        self.completed = self
+            .tasks
+            .iter()
+            .filter(|t| t.status == TaskStatus::Completed)
+            .count() as u64;
+    }
+
+    pub fn task_mut(&mut self, id: &str) -> Option<&mut DevelopTask> {
+        self.tasks.iter_mut().find(|t| t.id == id)
+    }
+
+    pub fn task(&self, id: &str) -> Option<&DevelopTask> {
+        self.tasks.iter().find(|t| t.id == id)
+    }
+
+    /// The next id of the form `task-NNN` not used yet.
+    pub fn next_task_id(&self) -> String {
+        let mut n = self.tasks.len() + 1;
+        loop {
+            let id = format!("task-{n:03}");
+            if self.task(&id).is_none() {
+                return id;
+            }
+            n += 1;
+        }
+    }
+}
+
+/// Keeps the last `window` elements of `list`.
+pub fn trim_window<T>(list: &mut Vec<T>, window: usize) {
+    if list.len() > window {
+        list.drain(..list.len() - window);
+    }
+}
+
+/// Now, as loopd writes timestamps: RFC 3339 UTC with milliseconds and `Z`.
+pub fn now_rfc3339() -> String {
+    format_ts(chrono::Utc::now())
+}
+
+pub fn format_ts(t: chrono::DateTime<chrono::Utc>) -> String {
+    t.to_rfc3339_opts(chrono::SecondsFormat::Millis, true)
+}
+
+/// Parses any RFC 3339 timestamp, whatever its offset.
+pub fn parse_ts(s: &str) -> Option<chrono::DateTime<chrono::Utc>> {
+    chrono::DateTime::parse_from_rfc3339(s)
+        .ok()
+        .map(|t| t.with_timezone(&chrono::Utc))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unknown_fields_survive_at_every_level() {
+        let text = r#"{
+            "loop_id": "l", "status": "running", "zeta": {"a": [1, 2.5, null]},
+            "skill_state": {
+                "mode": "auto", "custom": true,
+                "develop": {"tasks": [{"id": "t1", "status": "pending", "weird": "x"}], "more": 1},
+                "debug": {"hypotheses": [{"id": "H1", "evidence_criteria": {"confirm": "c", "x": 2}, "y": 3}]},
+                "validate": {"test_results": [{"test_name": "a", "extra_field": [1]}], "k": "v"},
+                "errors": [{"action": "a", "message": "m", "timestamp": "t", "code": 7}]
+            }
+        }"#;
+        let state: LoopState = serde_json::from_str(text).unwrap();
+        let back = serde_json::to_value(&state).unwrap();
+        let orig: Value = serde_json::from_str(text).unwrap();
+        for pointer in [
+            "/zeta",
+            "/skill_state/custom",
+            "/skill_state/develop/tasks/0/weird",
+            "/skill_state/develop/more",
+            "/skill_state/debug/hypotheses/0/y",
+            "/skill_state/debug/hypotheses/0/evidence_criteria/x",
+            "/skill_state/validate/test_results/0/extra_field",
+            "/skill_state/validate/k",
+            "/skill_state/errors/0/code",
+        ] {
+            assert_eq!(back.pointer(pointer), orig.pointer(pointer), "{pointer}");
+        }
+    }
+
+    #[test]
+    fn unknown_status_is_kept() {
+        let state: LoopState = serde_json::from_str(r#"{"status": "sleeping"}"#).unwrap();
+        assert_eq!(state.status, Status::Other("sleeping".into()));
+        assert_eq!(serde_json::to_value(&state).unwrap()["status"], "sleeping");
+    }
+
+    #[test]
+    fn timestamps_have_millis_and_z_and_any_offset_parses() {
+        let ts = now_rfc3339();
+        assert!(
+            ts.ends_with('Z') && ts.len() == "2026-01-22T02:13:00.123Z".len(),
+            "{ts}"
+        );
+        let a = parse_ts("2026-01-22T10:00:00+08:00").unwrap();
+        assert_eq!(format_ts(a), "2026-01-22T02:00:00.000Z");
+    }
+
+    #[test]
+    fn trim_window_keeps_the_tail() {
+        let mut v: Vec<u32> = (0..15).collect();
+        trim_window(&mut v, 10);
+        assert_eq!(v, (5..15).collect::<Vec<_>>());
+    }
+}

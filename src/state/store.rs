@@ -1,0 +1,552 @@
+//! Where loop files live and how they are read and written.
+//!
+//! Theory of operation: every writer (the daemon, the CLI's control commands) changes a state file
+//! by read-modify-write under an exclusive `flock` on the sidecar `{id}.lock`, which is never
+//! renamed or deleted, so the lock and the file it guards cannot come apart. The write itself goes
+//! to a temporary file in the same directory (`.{id}.json.XXXXXX.tmp`, mode 0600) that is renamed
+//! over the state file: a reader sees the old file or the new one, never a mix. Durable writes also
+//! fsync the file before the rename and the directory after it.
+//!
+//! The daemon never writes a copy of the whole state: [`Store::commit`] re-reads the file under the
+//! lock and replaces only the fields the daemon owns ([`DAEMON_FIELDS`]), plus a status transition
+//! the daemon itself makes, and only from the status it expects. A control field written by anyone
+//! else in the meantime therefore survives.
+//!
+//! Writers that do not take the lock (the CCW dashboard truncates and rewrites the file in place)
+//! can be seen half-way; a read that does not parse is retried for a moment before the file is
+//! called corrupt.
+
+use std::fs::{self, File, OpenOptions};
+use std::io::{self, Write};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use serde_json::{Map, Value};
+
+use super::model::{DevelopTask, LoopState, Status, now_rfc3339};
+
+/// Top-level fields the daemon owns and writes back from its own copy.
+pub const DAEMON_FIELDS: &[&str] = &["current_iteration", "skill_state"];
+
+/// How long a writer waits for the lock before giving up.
+const LOCK_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a read retries a file that does not parse (another writer may be half-way).
+const PARSE_RETRY: Duration = Duration::from_millis(250);
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error(
+        "bad loop id {0:?}: ids are 1-128 characters of letters, digits, '.', '_' or '-', starting with a letter or digit"
+    )]
+    BadId(String),
+    #[error("unknown loop {id}: {path} does not exist")]
+    NotFound { id: String, path: PathBuf },
+    #[error("loop {id} already exists at {path}")]
+    Exists { id: String, path: PathBuf },
+    #[error("corrupt state file {path}: {reason}")]
+    Corrupt { path: PathBuf, reason: String },
+    #[error("timed out after {}s waiting for the lock {path}", LOCK_TIMEOUT.as_secs())]
+    Locked { path: PathBuf },
+    #[error("{path}: {source}")]
+    Io { path: PathBuf, source: io::Error },
+}
+
+impl StoreError {
+    /// Errors of the user's input (exit code 2), as opposed to the machine failing.
+    pub fn is_bad_input(&self) -> bool {
+        matches!(
+            self,
+            StoreError::BadId(_)
+                | StoreError::NotFound { .. }
+                | StoreError::Exists { .. }
+                | StoreError::Corrupt { .. }
+        )
+    }
+}
+
+fn io_err(path: &Path) -> impl FnOnce(io::Error) -> StoreError + '_ {
+    move |source| StoreError::Io {
+        path: path.to_owned(),
+        source,
+    }
+}
+
+/// Checks a loop id: `^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$`.
+pub fn validate_id(id: &str) -> Result<(), StoreError> {
+    let ok = !id.is_empty()
+        && id.len() <= 128
+        && id.as_bytes()[0].is_ascii_alphanumeric()
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'));
+    if ok {
+        Ok(())
+    } else {
+        Err(StoreError::BadId(id.to_owned()))
+    }
+}
+
+/// A new id: `loop-v2-YYYYMMDDTHHMMSS-xxxxxxxx` (UTC, 8 hex digits).
+pub fn new_id() -> String {
+    format!(
+        "loop-v2-{}-{:08x}",
+        chrono::Utc::now().format("%Y%m%dT%H%M%S"),
+        fastrand::u32(..)
+    )
+}
+
+/// A state file read from disk: the raw JSON object (what gets written back) and its typed view.
+#[derive(Clone, Debug)]
+pub struct Loaded {
+    pub raw: Map<String, Value>,
+    pub state: LoopState,
+}
+
+impl Loaded {
+    fn parse(path: &Path, bytes: &[u8]) -> Result<Loaded, String> {
+        let value: Value = serde_json::from_slice(bytes).map_err(|e| e.to_string())?;
+        let Value::Object(raw) = value else {
+            return Err("not a JSON object".to_owned());
+        };
+        let state: LoopState = serde_json::from_value(Value::Object(raw.clone()))
+            .map_err(|e| format!("{e} (in {})", path.display()))?;
+        Ok(Loaded { raw, state })
+    }
+}
+
+/// A status change the daemon makes, applied only if the file still has one of the `from` statuses.
+#[derive(Clone, Debug)]
+pub struct Transition {
+    pub from: &'static [Status],
+    pub to: Status,
+    pub failure_reason: Option<String>,
+    pub completed_at: bool,
+}
+
+/// The state directory of a project.
+#[derive(Clone, Debug)]
+pub struct Store {
+    dir: PathBuf,
+}
+
+/// An exclusive lock on a loop's sidecar lock file, released on drop.
+pub struct WriteLock {
+    _file: File,
+}
+
+impl Store {
+    pub fn new(dir: impl Into<PathBuf>) -> Store {
+        Store { dir: dir.into() }
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    pub fn state_path(&self, id: &str) -> PathBuf {
+        self.dir.join(format!("{id}.json"))
+    }
+
+    pub fn lock_path(&self, id: &str) -> PathBuf {
+        self.dir.join(format!("{id}.lock"))
+    }
+
+    /// Held by a daemon for its whole life: "a daemon drives this loop".
+    pub fn daemon_lock_path(&self, id: &str) -> PathBuf {
+        self.dir.join(format!("{id}.daemon"))
+    }
+
+    pub fn progress_dir(&self, id: &str) -> PathBuf {
+        self.dir.join(format!("{id}.progress"))
+    }
+
+    /// The task list: `{id}.tasks.jsonl`, else the CCW dashboard's `{id}/tasks.jsonl`.
+    pub fn tasks_path(&self, id: &str) -> PathBuf {
+        let flat = self.dir.join(format!("{id}.tasks.jsonl"));
+        let nested = self.dir.join(id).join("tasks.jsonl");
+        if !flat.exists() && nested.exists() {
+            nested
+        } else {
+            flat
+        }
+    }
+
+    /// Every loop id in the directory, sorted.
+    pub fn list_ids(&self) -> Result<Vec<String>, StoreError> {
+        let entries = match fs::read_dir(&self.dir) {
+            Ok(entries) => entries,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
+            Err(e) => return Err(io_err(&self.dir)(e)),
+        };
+        let mut ids: Vec<String> = entries
+            .filter_map(|e| e.ok())
+            .filter_map(|e| {
+                let name = e.file_name().into_string().ok()?;
+                let id = name.strip_suffix(".json")?;
+                validate_id(id).ok()?;
+                Some(id.to_owned())
+            })
+            .collect();
+        ids.sort();
+        Ok(ids)
+    }
+
+    /// Takes the write lock of a loop, waiting a bounded time for another writer.
+    pub fn lock(&self, id: &str) -> Result<WriteLock, StoreError> {
+        let path = self.lock_path(id);
+        let file = OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&path)
+            .map_err(io_err(&path))?;
+        let deadline = Instant::now() + LOCK_TIMEOUT;
+        loop {
+            match file.try_lock() {
+                Ok(()) => return Ok(WriteLock { _file: file }),
+                Err(fs::TryLockError::WouldBlock) if Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                Err(fs::TryLockError::WouldBlock) => return Err(StoreError::Locked { path }),
+                Err(fs::TryLockError::Error(e)) => return Err(io_err(&path)(e)),
+            }
+        }
+    }
+
+    /// Reads and parses a loop's state file.
+    pub fn load(&self, id: &str) -> Result<Loaded, StoreError> {
+        validate_id(id)?;
+        let path = self.state_path(id);
+        let deadline = Instant::now() + PARSE_RETRY;
+        loop {
+            let bytes = match fs::read(&path) {
+                Ok(bytes) => bytes,
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                    return Err(StoreError::NotFound {
+                        id: id.to_owned(),
+                        path,
+                    });
+                }
+                Err(e) => return Err(io_err(&path)(e)),
+            };
+            match Loaded::parse(&path, &bytes) {
+                Ok(loaded) => return Ok(loaded),
+                // Another program may be half-way through rewriting the file in place.
+                Err(_) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(5)),
+                Err(reason) => return Err(StoreError::Corrupt { path, reason }),
+            }
+        }
+    }
+
+    /// Writes a new loop; refuses if one with that id exists.
+    pub fn create(&self, state: &LoopState) -> Result<(), StoreError> {
+        validate_id(&state.loop_id)?;
+        fs::create_dir_all(&self.dir).map_err(io_err(&self.dir))?;
+        let _lock = self.lock(&state.loop_id)?;
+        let path = self.state_path(&state.loop_id);
+        if path.exists() {
+            return Err(StoreError::Exists {
+                id: state.loop_id.clone(),
+                path,
+            });
+        }
+        let value = serde_json::to_value(state).map_err(|e| StoreError::Corrupt {
+            path: path.clone(),
+            reason: e.to_string(),
+        })?;
+        write_json(&path, &value, true)
+    }
+
+    /// Read-modify-write under the lock: `change` edits the raw JSON object. Returns the new state.
+    pub fn update(
+        &self,
+        id: &str,
+        durable: bool,
+        change: impl FnOnce(&mut Map<String, Value>, &LoopState),
+    ) -> Result<Loaded, StoreError> {
+        let _lock = self.lock(id)?;
+        let Loaded { mut raw, state } = self.load(id)?;
+        change(&mut raw, &state);
+        raw.insert("updated_at".into(), Value::String(now_rfc3339()));
+        let path = self.state_path(id);
+        let value = Value::Object(raw);
+        write_json(&path, &value, durable)?;
+        Loaded::parse(&path, value.to_string().as_bytes())
+            .map_err(|reason| StoreError::Corrupt { path, reason })
+    }
+
+    /// The daemon's write: re-reads the file and replaces only the daemon's own fields with those of
+    /// `ours`, then makes `transition` if the file's status still allows it.
+    pub fn commit(
+        &self,
+        ours: &LoopState,
+        transition: Option<&Transition>,
+        durable: bool,
+    ) -> Result<Loaded, StoreError> {
+        self.commit_with(ours, transition, None, durable)
+    }
+
+    /// [`Store::commit`] that also takes an interactive choice: `next_action` is removed if it
+    /// still holds `choice` (a controller may have written a new one since).
+    pub fn commit_consuming(
+        &self,
+        ours: &LoopState,
+        choice: Option<&str>,
+        durable: bool,
+    ) -> Result<Loaded, StoreError> {
+        self.commit_with(ours, None, choice, durable)
+    }
+
+    fn commit_with(
+        &self,
+        ours: &LoopState,
+        transition: Option<&Transition>,
+        choice: Option<&str>,
+        durable: bool,
+    ) -> Result<Loaded, StoreError> {
+        let ours_value = serde_json::to_value(ours).map_err(|e| StoreError::Corrupt {
+            path: self.state_path(&ours.loop_id),
+            reason: e.to_string(),
+        })?;
+        self.update(&ours.loop_id, durable, |raw, current| {
+            for key in DAEMON_FIELDS {
+                match ours_value.get(*key) {
+                    Some(v) => raw.insert((*key).to_owned(), v.clone()),
+                    None => raw.remove(*key),
+                };
+            }
+            if let Some(t) = transition
+                && t.from.contains(&current.status)
+            {
+                raw.insert("status".into(), Value::String(t.to.as_str().to_owned()));
+                if let Some(reason) = &t.failure_reason {
+                    raw.insert("failure_reason".into(), Value::String(reason.clone()));
+                }
+                if t.completed_at {
+                    raw.insert("completed_at".into(), Value::String(now_rfc3339()));
+                }
+            }
+            if choice.is_some() && current.next_action.as_deref() == choice {
+                raw.remove("next_action");
+            }
+        })
+    }
+
+    /// Reads the task list written by the API/CLI (`{id}.tasks.jsonl` or `{id}/tasks.jsonl`), in
+    /// `order`. Lines that do not parse are returned as warnings, never silently dropped.
+    pub fn read_tasks(&self, id: &str) -> Result<(Vec<DevelopTask>, Vec<String>), StoreError> {
+        let path = self.tasks_path(id);
+        let text = match fs::read(&path) {
+            Ok(bytes) => String::from_utf8_lossy(&bytes).into_owned(),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok((Vec::new(), Vec::new())),
+            Err(e) => return Err(io_err(&path)(e)),
+        };
+        Ok(parse_tasks(&path, &text))
+    }
+
+    /// Appends tasks to `{id}.tasks.jsonl` under the lock, each line ending in a newline.
+    pub fn append_tasks(&self, id: &str, lines: &[Value]) -> Result<(), StoreError> {
+        let _lock = self.lock(id)?;
+        let path = self.dir.join(format!("{id}.tasks.jsonl"));
+        let mut file = OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)
+            .map_err(io_err(&path))?;
+        // A previous writer may have left the last line without its newline.
+        let len = file.metadata().map_err(io_err(&path))?.len();
+        let mut out = String::new();
+        if len > 0 && !ends_with_newline(&path)? {
+            out.push('\n');
+        }
+        for line in lines {
+            out.push_str(&line.to_string());
+            out.push('\n');
+        }
+        file.write_all(out.as_bytes()).map_err(io_err(&path))
+    }
+}
+
+fn ends_with_newline(path: &Path) -> Result<bool, StoreError> {
+    use std::io::{Read, Seek, SeekFrom};
+    let mut file = File::open(path).map_err(io_err(path))?;
+    file.seek(SeekFrom::End(-1)).map_err(io_err(path))?;
+    let mut last = [0u8; 1];
+    file.read_exact(&mut last).map_err(io_err(path))?;
+    Ok(last[0] == b'\n')
+}
+
+/// Parses NDJSON task records (the CCW dashboard's `LoopTask`). Two records glued on one line (a
+/// known defect of the dashboard's writer) are both recovered.
+pub fn parse_tasks(path: &Path, text: &str) -> (Vec<DevelopTask>, Vec<String>) {
+    let mut records: Vec<(usize, Map<String, Value>)> = Vec::new();
+    let mut warnings = Vec::new();
+    for (lineno, line) in text.lines().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        for value in serde_json::Deserializer::from_str(line).into_iter::<Value>() {
+            match value {
+                Ok(Value::Object(map)) => records.push((lineno + 1, map)),
+                Ok(other) => warnings.push(format!(
+                    "{}:{}: a task must be a JSON object, not {other}",
+                    path.display(),
+                    lineno + 1
+                )),
+                Err(e) => {
+                    warnings.push(format!("{}:{}: {e}", path.display(), lineno + 1));
+                    break;
+                }
+            }
+        }
+    }
+    // Stable: records without an `order` keep their place after those with one.
+    let order = |m: &Map<String, Value>| m.get("order").and_then(Value::as_f64);
+    records.sort_by(|(_, a), (_, b)| match (order(a), order(b)) {
+        (Some(x), Some(y)) => x.total_cmp(&y),
+        (a, b) => b.is_some().cmp(&a.is_some()),
+    });
+    let now = now_rfc3339();
+    let tasks = records
+        .into_iter()
+        .enumerate()
+        .map(|(i, (lineno, map))| {
+            let text_field = |k: &str| map.get(k).and_then(Value::as_str).map(str::to_owned);
+            let mut extra = Map::new();
+            if let Some(order) = map.get("order") {
+                extra.insert("order".into(), order.clone());
+            }
+            DevelopTask {
+                id: text_field("task_id")
+                    .or_else(|| text_field("id"))
+                    .unwrap_or_else(|| format!("jsonl-{lineno}-{i}")),
+                description: text_field("description")
+                    .or_else(|| text_field("title"))
+                    .unwrap_or_default(),
+                tool: text_field("tool"),
+                mode: text_field("mode"),
+                created_at: Some(text_field("created_at").unwrap_or_else(|| now.clone())),
+                extra,
+                ..DevelopTask::default()
+            }
+        })
+        .collect();
+    (tasks, warnings)
+}
+
+/// Writes pretty JSON atomically: temp file in the same directory, rename; `durable` adds fsync of
+/// the file before and of the directory after the rename.
+pub fn write_json(path: &Path, value: &Value, durable: bool) -> Result<(), StoreError> {
+    let mut bytes = serde_json::to_vec_pretty(value).map_err(|e| StoreError::Corrupt {
+        path: path.to_owned(),
+        reason: e.to_string(),
+    })?;
+    bytes.push(b'\n');
+    write_atomic(path, &bytes, durable).map_err(io_err(path))
+}
+
+/// Replaces `path` with `bytes` atomically (mode 0600).
+pub fn write_atomic(path: &Path, bytes: &[u8], durable: bool) -> io::Result<()> {
+    let dir = path.parent().unwrap_or(Path::new("."));
+    let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("state");
+    let mut tmp = tempfile::Builder::new()
+        .prefix(&format!(".{name}."))
+        .suffix(TEMP_SUFFIX)
+        .tempfile_in(dir)?;
+    tmp.write_all(bytes)?;
+    if durable {
+        tmp.as_file().sync_data()?;
+    }
+    tmp.persist(path).map_err(|e| e.error)?;
+    if durable {
+        File::open(dir)?.sync_all()?;
+    }
+    Ok(())
+}
+
+/// The suffix of the temporary files of [`write_atomic`].
+pub const TEMP_SUFFIX: &str = ".tmp";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ids() {
+        for good in [
+            "a",
+            "loop-v2-20260122T021300-0badcafe",
+            "A.b_c-1",
+            &"x".repeat(128),
+        ] {
+            assert!(validate_id(good).is_ok(), "{good}");
+        }
+        for bad in [
+            "",
+            "..",
+            "../x",
+            "a/b",
+            "-a",
+            ".a",
+            "a\0b",
+            "a b",
+            &"x".repeat(129),
+        ] {
+            assert!(validate_id(bad).is_err(), "{bad:?}");
+        }
+        let id = new_id();
+        assert!(validate_id(&id).is_ok());
+        assert_eq!(id.len(), "loop-v2-20260122T021300-0badcafe".len(), "{id}");
+    }
+
+    #[test]
+    fn tasks_in_order_glued_lines_recovered_and_garbage_reported() {
+        let text = concat!(
+            r#"{"task_id":"b","description":"second","order":2}"#,
+            "\n",
+            r#"{"task_id":"a","description":"first","order":1}{"task_id":"c","description":"third","order":3}"#,
+            "\nnot json\n",
+            r#"{"task_id":"d","description":"last, no newline"}"#
+        );
+        let (tasks, warnings) = parse_tasks(Path::new("t.jsonl"), text);
+        let ids: Vec<&str> = tasks.iter().map(|t| t.id.as_str()).collect();
+        assert_eq!(ids, ["a", "b", "c", "d"]);
+        assert_eq!(warnings.len(), 1, "{warnings:?}");
+        assert!(warnings[0].starts_with("t.jsonl:3:"), "{warnings:?}");
+    }
+
+    #[test]
+    fn commit_keeps_control_fields_written_by_others() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::new(dir.path());
+        let mut state = LoopState {
+            loop_id: "l1".into(),
+            title: "t".into(),
+            status: Status::Running,
+            ..LoopState::default()
+        };
+        store.create(&state).unwrap();
+        // Someone else pauses the loop and edits the title.
+        store
+            .update("l1", false, |raw, _| {
+                raw.insert("status".into(), "paused".into());
+                raw.insert("title".into(), "new".into());
+                raw.insert("notes".into(), "mine".into());
+            })
+            .unwrap();
+        // The daemon's stale copy still says running / "t".
+        state.current_iteration = 4;
+        let done = Transition {
+            from: &[Status::Running],
+            to: Status::Completed,
+            failure_reason: None,
+            completed_at: true,
+        };
+        let after = store.commit(&state, Some(&done), true).unwrap();
+        assert_eq!(after.state.status, Status::Paused);
+        assert_eq!(after.state.title, "new");
+        assert_eq!(after.raw["notes"], "mine");
+        assert_eq!(after.state.current_iteration, 4);
+        assert!(after.state.completed_at.is_none());
+    }
+}

@@ -1,0 +1,186 @@
+//! Watching a loop's state file for control changes written by anyone.
+//!
+//! Theory of operation: notify watches the state *directory* (an atomic write replaces the file's
+//! inode, which would end a watch on the file itself). Any event naming the loop's state or task
+//! file means "maybe changed": the file is re-read on notify's thread and reduced to a
+//! [`Snapshot`] of what a controller can change. The snapshot is published on a
+//! `tokio::sync::watch` channel only when it differs, so the daemon's own writes, which never
+//! change those fields, wake nobody. A slow periodic re-check covers missed or overflowed events,
+//! and when inotify cannot be used (its limits reached) a polling watcher takes over.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use notify::{EventKind, RecursiveMode, Watcher as _};
+use tokio::sync::watch;
+
+use crate::state::model::{Mode, Status};
+use crate::state::store::Store;
+
+/// How often the state is re-read even without a file event.
+const RECHECK: Duration = Duration::from_secs(1);
+/// The polling interval when inotify is not available.
+const POLL: Duration = Duration::from_millis(100);
+
+/// What a controller can change, as last read.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Snapshot {
+    pub status: Status,
+    pub next_action: Option<String>,
+    pub mode: Mode,
+    pub title: String,
+    pub description: String,
+    pub max_iterations: Option<u64>,
+    pub max_errors: Option<u64>,
+    /// Length and modification time of the task list file.
+    pub tasks_file: Option<(u64, SystemTime)>,
+}
+
+impl Snapshot {
+    fn read(store: &Store, id: &str) -> Option<Snapshot> {
+        let loaded = store.load(id).ok()?;
+        let s = loaded.state;
+        let tasks_file = std::fs::metadata(store.tasks_path(id))
+            .ok()
+            .map(|m| (m.len(), m.modified().unwrap_or(SystemTime::UNIX_EPOCH)));
+        Some(Snapshot {
+            mode: s.mode(),
+            status: s.status,
+            next_action: s.next_action,
+            title: s.title,
+            description: s.description,
+            max_iterations: s.max_iterations,
+            max_errors: s.max_errors,
+            tasks_file,
+        })
+    }
+}
+
+/// A running watch of one loop; dropping it stops watching.
+pub struct Watch {
+    rx: watch::Receiver<Option<Snapshot>>,
+    _watcher: Box<dyn notify::Watcher + Send>,
+    recheck: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for Watch {
+    fn drop(&mut self) {
+        self.recheck.abort();
+    }
+}
+
+impl Watch {
+    pub fn start(store: &Store, id: &str) -> Watch {
+        let (tx, rx) = watch::channel(Snapshot::read(store, id));
+        let tx = Arc::new(tx);
+        let refresh = {
+            let (store, id, tx) = (store.clone(), id.to_owned(), tx.clone());
+            move || {
+                if let Some(snapshot) = Snapshot::read(&store, &id) {
+                    tx.send_if_modified(|old| {
+                        let changed = old.as_ref() != Some(&snapshot);
+                        *old = Some(snapshot);
+                        changed
+                    });
+                }
+            }
+        };
+        let names: Vec<PathBuf> = vec![store.state_path(id), store.tasks_path(id)];
+        let on_event = {
+            let refresh = refresh.clone();
+            move |event: notify::Result<notify::Event>| match event {
+                Ok(event) => {
+                    let relevant = !matches!(event.kind, EventKind::Access(_))
+                        && (event.need_rescan()
+                            || event
+                                .paths
+                                .iter()
+                                .any(|p| names.iter().any(|n| same_name(p, n))));
+                    if relevant {
+                        refresh();
+                    }
+                }
+                Err(_) => refresh(),
+            }
+        };
+        let watcher = watch_dir(store.dir(), on_event);
+        let recheck = tokio::spawn(async move {
+            let mut tick = tokio::time::interval(RECHECK);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                let refresh = refresh.clone();
+                let _ = tokio::task::spawn_blocking(refresh).await;
+            }
+        });
+        Watch {
+            rx,
+            _watcher: watcher,
+            recheck,
+        }
+    }
+
+    /// A receiver of snapshots; `changed()` fires when a controller changed something.
+    pub fn subscribe(&self) -> watch::Receiver<Option<Snapshot>> {
+        self.rx.clone()
+    }
+}
+
+fn same_name(a: &Path, b: &Path) -> bool {
+    a.file_name().is_some() && a.file_name() == b.file_name()
+}
+
+/// Watches `dir` with inotify, or by polling when inotify is unavailable.
+fn watch_dir<F>(dir: &Path, on_event: F) -> Box<dyn notify::Watcher + Send>
+where
+    F: notify::EventHandler + Clone,
+{
+    let inotify = notify::recommended_watcher(on_event.clone()).and_then(|mut w| {
+        w.watch(dir, RecursiveMode::NonRecursive)?;
+        Ok(w)
+    });
+    match inotify {
+        Ok(w) => Box::new(w),
+        Err(e) => {
+            tracing::warn!(
+                "cannot watch {} with inotify ({e}); polling every {}ms instead",
+                dir.display(),
+                POLL.as_millis()
+            );
+            let config = notify::Config::default().with_poll_interval(POLL);
+            match notify::PollWatcher::new(on_event, config).and_then(|mut w| {
+                w.watch(dir, RecursiveMode::NonRecursive)?;
+                Ok(w)
+            }) {
+                Ok(w) => Box::new(w),
+                Err(e) => {
+                    tracing::warn!(
+                        "cannot poll {} either ({e}); relying on the {}s re-check",
+                        dir.display(),
+                        RECHECK.as_secs()
+                    );
+                    Box::new(NoWatcher)
+                }
+            }
+        }
+    }
+}
+
+/// The watcher of last resort: nothing but the periodic re-check.
+struct NoWatcher;
+
+impl notify::Watcher for NoWatcher {
+    fn new<F: notify::EventHandler>(_: F, _: notify::Config) -> notify::Result<Self> {
+        Ok(NoWatcher)
+    }
+    fn watch(&mut self, _: &Path, _: RecursiveMode) -> notify::Result<()> {
+        Ok(())
+    }
+    fn unwatch(&mut self, _: &Path) -> notify::Result<()> {
+        Ok(())
+    }
+    fn kind() -> notify::WatcherKind {
+        notify::WatcherKind::NullWatcher
+    }
+}

@@ -1,0 +1,221 @@
+//! Workflows: what to do next, and what a result does to the state. Pure functions of the state,
+//! no I/O.
+//!
+//! A workflow decides ([`Workflow::check`], [`Workflow::select`]) and applies action-specific
+//! results ([`Workflow::apply`]). What every workflow shares — interactive choices, the error
+//! windows, the action history, the iteration count — lives here ([`decide`], [`record_attempt`],
+//! [`record_finish`]), so the orchestrator knows no workflow's rules and a workflow knows no
+//! bookkeeping.
+
+pub mod ccw_loop;
+
+use serde_json::Value;
+
+use crate::protocol::ActionResult;
+use crate::state::model::{
+    ACTION_HISTORY_WINDOW, COMPLETED_ACTIONS_WINDOW, DevelopTask, ERRORS_WINDOW, ErrorEntry,
+    Finished, HistoryEntry, LoopState, Mode, trim_window,
+};
+
+/// Why a loop completed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    /// The workflow's goal was met.
+    Passed,
+    /// `max_iterations` was reached first.
+    IterationLimit,
+    /// Nothing is left to do, but the goal was not met.
+    Incomplete,
+}
+
+impl Outcome {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Passed => "passed",
+            Outcome::IterationLimit => "iteration_limit",
+            Outcome::Incomplete => "incomplete",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Outcome> {
+        match s {
+            "passed" => Some(Outcome::Passed),
+            "iteration_limit" => Some(Outcome::IterationLimit),
+            "incomplete" => Some(Outcome::Incomplete),
+            _ => None,
+        }
+    }
+}
+
+/// One action to run.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Dispatch {
+    pub action: String,
+    pub task_id: Option<String>,
+    /// Set for the final action: why the loop completes.
+    pub outcome: Option<Outcome>,
+}
+
+impl Dispatch {
+    pub fn new(action: &str) -> Dispatch {
+        Dispatch {
+            action: action.to_owned(),
+            task_id: None,
+            outcome: None,
+        }
+    }
+}
+
+/// What the loop does next.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Decision {
+    Run(Dispatch),
+    /// Fail the loop with this reason.
+    Abort(String),
+    /// Interactive mode: wait for a controller to choose one of `choices`.
+    Wait {
+        choices: Vec<String>,
+        suggested: Option<String>,
+        /// A choice was written that is not one of `choices`.
+        refused: Option<String>,
+    },
+}
+
+/// Defaults for limits a loop's state does not set.
+#[derive(Clone, Copy, Debug)]
+pub struct Limits {
+    pub max_iterations: u64,
+    pub max_errors: u64,
+}
+
+/// How an action ended, after its retries.
+#[derive(Clone, Debug)]
+pub enum Finish {
+    Success(ActionResult),
+    Failed(String),
+}
+
+/// What applying a result did to the loop as a whole.
+#[derive(Clone, Debug, PartialEq)]
+pub enum LoopEnd {
+    Completed(Outcome),
+}
+
+/// The facts a workflow needs from outside when applying a result.
+#[derive(Clone, Debug, Default)]
+pub struct Inputs {
+    pub now: String,
+    /// Tasks from the task list file, in order.
+    pub listed_tasks: Vec<DevelopTask>,
+}
+
+pub trait Workflow: Send + Sync {
+    fn name(&self) -> &'static str;
+    /// Every action this workflow can run (the choices of interactive mode).
+    fn actions(&self) -> &'static [&'static str];
+    /// Whether finishing `action` consumes an iteration.
+    fn counts_iteration(&self, action: &str) -> bool;
+    /// Termination checks after the status check: `None` means go on to selection.
+    fn check(&self, state: &LoopState, limits: Limits) -> Option<Decision>;
+    /// The next action in auto mode.
+    fn select(&self, state: &LoopState) -> Dispatch;
+    /// The dispatch for an action a controller chose in interactive mode.
+    fn choose(&self, state: &LoopState, action: &str) -> Dispatch;
+    /// Marks the state as the action starts (a develop task becomes `in_progress`).
+    fn begin(&self, state: &mut LoopState, dispatch: &Dispatch, now: &str);
+    /// Checks an action's `state_updates` before anything is applied.
+    fn validate(&self, action: &str, result: &ActionResult) -> Result<(), String>;
+    /// Applies the action's final outcome to the state.
+    fn apply(
+        &self,
+        state: &mut LoopState,
+        dispatch: &Dispatch,
+        finish: &Finish,
+        inputs: &Inputs,
+    ) -> Option<LoopEnd>;
+    /// Adds tasks listed after the loop started as `pending`; returns how many joined.
+    fn absorb_tasks(&self, state: &mut LoopState, listed: &[DevelopTask]) -> usize;
+}
+
+/// Every workflow by name.
+pub fn by_name(name: &str) -> Option<&'static dyn Workflow> {
+    match name {
+        "ccw-loop" => Some(&ccw_loop::CcwLoop),
+        _ => None,
+    }
+}
+
+/// The names [`by_name`] knows.
+pub const WORKFLOWS: &[&str] = &["ccw-loop"];
+
+/// Termination checks, then selection: auto mode selects, interactive mode waits for a choice.
+pub fn decide(workflow: &dyn Workflow, state: &LoopState, limits: Limits) -> Decision {
+    if let Some(decision) = workflow.check(state, limits) {
+        return decision;
+    }
+    if state.mode() == Mode::Auto {
+        return Decision::Run(workflow.select(state));
+    }
+    let choices: Vec<String> = workflow.actions().iter().map(|a| (*a).to_owned()).collect();
+    match &state.next_action {
+        Some(choice) if choices.contains(choice) => Decision::Run(workflow.choose(state, choice)),
+        other => Decision::Wait {
+            suggested: Some(workflow.select(state).action),
+            refused: other.clone(),
+            choices,
+        },
+    }
+}
+
+/// Records one attempt in the action history (bounded).
+pub fn record_attempt(state: &mut LoopState, entry: HistoryEntry) {
+    let skill = state.skill();
+    skill.action_history.push(entry);
+    trim_window(&mut skill.action_history, ACTION_HISTORY_WINDOW);
+}
+
+/// The bookkeeping every finished action gets: last/completed actions, the finish clock, the
+/// iteration count, and on failure the error count and window.
+pub fn record_finish(
+    workflow: &dyn Workflow,
+    state: &mut LoopState,
+    dispatch: &Dispatch,
+    finish: &Finish,
+    now: &str,
+) {
+    if workflow.counts_iteration(&dispatch.action) {
+        state.current_iteration += 1;
+    }
+    let skill = state.skill();
+    skill.seq += 1;
+    let ok = matches!(finish, Finish::Success(_));
+    skill
+        .finished
+        .insert(dispatch.action.clone(), Finished { seq: skill.seq, ok });
+    skill.current_action = None;
+    skill.last_action = Some(dispatch.action.clone());
+    skill.completed_actions.push(dispatch.action.clone());
+    trim_window(&mut skill.completed_actions, COMPLETED_ACTIONS_WINDOW);
+    if let Finish::Failed(message) = finish {
+        skill.error_count += 1;
+        skill.errors.push(ErrorEntry {
+            action: dispatch.action.clone(),
+            message: message.clone(),
+            timestamp: now.to_owned(),
+            extra: Default::default(),
+        });
+        trim_window(&mut skill.errors, ERRORS_WINDOW);
+    }
+}
+
+/// `state_updates[key]` as an optional string; an error if present with another type.
+pub(crate) fn opt_str<'a>(
+    updates: &'a serde_json::Map<String, Value>,
+    key: &str,
+) -> Result<Option<&'a str>, String> {
+    match updates.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) => Ok(Some(s)),
+        Some(other) => Err(format!("state_updates.{key} must be a string, not {other}")),
+    }
+}
