@@ -31,7 +31,6 @@ pub fn drive(p: &Project, id: &str, executor: Option<String>, exit_on_pause: boo
             .executor_named(name)
             .map_err(|reason| crate::cli::UsageError(format!("--executor: {reason}")))?;
     }
-    let _lock = DaemonLock::acquire(&p.store, id)?;
     let daemon = Daemon::new(
         p.root.clone(),
         p.store.clone(),
@@ -42,6 +41,7 @@ pub fn drive(p: &Project, id: &str, executor: Option<String>, exit_on_pause: boo
         exit_on_pause,
     )
     .map_err(|e| crate::cli::UsageError(format!("{e:#}")))?;
+    let _lock = DaemonLock::acquire(&p.store, id)?;
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()

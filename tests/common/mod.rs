@@ -1,0 +1,216 @@
+//! Test helpers: a temporary project driven through the real `loopd` binary, with fake executors
+//! written as small shell scripts.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+/// A generous bound for any wait in a test: it catches a hang, it measures nothing.
+pub const DEADLINE: Duration = Duration::from_secs(30);
+
+/// Config for tests: short backoff and grace so failures are quick.
+pub const TEST_CONFIG: &str = r#"
+retry_backoff = 0.01
+executor = "fake"
+
+[executor_defaults]
+kill_grace = 0.5
+
+[executors.fake]
+command = ["sh", "bin/agent.sh"]
+prompt = "stdin"
+format = "json"
+"#;
+
+/// An agent that plans two tasks, develops them, and passes validation.
+pub const GOOD_AGENT: &str = r#"
+cat > /dev/null
+case "$LOOPD_ACTION" in
+  init) echo '{"status":"success","summary":"planned","state_updates":{"tasks":[{"description":"first"},{"description":"second"}]}}' > "$LOOPD_RESULT_FILE" ;;
+  develop) echo "{\"status\":\"success\",\"summary\":\"did $LOOPD_TASK_ID\",\"files_changed\":[\"f.txt\"]}" > "$LOOPD_RESULT_FILE" ;;
+  validate) echo '{"status":"success","summary":"ok","state_updates":{"passed":true,"pass_rate":100}}' > "$LOOPD_RESULT_FILE" ;;
+  debug) echo '{"status":"success","summary":"nothing"}' > "$LOOPD_RESULT_FILE" ;;
+  complete) echo '{"status":"success","summary":"done","state_updates":{"summary":"all done"}}' > "$LOOPD_RESULT_FILE" ;;
+esac
+"#;
+
+pub struct Project {
+    _dir: tempfile::TempDir,
+    pub root: PathBuf,
+}
+
+impl Project {
+    /// A project whose `.loop/config.toml` is [`TEST_CONFIG`] and whose agent is `agent`.
+    pub fn new(agent: &str) -> Project {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let root = dir.path().canonicalize().expect("canonical tempdir");
+        std::fs::create_dir_all(root.join(".loop")).expect("mkdir .loop");
+        std::fs::create_dir_all(root.join("bin")).expect("mkdir bin");
+        let p = Project { _dir: dir, root };
+        p.config(TEST_CONFIG);
+        p.agent(agent);
+        p
+    }
+
+    pub fn config(&self, toml: &str) {
+        std::fs::write(self.root.join(".loop/config.toml"), toml).expect("write config");
+    }
+
+    pub fn agent(&self, body: &str) {
+        self.script("agent.sh", body);
+    }
+
+    /// Writes `bin/NAME` (a shell script) and returns its path.
+    pub fn script(&self, name: &str, body: &str) -> PathBuf {
+        let path = self.root.join("bin").join(name);
+        std::fs::write(&path, format!("#!/bin/sh\n{body}")).expect("write script");
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+        path
+    }
+
+    /// `loopd --root ROOT`, isolated from the user's environment and config.
+    pub fn loopd(&self) -> Command {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_loopd"));
+        cmd.arg("--root")
+            .arg(&self.root)
+            .current_dir(&self.root)
+            .env("HOME", &self.root)
+            .env_remove("LOOPD_CONFIG")
+            .env_remove("LOOPD_ROOT")
+            .env_remove("LOOPD_LOG")
+            .stdin(Stdio::null());
+        cmd
+    }
+
+    pub fn output(&self, args: &[&str]) -> Output {
+        self.loopd().args(args).output().expect("run loopd")
+    }
+
+    /// `loopd create ARGS...`; returns the id.
+    pub fn create(&self, args: &[&str]) -> String {
+        let mut all = vec!["create"];
+        all.extend_from_slice(args);
+        let out = self.output(&all);
+        assert!(out.status.success(), "create failed: {}", stderr(&out));
+        String::from_utf8(out.stdout).expect("utf8").trim().to_owned()
+    }
+
+    /// `loopd run ID ARGS...` to its end, bounded by [`DEADLINE`].
+    pub fn run(&self, id: &str, args: &[&str]) -> Output {
+        let child = self
+            .loopd()
+            .args(["run", id])
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn loopd run");
+        wait_output(child, DEADLINE)
+    }
+
+    /// `loopd run ID ARGS...` in the background.
+    pub fn spawn_run(&self, id: &str, args: &[&str]) -> Child {
+        self.loopd()
+            .args(["run", id])
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn loopd run")
+    }
+
+    pub fn state_path(&self, id: &str) -> PathBuf {
+        self.root.join(".loop").join(format!("{id}.json"))
+    }
+
+    pub fn state(&self, id: &str) -> Value {
+        let text = std::fs::read(self.state_path(id)).expect("read state");
+        serde_json::from_slice(&text).expect("state parses")
+    }
+
+    pub fn progress(&self, id: &str) -> PathBuf {
+        self.root.join(".loop").join(format!("{id}.progress"))
+    }
+
+    /// The events of a loop, parsed.
+    pub fn events(&self, id: &str) -> Vec<Value> {
+        let text = std::fs::read_to_string(self.progress(id).join("events.jsonl")).unwrap_or_default();
+        text.lines()
+            .map(|l| serde_json::from_str(l).expect("event parses"))
+            .collect()
+    }
+
+    pub fn event_names(&self, id: &str) -> Vec<String> {
+        self.events(id)
+            .iter()
+            .map(|e| e["event"].as_str().unwrap_or("").to_owned())
+            .collect()
+    }
+}
+
+pub fn stderr(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+pub fn stdout(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Waits for a child, killing it (and failing the test) past `limit`.
+pub fn wait_output(mut child: Child, limit: Duration) -> Output {
+    let deadline = Instant::now() + limit;
+    loop {
+        if child.try_wait().expect("try_wait").is_some() {
+            return child.wait_with_output().expect("output");
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let out = child.wait_with_output().expect("output");
+            panic!(
+                "loopd did not finish within {limit:?}\nstderr:\n{}",
+                stderr(&out)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// Polls `cond` until it holds, failing the test past [`DEADLINE`].
+pub fn wait_for(what: &str, mut cond: impl FnMut() -> bool) {
+    let deadline = Instant::now() + DEADLINE;
+    while !cond() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// Whether a process is alive (not a zombie).
+pub fn alive(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => {
+            let state = stat
+                .rfind(')')
+                .and_then(|i| stat[i + 1..].split_whitespace().next())
+                .unwrap_or("X");
+            !matches!(state, "Z" | "X")
+        }
+        Err(_) => false,
+    }
+}
+
+/// Reads a pid a fake executor wrote to a file, once it is there.
+pub fn read_pid(path: &Path) -> u32 {
+    let mut pid = 0;
+    wait_for(&format!("pid in {}", path.display()), || {
+        pid = std::fs::read_to_string(path)
+            .ok()
+            .and_then(|t| t.trim().parse().ok())
+            .unwrap_or(0);
+        pid != 0
+    });
+    pid
+}
