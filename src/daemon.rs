@@ -42,6 +42,7 @@ pub fn drive(p: &Project, id: &str, executor: Option<String>, exit_on_pause: boo
     )
     .map_err(|e| crate::cli::UsageError(format!("{e:#}")))?;
     let _lock = DaemonLock::acquire(&p.store, id)?;
+    crate::executor::procs::become_subreaper();
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()

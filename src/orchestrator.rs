@@ -474,15 +474,22 @@ impl Turn<'_> {
         else {
             return Ok(());
         };
+        // The recorded executor, if its pid was not recycled, and anything still carrying this
+        // loop's state file in its environment (it may have left the process group).
         let same_process = procs::ProcStat::read(flight.pid)
             .is_some_and(|p| flight.proc_start.is_none_or(|start| p.start == start));
-        if same_process || procs::group_alive(flight.pgid) {
+        let state_file = self.store().state_path(self.id);
+        let mut leftovers = procs::with_env("LOOPD_STATE_FILE", &state_file.display().to_string());
+        if same_process {
+            leftovers.push(flight.pid);
+        }
+        if !leftovers.is_empty() {
             let grace = self
                 .daemon
                 .plans
                 .get(&flight.action)
                 .map_or(Duration::from_secs(5), |p| p.supervision.kill_grace);
-            procs::end_group(flight.pgid, grace).await;
+            procs::end_attempt(flight.pgid, 0, &leftovers, grace).await;
         }
         workflow::record_attempt(
             &mut loaded.state,

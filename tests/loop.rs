@@ -44,7 +44,10 @@ fn a_good_agent_completes_the_loop_with_exit_0() {
         "completed",
         "daemon_exited",
     ] {
-        assert!(names.iter().any(|n| n == expected), "{expected} in {names:?}");
+        assert!(
+            names.iter().any(|n| n == expected),
+            "{expected} in {names:?}"
+        );
     }
     for e in p.events(&id) {
         assert!(e["ts"].as_str().is_some_and(|t| t.ends_with('Z')), "{e}");
@@ -81,9 +84,18 @@ fn a_good_agent_completes_the_loop_with_exit_0() {
         assert!(progress.join(file).exists(), "{file}");
     }
     let changes = std::fs::read_to_string(progress.join("changes.log")).unwrap();
-    let lines: Vec<Value> = changes.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let lines: Vec<Value> = changes
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
     assert_eq!(lines.len(), 2);
-    for key in ["timestamp", "task_id", "description", "files_changed", "result"] {
+    for key in [
+        "timestamp",
+        "task_id",
+        "description",
+        "files_changed",
+        "result",
+    ] {
         assert!(lines[0].get(key).is_some(), "{key}");
     }
     let logs = std::fs::read_dir(progress.join("actions")).unwrap().count();
@@ -91,15 +103,25 @@ fn a_good_agent_completes_the_loop_with_exit_0() {
 
     // status and list show it.
     let status = stdout(&p.output(&["status", &id]));
-    assert!(status.contains("completed") && status.contains("3/10") && status.contains("2/2"), "{status}");
-    let json_status: Value = serde_json::from_slice(&p.output(&["status", &id, "--json"]).stdout).unwrap();
+    assert!(
+        status.contains("completed") && status.contains("3/10") && status.contains("2/2"),
+        "{status}"
+    );
+    let json_status: Value =
+        serde_json::from_slice(&p.output(&["status", &id, "--json"]).stdout).unwrap();
     assert_eq!(json_status, s);
     let list = stdout(&p.output(&["list"]));
     assert!(list.contains(&id) && list.contains("Build it"), "{list}");
     let logs = stdout(&p.output(&["logs", &id]));
-    assert!(logs.contains("action finished") && logs.contains("completed"), "{logs}");
+    assert!(
+        logs.contains("action finished") && logs.contains("completed"),
+        "{logs}"
+    );
     let raw = stdout(&p.output(&["logs", &id, "--json"]));
-    assert!(raw.lines().all(|l| serde_json::from_str::<Value>(l).is_ok()));
+    assert!(
+        raw.lines()
+            .all(|l| serde_json::from_str::<Value>(l).is_ok())
+    );
 }
 
 #[test]
@@ -114,14 +136,24 @@ fn a_develop_that_always_fails_ends_failed_with_exit_4() {
     let s = p.state(&id);
     assert_eq!(s["status"], "failed");
     let reason = s["failure_reason"].as_str().unwrap();
-    assert!(reason.contains("max_errors (2)") && reason.contains("exit code 1"), "{reason}");
+    assert!(
+        reason.contains("max_errors (2)") && reason.contains("exit code 1"),
+        "{reason}"
+    );
     let skill = &s["skill_state"];
     assert_eq!(skill["error_count"], 2);
     assert_eq!(skill["errors"][0]["action"], "develop");
     // Every attempt is in the history and the event log: 3 attempts (2 retries) per develop.
-    let failed = p.events(&id).iter().filter(|e| e["event"] == "action_failed").count();
+    let failed = p
+        .events(&id)
+        .iter()
+        .filter(|e| e["event"] == "action_failed")
+        .count();
     assert_eq!(failed, 6);
-    assert_eq!(p.event_names(&id).iter().filter(|n| *n == "failed").count(), 1);
+    assert_eq!(
+        p.event_names(&id).iter().filter(|n| *n == "failed").count(),
+        1
+    );
     assert_eq!(skill["develop"]["tasks"][0]["status"], "failed");
 }
 
@@ -144,7 +176,10 @@ fn a_validate_that_never_passes_stops_at_max_iterations_with_exit_3() {
         .collect();
     assert_eq!(
         actions,
-        ["init", "develop", "develop", "validate", "debug", "validate", "debug", "validate", "complete"]
+        [
+            "init", "develop", "develop", "validate", "debug", "validate", "debug", "validate",
+            "complete"
+        ]
     );
 }
 
@@ -152,14 +187,19 @@ fn a_validate_that_never_passes_stops_at_max_iterations_with_exit_3() {
 fn the_state_file_stays_small_after_400_iterations() {
     let p = Project::new(GOOD_AGENT);
     // A cheap validate that never passes: debug and validate alternate until the limit.
-    p.config(&format!("{TEST_CONFIG}\n[actions.validate]\ncommand = \"false\"\n"));
+    p.config(&format!(
+        "{TEST_CONFIG}\n[actions.validate]\ncommand = \"false\"\n"
+    ));
     let id = p.create(&["--title", "t", "--max-iterations", "400"]);
     let out = p.run(&id, &[]);
     assert_eq!(code(&out), 3, "{}", stderr(&out));
     let s = p.state(&id);
     assert_eq!(s["current_iteration"], 400);
     let size = std::fs::metadata(p.state_path(&id)).unwrap().len();
-    assert!(size < 16 * 1024, "state file is {size} bytes after 400 iterations");
+    assert!(
+        size < 16 * 1024,
+        "state file is {size} bytes after 400 iterations"
+    );
     let skill = &s["skill_state"];
     assert_eq!(skill["action_history"].as_array().unwrap().len(), 10);
     assert!(skill["completed_actions"].as_array().unwrap().len() <= 20);
@@ -184,7 +224,11 @@ fn a_loop_made_by_the_ccw_dashboard_runs_in_task_order_and_keeps_every_field() {
         "executor_config": {"tool": "gemini", "nested": {"keep": [1, 2.5, null, "x"]}},
         "dashboard_only": true
     });
-    std::fs::write(p.state_path(id), serde_json::to_string_pretty(&original).unwrap()).unwrap();
+    std::fs::write(
+        p.state_path(id),
+        serde_json::to_string_pretty(&original).unwrap(),
+    )
+    .unwrap();
     let tasks_dir = p.root.join(".loop").join(id);
     std::fs::create_dir_all(&tasks_dir).unwrap();
     // Out of order, and no newline after the last record.
@@ -193,7 +237,11 @@ fn a_loop_made_by_the_ccw_dashboard_runs_in_task_order_and_keeps_every_field() {
         json!({"task_id": "T-c", "description": "third", "tool": "codex", "mode": "write", "order": 3, "status": "pending"}),
         json!({"task_id": "T-a", "description": "first", "tool": "gemini", "mode": "analysis", "order": 1, "status": "pending"}),
     ];
-    let text = tasks.iter().map(Value::to_string).collect::<Vec<_>>().join("\n");
+    let text = tasks
+        .iter()
+        .map(Value::to_string)
+        .collect::<Vec<_>>()
+        .join("\n");
     std::fs::write(tasks_dir.join("tasks.jsonl"), text).unwrap();
 
     let out = p.run(id, &[]);
@@ -221,7 +269,9 @@ fn a_loop_made_by_the_ccw_dashboard_runs_in_task_order_and_keeps_every_field() {
 #[test]
 fn tasks_given_at_create_are_developed_in_order() {
     let p = Project::new(GOOD_AGENT);
-    let id = p.create(&["--title", "t", "--task", "one", "--task", "two", "--task", "three"]);
+    let id = p.create(&[
+        "--title", "t", "--task", "one", "--task", "two", "--task", "three",
+    ]);
     let list = std::fs::read_to_string(p.root.join(format!(".loop/{id}.tasks.jsonl"))).unwrap();
     assert!(list.ends_with('\n') && list.lines().count() == 3);
     let out = p.run(&id, &[]);
@@ -256,11 +306,17 @@ esac
     assert_eq!(code(&out), 4, "{}", stderr(&out));
     let s = p.state(&id);
     assert_eq!(s["skill_state"]["develop"]["tasks"][0]["description"], "x");
-    assert_eq!(s["skill_state"]["develop"]["tasks"][0]["status"], "completed");
+    assert_eq!(
+        s["skill_state"]["develop"]["tasks"][0]["status"],
+        "completed"
+    );
     let errors = s["skill_state"]["errors"].as_array().unwrap();
     assert!(errors.iter().all(|e| e["action"] == "validate"));
     assert!(
-        errors[0]["message"].as_str().unwrap().contains("passed must be a boolean"),
+        errors[0]["message"]
+            .as_str()
+            .unwrap()
+            .contains("passed must be a boolean"),
         "{errors:?}"
     );
 }
@@ -277,15 +333,23 @@ case "$LOOPD_ACTION" in
 esac
 "#,
     );
-    p.config(&format!("action_retries = 0\n{TEST_CONFIG}\n[actions.develop]\ntimeout = 0.3\n"));
+    p.config(&format!(
+        "action_retries = 0\n{TEST_CONFIG}\n[actions.develop]\ntimeout = 0.3\n"
+    ));
     let id = p.create(&["--title", "t", "--max-errors", "1"]);
     let out = p.run(&id, &[]);
     assert_eq!(code(&out), 4, "{}", stderr(&out));
     let s = p.state(&id);
     let message = s["skill_state"]["errors"][0]["message"].as_str().unwrap();
     assert!(message.contains("timed out after 0.3s"), "{message}");
-    for pid in std::fs::read_to_string(p.root.join("pids")).unwrap().lines() {
-        assert!(!alive(pid.parse().unwrap()), "executor {pid} outlived its attempt");
+    for pid in std::fs::read_to_string(p.root.join("pids"))
+        .unwrap()
+        .lines()
+    {
+        assert!(
+            !alive(pid.parse().unwrap()),
+            "executor {pid} outlived its attempt"
+        );
     }
 }
 
@@ -306,7 +370,10 @@ esac
     let out = p.run(&id, &[]);
     assert_eq!(code(&out), 4, "{}", stderr(&out));
     let message = p.state(&id)["skill_state"]["errors"][0]["message"].clone();
-    assert!(message.as_str().unwrap().contains("no output for 0.3s"), "{message}");
+    assert!(
+        message.as_str().unwrap().contains("no output for 0.3s"),
+        "{message}"
+    );
 }
 
 #[test]
@@ -323,11 +390,17 @@ fn output_is_capped_in_the_attempt_log() {
     let develop_log = std::fs::read_dir(&logs)
         .unwrap()
         .map(|e| e.unwrap().path())
-        .find(|p| p.to_string_lossy().contains("develop") && p.extension().is_some_and(|e| e == "log"))
+        .find(|p| {
+            p.to_string_lossy().contains("develop") && p.extension().is_some_and(|e| e == "log")
+        })
         .unwrap();
     let text = std::fs::read_to_string(&develop_log).unwrap();
     assert!(text.len() < 100_200, "log is {} bytes", text.len());
-    assert!(text.contains("output capped at 100000 bytes; 3000000 bytes in all"), "{}", &text[text.len() - 200..]);
+    assert!(
+        text.contains("output capped at 100000 bytes; 3000000 bytes in all"),
+        "{}",
+        &text[text.len() - 200..]
+    );
 }
 
 #[test]
@@ -337,7 +410,9 @@ fn a_validate_test_command_needs_no_json() {
         "tests.sh",
         "echo 'running 2 tests'\necho 'test a ... ok'\necho 'test b ... ok'\necho 'test result: ok. 2 passed; 0 failed; 0 ignored'\n",
     );
-    p.config(&format!("{TEST_CONFIG}\n[actions.validate]\ncommand = \"sh bin/tests.sh\"\n"));
+    p.config(&format!(
+        "{TEST_CONFIG}\n[actions.validate]\ncommand = \"sh bin/tests.sh\"\n"
+    ));
     let id = p.create(&["--title", "t"]);
     let out = p.run(&id, &[]);
     assert_eq!(code(&out), 0, "{}", stderr(&out));
@@ -369,8 +444,15 @@ fn refused(p: &Project, args: &[&str], needle: &str) {
     let out = p.output(args);
     let err = stderr(&out);
     assert_eq!(code(&out), 2, "{args:?}: {err}");
-    assert_eq!(err.trim_end().lines().count(), 1, "{args:?}: one line, got {err:?}");
-    assert!(err.contains(needle), "{args:?}: {err:?} should mention {needle:?}");
+    assert_eq!(
+        err.trim_end().lines().count(),
+        1,
+        "{args:?}: one line, got {err:?}"
+    );
+    assert!(
+        err.contains(needle),
+        "{args:?}: {err:?} should mention {needle:?}"
+    );
     let after = snapshot(&p.root);
     let changed: Vec<&String> = before
         .keys()
@@ -393,7 +475,11 @@ fn bad_input_exits_2_with_one_line_and_changes_nothing() {
     refused(&p, &["run", "loop-v2-nope"], "unknown loop");
     refused(&p, &["status", "loop-v2-nope"], "unknown loop");
     refused(&p, &["create", "--title", "  "], "--title");
-    refused(&p, &["create", "--title", "t", "--max-iterations", "0"], "max-iterations");
+    refused(
+        &p,
+        &["create", "--title", "t", "--max-iterations", "0"],
+        "max-iterations",
+    );
     refused(&p, &["run", &id, "--executor", "nope"], "unknown executor");
 
     // A truncated state file is refused, and left as it was.
@@ -434,9 +520,16 @@ fn start_detaches_one_daemon_per_loop_and_logs_follow_returns_at_the_end() {
     wait_for("the develop to start", || p.root.join("waiting").exists());
     let again = p.output(&["start", &id]);
     assert_eq!(code(&again), 2);
-    assert!(stderr(&again).contains(&format!("pid {pid}")), "{}", stderr(&again));
+    assert!(
+        stderr(&again).contains(&format!("pid {pid}")),
+        "{}",
+        stderr(&again)
+    );
     let status = stdout(&p.output(&["status", &id]));
-    assert!(status.contains(&format!("daemon pid {pid}")) && status.contains("develop"), "{status}");
+    assert!(
+        status.contains(&format!("daemon pid {pid}")) && status.contains("develop"),
+        "{status}"
+    );
 
     let follow = p
         .loopd()
@@ -447,7 +540,10 @@ fn start_detaches_one_daemon_per_loop_and_logs_follow_returns_at_the_end() {
     std::fs::write(p.root.join("go"), "").unwrap();
     let out = wait_output(follow, DEADLINE);
     let text = stdout(&out);
-    assert!(text.contains("completed") && text.contains("daemon exited"), "{text}");
+    assert!(
+        text.contains("completed") && text.contains("daemon exited"),
+        "{text}"
+    );
     wait_for("the daemon to exit", || !alive(pid));
     assert_eq!(p.state(&id)["status"], "completed");
 }

@@ -3,7 +3,14 @@
 //! Stop sequence (as nextest and watchexec do it): SIGTERM to the whole group, a grace timer,
 //! SIGKILL to the group, and a bounded wait until no live member is left. Zombies do not count as
 //! alive: they hold no resources but a pid and cannot be killed, only reaped by their parent.
+//!
+//! The process group alone is not enough: a child can leave it (`setsid`, `setpgid`). The daemon
+//! is therefore a child subreaper, so such a child, once its parent exits, is reparented to the
+//! daemon rather than to init; an attempt's processes are its group, their descendants, and the
+//! daemon's descendants ([`attempt_processes`]). A daemon that died leaves its executors to init;
+//! the next one finds them by the `LOOPD_STATE_FILE` in their environment ([`with_env`]).
 
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
@@ -89,27 +96,152 @@ fn signal_group(pgid: u32, signal: Signal) -> bool {
     killpg(Pid::from_raw(pgid as i32), signal) != Err(Errno::ESRCH)
 }
 
-/// Ends every process of group `pgid`: SIGTERM, up to `grace` for them to go, then SIGKILL.
+/// Makes this process the reaper of its orphaned descendants, so that an executor's child that
+/// escaped into a session of its own is reparented here, not to init, and can still be found.
+pub fn become_subreaper() {
+    if let Err(e) = nix::sys::prctl::set_child_subreaper(true) {
+        tracing::warn!(
+            "warning: cannot become a child subreaper ({e}); escaped executor processes may be missed"
+        );
+    }
+}
+
+/// This process's direct children (`/proc/self/task/*/children`); `None` where the kernel does
+/// not offer that list.
+fn own_children() -> Option<Vec<u32>> {
+    let mut children = Vec::new();
+    for task in std::fs::read_dir("/proc/self/task").ok()? {
+        let text = std::fs::read_to_string(task.ok()?.path().join("children")).ok()?;
+        children.extend(
+            text.split_whitespace()
+                .filter_map(|p| p.parse::<u32>().ok()),
+        );
+    }
+    Some(children)
+}
+
+/// Reaps this process's zombie children, except `keep` (whose owner reaps it).
+fn reap_zombies(keep: u32) {
+    use nix::sys::wait::{WaitPidFlag, waitpid};
+    let children = own_children().unwrap_or_else(|| {
+        let me = std::process::id();
+        all()
+            .into_iter()
+            .filter(|p| p.ppid == me)
+            .map(|p| p.pid)
+            .collect()
+    });
+    for pid in children {
+        if pid != keep && ProcStat::read(pid).is_some_and(|p| !p.is_alive()) {
+            let _ = waitpid(Pid::from_raw(pid as i32), Some(WaitPidFlag::WNOHANG));
+        }
+    }
+}
+
+/// The live processes of an attempt: the members of its process group, their descendants, and
+/// every descendant of this daemon (an executor's orphans are reparented to it, a subreaper), so
+/// that a child that left the group or the session is still found.
+pub fn attempt_processes(pgid: u32) -> Vec<u32> {
+    let me = std::process::id();
+    let procs = all();
+    let mut children: HashMap<u32, Vec<u32>> = HashMap::new();
+    for p in &procs {
+        children.entry(p.ppid).or_default().push(p.pid);
+    }
+    let mut stack: Vec<u32> = procs
+        .iter()
+        .filter(|p| p.pgid == pgid)
+        .map(|p| p.pid)
+        .collect();
+    stack.extend(children.get(&me).into_iter().flatten());
+    let mut found = HashSet::new();
+    while let Some(pid) = stack.pop() {
+        if pid != me && found.insert(pid) {
+            stack.extend(children.get(&pid).into_iter().flatten());
+        }
+    }
+    procs
+        .iter()
+        .filter(|p| found.contains(&p.pid) && p.is_alive())
+        .map(|p| p.pid)
+        .collect()
+}
+
+/// The live processes whose environment holds `key=value` (another daemon's executors, found
+/// after that daemon died).
+pub fn with_env(key: &str, value: &str) -> Vec<u32> {
+    let needle = format!("{key}={value}");
+    let me = std::process::id();
+    all()
+        .into_iter()
+        .filter(|p| p.pid != me && p.is_alive())
+        .filter(|p| {
+            std::fs::read(format!("/proc/{}/environ", p.pid))
+                .is_ok_and(|env| env.split(|b| *b == 0).any(|var| var == needle.as_bytes()))
+        })
+        .map(|p| p.pid)
+        .collect()
+}
+
+fn signal_each(pids: &[u32], signal: Signal) {
+    for pid in pids {
+        let _ = nix::sys::signal::kill(Pid::from_raw(*pid as i32), signal);
+    }
+}
+
+/// Ends every process of an attempt (see [`attempt_processes`]) plus `extra`: SIGTERM, up to
+/// `grace` for them to go, then SIGKILL. `main` is the executor's own pid, reaped by its owner.
 /// Returns whether SIGKILL was needed.
-pub async fn end_group(pgid: u32, grace: Duration) -> bool {
-    if pgid <= 1 || !signal_group(pgid, Signal::SIGTERM) {
+pub async fn end_attempt(pgid: u32, main: u32, extra: &[u32], grace: Duration) -> bool {
+    if pgid <= 1 {
         return false;
     }
+    reap_zombies(main);
+    // The common case, cheaply: the group is empty and nothing was left behind.
+    let group_empty = !signal_group(pgid, Signal::SIGTERM);
+    if group_empty && extra.is_empty() && own_children().is_some_and(|c| c.is_empty()) {
+        return false;
+    }
+    let procs = |extra: &[u32]| {
+        let mut pids = attempt_processes(pgid);
+        pids.extend(
+            extra
+                .iter()
+                .filter(|p| ProcStat::read(**p).is_some_and(|s| s.is_alive())),
+        );
+        pids
+    };
+    let mut termed: HashSet<u32> = HashSet::new();
     let deadline = Instant::now() + grace;
     let mut pause = Duration::from_millis(1);
-    while Instant::now() < deadline {
-        if !group_alive(pgid) {
+    loop {
+        let pids = procs(extra);
+        if pids.is_empty() {
+            reap_zombies(main);
             return false;
+        }
+        // Newcomers get their SIGTERM too.
+        let new: Vec<u32> = pids.into_iter().filter(|p| termed.insert(*p)).collect();
+        signal_each(&new, Signal::SIGTERM);
+        if Instant::now() >= deadline {
+            break;
         }
         tokio::time::sleep(pause.min(deadline.saturating_duration_since(Instant::now()))).await;
         pause = (pause * 2).min(Duration::from_millis(20));
     }
-    signal_group(pgid, Signal::SIGKILL);
-    // SIGKILL cannot be ignored; the wait is bounded anyway in case of uninterruptible sleep.
+    // SIGKILL cannot be ignored; rounds catch what forked meanwhile, bounded in case of
+    // uninterruptible sleep.
     let deadline = Instant::now() + Duration::from_secs(5);
-    while group_alive(pgid) && Instant::now() < deadline {
+    loop {
+        signal_group(pgid, Signal::SIGKILL);
+        let pids = procs(extra);
+        if pids.is_empty() || Instant::now() >= deadline {
+            break;
+        }
+        signal_each(&pids, Signal::SIGKILL);
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
+    reap_zombies(main);
     true
 }
 

@@ -96,7 +96,10 @@ impl Project {
         all.extend_from_slice(args);
         let out = self.output(&all);
         assert!(out.status.success(), "create failed: {}", stderr(&out));
-        String::from_utf8(out.stdout).expect("utf8").trim().to_owned()
+        String::from_utf8(out.stdout)
+            .expect("utf8")
+            .trim()
+            .to_owned()
     }
 
     /// `loopd run ID ARGS...` to its end, bounded by [`DEADLINE`].
@@ -138,7 +141,8 @@ impl Project {
 
     /// The events of a loop, parsed.
     pub fn events(&self, id: &str) -> Vec<Value> {
-        let text = std::fs::read_to_string(self.progress(id).join("events.jsonl")).unwrap_or_default();
+        let text =
+            std::fs::read_to_string(self.progress(id).join("events.jsonl")).unwrap_or_default();
         text.lines()
             .map(|l| serde_json::from_str(l).expect("event parses"))
             .collect()
