@@ -24,6 +24,17 @@ pub fn run_foreground(
 
 /// Drives a loop in this process with a fresh runtime, holding its daemon lock.
 pub fn drive(p: &Project, id: &str, executor: Option<String>, exit_on_pause: bool) -> Result<Exit> {
+    crate::state::store::validate_id(id)?;
+    // A state file spoilt since the last run is restored from its backup before anything else.
+    let restored = p.store.restore(id)?.map(|reason| {
+        let message = format!(
+            "{} was unusable ({reason}); restored from {}",
+            p.store.state_path(id).display(),
+            p.store.backup_path(id).display()
+        );
+        eprintln!("loopd: {message}");
+        message
+    });
     let state = p.load(id)?;
     let workflow = loop_workflow(p, &state)?;
     if let Some(name) = &executor {
@@ -41,6 +52,8 @@ pub fn drive(p: &Project, id: &str, executor: Option<String>, exit_on_pause: boo
         exit_on_pause,
     )
     .map_err(|e| crate::cli::UsageError(format!("{e:#}")))?;
+    let mut daemon = daemon;
+    daemon.restored = restored;
     let _lock = DaemonLock::acquire(&p.store, id)?;
     crate::executor::procs::become_subreaper();
     let runtime = tokio::runtime::Builder::new_current_thread()

@@ -80,6 +80,8 @@ pub struct Daemon {
     pub executor: Box<dyn Executor>,
     pub executor_override: Option<String>,
     pub exit_on_pause: bool,
+    /// Set when the state file was restored from its backup before the start, saying why.
+    pub restored: Option<String>,
     actions: BTreeMap<String, ActionDef>,
     plans: BTreeMap<String, Plan>,
 }
@@ -118,6 +120,7 @@ impl Daemon {
             executor,
             executor_override,
             exit_on_pause,
+            restored: None,
             actions,
             plans,
         })
@@ -151,6 +154,7 @@ impl Daemon {
             watch: Watch::start(&self.store, id),
             shutdown,
             tasks_seen: None,
+            ours: None,
         };
         let exit = turn.drive().await;
         let (code, outcome) = match &exit {
@@ -238,6 +242,9 @@ struct Turn<'a> {
     shutdown: watch::Receiver<Option<i32>>,
     /// The task list file as last absorbed (length, modification time).
     tasks_seen: Option<(u64, SystemTime)>,
+    /// The state as this daemon last wrote it: its own fields here are the truth, whatever
+    /// another program writes back.
+    ours: Option<LoopState>,
 }
 
 impl Turn<'_> {
@@ -249,34 +256,87 @@ impl Turn<'_> {
         *self.shutdown.borrow()
     }
 
+    /// Writes the daemon's fields of `state` (see [`Store::commit_with`]) and remembers them.
+    fn commit(
+        &mut self,
+        state: &LoopState,
+        transition: Option<&Transition>,
+        choice: Option<&str>,
+        durable: bool,
+    ) -> Result<LoopState> {
+        let after = self
+            .store()
+            .commit_with(state, transition, choice, durable)?;
+        self.ours = Some(after.state.clone());
+        Ok(after.state)
+    }
+
+    /// The state as it is now: controllers' fields from the file, the daemon's fields from its own
+    /// copy. A write by another program that put back stale daemon fields (a read-modify-write
+    /// racing the daemon) is repaired at once, keeping that program's own changes.
+    fn refresh(&mut self) -> Result<LoopState> {
+        let loaded = self.store().load(self.id)?;
+        let Some(ours) = &self.ours else {
+            self.ours = Some(loaded.state.clone());
+            return Ok(loaded.state);
+        };
+        let our_skill = serde_json::to_value(&ours.skill_state)?;
+        let reverted = loaded.state.current_iteration != ours.current_iteration
+            || loaded.raw.get("skill_state").unwrap_or(&Value::Null) != &our_skill;
+        if !reverted {
+            return Ok(loaded.state);
+        }
+        let ours = ours.clone();
+        self.events.emit(Event::new(name::WARNING).with(
+            "message",
+            format!(
+                "another program wrote back stale loop progress (iteration {} instead of {}); repaired",
+                loaded.state.current_iteration, ours.current_iteration
+            ),
+        ));
+        self.commit(&ours, None, None, true)
+    }
+
     async fn drive(&mut self) -> Result<Exit> {
-        let mut loaded = self.store().load(self.id)?;
-        if loaded.state.status == Status::Created {
-            loaded = self.store().commit(
-                &loaded.state,
+        if let Some(message) = &self.daemon.restored {
+            self.events
+                .emit(Event::new(name::RECOVERED).with("message", message.clone()));
+        }
+        let swept = self.store().sweep_temp_files(self.id)?;
+        if swept > 0 {
+            self.events.emit(Event::new(name::WARNING).with(
+                "message",
+                format!("removed {swept} temporary file(s) left by an interrupted write"),
+            ));
+        }
+        let mut state = self.store().load(self.id)?.state;
+        if state.status == Status::Created {
+            state = self.commit(
+                &state,
                 Some(&Transition {
                     from: &[Status::Created],
                     to: Status::Running,
                     failure_reason: None,
                     completed_at: false,
                 }),
+                None,
                 true,
             )?;
         }
-        self.recover(&mut loaded).await?;
+        self.ours = Some(state.clone());
+        self.recover(&mut state).await?;
         self.events.emit(
             Event::new(name::LOOP_STARTED)
-                .with("iteration", loaded.state.current_iteration)
-                .with("status", loaded.state.status.as_str())
-                .with("title", loaded.state.title.clone()),
+                .with("iteration", state.current_iteration)
+                .with("status", state.status.as_str())
+                .with("title", state.title.clone()),
         );
         let mut paused_logged = false;
         loop {
             if let Some(sig) = self.signalled() {
                 return Ok(Exit::Signalled(sig));
             }
-            let loaded = self.store().load(self.id)?;
-            let mut state = loaded.state;
+            let mut state = self.refresh()?;
             match &state.status {
                 Status::Running => {
                     if paused_logged {
@@ -286,7 +346,7 @@ impl Turn<'_> {
                 }
                 Status::Created => {
                     // Someone reset the loop: start it again.
-                    self.store().commit(
+                    self.commit(
                         &state,
                         Some(&Transition {
                             from: &[Status::Created],
@@ -294,6 +354,7 @@ impl Turn<'_> {
                             failure_reason: None,
                             completed_at: false,
                         }),
+                        None,
                         true,
                     )?;
                     continue;
@@ -328,7 +389,7 @@ impl Turn<'_> {
             self.absorb_tasks(&mut state)?;
             match workflow::decide(self.daemon.workflow, &state, self.daemon.limits()) {
                 Decision::Abort(reason) => {
-                    let after = self.store().commit(
+                    let after = self.commit(
                         &state,
                         Some(&Transition {
                             from: &[Status::Running],
@@ -336,9 +397,10 @@ impl Turn<'_> {
                             failure_reason: Some(reason.clone()),
                             completed_at: false,
                         }),
+                        None,
                         true,
                     )?;
-                    if after.state.status == Status::Failed {
+                    if after.status == Status::Failed {
                         self.events
                             .emit(Event::new(name::FAILED).with("error", reason.clone()));
                         return Ok(Exit::Failed(reason));
@@ -428,8 +490,7 @@ impl Turn<'_> {
                 choices: choices.clone(),
                 suggested: suggested.clone(),
             });
-            self.store()
-                .commit_consuming(&state, refused.as_deref(), true)?;
+            self.commit(&state, None, refused.as_deref(), true)?;
             self.events.emit(
                 Event::new(name::AWAITING_CHOICE)
                     .with("choices", choices.join(","))
@@ -456,43 +517,52 @@ impl Turn<'_> {
         }
         let joined = self.daemon.workflow.absorb_tasks(state, &listed);
         if joined > 0 {
-            *state = self.store().commit(state, None, true)?.state;
+            *state = self.commit(state, None, None, true)?;
             self.events
                 .emit(Event::new(name::TASKS_ADDED).with("count", joined));
         }
         Ok(())
     }
 
-    /// A daemon that died left an attempt in flight: end what is left of its process group and
-    /// record the attempt as interrupted.
-    async fn recover(&mut self, loaded: &mut Loaded) -> Result<()> {
-        let Some(flight) = loaded
-            .state
-            .skill_state
-            .as_mut()
-            .and_then(|s| s.in_flight.take())
-        else {
-            return Ok(());
-        };
-        // The recorded executor, if its pid was not recycled, and anything still carrying this
-        // loop's state file in its environment (it may have left the process group).
-        let same_process = procs::ProcStat::read(flight.pid)
-            .is_some_and(|p| flight.proc_start.is_none_or(|start| p.start == start));
+    /// A daemon that died may have left an attempt in flight: end whatever is left of it (the
+    /// recorded process, if its pid was not recycled, and anything still carrying this loop's
+    /// state file in its environment, even outside the process group) and record the attempt as
+    /// interrupted.
+    async fn recover(&mut self, state: &mut LoopState) -> Result<()> {
+        let flight = state.skill_state.as_mut().and_then(|s| s.in_flight.take());
         let state_file = self.store().state_path(self.id);
         let mut leftovers = procs::with_env("LOOPD_STATE_FILE", &state_file.display().to_string());
-        if same_process {
-            leftovers.push(flight.pid);
+        if let Some(f) = &flight {
+            let same_process = procs::ProcStat::read(f.pid)
+                .is_some_and(|p| f.proc_start.is_none_or(|start| p.start == start));
+            if same_process {
+                leftovers.push(f.pid);
+            }
         }
         if !leftovers.is_empty() {
+            let action = flight.as_ref().map_or("", |f| f.action.as_str());
             let grace = self
                 .daemon
                 .plans
-                .get(&flight.action)
+                .get(action)
                 .map_or(Duration::from_secs(5), |p| p.supervision.kill_grace);
-            procs::end_attempt(flight.pgid, 0, &leftovers, grace).await;
+            let pgid = flight.as_ref().map_or(0, |f| f.pgid);
+            procs::end_attempt(pgid, 0, &leftovers, grace).await;
         }
+        let Some(flight) = flight else {
+            if !leftovers.is_empty() {
+                self.events.emit(Event::new(name::RECOVERED).with(
+                    "message",
+                    format!(
+                        "ended {} executor process(es) of a daemon that died",
+                        leftovers.len()
+                    ),
+                ));
+            }
+            return Ok(());
+        };
         workflow::record_attempt(
-            &mut loaded.state,
+            state,
             HistoryEntry {
                 action: flight.action.clone(),
                 iteration: flight.iteration,
@@ -508,8 +578,8 @@ impl Turn<'_> {
                 ..HistoryEntry::default()
             },
         );
-        loaded.state.skill().current_action = None;
-        *loaded = self.store().commit(&loaded.state, None, true)?;
+        state.skill().current_action = None;
+        *state = self.commit(state, None, None, true)?;
         self.events.emit(
             Event::new(name::RECOVERED)
                 .with("action", flight.action)
@@ -518,7 +588,7 @@ impl Turn<'_> {
                 .with("pid", flight.pid)
                 .with(
                     "message",
-                    "an attempt of a previous daemon was in flight; recorded as interrupted",
+                    "an attempt of a daemon that died was in flight; recorded as interrupted",
                 ),
         );
         Ok(())
@@ -675,7 +745,7 @@ impl Turn<'_> {
         };
         let started_at = now_rfc3339();
         let cancel = CancellationToken::new();
-        let mut spawn_error: Option<anyhow::Error> = None;
+        let mut spawn_commit: Option<Result<Loaded, crate::state::store::StoreError>> = None;
         let run = {
             let events = &mut self.events;
             let consumed = consumed_choice.as_deref();
@@ -694,9 +764,7 @@ impl Turn<'_> {
                 });
                 // Durable against a daemon crash (the rename); an fsync buys nothing here, since
                 // after a power loss no executor is left to clean up.
-                if let Err(e) = store.commit_consuming(state, consumed, false) {
-                    spawn_error = Some(e.into());
-                }
+                spawn_commit = Some(store.commit_consuming(state, consumed, false));
                 events.emit(
                     Event::new(name::ACTION_STARTED)
                         .with("iteration", iteration)
@@ -731,8 +799,8 @@ impl Turn<'_> {
             };
             (run, interrupt)
         };
-        if let Some(e) = spawn_error {
-            return Err(e);
+        if let Some(committed) = spawn_commit {
+            self.ours = Some(committed?.state);
         }
         let (run, interrupt) = run;
         let run = match run {
@@ -853,7 +921,7 @@ impl Turn<'_> {
     /// Records a finished attempt in the history and clears the in-flight record.
     #[allow(clippy::too_many_arguments)]
     fn record(
-        &self,
+        &mut self,
         state: &mut LoopState,
         dispatch: &Dispatch,
         iteration: u64,
@@ -883,12 +951,12 @@ impl Turn<'_> {
             "interrupted" => {
                 // The attempt did not happen, as far as the workflow is concerned.
                 state.skill().current_action = None;
-                self.store().commit(state, None, true)?;
+                self.commit(state, None, None, true)?;
             }
             // A success is written with its result, by `finish`.
             "success" => {}
             _ => {
-                self.store().commit(state, None, false)?;
+                self.commit(state, None, None, false)?;
             }
         }
         Ok(())
@@ -926,8 +994,7 @@ impl Turn<'_> {
             failure_reason: None,
             completed_at: true,
         });
-        let after = self.store().commit(&state, transition.as_ref(), true)?;
-        let state = after.state;
+        let state = self.commit(&state, transition.as_ref(), None, true)?;
         let (ok, summary, files) = match &finish {
             Finish::Success(r) => (true, r.summary.clone(), r.files_changed.clone()),
             Finish::Failed(e) => (false, e.clone(), Vec::new()),

@@ -412,6 +412,39 @@ impl LoopState {
         self.max_errors.unwrap_or(default)
     }
 
+    /// What makes this state unusable, for people (the seed's state validation). `file_id` is the
+    /// id the file name gives.
+    pub fn problems(&self, file_id: Option<&str>) -> Vec<String> {
+        let mut problems = Vec::new();
+        if let Some(id) = file_id {
+            if !self.loop_id.is_empty() && self.loop_id != id {
+                problems.push(format!(
+                    "loop_id {:?} does not match the file name ({id})",
+                    self.loop_id
+                ));
+            }
+        }
+        for (key, value) in [
+            ("max_iterations", self.max_iterations),
+            ("max_errors", self.max_errors),
+        ] {
+            if value == Some(0) {
+                problems.push(format!("{key} must be at least 1"));
+            }
+        }
+        if let Some(skill) = &self.skill_state {
+            let mut ids = std::collections::HashSet::new();
+            for task in &skill.develop.tasks {
+                if task.id.is_empty() {
+                    problems.push("a develop task has an empty id".to_owned());
+                } else if !ids.insert(task.id.as_str()) {
+                    problems.push(format!("develop task id {:?} appears twice", task.id));
+                }
+            }
+        }
+        problems
+    }
+
     pub fn mode(&self) -> Mode {
         self.skill_state
             .as_ref()

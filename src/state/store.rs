@@ -32,6 +32,11 @@ pub const DAEMON_FIELDS: &[&str] = &["current_iteration", "skill_state"];
 const LOCK_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long a read retries a file that does not parse (another writer may be half-way).
 const PARSE_RETRY: Duration = Duration::from_millis(250);
+/// A state file larger than this is refused rather than read.
+pub const MAX_STATE_SIZE: u64 = 16 << 20;
+/// How often a read-modify-write starts over when a writer that takes no lock changed the file
+/// under it.
+const WRITE_RACE_RETRIES: usize = 5;
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
@@ -108,8 +113,15 @@ impl Loaded {
         let Value::Object(raw) = value else {
             return Err("not a JSON object".to_owned());
         };
-        let state: LoopState = serde_json::from_value(Value::Object(raw.clone()))
-            .map_err(|e| format!("{e} (in {})", path.display()))?;
+        let state: LoopState =
+            serde_json::from_value(Value::Object(raw.clone())).map_err(|e| e.to_string())?;
+        let id = path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .and_then(|n| n.strip_suffix(".json"));
+        if let Some(problem) = state.problems(id).into_iter().next() {
+            return Err(problem);
+        }
         Ok(Loaded { raw, state })
     }
 }
@@ -215,27 +227,120 @@ impl Store {
 
     /// Reads and parses a loop's state file.
     pub fn load(&self, id: &str) -> Result<Loaded, StoreError> {
+        self.read(id).map(|(_, loaded)| loaded)
+    }
+
+    /// The state file's bytes and their parse. Refused: a file over [`MAX_STATE_SIZE`], a symlink
+    /// that leads out of the state directory, and (after a short retry, in case another program
+    /// is half-way through rewriting it) a file that does not parse or fails validation.
+    fn read(&self, id: &str) -> Result<(Vec<u8>, Loaded), StoreError> {
         validate_id(id)?;
         let path = self.state_path(id);
-        let deadline = Instant::now() + PARSE_RETRY;
-        loop {
-            let bytes = match fs::read(&path) {
-                Ok(bytes) => bytes,
-                Err(e) if e.kind() == io::ErrorKind::NotFound => {
-                    return Err(StoreError::NotFound {
-                        id: id.to_owned(),
-                        path,
-                    });
-                }
-                Err(e) => return Err(io_err(&path)(e)),
-            };
-            match Loaded::parse(&path, &bytes) {
-                Ok(loaded) => return Ok(loaded),
-                // Another program may be half-way through rewriting the file in place.
-                Err(_) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(5)),
-                Err(reason) => return Err(StoreError::Corrupt { path, reason }),
+        let corrupt = |reason: String| StoreError::Corrupt {
+            path: path.clone(),
+            reason,
+        };
+        let meta = match fs::symlink_metadata(&path) {
+            Ok(meta) => meta,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                return Err(StoreError::NotFound {
+                    id: id.to_owned(),
+                    path,
+                });
+            }
+            Err(e) => return Err(io_err(&path)(e)),
+        };
+        if meta.file_type().is_symlink() {
+            let target = fs::canonicalize(&path).map_err(io_err(&path))?;
+            let dir = fs::canonicalize(&self.dir).map_err(io_err(&self.dir))?;
+            if !target.starts_with(&dir) {
+                return Err(corrupt(format!(
+                    "a symlink to {}, outside the state directory",
+                    target.display()
+                )));
             }
         }
+        let deadline = Instant::now() + PARSE_RETRY;
+        loop {
+            let file = File::open(&path).map_err(io_err(&path))?;
+            let len = file.metadata().map_err(io_err(&path))?.len();
+            if len > MAX_STATE_SIZE {
+                return Err(corrupt(format!(
+                    "{len} bytes, over the {} MiB limit",
+                    MAX_STATE_SIZE >> 20
+                )));
+            }
+            let mut bytes = Vec::with_capacity(len as usize);
+            use std::io::Read;
+            file.take(MAX_STATE_SIZE + 1)
+                .read_to_end(&mut bytes)
+                .map_err(io_err(&path))?;
+            match Loaded::parse(&path, &bytes) {
+                Ok(loaded) => return Ok((bytes, loaded)),
+                // Another program may be half-way through rewriting the file in place.
+                Err(_) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(5)),
+                Err(reason) => return Err(corrupt(reason)),
+            }
+        }
+    }
+
+    /// The backup of a loop's state: a copy of the last durable write of a loopd writer.
+    pub fn backup_path(&self, id: &str) -> PathBuf {
+        self.dir.join(format!("{id}.json.bak"))
+    }
+
+    /// Replaces a state file that does not load with its backup, if the backup loads. Returns
+    /// why the state file was refused, or `None` if it was fine.
+    pub fn restore(&self, id: &str) -> Result<Option<String>, StoreError> {
+        let reason = match self.load(id) {
+            Ok(_) => return Ok(None),
+            Err(StoreError::Corrupt { reason, .. }) => reason,
+            Err(e) => return Err(e),
+        };
+        let _lock = self.lock(id)?;
+        let backup = self.backup_path(id);
+        let bytes = fs::read(&backup).map_err(|e| StoreError::Corrupt {
+            path: self.state_path(id),
+            reason: format!(
+                "{reason}; no backup to restore from ({}: {e})",
+                backup.display()
+            ),
+        })?;
+        Loaded::parse(&self.state_path(id), &bytes).map_err(|why| StoreError::Corrupt {
+            path: self.state_path(id),
+            reason: format!(
+                "{reason}; the backup {} is no good either: {why}",
+                backup.display()
+            ),
+        })?;
+        write_atomic(&self.state_path(id), &bytes, true).map_err(io_err(&self.state_path(id)))?;
+        Ok(Some(reason))
+    }
+
+    /// Removes temporary files that an interrupted write left behind (under the loop's lock, so
+    /// no write of another loopd is in progress). Returns how many were removed.
+    pub fn sweep_temp_files(&self, id: &str) -> Result<usize, StoreError> {
+        let _lock = self.lock(id)?;
+        let prefix = format!(".{id}.json.");
+        let mut removed = 0;
+        for dir in [self.dir.clone(), self.progress_dir(id)] {
+            let Ok(entries) = fs::read_dir(&dir) else {
+                continue;
+            };
+            for entry in entries.filter_map(Result::ok) {
+                let name = entry.file_name();
+                let name = name.to_string_lossy();
+                let ours = if dir == self.dir {
+                    name.starts_with(&prefix)
+                } else {
+                    name.starts_with('.')
+                };
+                if ours && name.ends_with(TEMP_SUFFIX) && fs::remove_file(entry.path()).is_ok() {
+                    removed += 1;
+                }
+            }
+        }
+        Ok(removed)
     }
 
     /// Writes a new loop; refuses if one with that id exists.
@@ -258,21 +363,51 @@ impl Store {
     }
 
     /// Read-modify-write under the lock: `change` edits the raw JSON object. Returns the new state.
+    ///
+    /// A durable write also refreshes the backup ([`Store::backup_path`]). Writers that take no lock (the CCW dashboard) are
+    /// caught if they wrote between the read and the rename: the file is read again just before
+    /// the rename, and the whole change starts over if it differs.
     pub fn update(
         &self,
         id: &str,
         durable: bool,
-        change: impl FnOnce(&mut Map<String, Value>, &LoopState),
+        mut change: impl FnMut(&mut Map<String, Value>, &LoopState),
     ) -> Result<Loaded, StoreError> {
         let _lock = self.lock(id)?;
-        let Loaded { mut raw, state } = self.load(id)?;
-        change(&mut raw, &state);
-        raw.insert("updated_at".into(), Value::String(now_rfc3339()));
         let path = self.state_path(id);
-        let value = Value::Object(raw);
-        write_json(&path, &value, durable)?;
-        Loaded::parse(&path, value.to_string().as_bytes())
-            .map_err(|reason| StoreError::Corrupt { path, reason })
+        let mut tries = 0;
+        loop {
+            let (before, Loaded { mut raw, state }) = self.read(id)?;
+            change(&mut raw, &state);
+            raw.insert("updated_at".into(), Value::String(now_rfc3339()));
+            let value = Value::Object(raw);
+            let bytes = to_pretty(&path, &value)?;
+            tries += 1;
+            let raced = fs::read(&path).is_ok_and(|now| now != before);
+            if raced && tries < WRITE_RACE_RETRIES {
+                continue;
+            }
+            write_atomic(&path, &bytes, durable).map_err(io_err(&path))?;
+            if durable {
+                // A copy, not a link: a writer that truncates the state file in place must not
+                // reach the backup. It needs no fsync: a crash cannot tear the state file, only
+                // another program can spoil it.
+                let backup = self.backup_path(id);
+                if let Err(e) = write_atomic(&backup, &bytes, false) {
+                    tracing::warn!("warning: cannot write the backup {}: {e}", backup.display());
+                }
+            }
+            let Value::Object(raw) = value else {
+                unreachable!("built as an object")
+            };
+            let state = serde_json::from_value(Value::Object(raw.clone())).map_err(|e| {
+                StoreError::Corrupt {
+                    path: path.clone(),
+                    reason: e.to_string(),
+                }
+            })?;
+            return Ok(Loaded { raw, state });
+        }
     }
 
     /// The daemon's write: re-reads the file and replaces only the daemon's own fields with those of
@@ -297,7 +432,8 @@ impl Store {
         self.commit_with(ours, None, choice, durable)
     }
 
-    fn commit_with(
+    /// [`Store::commit`] and [`Store::commit_consuming`] in one.
+    pub fn commit_with(
         &self,
         ours: &LoopState,
         transition: Option<&Transition>,
@@ -437,12 +573,17 @@ pub fn parse_tasks(path: &Path, text: &str) -> (Vec<DevelopTask>, Vec<String>) {
 /// Writes pretty JSON atomically: temp file in the same directory, rename; `durable` adds fsync of
 /// the file before and of the directory after the rename.
 pub fn write_json(path: &Path, value: &Value, durable: bool) -> Result<(), StoreError> {
+    let bytes = to_pretty(path, value)?;
+    write_atomic(path, &bytes, durable).map_err(io_err(path))
+}
+
+fn to_pretty(path: &Path, value: &Value) -> Result<Vec<u8>, StoreError> {
     let mut bytes = serde_json::to_vec_pretty(value).map_err(|e| StoreError::Corrupt {
         path: path.to_owned(),
         reason: e.to_string(),
     })?;
     bytes.push(b'\n');
-    write_atomic(path, &bytes, durable).map_err(io_err(path))
+    Ok(bytes)
 }
 
 /// Replaces `path` with `bytes` atomically (mode 0600).
