@@ -416,13 +416,14 @@ impl LoopState {
     /// id the file name gives.
     pub fn problems(&self, file_id: Option<&str>) -> Vec<String> {
         let mut problems = Vec::new();
-        if let Some(id) = file_id {
-            if !self.loop_id.is_empty() && self.loop_id != id {
-                problems.push(format!(
-                    "loop_id {:?} does not match the file name ({id})",
-                    self.loop_id
-                ));
-            }
+        if let Some(id) = file_id
+            && !self.loop_id.is_empty()
+            && self.loop_id != id
+        {
+            problems.push(format!(
+                "loop_id {:?} does not match the file name ({id})",
+                self.loop_id
+            ));
         }
         for (key, value) in [
             ("max_iterations", self.max_iterations),
