@@ -445,20 +445,21 @@ fn control(p: &Project, id: &str, what: Control) -> Result<i32> {
         Control::Resume => Status::Running,
         Control::Stop => Status::Failed,
     };
+    let resumable = |s: &Status| allowed.contains(s) || matches!(what, Control::Resume);
     if status == target && !matches!(what, Control::Resume) {
         eprintln!("loop {id} is already {status}");
         return Ok(0);
     }
-    if !allowed.contains(&status) {
-        if matches!(what, Control::Resume) && status == Status::Running {
-            // Running but perhaps with no daemon: starting one is what resume is for.
-        } else {
-            return Err(usage(format!("cannot {verb} loop {id}: it is {status}")));
-        }
+    if !resumable(&status) || (matches!(what, Control::Resume) && status == Status::Completed) {
+        return Err(usage(format!("cannot {verb} loop {id}: it is {status}")));
     }
     let mut refused = None;
     p.store.update(id, true, |raw, current| {
-        if current.status != status {
+        refused = None;
+        if current.status == target {
+            return; // someone else wrote the same meanwhile
+        }
+        if !allowed.contains(&current.status) && current.status != status {
             refused = Some(current.status.clone());
             return;
         }
@@ -476,7 +477,7 @@ fn control(p: &Project, id: &str, what: Control) -> Result<i32> {
     })?;
     if let Some(now) = refused {
         return Err(usage(format!(
-            "loop {id} changed to {now} meanwhile; not written"
+            "cannot {verb} loop {id}: it became {now} meanwhile"
         )));
     }
     eprintln!("loop {id}: {status} → {target}");

@@ -367,7 +367,7 @@ impl Turn<'_> {
                     if self.daemon.exit_on_pause {
                         return Ok(Exit::Paused);
                     }
-                    if let Some(sig) = self.wait_for_change().await {
+                    if let Some(sig) = self.wait_for_change(&state).await {
                         return Ok(Exit::Signalled(sig));
                     }
                     continue;
@@ -452,10 +452,17 @@ impl Turn<'_> {
         Ok(Exit::Stopped(reason))
     }
 
-    /// Waits without using CPU until a controller changes something or a signal arrives.
-    async fn wait_for_change(&mut self) -> Option<i32> {
+    /// Waits without using CPU until a controller changes something `seen` was read with, or a
+    /// signal arrives.
+    async fn wait_for_change(&mut self, seen: &LoopState) -> Option<i32> {
         let mut rx = self.watch.subscribe();
-        rx.borrow_and_update();
+        // A change published between reading `seen` and subscribing is not waited for.
+        let moved_on = rx.borrow_and_update().as_ref().is_some_and(|s| {
+            s.status != seen.status || s.next_action != seen.next_action || s.mode != seen.mode()
+        });
+        if moved_on {
+            return None;
+        }
         tokio::select! {
             _ = rx.changed() => None,
             _ = self.shutdown.changed() => self.signalled(),
@@ -497,7 +504,7 @@ impl Turn<'_> {
                     .with("suggested", suggested),
             );
         }
-        Ok(self.wait_for_change().await)
+        Ok(self.wait_for_change(&state).await)
     }
 
     /// Tasks appended to the task list since the last look join the loop as `pending`.
@@ -546,8 +553,8 @@ impl Turn<'_> {
                 .plans
                 .get(action)
                 .map_or(Duration::from_secs(5), |p| p.supervision.kill_grace);
-            let pgid = flight.as_ref().map_or(0, |f| f.pgid);
-            procs::end_attempt(pgid, 0, &leftovers, grace).await;
+            let pgids: Vec<u32> = flight.iter().map(|f| f.pgid).collect();
+            procs::end_processes(&pgids, 0, &leftovers, grace).await;
         }
         let Some(flight) = flight else {
             if !leftovers.is_empty() {

@@ -214,7 +214,7 @@ async fn run_subprocess(
     }
 
     // End whatever is left of the group, then reap the main process if it still runs.
-    let killed = procs::end_attempt(spawned.pgid, spawned.pid, &[], sup.kill_grace).await;
+    let killed = procs::end_attempt(spawned.pgid, spawned.pid, sup.kill_grace).await;
     procs::set_current_group(0);
     if status.is_none() {
         status = Some(child.wait().await?);

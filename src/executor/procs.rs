@@ -138,10 +138,10 @@ fn reap_zombies(keep: u32) {
     }
 }
 
-/// The live processes of an attempt: the members of its process group, their descendants, and
+/// The live processes of an attempt: the members of its process groups, their descendants, and
 /// every descendant of this daemon (an executor's orphans are reparented to it, a subreaper), so
 /// that a child that left the group or the session is still found.
-pub fn attempt_processes(pgid: u32) -> Vec<u32> {
+pub fn attempt_processes(pgids: &[u32]) -> Vec<u32> {
     let me = std::process::id();
     let procs = all();
     let mut children: HashMap<u32, Vec<u32>> = HashMap::new();
@@ -150,7 +150,7 @@ pub fn attempt_processes(pgid: u32) -> Vec<u32> {
     }
     let mut stack: Vec<u32> = procs
         .iter()
-        .filter(|p| p.pgid == pgid)
+        .filter(|p| pgids.contains(&p.pgid))
         .map(|p| p.pid)
         .collect();
     stack.extend(children.get(&me).into_iter().flatten());
@@ -189,26 +189,47 @@ fn signal_each(pids: &[u32], signal: Signal) {
     }
 }
 
-/// Ends every process of an attempt (see [`attempt_processes`]) plus `extra`: SIGTERM, up to
-/// `grace` for them to go, then SIGKILL. `main` is the executor's own pid, reaped by its owner.
-/// Returns whether SIGKILL was needed.
-pub async fn end_attempt(pgid: u32, main: u32, extra: &[u32], grace: Duration) -> bool {
-    if pgid <= 1 {
-        return false;
-    }
+/// Ends every process of an attempt whose process group is `pgid` (see [`attempt_processes`]).
+/// `main` is the executor's own pid, reaped by its owner. Returns whether SIGKILL was needed.
+pub async fn end_attempt(pgid: u32, main: u32, grace: Duration) -> bool {
     reap_zombies(main);
     // The common case, cheaply: the group is empty and nothing was left behind.
-    let group_empty = !signal_group(pgid, Signal::SIGTERM);
-    if group_empty && extra.is_empty() && own_children().is_some_and(|c| c.is_empty()) {
+    if !signal_group(pgid, Signal::SIGTERM) && own_children().is_some_and(|c| c.is_empty()) {
         return false;
     }
+    end_processes(&[pgid], main, &[], grace).await
+}
+
+/// Ends the processes `extra`, the members of the groups `pgids` and of the groups of `extra`,
+/// and the descendants of all of them: SIGTERM, up to `grace` for them to go, then SIGKILL.
+/// `main` is not reaped here (its owner does). Returns whether SIGKILL was needed.
+pub async fn end_processes(pgids: &[u32], main: u32, extra: &[u32], grace: Duration) -> bool {
+    let own = nix::unistd::getpgrp().as_raw() as u32;
+    let mut groups: Vec<u32> = pgids
+        .iter()
+        .copied()
+        .chain(
+            extra
+                .iter()
+                .filter_map(|p| ProcStat::read(*p))
+                .map(|s| s.pgid),
+        )
+        .filter(|g| *g > 1 && *g != own)
+        .collect();
+    groups.sort_unstable();
+    groups.dedup();
+    for g in &groups {
+        signal_group(*g, Signal::SIGTERM);
+    }
     let procs = |extra: &[u32]| {
-        let mut pids = attempt_processes(pgid);
+        let mut pids = attempt_processes(&groups);
         pids.extend(
             extra
                 .iter()
                 .filter(|p| ProcStat::read(**p).is_some_and(|s| s.is_alive())),
         );
+        pids.sort_unstable();
+        pids.dedup();
         pids
     };
     let mut termed: HashSet<u32> = HashSet::new();
@@ -233,7 +254,9 @@ pub async fn end_attempt(pgid: u32, main: u32, extra: &[u32], grace: Duration) -
     // uninterruptible sleep.
     let deadline = Instant::now() + Duration::from_secs(5);
     loop {
-        signal_group(pgid, Signal::SIGKILL);
+        for g in &groups {
+            signal_group(*g, Signal::SIGKILL);
+        }
         let pids = procs(extra);
         if pids.is_empty() || Instant::now() >= deadline {
             break;

@@ -383,11 +383,12 @@ impl Store {
             let value = Value::Object(raw);
             let bytes = to_pretty(&path, &value)?;
             tries += 1;
-            let raced = fs::read(&path).is_ok_and(|now| now != before);
-            if raced && tries < WRITE_RACE_RETRIES {
+            // Checked last thing before the rename, after the (slow) fsync of the new version.
+            let unchanged =
+                || tries >= WRITE_RACE_RETRIES || fs::read(&path).is_ok_and(|now| now == before);
+            if !write_atomic_if(&path, &bytes, durable, unchanged).map_err(io_err(&path))? {
                 continue;
             }
-            write_atomic(&path, &bytes, durable).map_err(io_err(&path))?;
             if durable {
                 // A copy, not a link: a writer that truncates the state file in place must not
                 // reach the backup. It needs no fsync: a crash cannot tear the state file, only
@@ -588,6 +589,17 @@ fn to_pretty(path: &Path, value: &Value) -> Result<Vec<u8>, StoreError> {
 
 /// Replaces `path` with `bytes` atomically (mode 0600).
 pub fn write_atomic(path: &Path, bytes: &[u8], durable: bool) -> io::Result<()> {
+    write_atomic_if(path, bytes, durable, || true).map(|_| ())
+}
+
+/// [`write_atomic`], unless `still_ok` says no right before the rename (then nothing is
+/// replaced and the temporary file is removed). Returns whether the file was replaced.
+fn write_atomic_if(
+    path: &Path,
+    bytes: &[u8],
+    durable: bool,
+    still_ok: impl FnOnce() -> bool,
+) -> io::Result<bool> {
     let dir = path.parent().unwrap_or(Path::new("."));
     let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("state");
     let mut tmp = tempfile::Builder::new()
@@ -598,11 +610,14 @@ pub fn write_atomic(path: &Path, bytes: &[u8], durable: bool) -> io::Result<()> 
     if durable {
         tmp.as_file().sync_data()?;
     }
+    if !still_ok() {
+        return Ok(false);
+    }
     tmp.persist(path).map_err(|e| e.error)?;
     if durable {
         File::open(dir)?.sync_all()?;
     }
-    Ok(())
+    Ok(true)
 }
 
 /// The suffix of the temporary files of [`write_atomic`].

@@ -104,7 +104,7 @@ impl Project {
 
     /// `loopd run ID ARGS...` to its end, bounded by [`DEADLINE`].
     pub fn run(&self, id: &str, args: &[&str]) -> Output {
-        let child = self
+        let child: Child = self
             .loopd()
             .args(["run", id])
             .args(args)
@@ -115,8 +115,8 @@ impl Project {
         wait_output(child, DEADLINE)
     }
 
-    /// `loopd run ID ARGS...` in the background.
-    pub fn spawn_run(&self, id: &str, args: &[&str]) -> Child {
+    /// `loopd run ID ARGS...` in the background, its output drained as it comes.
+    pub fn spawn_run(&self, id: &str, args: &[&str]) -> Running {
         self.loopd()
             .args(["run", id])
             .args(args)
@@ -124,6 +124,7 @@ impl Project {
             .stderr(Stdio::piped())
             .spawn()
             .expect("spawn loopd run")
+            .into()
     }
 
     pub fn state_path(&self, id: &str) -> PathBuf {
@@ -164,22 +165,76 @@ pub fn stdout(out: &Output) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
+/// A child process whose stdout and stderr are read as they come (a full pipe would block it).
+pub struct Running {
+    child: Child,
+    stdout: Option<std::thread::JoinHandle<Vec<u8>>>,
+    stderr: Option<std::thread::JoinHandle<Vec<u8>>>,
+}
+
+fn drain(
+    pipe: Option<impl std::io::Read + Send + 'static>,
+) -> Option<std::thread::JoinHandle<Vec<u8>>> {
+    pipe.map(|mut pipe| {
+        std::thread::spawn(move || {
+            let mut bytes = Vec::new();
+            let _ = pipe.read_to_end(&mut bytes);
+            bytes
+        })
+    })
+}
+
+impl From<Child> for Running {
+    fn from(mut child: Child) -> Running {
+        let stdout = drain(child.stdout.take());
+        let stderr = drain(child.stderr.take());
+        Running {
+            child,
+            stdout,
+            stderr,
+        }
+    }
+}
+
+impl std::ops::Deref for Running {
+    type Target = Child;
+    fn deref(&self) -> &Child {
+        &self.child
+    }
+}
+
+impl std::ops::DerefMut for Running {
+    fn deref_mut(&mut self) -> &mut Child {
+        &mut self.child
+    }
+}
+
 /// Waits for a child, killing it (and failing the test) past `limit`.
-pub fn wait_output(mut child: Child, limit: Duration) -> Output {
+pub fn wait_output(child: impl Into<Running>, limit: Duration) -> Output {
+    let mut run = child.into();
     let deadline = Instant::now() + limit;
-    loop {
-        if child.try_wait().expect("try_wait").is_some() {
-            return child.wait_with_output().expect("output");
+    let status = loop {
+        if let Some(status) = run.child.try_wait().expect("try_wait") {
+            break status;
         }
         if Instant::now() > deadline {
-            let _ = child.kill();
-            let out = child.wait_with_output().expect("output");
+            let _ = run.child.kill();
+            let _ = run.child.wait();
+            let err = run.stderr.take().map(|h| h.join().unwrap_or_default());
             panic!(
                 "loopd did not finish within {limit:?}\nstderr:\n{}",
-                stderr(&out)
+                String::from_utf8_lossy(&err.unwrap_or_default())
             );
         }
         std::thread::sleep(Duration::from_millis(5));
+    };
+    let join = |h: Option<std::thread::JoinHandle<Vec<u8>>>| {
+        h.map(|h| h.join().unwrap_or_default()).unwrap_or_default()
+    };
+    Output {
+        status,
+        stdout: join(run.stdout.take()),
+        stderr: join(run.stderr.take()),
     }
 }
 

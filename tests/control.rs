@@ -1,0 +1,575 @@
+//! Status and control (CONTRACT §3 "Status and control", §4 interactive mode, §5 process groups,
+//! §7 exit codes and events), through the real binary: pause, resume and stop written by the CLI
+//! or by a plain whole-file rewrite take effect in the middle of an action, end the executor's
+//! whole process tree, and leave the loop's bookkeeping right.
+//!
+//! The fake executors write their pid (and a background child's) to files in the project root, so
+//! that a test can wait until an action is really in flight and then check that it is gone.
+
+mod common;
+
+use std::io::Write as _;
+use std::path::Path;
+use std::process::Output;
+use std::time::{Duration, Instant};
+
+use common::*;
+use serde_json::{Value, json};
+
+// ---------------------------------------------------------------------------------------------
+// Fake executors
+// ---------------------------------------------------------------------------------------------
+
+/// An agent like the harness's `GOOD_AGENT` (init plans two tasks, develop succeeds, validation
+/// passes), except that action `A` first runs the shell snippet given for it in `before`.
+fn agent(before: &[(&str, &str)]) -> String {
+    let hook = |action: &str| {
+        before
+            .iter()
+            .find(|(a, _)| *a == action)
+            .map_or(":", |(_, snippet)| *snippet)
+    };
+    format!(
+        r#"
+cat > /dev/null
+case "$LOOPD_ACTION" in
+  init)
+    {init}
+    echo '{{"status":"success","summary":"planned","state_updates":{{"tasks":[{{"description":"first"}},{{"description":"second"}}]}}}}' > "$LOOPD_RESULT_FILE" ;;
+  develop)
+    {develop}
+    echo "{{\"status\":\"success\",\"summary\":\"did $LOOPD_TASK_ID\",\"files_changed\":[\"f.txt\"]}}" > "$LOOPD_RESULT_FILE" ;;
+  validate)
+    {validate}
+    echo '{{"status":"success","summary":"ok","state_updates":{{"passed":true,"pass_rate":100}}}}' > "$LOOPD_RESULT_FILE" ;;
+  debug)
+    {debug}
+    echo '{{"status":"success","summary":"nothing"}}' > "$LOOPD_RESULT_FILE" ;;
+  complete)
+    {complete}
+    echo '{{"status":"success","summary":"done","state_updates":{{"summary":"all done"}}}}' > "$LOOPD_RESULT_FILE" ;;
+esac
+"#,
+        init = hook("init"),
+        develop = hook("develop"),
+        validate = hook("validate"),
+        debug = hook("debug"),
+        complete = hook("complete"),
+    )
+}
+
+/// Records its pid in `agent.pid` and hangs (for longer than any test).
+const HANG: &str = "echo $$ > agent.pid; sleep 100";
+
+/// Starts a background child (its pid in `grandchild.pid`), records its own pid, and waits.
+const HANG_WITH_GRANDCHILD: &str =
+    "sleep 100 & echo $! > grandchild.pid; echo $$ > agent.pid; wait";
+
+/// Ignores SIGTERM (so does its `sleep`: an ignored signal stays ignored across exec) and hangs.
+const HANG_IGNORING_TERM: &str = "trap '' TERM; echo $$ > agent.pid; sleep 100";
+
+/// Waits (at most 20 s) until the file `$1` exists in the project root.
+fn wait_for_file(name: &str) -> String {
+    format!("i=0; while [ ! -e {name} ] && [ $i -lt 2000 ]; do sleep 0.01; i=$((i+1)); done")
+}
+
+// ---------------------------------------------------------------------------------------------
+// Helpers
+// ---------------------------------------------------------------------------------------------
+
+/// `loopd VERB ID` (pause, resume, stop); it must succeed.
+fn control(p: &Project, verb: &str, id: &str) {
+    let out = p.output(&[verb, id]);
+    assert!(
+        out.status.success(),
+        "loopd {verb} {id} failed ({:?}): {}",
+        out.status.code(),
+        stderr(&out)
+    );
+}
+
+/// How many events named `name` the loop has logged.
+fn count(p: &Project, id: &str, name: &str) -> usize {
+    p.event_names(id).iter().filter(|e| *e == name).count()
+}
+
+/// Waits until the loop has logged at least `n` events named `name`.
+fn wait_events(p: &Project, id: &str, name: &str, n: usize) {
+    wait_for(&format!("{n} `{name}` event(s)"), || {
+        count(p, id, name) >= n
+    });
+}
+
+/// Waits for the executor to record its pid in `agent.pid`, and for the daemon to have recorded
+/// that attempt as in flight (so that a raw read-modify-write of the state file by the test
+/// cannot race with the daemon's own write of the attempt).
+fn wait_in_flight(p: &Project, id: &str) -> u32 {
+    let pid = read_pid(&p.root.join("agent.pid"));
+    wait_for("the attempt in flight in the state file", || {
+        p.state(id)["skill_state"]["in_flight"]["pid"].as_u64() == Some(u64::from(pid))
+    });
+    pid
+}
+
+/// Rewrites the state file the way the CCW dashboard API does: read, edit, and a plain
+/// truncate-and-write of the whole file (no temp file, no lock).
+fn edit_raw(p: &Project, id: &str, edit: impl FnOnce(&mut Value)) {
+    let mut state = p.state(id);
+    edit(&mut state);
+    std::fs::write(
+        p.state_path(id),
+        serde_json::to_vec_pretty(&state).expect("serialise"),
+    )
+    .expect("rewrite the state file");
+}
+
+/// The exit code of a finished `loopd run`, with its stderr on failure.
+fn assert_exit(out: &Output, code: i32) {
+    assert_eq!(
+        out.status.code(),
+        Some(code),
+        "loopd run exited with {:?}, expected {code}\nstderr:\n{}",
+        out.status,
+        stderr(out)
+    );
+}
+
+/// Waits for a `loopd run` to end and checks its exit code.
+fn finish(child: Running, code: i32) -> Output {
+    let out = wait_output(child, DEADLINE);
+    assert_exit(&out, code);
+    out
+}
+
+/// The number of lines in a file (0 if it does not exist).
+fn lines(path: &Path) -> usize {
+    std::fs::read_to_string(path).map_or(0, |t| t.lines().count())
+}
+
+/// The CPU time (user + system, in clock ticks) a process has used so far.
+fn cpu_ticks(pid: u32) -> u64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).expect("read /proc/PID/stat");
+    // After `pid (comm)`: state is field 3, utime field 14, stime field 15.
+    let fields: Vec<&str> = stat[stat.rfind(')').expect("comm") + 1..]
+        .split_whitespace()
+        .collect();
+    let field = |n: usize| fields[n - 3].parse::<u64>().expect("a tick count");
+    field(14) + field(15)
+}
+
+/// The status of every develop task of the loop, in order.
+fn task_statuses(state: &Value) -> Vec<String> {
+    state["skill_state"]["develop"]["tasks"]
+        .as_array()
+        .expect("develop.tasks")
+        .iter()
+        .map(|t| t["status"].as_str().unwrap_or("").to_owned())
+        .collect()
+}
+
+/// The checks every stop shares: the executor's processes are gone, the status is `failed` with
+/// `reason`, and the interruption and the stop are in the event log.
+fn assert_stopped(p: &Project, id: &str, pids: &[u32], reason: &str) {
+    for &pid in pids {
+        assert!(!alive(pid), "process {pid} of the stopped action is alive");
+    }
+    let state = p.state(id);
+    assert_eq!(state["status"], "failed");
+    assert_eq!(state["failure_reason"], reason);
+    assert!(
+        state["skill_state"]["in_flight"].is_null(),
+        "the attempt is still recorded in flight: {}",
+        state["skill_state"]["in_flight"]
+    );
+    let names = p.event_names(id);
+    assert!(
+        names.iter().any(|e| e == "action_interrupted"),
+        "no action_interrupted event: {names:?}"
+    );
+    assert!(
+        names.iter().any(|e| e == "stopped"),
+        "no stopped event: {names:?}"
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Stop
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn stop_ends_the_executor_and_its_grandchild() {
+    let p = Project::new(&agent(&[("develop", HANG_WITH_GRANDCHILD)]));
+    let id = p.create(&["--title", "t"]);
+    let run = p.spawn_run(&id, &[]);
+    let agent_pid = read_pid(&p.root.join("agent.pid"));
+    let grandchild = read_pid(&p.root.join("grandchild.pid"));
+    assert!(alive(agent_pid) && alive(grandchild));
+
+    control(&p, "stop", &id);
+    finish(run, 5);
+    assert_stopped(
+        &p,
+        &id,
+        &[agent_pid, grandchild],
+        "Manually stopped by user",
+    );
+}
+
+#[test]
+fn stop_kills_an_executor_that_ignores_sigterm_after_the_grace() {
+    let p = Project::new(&agent(&[("develop", HANG_IGNORING_TERM)]));
+    let id = p.create(&["--title", "t"]);
+    let run = p.spawn_run(&id, &[]);
+    let agent_pid = read_pid(&p.root.join("agent.pid"));
+
+    let stopped_at = Instant::now();
+    control(&p, "stop", &id);
+    finish(run, 5);
+    // SIGTERM did nothing, so only SIGKILL after `kill_grace` (0.5 s) can have ended it.
+    assert!(
+        stopped_at.elapsed() >= Duration::from_millis(450),
+        "the run ended after {:?}, before the kill grace",
+        stopped_at.elapsed()
+    );
+    assert_stopped(&p, &id, &[agent_pid], "Manually stopped by user");
+}
+
+#[test]
+fn a_raw_whole_file_rewrite_to_failed_stops_the_loop() {
+    let p = Project::new(&agent(&[("develop", HANG)]));
+    let id = p.create(&["--title", "t"]);
+    let run = p.spawn_run(&id, &[]);
+    let agent_pid = wait_in_flight(&p, &id);
+
+    edit_raw(&p, &id, |state| {
+        state["status"] = json!("failed");
+        state.as_object_mut().unwrap().remove("failure_reason");
+    });
+    finish(run, 5);
+    assert_stopped(&p, &id, &[agent_pid], "stopped by user");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Pause and resume
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn pause_and_resume_twenty_times_during_one_loop() {
+    const CYCLES: usize = 20;
+    // Each develop start is one line of `starts.log`; develop hangs until `cycles.done` exists.
+    let p = Project::new(&agent(&[(
+        "develop",
+        "echo $$ >> starts.log; [ -e cycles.done ] || sleep 100",
+    )]));
+    let id = p.create(&["--title", "t"]);
+    let run = p.spawn_run(&id, &[]);
+    let starts = p.root.join("starts.log");
+
+    for cycle in 1..=CYCLES {
+        wait_for(&format!("develop start #{cycle}"), || {
+            lines(&starts) >= cycle
+        });
+        control(&p, "pause", &id);
+        wait_events(&p, &id, "paused", cycle);
+        assert_eq!(count(&p, &id, "action_interrupted"), cycle);
+        if cycle == CYCLES {
+            std::fs::write(p.root.join("cycles.done"), "").unwrap();
+        }
+        // `run` still holds the loop, so resume only writes the status.
+        control(&p, "resume", &id);
+        wait_events(&p, &id, "resumed", cycle);
+    }
+    finish(run, 0);
+
+    let state = p.state(&id);
+    assert_eq!(state["status"], "completed");
+    // Two develops and one validate: the 20 interrupted attempts consumed nothing.
+    assert_eq!(state["current_iteration"], 3);
+    assert_eq!(state["skill_state"]["error_count"], 0);
+    assert_eq!(
+        task_statuses(&state),
+        ["completed", "completed"],
+        "no task may be lost"
+    );
+    let events = p.events(&id);
+    let interrupted: Vec<&Value> = events
+        .iter()
+        .filter(|e| e["event"] == "action_interrupted")
+        .collect();
+    assert_eq!(interrupted.len(), CYCLES);
+    for e in &interrupted {
+        assert_eq!(e["action"], "develop", "{e}");
+        assert_eq!(
+            e["iteration"], 1,
+            "an interruption moved the iteration: {e}"
+        );
+    }
+    assert_eq!(count(&p, &id, "paused"), CYCLES);
+    assert_eq!(count(&p, &id, "resumed"), CYCLES);
+    assert_eq!(count(&p, &id, "action_failed"), 0);
+}
+
+#[test]
+fn a_paused_daemon_uses_no_cpu() {
+    let p = Project::new(&agent(&[("develop", HANG)]));
+    let id = p.create(&["--title", "t"]);
+    let run = p.spawn_run(&id, &[]);
+    let agent_pid = read_pid(&p.root.join("agent.pid"));
+
+    control(&p, "pause", &id);
+    wait_events(&p, &id, "paused", 1);
+    assert!(!alive(agent_pid), "pause left the action running");
+    let before = cpu_ticks(run.id());
+    // Measuring, not synchronising: how much CPU a second of pause costs.
+    std::thread::sleep(Duration::from_secs(1));
+    let used = cpu_ticks(run.id()) - before;
+    assert!(
+        used <= 1,
+        "the paused daemon used {used} clock ticks in 1 s"
+    );
+    assert_eq!(p.state(&id)["status"], "paused");
+
+    control(&p, "stop", &id);
+    finish(run, 5);
+}
+
+#[test]
+fn exit_on_pause_exits_with_6() {
+    let p = Project::new(&agent(&[("develop", HANG_WITH_GRANDCHILD)]));
+    let id = p.create(&["--title", "t"]);
+    let run = p.spawn_run(&id, &["--exit-on-pause"]);
+    let agent_pid = read_pid(&p.root.join("agent.pid"));
+    let grandchild = read_pid(&p.root.join("grandchild.pid"));
+
+    control(&p, "pause", &id);
+    finish(run, 6);
+    assert!(!alive(agent_pid) && !alive(grandchild));
+    let state = p.state(&id);
+    assert_eq!(state["status"], "paused");
+    assert_eq!(state["current_iteration"], 0);
+    let names = p.event_names(&id);
+    assert!(names.iter().any(|e| e == "action_interrupted"), "{names:?}");
+    assert!(names.iter().any(|e| e == "paused"), "{names:?}");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Other writers, signals, limits
+// ---------------------------------------------------------------------------------------------
+
+/// Rewrites the state file `writes` times like a careless dashboard: read, edit `notes` and
+/// `tags`, truncate-and-write (every seventh time in two halves with a pause between). Returns
+/// the last `notes` written.
+fn careless_writer(path: &Path, writes: usize) -> String {
+    let mut last = String::new();
+    for i in 0..writes {
+        // Only this writer ever leaves a half-written file, and it is done with it here.
+        let mut state: Value =
+            serde_json::from_slice(&std::fs::read(path).expect("read")).expect("state parses");
+        last = format!("edit {i}");
+        state["notes"] = json!(last);
+        state["tags"] = json!(["writer", format!("n{i}")]);
+        let bytes = serde_json::to_vec_pretty(&state).unwrap();
+        if i % 7 == 3 {
+            let mut file = std::fs::File::create(path).expect("truncate");
+            let (a, b) = bytes.split_at(bytes.len() / 2);
+            file.write_all(a).unwrap();
+            file.flush().unwrap();
+            std::thread::sleep(Duration::from_millis(2));
+            file.write_all(b).unwrap();
+        } else {
+            std::fs::write(path, &bytes).expect("write");
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    last
+}
+
+#[test]
+fn a_concurrent_careless_writer_does_not_disturb_the_loop() {
+    // Validation waits for the writer to finish, so all its writes land while the loop runs, the
+    // last one while no daemon write can race with it.
+    let p = Project::new(&agent(&[("validate", &wait_for_file("writer.done"))]));
+    let id = p.create(&["--title", "t"]);
+    let run = p.spawn_run(&id, &[]);
+    wait_for("the loop to run", || p.state(&id)["status"] == "running");
+
+    let path = p.state_path(&id);
+    let done = p.root.join("writer.done");
+    let writer = std::thread::spawn(move || {
+        let last = careless_writer(&path, 300);
+        std::fs::write(done, "").unwrap();
+        last
+    });
+    let last = writer.join().expect("the writer");
+    let out = finish(run, 0);
+    assert!(!stderr(&out).contains("panicked"), "{}", stderr(&out));
+
+    let state = p.state(&id);
+    assert_eq!(state["status"], "completed");
+    assert_eq!(state["notes"], last.as_str());
+    assert_eq!(state["tags"], json!(["writer", "n299"]));
+    assert_eq!(state["skill_state"]["error_count"], 0);
+    assert!(
+        task_statuses(&state).iter().all(|s| s == "completed"),
+        "{}",
+        state["skill_state"]["develop"]["tasks"]
+    );
+}
+
+#[test]
+fn sigterm_to_the_daemon_interrupts_the_action_and_keeps_the_loop_running() {
+    let p = Project::new(&agent(&[("develop", HANG_WITH_GRANDCHILD)]));
+    let id = p.create(&["--title", "t"]);
+    let run = p.spawn_run(&id, &[]);
+    let agent_pid = wait_in_flight(&p, &id);
+    let grandchild = read_pid(&p.root.join("grandchild.pid"));
+
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(run.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .expect("signal the daemon");
+    finish(run, 143);
+
+    assert!(!alive(agent_pid) && !alive(grandchild));
+    let state = p.state(&id); // still parses
+    assert_eq!(state["status"], "running", "the next daemon should go on");
+    assert!(state["skill_state"]["in_flight"].is_null());
+    assert_eq!(state["current_iteration"], 0);
+    let history = state["skill_state"]["action_history"]
+        .as_array()
+        .expect("action_history");
+    let last = history.last().expect("a history entry");
+    assert_eq!(last["action"], "develop", "{last}");
+    assert_eq!(last["outcome"], "interrupted", "{last}");
+    assert_eq!(count(&p, &id, "action_interrupted"), 1);
+    assert_eq!(count(&p, &id, "stopped"), 0);
+}
+
+#[test]
+fn lowering_max_iterations_below_the_current_one_ends_the_loop() {
+    // The third develop (iteration 3) waits until the test has lowered the limit.
+    let develop = format!(
+        r#"if [ "$LOOPD_ITERATION" = 3 ]; then echo $$ > agent.pid; {}; fi"#,
+        wait_for_file("go")
+    );
+    let p = Project::new(&agent(&[("develop", &develop)]));
+    let id = p.create(&[
+        "--title",
+        "t",
+        "--max-iterations",
+        "10",
+        "--task",
+        "a",
+        "--task",
+        "b",
+        "--task",
+        "c",
+        "--task",
+        "d",
+    ]);
+    let run = p.spawn_run(&id, &[]);
+    wait_in_flight(&p, &id);
+    assert_eq!(p.state(&id)["current_iteration"], 2);
+
+    edit_raw(&p, &id, |state| state["max_iterations"] = json!(1));
+    std::fs::write(p.root.join("go"), "").unwrap();
+    finish(run, 3);
+
+    let state = p.state(&id);
+    assert_eq!(state["status"], "completed");
+    assert_eq!(
+        state["max_iterations"], 1,
+        "the daemon wrote back its own copy"
+    );
+    assert_eq!(state["current_iteration"], 3);
+    assert_eq!(state["skill_state"]["outcome"], "iteration_limit");
+    assert_eq!(
+        task_statuses(&state),
+        ["completed", "completed", "completed", "pending"]
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Interactive mode
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn interactive_mode_from_start_to_complete() {
+    const ALL: [&str; 5] = ["init", "develop", "debug", "validate", "complete"];
+    const PATH: [&str; 5] = ["init", "develop", "develop", "validate", "complete"];
+    let p = Project::new(&agent(&[]));
+    let id = p.create(&["--title", "t", "--mode", "interactive"]);
+    let mut run = p.spawn_run(&id, &[]);
+
+    let mut chosen: Vec<String> = Vec::new();
+    loop {
+        // The daemon waits for the next choice once every chosen action has finished.
+        let mut ended = false;
+        wait_for(&format!("the choice after {chosen:?}"), || {
+            if run.try_wait().expect("try_wait").is_some() {
+                ended = true;
+                return true;
+            }
+            let state = p.state(&id);
+            !state["skill_state"]["awaiting_choice"].is_null()
+                && state["next_action"].is_null()
+                && state["skill_state"]["seq"].as_u64() == Some(chosen.len() as u64)
+        });
+        if ended {
+            break;
+        }
+        let state = p.state(&id);
+        let waiting = &state["skill_state"]["awaiting_choice"];
+        for action in ALL {
+            assert!(
+                waiting["choices"]
+                    .as_array()
+                    .unwrap()
+                    .contains(&json!(action)),
+                "{action} is not offered: {waiting}"
+            );
+        }
+        if chosen.is_empty() {
+            let shown = p.output(&["status", &id]);
+            assert!(
+                stdout(&shown).contains("waiting"),
+                "status does not show the wait:\n{}",
+                stdout(&shown)
+            );
+            let bad = p.output(&["next", &id, "explode"]);
+            assert_eq!(bad.status.code(), Some(2), "{}", stderr(&bad));
+            for action in ALL {
+                assert!(stderr(&bad).contains(action), "{}", stderr(&bad));
+            }
+        }
+        let suggested = waiting["suggested"]
+            .as_str()
+            .expect("a suggestion")
+            .to_owned();
+        assert!(chosen.len() < PATH.len(), "still waiting after {chosen:?}");
+        assert_eq!(suggested, PATH[chosen.len()], "after {chosen:?}");
+        let out = p.output(&["next", &id, &suggested]);
+        assert!(out.status.success(), "{}", stderr(&out));
+        chosen.push(suggested);
+    }
+    let out = wait_output(run, DEADLINE);
+    assert_exit(&out, 0);
+    // Once validation has passed, completing is a termination check, not a choice: the daemon
+    // may complete by itself rather than wait for `next ID complete`.
+    assert!(
+        chosen.len() >= 4 && chosen[..] == PATH[..chosen.len()],
+        "chosen: {chosen:?}"
+    );
+    let state = p.state(&id);
+    assert_eq!(state["status"], "completed");
+    assert_eq!(state["skill_state"]["outcome"], "passed");
+    assert!(state["skill_state"]["awaiting_choice"].is_null());
+    let started: Vec<String> = p
+        .events(&id)
+        .iter()
+        .filter(|e| e["event"] == "action_started")
+        .map(|e| e["action"].as_str().unwrap_or("").to_owned())
+        .collect();
+    assert_eq!(started, PATH);
+}

@@ -1,0 +1,419 @@
+//! Durable state: crashes, concurrent writers, corruption, hostile input.
+
+mod common;
+
+use std::io::Write as _;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use common::*;
+use serde_json::{Value, json};
+
+fn code(out: &std::process::Output) -> i32 {
+    out.status.code().unwrap_or(-1)
+}
+
+/// A small deterministic pseudo-random sequence (xorshift), seeded from the clock and printed so
+/// that a failure can be replayed with `LOOPD_TEST_SEED`.
+struct Rng(u64);
+
+impl Rng {
+    fn new() -> Rng {
+        let seed = std::env::var("LOOPD_TEST_SEED")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or_else(|| {
+                std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(1, |d| d.as_nanos() as u64)
+            })
+            | 1;
+        eprintln!("LOOPD_TEST_SEED={seed}");
+        Rng(seed)
+    }
+
+    fn below(&mut self, n: u64) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0 % n
+    }
+}
+
+/// Develop leaves a long-lived grandchild behind and records every pid it starts.
+const CRASH_AGENT: &str = r#"cat > /dev/null
+echo $$ >> pids
+case "$LOOPD_ACTION" in
+  init) echo '{"status":"success"}' > "$LOOPD_RESULT_FILE" ;;
+  develop)
+    sleep 1000 & echo $! >> pids
+    [ -f fast ] || sleep 0.05
+    echo "{\"status\":\"success\",\"summary\":\"$LOOPD_TASK_ID\"}" > "$LOOPD_RESULT_FILE" ;;
+  validate) echo '{"status":"success","state_updates":{"passed":true}}' > "$LOOPD_RESULT_FILE" ;;
+  *) echo '{"status":"success"}' > "$LOOPD_RESULT_FILE" ;;
+esac
+"#;
+
+#[test]
+fn sigkill_at_random_moments_loses_nothing_and_orphans_nothing() {
+    let kills: usize = std::env::var("LOOPD_CRASH_KILLS")
+        .ok()
+        .and_then(|k| k.parse().ok())
+        .unwrap_or(50);
+    let p = Project::new(CRASH_AGENT);
+    let tasks: Vec<String> = (1..=60).map(|i| format!("task number {i}")).collect();
+    let mut args = vec!["--title", "crash", "--max-iterations", "1000"];
+    for t in &tasks {
+        args.extend(["--task", t.as_str()]);
+    }
+    let id = p.create(&args);
+    let mut rng = Rng::new();
+    let mut last_iteration = 0;
+    let mut killed = 0;
+    while killed < kills {
+        let mut child = p.spawn_run(&id, &[]);
+        std::thread::sleep(Duration::from_millis(3 + rng.below(40)));
+        if child.try_wait().unwrap().is_some() {
+            let out = wait_output(child, DEADLINE);
+            assert_eq!(code(&out), 0, "after {killed} kills: {}", stderr(&out));
+            break; // the loop completed before this kill
+        }
+        child.kill().unwrap();
+        child.wait().unwrap();
+        killed += 1;
+        let state = p.state(&id); // parses, whatever instant the kill hit
+        let iteration = state["current_iteration"].as_u64().unwrap();
+        assert!(
+            iteration >= last_iteration,
+            "iteration went back: {last_iteration} -> {iteration}"
+        );
+        last_iteration = iteration;
+    }
+    assert!(
+        killed >= kills,
+        "the loop completed after only {killed} kills"
+    );
+    // The rest of the work, quickly.
+    std::fs::write(p.root.join("fast"), "").unwrap();
+    let out = p.run(&id, &[]);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    let state = p.state(&id);
+    let done = state["skill_state"]["develop"]["tasks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|t| t["status"] == "completed")
+        .count();
+    assert_eq!(done, tasks.len());
+    for pid in std::fs::read_to_string(p.root.join("pids"))
+        .unwrap()
+        .lines()
+    {
+        let pid: u32 = pid.parse().unwrap();
+        assert!(
+            !alive(pid),
+            "executor process {pid} of a killed daemon is still alive"
+        );
+    }
+    let temp: Vec<_> = std::fs::read_dir(p.root.join(".loop"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with(".tmp"))
+        .collect();
+    assert!(temp.is_empty(), "temporary files left: {temp:?}");
+    assert!(p.event_names(&id).iter().any(|n| n == "recovered"));
+}
+
+#[test]
+fn a_stale_external_write_is_repaired_and_keeps_its_own_edit() {
+    let p = Project::new(&format!(
+        "[ \"$LOOPD_TASK_ID\" = task-003 ] && {{ touch waiting; while [ ! -f go ]; do sleep 0.01; done; }}\n{GOOD_AGENT}"
+    ));
+    let id = p.create(&["--title", "t", "--task", "a", "--task", "b", "--task", "c"]);
+    let stale = std::fs::read_to_string(p.state_path(&id)).unwrap();
+    let child = p.spawn_run(&id, &[]);
+    wait_for("task-003 to start", || p.root.join("waiting").exists());
+    // Another program writes back the copy it read before the loop ran, with its own edit.
+    let mut old: Value = serde_json::from_str(&stale).unwrap();
+    old["notes"] = json!("edited by the dashboard");
+    old["status"] = json!("running");
+    std::fs::write(p.state_path(&id), serde_json::to_vec_pretty(&old).unwrap()).unwrap();
+    std::fs::write(p.root.join("go"), "").unwrap();
+    let out = wait_output(child, DEADLINE);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    let state = p.state(&id);
+    assert_eq!(state["notes"], "edited by the dashboard");
+    // No task was developed twice: the reverted progress was put back, not redone.
+    let developed: Vec<Value> = p
+        .events(&id)
+        .into_iter()
+        .filter(|e| e["event"] == "action_finished" && e["action"] == "develop")
+        .map(|e| e["task_id"].clone())
+        .collect();
+    assert_eq!(
+        developed,
+        [json!("task-001"), json!("task-002"), json!("task-003")]
+    );
+    assert_eq!(state["current_iteration"], 4);
+}
+
+#[test]
+fn loopd_writers_and_a_ccw_style_writer_lose_no_update() {
+    let p = Project::new(&format!("sleep 0.005\n{GOOD_AGENT}"));
+    let tasks: Vec<String> = (1..=30).map(|i| format!("t{i}")).collect();
+    let mut args = vec!["--title", "t", "--max-iterations", "100"];
+    for t in &tasks {
+        args.extend(["--task", t.as_str()]);
+    }
+    let id = p.create(&args);
+    let child = p.spawn_run(&id, &[]);
+    let path = p.state_path(&id);
+    let external_done = Arc::new(AtomicBool::new(false));
+    // A CCW-style writer: read, a moment later truncate and write the whole file, no lock.
+    let external = {
+        let (path, done) = (path.clone(), external_done.clone());
+        std::thread::spawn(move || {
+            let mut rng = Rng::new();
+            let mut last = String::new();
+            for i in 0..200 {
+                let Ok(text) = std::fs::read(&path) else {
+                    continue;
+                };
+                let Ok(mut v) = serde_json::from_slice::<Value>(&text) else {
+                    continue;
+                };
+                last = format!("external edit {i}");
+                v["notes"] = json!(last);
+                std::thread::sleep(Duration::from_micros(rng.below(500)));
+                let mut file = std::fs::File::create(&path).unwrap();
+                file.write_all(&serde_json::to_vec_pretty(&v).unwrap())
+                    .unwrap();
+                drop(file);
+                std::thread::sleep(Duration::from_micros(500 + rng.below(1000)));
+            }
+            done.store(true, Ordering::SeqCst);
+            last
+        })
+    };
+    // loopd's own CLI writer: pause and resume, ending with a resume after the external writer.
+    let mut cycles = 0;
+    let deadline = Instant::now() + DEADLINE;
+    while !external_done.load(Ordering::SeqCst) || cycles < 5 {
+        assert!(Instant::now() < deadline, "writers did not finish");
+        for verb in ["pause", "resume"] {
+            let out = p.output(&[verb, &id]);
+            assert!(out.status.success(), "{verb}: {}", stderr(&out));
+        }
+        cycles += 1;
+    }
+    let last_note = external.join().unwrap();
+    // The external writer may have reverted the last status from a stale copy; resume once more
+    // now that it is gone, as its user would.
+    let _ = p.output(&["resume", &id]);
+    let out = wait_output(child, DEADLINE);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    let state = p.state(&id);
+    assert_eq!(
+        state["notes"],
+        json!(last_note),
+        "the external writer's last edit was lost"
+    );
+    assert_eq!(state["status"], "completed");
+    let developed = p
+        .events(&id)
+        .iter()
+        .filter(|e| e["event"] == "action_finished" && e["action"] == "develop")
+        .count();
+    assert_eq!(developed, tasks.len(), "a task was lost or developed twice");
+    assert_eq!(state["skill_state"]["error_count"], 0);
+}
+
+#[test]
+fn a_state_file_spoilt_between_runs_is_restored_and_done_work_is_kept() {
+    let p = Project::new(GOOD_AGENT);
+    let id = p.create(&[
+        "--title",
+        "t",
+        "--max-iterations",
+        "2",
+        "--task",
+        "a",
+        "--task",
+        "b",
+        "--task",
+        "c",
+    ]);
+    assert_eq!(code(&p.run(&id, &[])), 3);
+    let path = p.state_path(&id);
+    std::fs::write(&path, b"{\"loop_id\": \"trunc").unwrap();
+    let out = p.output(&["status", &id]);
+    assert_eq!(code(&out), 2, "status reports, it does not repair");
+    // Continue the loop: the run restores the file and says so in one line.
+    let out = p.run(&id, &[]);
+    let err = stderr(&out);
+    assert!(
+        err.contains("restored from") && err.contains(".json.bak"),
+        "{err}"
+    );
+    let mut state = p.state(&id);
+    let done: Vec<&str> = state["skill_state"]["develop"]["tasks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|t| t["status"] == "completed")
+        .map(|t| t["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(done, ["task-001", "task-002"]);
+    // Raise the limit and go on: the completed tasks are not redone.
+    state["max_iterations"] = json!(10);
+    state["status"] = json!("running");
+    std::fs::write(&path, serde_json::to_vec_pretty(&state).unwrap()).unwrap();
+    assert_eq!(code(&p.run(&id, &[])), 0);
+    let developed: Vec<Value> = p
+        .events(&id)
+        .into_iter()
+        .filter(|e| e["event"] == "action_finished" && e["action"] == "develop")
+        .map(|e| e["task_id"].clone())
+        .collect();
+    assert_eq!(
+        developed,
+        [json!("task-001"), json!("task-002"), json!("task-003")]
+    );
+    assert!(p.event_names(&id).iter().any(|n| n == "recovered"));
+}
+
+#[test]
+fn hostile_state_files_are_refused_cleanly_and_left_alone() {
+    let p = Project::new(GOOD_AGENT);
+    let id = p.create(&["--title", "t"]);
+    let path = p.state_path(&id);
+    let deep = format!("{}{}", "[".repeat(100_000), "]".repeat(100_000));
+    let mut huge = b"{\"loop_id\": \"".to_vec();
+    huge.extend(std::iter::repeat_n(b'x', 64 << 20));
+    huge.extend(b"\", \"status\": \"running\"}");
+    let cases: Vec<(&str, Vec<u8>, &str)> = vec![
+        ("empty", Vec::new(), "EOF"),
+        ("null", b"null".to_vec(), "not a JSON object"),
+        ("array", b"[1, 2]".to_vec(), "not a JSON object"),
+        ("binary", vec![0, 159, 146, 150, 255, 0, 1], "expected value"),
+        ("wrong types", br#"{"status": 3, "current_iteration": "x"}"#.to_vec(), "invalid type"),
+        ("negative limit", br#"{"status": "running", "max_iterations": -5}"#.to_vec(), "-5"),
+        ("zero limit", br#"{"status": "running", "max_errors": 0}"#.to_vec(), "max_errors must be at least 1"),
+        ("deep", deep.into_bytes(), "recursion limit"),
+        ("invalid utf-8", b"{\"title\": \"\xff\xfe\", \"status\": \"running\"}".to_vec(), "invalid unicode"),
+        ("64 MiB", huge, "over the 16 MiB limit"),
+        (
+            "duplicate tasks",
+            br#"{"status": "running", "skill_state": {"develop": {"tasks": [{"id": "a"}, {"id": "a"}]}}}"#.to_vec(),
+            "appears twice",
+        ),
+    ];
+    for (what, bytes, needle) in &cases {
+        std::fs::write(&path, bytes).unwrap();
+        for cmd in ["status", "run"] {
+            let out = p.output(&[cmd, &id]);
+            let err = stderr(&out);
+            assert_eq!(code(&out), 2, "{what} / {cmd}: {err}");
+            assert_eq!(err.trim_end().lines().count(), 1, "{what} / {cmd}: {err}");
+            assert!(
+                err.len() < 1000,
+                "{what} / {cmd}: a long error line: {} bytes",
+                err.len()
+            );
+            assert!(err.contains(needle), "{what} / {cmd}: {err}");
+            assert_eq!(
+                &std::fs::read(&path).unwrap(),
+                bytes,
+                "{what} / {cmd} changed the file"
+            );
+        }
+    }
+    // A symlink that leads out of the state directory.
+    let outside = p.root.join("outside.json");
+    std::fs::write(&outside, br#"{"status": "running"}"#).unwrap();
+    std::fs::remove_file(&path).unwrap();
+    std::os::unix::fs::symlink(&outside, &path).unwrap();
+    let out = p.output(&["run", &id]);
+    assert_eq!(code(&out), 2, "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("outside the state directory"),
+        "{}",
+        stderr(&out)
+    );
+    assert_eq!(
+        std::fs::read(&outside).unwrap(),
+        br#"{"status": "running"}"#
+    );
+}
+
+#[test]
+fn an_unknown_status_is_a_stop_with_a_reason() {
+    let p = Project::new(GOOD_AGENT);
+    let id = p.create(&["--title", "t"]);
+    let mut state = p.state(&id);
+    state["status"] = json!("hibernating");
+    std::fs::write(p.state_path(&id), serde_json::to_vec(&state).unwrap()).unwrap();
+    let out = p.run(&id, &[]);
+    assert_eq!(code(&out), 5, "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("unknown status \"hibernating\""),
+        "{}",
+        stderr(&out)
+    );
+    assert_eq!(p.state(&id)["status"], "hibernating");
+}
+
+#[test]
+fn state_files_are_readable_by_their_owner_only() {
+    use std::os::unix::fs::PermissionsExt;
+    let p = Project::new(GOOD_AGENT);
+    let id = p.create(&["--title", "t"]);
+    assert_eq!(code(&p.run(&id, &[])), 0);
+    for file in [
+        p.state_path(&id),
+        p.root.join(format!(".loop/{id}.json.bak")),
+    ] {
+        let mode = std::fs::metadata(&file).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600, "{}", file.display());
+    }
+}
+
+#[test]
+fn a_flood_of_output_keeps_the_daemon_small() {
+    let p = Project::new(&GOOD_AGENT.replace(
+        "develop) echo",
+        "develop) head -c 268435456 /dev/zero; echo",
+    ));
+    let id = p.create(&["--title", "t", "--task", "flood"]);
+    let mut child = p.spawn_run(&id, &[]);
+    let pid = child.id();
+    let mut peak_kib = 0u64;
+    let deadline = Instant::now() + DEADLINE;
+    while child.try_wait().unwrap().is_none() {
+        assert!(Instant::now() < deadline, "the flood did not end");
+        if let Ok(status) = std::fs::read_to_string(format!("/proc/{pid}/status"))
+            && let Some(kib) = status
+                .lines()
+                .find_map(|l| l.strip_prefix("VmHWM:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        {
+            peak_kib = peak_kib.max(kib);
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(child.wait().unwrap().code(), Some(0));
+    eprintln!("daemon peak RSS during a 256 MiB flood: {peak_kib} KiB");
+    assert!(
+        peak_kib > 0 && peak_kib < 64 * 1024,
+        "peak RSS {peak_kib} KiB"
+    );
+    let log = std::fs::read_dir(p.progress(&id).join("actions"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|f| {
+            f.to_string_lossy().contains("develop") && f.extension().is_some_and(|e| e == "log")
+        })
+        .unwrap();
+    assert!(std::fs::metadata(log).unwrap().len() < 11 << 20);
+}
