@@ -26,11 +26,10 @@ pub fn run_foreground(
 pub fn drive(p: &Project, id: &str, executor: Option<String>, exit_on_pause: bool) -> Result<Exit> {
     crate::state::store::validate_id(id)?;
     // A state file spoilt since the last run is restored from its backup before anything else.
-    let restored = p.store.restore(id)?.map(|reason| {
+    let restored = p.store.restore(id)?.map(|(reason, from)| {
         let message = format!(
-            "{} was unusable ({reason}); restored from {}",
-            p.store.state_path(id).display(),
-            p.store.backup_path(id).display()
+            "{} was unusable ({reason}); restored from {from}",
+            p.store.state_path(id).display()
         );
         eprintln!("loopd: {message}");
         message

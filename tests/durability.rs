@@ -284,6 +284,54 @@ fn a_state_file_spoilt_between_runs_is_restored_and_done_work_is_kept() {
 }
 
 #[test]
+fn a_broken_skill_state_without_backup_is_rebuilt_from_the_progress_files() {
+    let p = Project::new(GOOD_AGENT);
+    let id = p.create(&[
+        "--title",
+        "t",
+        "--max-iterations",
+        "2",
+        "--task",
+        "a",
+        "--task",
+        "b",
+        "--task",
+        "c",
+    ]);
+    assert_eq!(code(&p.run(&id, &[])), 3);
+    let mut state = p.state(&id);
+    state["skill_state"]["develop"]["tasks"][1]["id"] = json!("task-001"); // a duplicate id
+    state["max_iterations"] = json!(10);
+    state["status"] = json!("running");
+    std::fs::write(
+        p.state_path(&id),
+        serde_json::to_vec_pretty(&state).unwrap(),
+    )
+    .unwrap();
+    std::fs::remove_file(p.root.join(format!(".loop/{id}.json.bak"))).unwrap();
+    let out = p.output(&["status", &id]);
+    assert!(stderr(&out).contains("appears twice"), "{}", stderr(&out));
+    let out = p.run(&id, &[]);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("restored from the progress files"),
+        "{}",
+        stderr(&out)
+    );
+    let developed: Vec<Value> = p
+        .events(&id)
+        .into_iter()
+        .filter(|e| e["event"] == "action_finished" && e["action"] == "develop")
+        .map(|e| e["task_id"].clone())
+        .collect();
+    assert_eq!(
+        developed,
+        [json!("task-001"), json!("task-002"), json!("task-003")]
+    );
+    assert_eq!(p.state(&id)["title"], "t");
+}
+
+#[test]
 fn hostile_state_files_are_refused_cleanly_and_left_alone() {
     let p = Project::new(GOOD_AGENT);
     let id = p.create(&["--title", "t"]);
@@ -296,18 +344,33 @@ fn hostile_state_files_are_refused_cleanly_and_left_alone() {
         ("empty", Vec::new(), "EOF"),
         ("null", b"null".to_vec(), "not a JSON object"),
         ("array", b"[1, 2]".to_vec(), "not a JSON object"),
-        ("binary", vec![0, 159, 146, 150, 255, 0, 1], "expected value"),
-        ("wrong types", br#"{"status": 3, "current_iteration": "x"}"#.to_vec(), "invalid type"),
-        ("negative limit", br#"{"status": "running", "max_iterations": -5}"#.to_vec(), "-5"),
-        ("zero limit", br#"{"status": "running", "max_errors": 0}"#.to_vec(), "max_errors must be at least 1"),
-        ("deep", deep.into_bytes(), "recursion limit"),
-        ("invalid utf-8", b"{\"title\": \"\xff\xfe\", \"status\": \"running\"}".to_vec(), "invalid unicode"),
-        ("64 MiB", huge, "over the 16 MiB limit"),
         (
-            "duplicate tasks",
-            br#"{"status": "running", "skill_state": {"develop": {"tasks": [{"id": "a"}, {"id": "a"}]}}}"#.to_vec(),
-            "appears twice",
+            "binary",
+            vec![0, 159, 146, 150, 255, 0, 1],
+            "expected value",
         ),
+        (
+            "wrong types",
+            br#"{"status": 3, "current_iteration": "x"}"#.to_vec(),
+            "invalid type",
+        ),
+        (
+            "negative limit",
+            br#"{"status": "running", "max_iterations": -5}"#.to_vec(),
+            "-5",
+        ),
+        (
+            "zero limit",
+            br#"{"status": "running", "max_errors": 0}"#.to_vec(),
+            "max_errors must be at least 1",
+        ),
+        ("deep", deep.into_bytes(), "recursion limit"),
+        (
+            "invalid utf-8",
+            b"{\"title\": \"\xff\xfe\", \"status\": \"running\"}".to_vec(),
+            "invalid unicode",
+        ),
+        ("64 MiB", huge, "over the 16 MiB limit"),
     ];
     for (what, bytes, needle) in &cases {
         std::fs::write(&path, bytes).unwrap();

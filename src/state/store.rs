@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{Map, Value};
 
-use super::model::{DevelopTask, LoopState, Status, now_rfc3339};
+use super::model::{DevelopTask, LoopState, Status, TaskStatus, now_rfc3339};
 
 /// Top-level fields the daemon owns and writes back from its own copy.
 pub const DAEMON_FIELDS: &[&str] = &["current_iteration", "skill_state"];
@@ -289,32 +289,101 @@ impl Store {
         self.dir.join(format!("{id}.json.bak"))
     }
 
-    /// Replaces a state file that does not load with its backup, if the backup loads. Returns
-    /// why the state file was refused, or `None` if it was fine.
-    pub fn restore(&self, id: &str) -> Result<Option<String>, StoreError> {
+    /// Repairs a state file that does not load: from its backup if the backup loads, else by
+    /// rebuilding `skill_state` from the progress files (the seed's "State Recovery") when the
+    /// rest of the file is sound. Returns why the file was refused and where it came back from,
+    /// or `None` if it was fine; an error, touching nothing, if it cannot be repaired.
+    pub fn restore(&self, id: &str) -> Result<Option<(String, String)>, StoreError> {
         let reason = match self.load(id) {
             Ok(_) => return Ok(None),
             Err(StoreError::Corrupt { reason, .. }) => reason,
             Err(e) => return Err(e),
         };
         let _lock = self.lock(id)?;
+        let path = self.state_path(id);
         let backup = self.backup_path(id);
-        let bytes = fs::read(&backup).map_err(|e| StoreError::Corrupt {
-            path: self.state_path(id),
-            reason: format!(
-                "{reason}; no backup to restore from ({}: {e})",
-                backup.display()
-            ),
-        })?;
-        Loaded::parse(&self.state_path(id), &bytes).map_err(|why| StoreError::Corrupt {
-            path: self.state_path(id),
-            reason: format!(
-                "{reason}; the backup {} is no good either: {why}",
-                backup.display()
-            ),
-        })?;
-        write_atomic(&self.state_path(id), &bytes, true).map_err(io_err(&self.state_path(id)))?;
-        Ok(Some(reason))
+        let from_backup = fs::read(&backup)
+            .map_err(|e| format!("no backup ({e})"))
+            .and_then(|bytes| {
+                Loaded::parse(&path, &bytes)
+                    .map(|_| bytes)
+                    .map_err(|why| format!("the backup is no good either ({why})"))
+            });
+        let (bytes, from) = match from_backup {
+            Ok(bytes) => (bytes, backup.display().to_string()),
+            Err(no_backup) => {
+                let rebuilt = self.rebuild(id).map_err(|why| StoreError::Corrupt {
+                    path: path.clone(),
+                    reason: format!("{reason}; {no_backup}; cannot rebuild it: {why}"),
+                })?;
+                (
+                    rebuilt,
+                    format!("the progress files in {}", self.progress_dir(id).display()),
+                )
+            }
+        };
+        write_atomic(&path, &bytes, true).map_err(io_err(&path))?;
+        Ok(Some((reason, from)))
+    }
+
+    /// The state file with `skill_state` rebuilt from the task list and `changes.log`.
+    fn rebuild(&self, id: &str) -> Result<Vec<u8>, String> {
+        let path = self.state_path(id);
+        if fs::metadata(&path).map_err(|e| e.to_string())?.len() > MAX_STATE_SIZE {
+            return Err("the file is too large".into());
+        }
+        let bytes = fs::read(&path).map_err(|e| e.to_string())?;
+        let Ok(Value::Object(mut raw)) = serde_json::from_slice::<Value>(&bytes) else {
+            return Err("the file is not a JSON object".into());
+        };
+        raw.remove("skill_state");
+        let mut state: LoopState = serde_json::from_value(Value::Object(raw.clone()))
+            .map_err(|e| format!("its top-level fields are broken too ({e})"))?;
+        if let Some(problem) = state.problems(Some(id)).into_iter().next() {
+            return Err(problem);
+        }
+        let (mut tasks, _) = self.read_tasks(id).map_err(|e| e.to_string())?;
+        let changes =
+            fs::read_to_string(self.progress_dir(id).join("changes.log")).unwrap_or_default();
+        for line in changes.lines() {
+            let Ok(change) = serde_json::from_str::<Value>(line) else {
+                continue;
+            };
+            let (Some(task_id), Some(result)) =
+                (change["task_id"].as_str(), change["result"].as_str())
+            else {
+                continue;
+            };
+            let status = match result {
+                "completed" => TaskStatus::Completed,
+                "failed" => TaskStatus::Failed,
+                _ => continue,
+            };
+            let position = tasks
+                .iter()
+                .position(|t| t.id == task_id)
+                .unwrap_or_else(|| {
+                    tasks.push(DevelopTask {
+                        id: task_id.to_owned(),
+                        description: change["description"].as_str().unwrap_or("").to_owned(),
+                        ..DevelopTask::default()
+                    });
+                    tasks.len() - 1
+                });
+            let task = &mut tasks[position];
+            task.status = status;
+            task.completed_at = change["timestamp"].as_str().map(str::to_owned);
+            if let Ok(files) = serde_json::from_value(change["files_changed"].clone()) {
+                task.files_changed = files;
+            }
+        }
+        let skill = state.skill();
+        skill.initialized_at = (!tasks.is_empty()).then(now_rfc3339);
+        skill.develop.tasks = tasks;
+        skill.develop.recount();
+        let skill = serde_json::to_value(&state.skill_state).map_err(|e| e.to_string())?;
+        raw.insert("skill_state".into(), skill);
+        to_pretty(&path, &Value::Object(raw)).map_err(|e| e.to_string())
     }
 
     /// Removes temporary files that an interrupted write left behind (under the loop's lock, so
