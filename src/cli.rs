@@ -341,11 +341,19 @@ impl DaemonLock {
             .write(true)
             .open(&path)
             .with_context(|| format!("cannot open {}", path.display()))?;
-        if file.try_lock().is_err() {
+        // A holder whose recorded daemon is gone is passing through: `status` or `resume`
+        // probing the lock, or a dead daemon's executor between fork and exec. Wait it out.
+        let deadline = Instant::now() + Duration::from_secs(2);
+        while file.try_lock().is_err() {
             let pid = daemon_pid(store, id).unwrap_or(0);
-            return Err(usage(format!(
-                "loop {id} is already driven by a daemon (pid {pid})"
-            )));
+            let alive = pid > 0
+                && crate::executor::procs::ProcStat::read(pid).is_some_and(|p| p.is_alive());
+            if alive || Instant::now() > deadline {
+                return Err(usage(format!(
+                    "loop {id} is already driven by a daemon (pid {pid})"
+                )));
+            }
+            std::thread::sleep(Duration::from_millis(5));
         }
         file.set_len(0)?;
         file.seek(SeekFrom::Start(0))?;

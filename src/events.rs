@@ -180,7 +180,7 @@ impl Progress {
 
     fn replace(&self, file: &str, text: &str) {
         let path = self.dir.join(file);
-        if let Err(e) = crate::state::store::write_atomic(&path, text.as_bytes(), false) {
+        if let Err(e) = std::fs::write(&path, text) {
             tracing::warn!(path = %path.display(), "cannot write progress file: {e}");
         }
     }

@@ -458,7 +458,8 @@ impl Turn<'_> {
         let mut rx = self.watch.subscribe();
         // A change published between reading `seen` and subscribing is not waited for.
         let moved_on = rx.borrow_and_update().as_ref().is_some_and(|s| {
-            s.status != seen.status || s.next_action != seen.next_action || s.mode != seen.mode()
+            let c = &s.control;
+            c.status != seen.status || c.next_action != seen.next_action || c.mode() != seen.mode()
         });
         if moved_on {
             return None;
@@ -507,12 +508,15 @@ impl Turn<'_> {
         Ok(self.wait_for_change(&state).await)
     }
 
-    /// Tasks appended to the task list since the last look join the loop as `pending`.
+    /// Tasks appended to the task list since the last look join the loop as `pending`. Whether
+    /// the list changed is the watcher's to say (it tracks the file's length and time).
     fn absorb_tasks(&mut self, state: &mut LoopState) -> Result<()> {
-        let path = self.store().tasks_path(self.id);
-        let stamp = std::fs::metadata(&path)
-            .ok()
-            .map(|m| (m.len(), m.modified().unwrap_or(SystemTime::UNIX_EPOCH)));
+        let stamp = self
+            .watch
+            .subscribe()
+            .borrow()
+            .as_ref()
+            .and_then(|s| s.tasks_file);
         if stamp.is_none() || stamp == self.tasks_seen {
             return Ok(());
         }
@@ -699,6 +703,15 @@ impl Turn<'_> {
         let daemon = self.daemon;
         let id = self.id;
         let store = &daemon.store;
+        // Subscribed before the last look at the file, so no control change can fall in between.
+        let mut rx = self.watch.subscribe();
+        rx.borrow_and_update();
+        if store
+            .read_control(id)
+            .is_some_and(|c| c.status != Status::Running)
+        {
+            return Ok(Attempted::Interrupted(Interrupt::Control));
+        }
         let progress_dir = store.progress_dir(id);
         let stem = format!(
             "{:04}-{}-{}",
@@ -784,7 +797,6 @@ impl Turn<'_> {
             };
             let exec = daemon.executor.run(spec, cancel.clone(), &mut on_spawn);
             tokio::pin!(exec);
-            let mut rx = self.watch.subscribe();
             let mut interrupt = None;
             let shutdown = &mut self.shutdown;
             let run = loop {
@@ -1069,7 +1081,7 @@ enum Attempted {
 fn still_running(rx: &watch::Receiver<Option<Snapshot>>) -> bool {
     rx.borrow()
         .as_ref()
-        .is_none_or(|s| s.status == Status::Running)
+        .is_none_or(|s| s.control.status == Status::Running)
 }
 
 /// The values of the template placeholders (see [`crate::actions::PLACEHOLDERS`]).

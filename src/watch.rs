@@ -12,10 +12,11 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
+use notify::event::{AccessKind, AccessMode};
 use notify::{EventKind, RecursiveMode, Watcher as _};
 use tokio::sync::watch;
 
-use crate::state::model::{Mode, Status};
+use crate::state::model::Control;
 use crate::state::store::Store;
 
 /// How often the state is re-read even without a file event.
@@ -26,32 +27,19 @@ const POLL: Duration = Duration::from_millis(100);
 /// What a controller can change, as last read.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Snapshot {
-    pub status: Status,
-    pub next_action: Option<String>,
-    pub mode: Mode,
-    pub title: String,
-    pub description: String,
-    pub max_iterations: Option<u64>,
-    pub max_errors: Option<u64>,
+    pub control: Control,
     /// Length and modification time of the task list file.
     pub tasks_file: Option<(u64, SystemTime)>,
 }
 
 impl Snapshot {
     fn read(store: &Store, id: &str) -> Option<Snapshot> {
-        let loaded = store.load(id).ok()?;
-        let s = loaded.state;
+        let control = store.read_control(id)?;
         let tasks_file = std::fs::metadata(store.tasks_path(id))
             .ok()
             .map(|m| (m.len(), m.modified().unwrap_or(SystemTime::UNIX_EPOCH)));
         Some(Snapshot {
-            mode: s.mode(),
-            status: s.status,
-            next_action: s.next_action,
-            title: s.title,
-            description: s.description,
-            max_iterations: s.max_iterations,
-            max_errors: s.max_errors,
+            control,
             tasks_file,
         })
     }
@@ -91,7 +79,10 @@ impl Watch {
             let refresh = refresh.clone();
             move |event: notify::Result<notify::Event>| match event {
                 Ok(event) => {
-                    let relevant = !matches!(event.kind, EventKind::Access(_))
+                    // Opening or reading the file is no change; closing it after writing is.
+                    let no_change = matches!(event.kind, EventKind::Access(kind)
+                        if kind != AccessKind::Close(AccessMode::Write));
+                    let relevant = !no_change
                         && (event.need_rescan()
                             || event
                                 .paths

@@ -48,8 +48,14 @@ pub struct ProcStat {
 
 impl ProcStat {
     pub fn read(pid: u32) -> Option<ProcStat> {
-        let text = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-        Self::parse(&text)
+        use std::io::Read;
+        // One read: the file is short, and /proc reports its size as 0.
+        let mut buf = [0u8; 1024];
+        let n = std::fs::File::open(format!("/proc/{pid}/stat"))
+            .ok()?
+            .read(&mut buf)
+            .ok()?;
+        Self::parse(std::str::from_utf8(&buf[..n]).ok()?)
     }
 
     fn parse(text: &str) -> Option<ProcStat> {
@@ -122,7 +128,6 @@ fn own_children() -> Option<Vec<u32>> {
 
 /// Reaps this process's zombie children, except `keep` (whose owner reaps it).
 fn reap_zombies(keep: u32) {
-    use nix::sys::wait::{WaitPidFlag, waitpid};
     let children = own_children().unwrap_or_else(|| {
         let me = std::process::id();
         all()
@@ -131,7 +136,12 @@ fn reap_zombies(keep: u32) {
             .map(|p| p.pid)
             .collect()
     });
-    for pid in children {
+    reap_among(&children, keep);
+}
+
+fn reap_among(children: &[u32], keep: u32) {
+    use nix::sys::wait::{WaitPidFlag, waitpid};
+    for &pid in children {
         if pid != keep && ProcStat::read(pid).is_some_and(|p| !p.is_alive()) {
             let _ = waitpid(Pid::from_raw(pid as i32), Some(WaitPidFlag::WNOHANG));
         }
@@ -192,10 +202,18 @@ fn signal_each(pids: &[u32], signal: Signal) {
 /// Ends every process of an attempt whose process group is `pgid` (see [`attempt_processes`]).
 /// `main` is the executor's own pid, reaped by its owner. Returns whether SIGKILL was needed.
 pub async fn end_attempt(pgid: u32, main: u32, grace: Duration) -> bool {
-    reap_zombies(main);
-    // The common case, cheaply: the group is empty and nothing was left behind.
-    if !signal_group(pgid, Signal::SIGTERM) && own_children().is_some_and(|c| c.is_empty()) {
-        return false;
+    // The common case, cheaply: the group is empty and nothing was left behind but, perhaps,
+    // zombies reparented here.
+    if !signal_group(pgid, Signal::SIGTERM)
+        && let Some(children) = own_children()
+    {
+        if children.is_empty() {
+            return false;
+        }
+        reap_among(&children, main);
+        if own_children().is_some_and(|c| c.is_empty()) {
+            return false;
+        }
     }
     end_processes(&[pgid], main, &[], grace).await
 }

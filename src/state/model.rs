@@ -1,7 +1,9 @@
 //! The loop state of `{id}.json`: the seed's `LoopState`, typed.
 //!
-//! Every struct carries an `extra` map flattened into it, so fields this version of loopd does not
-//! know survive a read and a write unchanged, at every level. The typed view is what the workflow
+//! Every struct below the top level carries an `extra` map flattened into it, so fields this
+//! version of loopd does not know survive a read and a write unchanged, at every level. The top
+//! level needs none: the store writes back the file's own JSON object with only the daemon's
+//! fields replaced (see [`super::store`]), so unknown top-level fields are never touched. The typed view is what the workflow
 //! reasons about; which of its fields the daemon may write back is decided in [`super::store`], not
 //! here.
 
@@ -126,8 +128,41 @@ pub struct LoopState {
     pub next_action: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub skill_state: Option<SkillState>,
-    #[serde(flatten)]
-    pub extra: Extra,
+}
+
+/// What a controller can change, read on its own: cheap to parse from a whole state file, as the
+/// watcher does after every change.
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+pub struct Control {
+    #[serde(default)]
+    pub status: Status,
+    #[serde(default)]
+    pub next_action: Option<String>,
+    #[serde(default)]
+    pub title: String,
+    #[serde(default)]
+    pub description: String,
+    #[serde(default)]
+    pub max_iterations: Option<u64>,
+    #[serde(default)]
+    pub max_errors: Option<u64>,
+    #[serde(default)]
+    skill_state: Option<ModeOnly>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+struct ModeOnly {
+    #[serde(default)]
+    mode: Mode,
+}
+
+impl Control {
+    pub fn mode(&self) -> Mode {
+        self.skill_state
+            .as_ref()
+            .map(|s| s.mode)
+            .unwrap_or_default()
+    }
 }
 
 /// `skill_state`: everything in it belongs to the daemon.
@@ -516,7 +551,7 @@ mod tests {
     #[test]
     fn unknown_fields_survive_at_every_level() {
         let text = r#"{
-            "loop_id": "l", "status": "running", "zeta": {"a": [1, 2.5, null]},
+            "loop_id": "l", "status": "running",
             "skill_state": {
                 "mode": "auto", "custom": true,
                 "develop": {"tasks": [{"id": "t1", "status": "pending", "weird": "x"}], "more": 1},
@@ -529,7 +564,6 @@ mod tests {
         let back = serde_json::to_value(&state).unwrap();
         let orig: Value = serde_json::from_str(text).unwrap();
         for pointer in [
-            "/zeta",
             "/skill_state/custom",
             "/skill_state/develop/tasks/0/weird",
             "/skill_state/develop/more",

@@ -14,16 +14,18 @@
 //!
 //! Writers that do not take the lock (the CCW dashboard truncates and rewrites the file in place)
 //! can be seen half-way; a read that does not parse is retried for a moment before the file is
-//! called corrupt.
+//! called corrupt. Their writes are not lost to ours either: see [`Store::update`].
 
+use std::collections::HashMap;
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Write};
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use serde_json::{Map, Value};
 
-use super::model::{DevelopTask, LoopState, Status, TaskStatus, now_rfc3339};
+use super::model::{Control, DevelopTask, LoopState, Status, TaskStatus, now_rfc3339};
 
 /// Top-level fields the daemon owns and writes back from its own copy.
 pub const DAEMON_FIELDS: &[&str] = &["current_iteration", "skill_state"];
@@ -139,6 +141,16 @@ pub struct Transition {
 #[derive(Clone, Debug)]
 pub struct Store {
     dir: PathBuf,
+    /// The last version of each state file this store read or wrote, bytes and parse: a read
+    /// that finds the same bytes again skips the parse.
+    last: Arc<Mutex<HashMap<String, Arc<Seen>>>>,
+}
+
+/// A version of a state file, and its parse.
+#[derive(Debug)]
+struct Seen {
+    bytes: Vec<u8>,
+    loaded: Loaded,
 }
 
 /// An exclusive lock on a loop's sidecar lock file, released on drop.
@@ -148,7 +160,24 @@ pub struct WriteLock {
 
 impl Store {
     pub fn new(dir: impl Into<PathBuf>) -> Store {
-        Store { dir: dir.into() }
+        Store {
+            dir: dir.into(),
+            last: Arc::default(),
+        }
+    }
+
+    /// The parse of `bytes` if they are the last version seen of `id`.
+    fn remembered(&self, id: &str, bytes: &[u8]) -> Option<Loaded> {
+        let last = self.last.lock().ok()?;
+        let seen = last.get(id)?;
+        (seen.bytes == bytes).then(|| seen.loaded.clone())
+    }
+
+    fn remember(&self, id: &str, bytes: Vec<u8>, loaded: &Loaded) {
+        if let Ok(mut last) = self.last.lock() {
+            let loaded = loaded.clone();
+            last.insert(id.to_owned(), Arc::new(Seen { bytes, loaded }));
+        }
     }
 
     pub fn dir(&self) -> &Path {
@@ -262,26 +291,37 @@ impl Store {
         }
         let deadline = Instant::now() + PARSE_RETRY;
         loop {
-            let file = File::open(&path).map_err(io_err(&path))?;
-            let len = file.metadata().map_err(io_err(&path))?.len();
-            if len > MAX_STATE_SIZE {
-                return Err(corrupt(format!(
-                    "{len} bytes, over the {} MiB limit",
-                    MAX_STATE_SIZE >> 20
-                )));
+            let bytes = match read_capped(&path) {
+                Ok(bytes) => bytes,
+                Err(e) if e.kind() == io::ErrorKind::FileTooLarge => {
+                    return Err(corrupt(format!(
+                        "{e}, over the {} MiB limit",
+                        MAX_STATE_SIZE >> 20
+                    )));
+                }
+                Err(e) => return Err(io_err(&path)(e)),
+            };
+            if let Some(loaded) = self.remembered(id, &bytes) {
+                return Ok((bytes, loaded));
             }
-            let mut bytes = Vec::with_capacity(len as usize);
-            use std::io::Read;
-            file.take(MAX_STATE_SIZE + 1)
-                .read_to_end(&mut bytes)
-                .map_err(io_err(&path))?;
             match Loaded::parse(&path, &bytes) {
-                Ok(loaded) => return Ok((bytes, loaded)),
+                Ok(loaded) => {
+                    self.remember(id, bytes.clone(), &loaded);
+                    return Ok((bytes, loaded));
+                }
                 // Another program may be half-way through rewriting the file in place.
-                Err(_) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(5)),
+                Err(_) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(1)),
                 Err(reason) => return Err(corrupt(reason)),
             }
         }
+    }
+
+    /// The control fields of a loop's state file, parsed alone, with no retry: `None` if the file
+    /// cannot be read or does not parse right now (a writer may be half-way; its next event
+    /// comes).
+    pub fn read_control(&self, id: &str) -> Option<Control> {
+        let bytes = read_capped(&self.state_path(id)).ok()?;
+        serde_json::from_slice(&bytes).ok()
     }
 
     /// The backup of a loop's state: a copy of the last durable write of a loopd writer.
@@ -433,9 +473,13 @@ impl Store {
 
     /// Read-modify-write under the lock: `change` edits the raw JSON object. Returns the new state.
     ///
-    /// A durable write also refreshes the backup ([`Store::backup_path`]). Writers that take no lock (the CCW dashboard) are
-    /// caught if they wrote between the read and the rename: the file is read again just before
-    /// the rename, and the whole change starts over if it differs.
+    /// Writers that take no lock (the CCW dashboard rewrites the file in place) are caught: the
+    /// new version is swapped in with `renameat2(RENAME_EXCHANGE)`, which hands back the version
+    /// it replaced. If that is not the version the change was made on, another program wrote in
+    /// between; the change is made again on top of what it wrote and swapped in once more, so its
+    /// edit is kept. (Where the exchange is not supported, the file is compared just before a
+    /// plain rename instead, which leaves a window of microseconds.) A durable write also
+    /// refreshes the backup ([`Store::backup_path`]).
     pub fn update(
         &self,
         id: &str,
@@ -444,26 +488,48 @@ impl Store {
     ) -> Result<Loaded, StoreError> {
         let _lock = self.lock(id)?;
         let path = self.state_path(id);
-        let mut tries = 0;
-        loop {
-            let (before, Loaded { mut raw, state }) = self.read(id)?;
+        // What is in place now, and the version to make the change on.
+        let (mut in_place, mut base) = self.read(id)?;
+        for round in 1.. {
+            let Loaded { mut raw, state } = base;
             change(&mut raw, &state);
             raw.insert("updated_at".into(), Value::String(now_rfc3339()));
             let value = Value::Object(raw);
             let bytes = to_pretty(&path, &value)?;
-            tries += 1;
-            // Checked last thing before the rename, after the (slow) fsync of the new version.
-            let unchanged =
-                || tries >= WRITE_RACE_RETRIES || fs::read(&path).is_ok_and(|now| now == before);
-            if !write_atomic_if(&path, &bytes, durable, unchanged).map_err(io_err(&path))? {
-                continue;
+            // The last round writes whatever happened, rather than fail the write.
+            let expected = (round < WRITE_RACE_RETRIES).then_some(in_place.as_slice());
+            let replaced = swap_in(&path, &bytes, durable, expected).map_err(io_err(&path))?;
+            match replaced {
+                Swapped::Raced => {
+                    (in_place, base) = self.read(id)?;
+                    continue;
+                }
+                Swapped::Replaced(other) if expected.is_some_and(|e| e != other) => {
+                    match Loaded::parse(&path, &other) {
+                        Ok(theirs) => {
+                            tracing::debug!(
+                                "another writer changed {} meanwhile; merging",
+                                path.display()
+                            );
+                            in_place = bytes;
+                            base = theirs;
+                            continue;
+                        }
+                        Err(why) => tracing::warn!(
+                            "warning: another writer left {} unreadable meanwhile ({why}); kept this write",
+                            path.display()
+                        ),
+                    }
+                }
+                _ => {}
             }
             if durable {
                 // A copy, not a link: a writer that truncates the state file in place must not
-                // reach the backup. It needs no fsync: a crash cannot tear the state file, only
-                // another program can spoil it.
+                // reach the backup. Written in place, without fsync: it is only read when the
+                // state file was spoilt, which a crash cannot do (only another program can), and
+                // a torn backup is refused when read.
                 let backup = self.backup_path(id);
-                if let Err(e) = write_atomic(&backup, &bytes, false) {
+                if let Err(e) = write_in_place(&backup, &bytes) {
                     tracing::warn!("warning: cannot write the backup {}: {e}", backup.display());
                 }
             }
@@ -476,8 +542,11 @@ impl Store {
                     reason: e.to_string(),
                 }
             })?;
-            return Ok(Loaded { raw, state });
+            let loaded = Loaded { raw, state };
+            self.remember(id, bytes, &loaded);
+            return Ok(loaded);
         }
+        unreachable!("the loop returns by its last round")
     }
 
     /// The daemon's write: re-reads the file and replaces only the daemon's own fields with those of
@@ -656,37 +725,132 @@ fn to_pretty(path: &Path, value: &Value) -> Result<Vec<u8>, StoreError> {
     Ok(bytes)
 }
 
-/// Replaces `path` with `bytes` atomically (mode 0600).
-pub fn write_atomic(path: &Path, bytes: &[u8], durable: bool) -> io::Result<()> {
-    write_atomic_if(path, bytes, durable, || true).map(|_| ())
+/// What [`swap_in`] replaced.
+enum Swapped {
+    /// This version, handed back by the exchange.
+    Replaced(Vec<u8>),
+    /// Not known (plain rename), but the file was as expected just before.
+    Renamed,
+    /// Nothing was written: the file changed before a plain rename could be made.
+    Raced,
 }
 
-/// [`write_atomic`], unless `still_ok` says no right before the rename (then nothing is
-/// replaced and the temporary file is removed). Returns whether the file was replaced.
-fn write_atomic_if(
+/// Puts `bytes` in place of `path` atomically (temp file, fsync if `durable`, exchange or
+/// rename, fsync of the directory if `durable`). `expected` is what should be in place; `None`
+/// writes whatever is there.
+fn swap_in(
     path: &Path,
     bytes: &[u8],
     durable: bool,
-    still_ok: impl FnOnce() -> bool,
-) -> io::Result<bool> {
+    expected: Option<&[u8]>,
+) -> io::Result<Swapped> {
     let dir = path.parent().unwrap_or(Path::new("."));
-    let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("state");
-    let mut tmp = tempfile::Builder::new()
-        .prefix(&format!(".{name}."))
-        .suffix(TEMP_SUFFIX)
-        .tempfile_in(dir)?;
+    let mut tmp = temp_file(path)?;
     tmp.write_all(bytes)?;
     if durable {
         tmp.as_file().sync_data()?;
     }
-    if !still_ok() {
-        return Ok(false);
-    }
-    tmp.persist(path).map_err(|e| e.error)?;
+    let swapped = match exchange(tmp.path(), path) {
+        Ok(()) => {
+            // `tmp` names the replaced version now. A writer that opened it before the exchange
+            // may still be writing into it: give it a moment to finish.
+            let deadline = Instant::now() + PARSE_RETRY;
+            let mut old = fs::read(tmp.path())?;
+            while expected.is_some_and(|e| e != old)
+                && serde_json::from_slice::<serde::de::IgnoredAny>(&old).is_err()
+                && Instant::now() < deadline
+            {
+                std::thread::sleep(Duration::from_millis(1));
+                old = fs::read(tmp.path())?;
+            }
+            Swapped::Replaced(old)
+        }
+        Err(_) => {
+            // No exchange here (another kernel or filesystem): compare, then rename.
+            if let Some(expected) = expected
+                && !fs::read(path).is_ok_and(|now| now == expected)
+            {
+                return Ok(Swapped::Raced);
+            }
+            tmp.persist(path).map_err(|e| e.error)?;
+            Swapped::Renamed
+        }
+    };
     if durable {
         File::open(dir)?.sync_all()?;
     }
-    Ok(true)
+    Ok(swapped)
+}
+
+/// Swaps two paths atomically: afterwards `a` names what `b` named and the other way round.
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+fn exchange(a: &Path, b: &Path) -> io::Result<()> {
+    use nix::fcntl::{AT_FDCWD, RenameFlags, renameat2};
+    renameat2(AT_FDCWD, a, AT_FDCWD, b, RenameFlags::RENAME_EXCHANGE).map_err(io::Error::from)
+}
+
+#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+fn exchange(_: &Path, _: &Path) -> io::Result<()> {
+    Err(io::ErrorKind::Unsupported.into())
+}
+
+fn temp_file(path: &Path) -> io::Result<tempfile::NamedTempFile> {
+    let dir = path.parent().unwrap_or(Path::new("."));
+    let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("state");
+    tempfile::Builder::new()
+        .prefix(&format!(".{name}."))
+        .suffix(TEMP_SUFFIX)
+        .tempfile_in(dir)
+}
+
+/// A state file's bytes in one read, refused (`FileTooLarge`) past [`MAX_STATE_SIZE`].
+fn read_capped(path: &Path) -> io::Result<Vec<u8>> {
+    use std::io::Read;
+    let file = File::open(path)?;
+    let len = file.metadata()?.len();
+    if len > MAX_STATE_SIZE {
+        return Err(io::Error::new(
+            io::ErrorKind::FileTooLarge,
+            format!("{len} bytes"),
+        ));
+    }
+    // One byte more than expected, to see the end of a file that grew meanwhile in one read.
+    let mut bytes = Vec::with_capacity(len as usize + 1);
+    file.take(MAX_STATE_SIZE + 1).read_to_end(&mut bytes)?;
+    if bytes.len() as u64 > MAX_STATE_SIZE {
+        return Err(io::Error::new(
+            io::ErrorKind::FileTooLarge,
+            "the file grew".to_owned(),
+        ));
+    }
+    Ok(bytes)
+}
+
+/// Overwrites `path` with `bytes` (mode 0600 when created), not atomically.
+pub fn write_in_place(path: &Path, bytes: &[u8]) -> io::Result<()> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut file = OpenOptions::new()
+        .create(true)
+        .write(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(path)?;
+    file.write_all(bytes)
+}
+
+/// Replaces `path` with `bytes` atomically (mode 0600): temp file in the same directory,
+/// rename; `durable` adds fsync of the file before and of the directory after the rename.
+pub fn write_atomic(path: &Path, bytes: &[u8], durable: bool) -> io::Result<()> {
+    let mut tmp = temp_file(path)?;
+    tmp.write_all(bytes)?;
+    if durable {
+        tmp.as_file().sync_data()?;
+    }
+    tmp.persist(path).map_err(|e| e.error)?;
+    if durable {
+        File::open(path.parent().unwrap_or(Path::new(".")))?.sync_all()?;
+    }
+    Ok(())
 }
 
 /// The suffix of the temporary files of [`write_atomic`].
@@ -738,6 +902,47 @@ mod tests {
         assert_eq!(ids, ["a", "b", "c", "d"]);
         assert_eq!(warnings.len(), 1, "{warnings:?}");
         assert!(warnings[0].starts_with("t.jsonl:3:"), "{warnings:?}");
+    }
+
+    #[test]
+    fn an_in_place_write_during_an_update_is_merged_not_lost() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::new(dir.path());
+        let state = LoopState {
+            loop_id: "l1".into(),
+            status: Status::Running,
+            ..LoopState::default()
+        };
+        store.create(&state).unwrap();
+        let path = store.state_path("l1");
+        let mut rounds = 0;
+        let after = store
+            .update("l1", true, |raw, _| {
+                rounds += 1;
+                if rounds == 1 {
+                    // Another program rewrites the file in place, between our read and our write.
+                    let mut theirs: Value =
+                        serde_json::from_slice(&fs::read(&path).unwrap()).unwrap();
+                    theirs["notes"] = "theirs".into();
+                    fs::write(&path, serde_json::to_vec(&theirs).unwrap()).unwrap();
+                }
+                raw.insert("current_iteration".into(), 7.into());
+            })
+            .unwrap();
+        assert_eq!(
+            rounds, 2,
+            "the change is made again on top of their version"
+        );
+        assert_eq!(after.raw["notes"], "theirs");
+        let on_disk: Value = serde_json::from_slice(&fs::read(&path).unwrap()).unwrap();
+        assert_eq!(on_disk["notes"], "theirs");
+        assert_eq!(on_disk["current_iteration"], 7);
+        let leftovers: Vec<_> = fs::read_dir(dir.path())
+            .unwrap()
+            .filter_map(|e| e.ok())
+            .filter(|e| e.file_name().to_string_lossy().ends_with(TEMP_SUFFIX))
+            .collect();
+        assert!(leftovers.is_empty());
     }
 
     #[test]
