@@ -15,13 +15,26 @@
 //!   LOOPD_BENCH_ROUNDS   rounds, the median is reported (default 5)
 //!   LOOPD_BENCH_WRITES   atomic writes timed per round (default 100)
 //!   LOOPD_BENCH_DIR      where the temporary projects go (default: the system temp dir)
+//!   LOOPD_BENCH_AGENT    `shell` to use a trivial shell agent (`sh -c 'cat >/dev/null; echo ok'`,
+//!                        the kind of agent peers are measured with) instead of `/bin/true`
 
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-const CONFIG: &str = r#"
+/// The trivial executor's argv: `/bin/true`, or a shell agent with `LOOPD_BENCH_AGENT=shell`.
+fn agent() -> &'static [&'static str] {
+    match std::env::var("LOOPD_BENCH_AGENT").as_deref() {
+        Ok("shell") => &["sh", "-c", "cat > /dev/null; echo ok"],
+        _ => &["/bin/true"],
+    }
+}
+
+fn config() -> String {
+    let argv: Vec<String> = agent().iter().map(|a| format!("{a:?}")).collect();
+    format!(
+        r#"
 retry_backoff = 0.01
 executor = "trivial"
 
@@ -29,13 +42,16 @@ executor = "trivial"
 kill_grace = 0.5
 
 [executors.trivial]
-command = ["/bin/true"]
+command = [{}]
 prompt = "stdin"
 format = "text"
 
 [actions.validate]
 command = "false"
-"#;
+"#,
+        argv.join(", ")
+    )
+}
 
 fn env_num(name: &str, default: usize) -> usize {
     match std::env::var(name) {
@@ -64,7 +80,7 @@ impl Project {
         let dir = tempdir();
         let root = dir.path().canonicalize().expect("canonical tempdir");
         std::fs::create_dir_all(root.join(".loop")).expect("mkdir .loop");
-        std::fs::write(root.join(".loop/config.toml"), CONFIG).expect("write config");
+        std::fs::write(root.join(".loop/config.toml"), config()).expect("write config");
         Project { _dir: dir, root }
     }
 
@@ -211,7 +227,7 @@ fn bare_round(root: &Path, true_runs: usize, false_runs: usize) -> Duration {
     let (mut t, mut f) = (true_runs, false_runs);
     while t + f > 0 {
         if t > 0 {
-            spawn(&["/bin/true"]);
+            spawn(agent());
             t -= 1;
         }
         if f > 0 {
@@ -285,8 +301,9 @@ fn main() {
     let n_writes = env_num("LOOPD_BENCH_WRITES", 100).max(1);
     let probe = tempdir();
     println!(
-        "loopd overhead: executor /bin/true (format text), validate `sh -c false`; \
+        "loopd overhead: executor {:?} (format text), validate `sh -c false`; \
          max_iterations {max_iterations}, {rounds} rounds; temp dir {} (fs {})",
+        agent(),
         probe.path().parent().unwrap_or(probe.path()).display(),
         fs_type(probe.path())
     );

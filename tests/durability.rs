@@ -432,10 +432,13 @@ fn state_files_are_readable_by_their_owner_only() {
     use std::os::unix::fs::PermissionsExt;
     let p = Project::new(GOOD_AGENT);
     let id = p.create(&["--title", "t"]);
+    // As if another program had created it, readable by all.
+    std::fs::set_permissions(p.state_path(&id), std::fs::Permissions::from_mode(0o644)).unwrap();
     assert_eq!(code(&p.run(&id, &[])), 0);
     for file in [
         p.state_path(&id),
         p.root.join(format!(".loop/{id}.json.bak")),
+        p.root.join(format!(".loop/.{id}.json.spare")),
     ] {
         let mode = std::fs::metadata(&file).unwrap().permissions().mode() & 0o777;
         assert_eq!(mode, 0o600, "{}", file.display());

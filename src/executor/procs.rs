@@ -126,6 +126,13 @@ fn own_children() -> Option<Vec<u32>> {
     Some(children)
 }
 
+/// Whether this process has no child at all, alive or not.
+fn no_children() -> bool {
+    use nix::sys::wait::{Id, WaitPidFlag, waitid};
+    let flags = WaitPidFlag::WEXITED | WaitPidFlag::WNOHANG | WaitPidFlag::WNOWAIT;
+    waitid(Id::All, flags) == Err(Errno::ECHILD)
+}
+
 /// Reaps this process's zombie children, except `keep` (whose owner reaps it).
 fn reap_zombies(keep: u32) {
     let children = own_children().unwrap_or_else(|| {
@@ -202,11 +209,14 @@ fn signal_each(pids: &[u32], signal: Signal) {
 /// Ends every process of an attempt whose process group is `pgid` (see [`attempt_processes`]).
 /// `main` is the executor's own pid, reaped by its owner. Returns whether SIGKILL was needed.
 pub async fn end_attempt(pgid: u32, main: u32, grace: Duration) -> bool {
-    // The common case, cheaply: the group is empty and nothing was left behind but, perhaps,
-    // zombies reparented here.
-    if !signal_group(pgid, Signal::SIGTERM)
-        && let Some(children) = own_children()
-    {
+    // The common case, in two system calls: the group is empty and this process has no child
+    // left at all (the executor was reaped already).
+    let group_empty = !signal_group(pgid, Signal::SIGTERM);
+    if group_empty && no_children() {
+        return false;
+    }
+    // Perhaps only zombies reparented here.
+    if group_empty && let Some(children) = own_children() {
         if children.is_empty() {
             return false;
         }

@@ -16,10 +16,12 @@
 //! can be seen half-way; a read that does not parse is retried for a moment before the file is
 //! called corrupt. Their writes are not lost to ours either: see [`Store::update`].
 
+use std::cell::RefCell;
 use std::collections::HashMap;
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Write};
 use std::path::{Path, PathBuf};
+use std::rc::Rc;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -155,7 +157,38 @@ struct Seen {
 
 /// An exclusive lock on a loop's sidecar lock file, released on drop.
 pub struct WriteLock {
-    _file: File,
+    file: Rc<File>,
+}
+
+impl Drop for WriteLock {
+    fn drop(&mut self) {
+        let _ = self.file.unlock();
+    }
+}
+
+thread_local! {
+    /// Lock files kept open, one per path and thread: a writer locks and unlocks its loop's lock
+    /// file twice per action, and opening it each time is what costs. Per thread, because
+    /// `flock` does not exclude holders of the same open file, and threads must exclude each
+    /// other like processes do.
+    static LOCK_FILES: RefCell<HashMap<PathBuf, Rc<File>>> = RefCell::new(HashMap::new());
+}
+
+fn lock_file(path: &Path) -> io::Result<Rc<File>> {
+    LOCK_FILES.with(|files| {
+        if let Some(file) = files.borrow().get(path) {
+            return Ok(file.clone());
+        }
+        let file = Rc::new(
+            OpenOptions::new()
+                .create(true)
+                .truncate(false)
+                .write(true)
+                .open(path)?,
+        );
+        files.borrow_mut().insert(path.to_owned(), file.clone());
+        Ok(file)
+    })
 }
 
 impl Store {
@@ -235,16 +268,11 @@ impl Store {
     /// Takes the write lock of a loop, waiting a bounded time for another writer.
     pub fn lock(&self, id: &str) -> Result<WriteLock, StoreError> {
         let path = self.lock_path(id);
-        let file = OpenOptions::new()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .open(&path)
-            .map_err(io_err(&path))?;
+        let file = lock_file(&path).map_err(io_err(&path))?;
         let deadline = Instant::now() + LOCK_TIMEOUT;
         loop {
             match file.try_lock() {
-                Ok(()) => return Ok(WriteLock { _file: file }),
+                Ok(()) => return Ok(WriteLock { file }),
                 Err(fs::TryLockError::WouldBlock) if Instant::now() < deadline => {
                     std::thread::sleep(Duration::from_millis(1));
                 }
@@ -735,9 +763,13 @@ enum Swapped {
     Raced,
 }
 
-/// Puts `bytes` in place of `path` atomically (temp file, fsync if `durable`, exchange or
-/// rename, fsync of the directory if `durable`). `expected` is what should be in place; `None`
-/// writes whatever is there.
+/// Puts `bytes` in place of `path` atomically; `durable` adds fsync of the new version before and
+/// of the directory after. `expected` is what should be in place; `None` writes whatever is there.
+///
+/// The new version is written into the spare file `.{name}.spare` next to `path`, which is then
+/// exchanged with `path`: the spare now holds the replaced version, ready for the next write.
+/// No inode is created or deleted per write (which is what a temp file and rename cost, dearly
+/// on some filesystems), and the exchange hands back exactly what it replaced.
 fn swap_in(
     path: &Path,
     bytes: &[u8],
@@ -745,32 +777,42 @@ fn swap_in(
     expected: Option<&[u8]>,
 ) -> io::Result<Swapped> {
     let dir = path.parent().unwrap_or(Path::new("."));
-    let mut tmp = temp_file(path)?;
-    tmp.write_all(bytes)?;
+    let spare = spare_path(path);
+    let written = write_in_place(&spare, bytes)?;
+    // The spare may be a version another program created, with its own mode.
+    use std::os::unix::fs::PermissionsExt;
+    written.set_permissions(fs::Permissions::from_mode(0o600))?;
     if durable {
-        tmp.as_file().sync_data()?;
+        written.sync_data()?;
     }
-    let swapped = match exchange(tmp.path(), path) {
+    drop(written);
+    let swapped = match exchange(&spare, path) {
         Ok(()) => {
-            // `tmp` names the replaced version now. A writer that opened it before the exchange
-            // may still be writing into it: give it a moment to finish.
+            // The spare is the replaced version now. A writer that opened it before the
+            // exchange may still be writing into it: give it a moment to finish.
             let deadline = Instant::now() + PARSE_RETRY;
-            let mut old = fs::read(tmp.path())?;
+            let mut old = fs::read(&spare)?;
             while expected.is_some_and(|e| e != old)
                 && serde_json::from_slice::<serde::de::IgnoredAny>(&old).is_err()
                 && Instant::now() < deadline
             {
                 std::thread::sleep(Duration::from_millis(1));
-                old = fs::read(tmp.path())?;
+                old = fs::read(&spare)?;
             }
             Swapped::Replaced(old)
         }
         Err(_) => {
-            // No exchange here (another kernel or filesystem): compare, then rename.
+            // No exchange here (another kernel or filesystem): compare, then a plain rename.
+            let _ = fs::remove_file(&spare);
             if let Some(expected) = expected
                 && !fs::read(path).is_ok_and(|now| now == expected)
             {
                 return Ok(Swapped::Raced);
+            }
+            let mut tmp = temp_file(path)?;
+            tmp.write_all(bytes)?;
+            if durable {
+                tmp.as_file().sync_data()?;
             }
             tmp.persist(path).map_err(|e| e.error)?;
             Swapped::Renamed
@@ -780,6 +822,12 @@ fn swap_in(
         File::open(dir)?.sync_all()?;
     }
     Ok(swapped)
+}
+
+/// The spare file of a state file (see [`swap_in`]).
+pub fn spare_path(path: &Path) -> PathBuf {
+    let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("state");
+    path.with_file_name(format!(".{name}.spare"))
 }
 
 /// Swaps two paths atomically: afterwards `a` names what `b` named and the other way round.
@@ -827,7 +875,7 @@ fn read_capped(path: &Path) -> io::Result<Vec<u8>> {
 }
 
 /// Overwrites `path` with `bytes` (mode 0600 when created), not atomically.
-pub fn write_in_place(path: &Path, bytes: &[u8]) -> io::Result<()> {
+pub fn write_in_place(path: &Path, bytes: &[u8]) -> io::Result<File> {
     use std::os::unix::fs::OpenOptionsExt;
     let mut file = OpenOptions::new()
         .create(true)
@@ -835,7 +883,8 @@ pub fn write_in_place(path: &Path, bytes: &[u8]) -> io::Result<()> {
         .truncate(true)
         .mode(0o600)
         .open(path)?;
-    file.write_all(bytes)
+    file.write_all(bytes)?;
+    Ok(file)
 }
 
 /// Replaces `path` with `bytes` atomically (mode 0600): temp file in the same directory,
