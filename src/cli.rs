@@ -616,15 +616,11 @@ fn status(p: &Project, id: &str, as_json: bool) -> Result<i32> {
         format!("{done}/{} completed", tasks.len()),
     );
     for t in tasks {
-        let mark = match t.status {
-            TaskStatus::Completed => "x",
-            TaskStatus::Failed => "!",
-            TaskStatus::InProgress => ">",
-            TaskStatus::Pending => " ",
-        };
         out.push_str(&format!(
-            "             [{mark}] {}  {}\n",
-            t.id, t.description
+            "             [{}] {}  {}\n",
+            t.status.mark(),
+            t.id,
+            t.description
         ));
     }
     let v = &skill.validate;

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 
 use serde_json::{Map, Value, json};
 
-use crate::state::model::{LoopState, TaskStatus, now_rfc3339};
+use crate::state::model::{LoopState, now_rfc3339};
 
 /// Event names, CONTRACT §7 plus loopd's own (documented in the README).
 pub mod name {
@@ -302,15 +302,7 @@ impl Progress {
             text.push_str(&format!("\n{t}\n"));
         }
         text.push_str("\n## Tasks\n\n");
-        for task in &skill.develop.tasks {
-            let mark = match task.status {
-                TaskStatus::Completed => "x",
-                TaskStatus::Failed => "!",
-                TaskStatus::InProgress => ">",
-                TaskStatus::Pending => " ",
-            };
-            text.push_str(&format!("- [{mark}] {}: {}\n", task.id, task.description));
-        }
+        text.push_str(&skill.develop.checklist());
         let v = &skill.validate;
         text.push_str(&format!(
             "\n## Validation\n\n- passed: {}\n- pass rate: {}%\n",

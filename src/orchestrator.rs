@@ -27,9 +27,7 @@ use crate::config::{Config, Format, PromptMode, Supervision};
 use crate::events::{Event, EventLog, Progress, name};
 use crate::executor::result::{Verdict, verdict};
 use crate::executor::{Executor, Spawned, Spec, procs};
-use crate::state::model::{
-    AwaitingChoice, HistoryEntry, InFlight, LoopState, Status, TaskStatus, now_rfc3339,
-};
+use crate::state::model::{AwaitingChoice, HistoryEntry, InFlight, LoopState, Status, now_rfc3339};
 use crate::state::store::{Loaded, Store, Transition};
 use crate::watch::{Snapshot, Watch};
 use crate::workflow::{
@@ -310,19 +308,6 @@ impl Turn<'_> {
             ));
         }
         let mut state = self.store().load(self.id)?.state;
-        if state.status == Status::Created {
-            state = self.commit(
-                &state,
-                Some(&Transition {
-                    from: &[Status::Created],
-                    to: Status::Running,
-                    failure_reason: None,
-                    completed_at: false,
-                }),
-                None,
-                true,
-            )?;
-        }
         self.ours = Some(state.clone());
         self.recover(&mut state).await?;
         self.events.emit(
@@ -345,18 +330,14 @@ impl Turn<'_> {
                     }
                 }
                 Status::Created => {
-                    // Someone reset the loop: start it again.
-                    self.commit(
-                        &state,
-                        Some(&Transition {
-                            from: &[Status::Created],
-                            to: Status::Running,
-                            failure_reason: None,
-                            completed_at: false,
-                        }),
-                        None,
-                        true,
-                    )?;
+                    // A new loop, or one someone reset: start it.
+                    let start = Transition {
+                        from: &[Status::Created],
+                        to: Status::Running,
+                        failure_reason: None,
+                        completed_at: false,
+                    };
+                    self.commit(&state, Some(&start), None, true)?;
                     continue;
                 }
                 Status::Paused => {
@@ -1105,21 +1086,7 @@ fn template_vars(
     let tasks = if skill.develop.tasks.is_empty() {
         "(none yet)".to_owned()
     } else {
-        skill
-            .develop
-            .tasks
-            .iter()
-            .map(|t| {
-                let mark = match t.status {
-                    TaskStatus::Completed => "x",
-                    TaskStatus::Failed => "!",
-                    TaskStatus::InProgress => ">",
-                    TaskStatus::Pending => " ",
-                };
-                format!("- [{mark}] {}: {}", t.id, t.description)
-            })
-            .collect::<Vec<_>>()
-            .join("\n")
+        skill.develop.checklist().trim_end().to_owned()
     };
     let v = &skill.validate;
     let validation = if v.last_run_at.is_none() {

@@ -145,16 +145,7 @@ fn a_stale_external_write_is_repaired_and_keeps_its_own_edit() {
     let state = p.state(&id);
     assert_eq!(state["notes"], "edited by the dashboard");
     // No task was developed twice: the reverted progress was put back, not redone.
-    let developed: Vec<Value> = p
-        .events(&id)
-        .into_iter()
-        .filter(|e| e["event"] == "action_finished" && e["action"] == "develop")
-        .map(|e| e["task_id"].clone())
-        .collect();
-    assert_eq!(
-        developed,
-        [json!("task-001"), json!("task-002"), json!("task-003")]
-    );
+    assert_eq!(p.developed(&id), ["task-001", "task-002", "task-003"]);
     assert_eq!(state["current_iteration"], 4);
 }
 
@@ -220,11 +211,7 @@ fn loopd_writers_and_a_ccw_style_writer_lose_no_update() {
         "the external writer's last edit was lost"
     );
     assert_eq!(state["status"], "completed");
-    let developed = p
-        .events(&id)
-        .iter()
-        .filter(|e| e["event"] == "action_finished" && e["action"] == "develop")
-        .count();
+    let developed = p.developed(&id).len();
     assert_eq!(developed, tasks.len(), "a task was lost or developed twice");
     assert_eq!(state["skill_state"]["error_count"], 0);
 }
@@ -270,16 +257,7 @@ fn a_state_file_spoilt_between_runs_is_restored_and_done_work_is_kept() {
     state["status"] = json!("running");
     std::fs::write(&path, serde_json::to_vec_pretty(&state).unwrap()).unwrap();
     assert_eq!(code(&p.run(&id, &[])), 0);
-    let developed: Vec<Value> = p
-        .events(&id)
-        .into_iter()
-        .filter(|e| e["event"] == "action_finished" && e["action"] == "develop")
-        .map(|e| e["task_id"].clone())
-        .collect();
-    assert_eq!(
-        developed,
-        [json!("task-001"), json!("task-002"), json!("task-003")]
-    );
+    assert_eq!(p.developed(&id), ["task-001", "task-002", "task-003"]);
     assert!(p.event_names(&id).iter().any(|n| n == "recovered"));
 }
 
@@ -318,16 +296,7 @@ fn a_broken_skill_state_without_backup_is_rebuilt_from_the_progress_files() {
         "{}",
         stderr(&out)
     );
-    let developed: Vec<Value> = p
-        .events(&id)
-        .into_iter()
-        .filter(|e| e["event"] == "action_finished" && e["action"] == "develop")
-        .map(|e| e["task_id"].clone())
-        .collect();
-    assert_eq!(
-        developed,
-        [json!("task-001"), json!("task-002"), json!("task-003")]
-    );
+    assert_eq!(p.developed(&id), ["task-001", "task-002", "task-003"]);
     assert_eq!(p.state(&id)["title"], "t");
 }
 

@@ -246,13 +246,7 @@ fn a_loop_made_by_the_ccw_dashboard_runs_in_task_order_and_keeps_every_field() {
 
     let out = p.run(id, &[]);
     assert_eq!(code(&out), 0, "{}", stderr(&out));
-    let developed: Vec<String> = p
-        .events(id)
-        .iter()
-        .filter(|e| e["event"] == "action_finished" && e["action"] == "develop")
-        .map(|e| e["task_id"].as_str().unwrap().to_owned())
-        .collect();
-    assert_eq!(developed, ["T-a", "T-b", "T-c"]);
+    assert_eq!(p.developed(id), ["T-a", "T-b", "T-c"]);
     let after = p.state(id);
     for (key, value) in original.as_object().unwrap() {
         if ["status", "updated_at", "current_iteration"].contains(&key.as_str()) {

@@ -265,6 +265,18 @@ pub enum TaskStatus {
     Failed,
 }
 
+impl TaskStatus {
+    /// The status as a checkbox mark: `x` completed, `!` failed, `>` in progress, ` ` pending.
+    pub fn mark(self) -> char {
+        match self {
+            TaskStatus::Completed => 'x',
+            TaskStatus::Failed => '!',
+            TaskStatus::InProgress => '>',
+            TaskStatus::Pending => ' ',
+        }
+    }
+}
+
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct DevelopTask {
     pub id: String,
@@ -498,6 +510,14 @@ impl DevelopState {
             .iter()
             .filter(|t| t.status == TaskStatus::Completed)
             .count() as u64;
+    }
+
+    /// The tasks as a Markdown checklist, one line each: `- [x] task-001: description`.
+    pub fn checklist(&self) -> String {
+        self.tasks
+            .iter()
+            .map(|t| format!("- [{}] {}: {}\n", t.status.mark(), t.id, t.description))
+            .collect()
     }
 
     pub fn task_mut(&mut self, id: &str) -> Option<&mut DevelopTask> {

@@ -149,6 +149,15 @@ impl Project {
             .collect()
     }
 
+    /// The tasks whose develop finished, in the order they finished (repeats included).
+    pub fn developed(&self, id: &str) -> Vec<String> {
+        self.events(id)
+            .iter()
+            .filter(|e| e["event"] == "action_finished" && e["action"] == "develop")
+            .map(|e| e["task_id"].as_str().unwrap_or("").to_owned())
+            .collect()
+    }
+
     pub fn event_names(&self, id: &str) -> Vec<String> {
         self.events(id)
             .iter()
