@@ -67,6 +67,12 @@ pub enum Command {
         max_iterations: Option<u64>,
         #[arg(long, value_name = "N")]
         max_errors: Option<u64>,
+        /// Fail the loop once its agents have cost this many dollars
+        #[arg(long, value_name = "USD")]
+        max_cost_usd: Option<f64>,
+        /// Fail the loop once its agents have used this many tokens
+        #[arg(long, value_name = "N")]
+        max_tokens: Option<u64>,
         #[arg(long, value_enum, default_value = "auto")]
         mode: ModeArg,
         #[arg(long, value_name = "NAME")]
@@ -197,6 +203,8 @@ pub fn run(cli: Cli) -> Result<i32> {
             description,
             max_iterations,
             max_errors,
+            max_cost_usd,
+            max_tokens,
             mode,
             workflow,
             tasks,
@@ -204,13 +212,17 @@ pub fn run(cli: Cli) -> Result<i32> {
             let p = project()?;
             let id = create_loop(
                 &p,
-                &title,
-                &description,
-                max_iterations,
-                max_errors,
-                mode,
-                workflow,
-                &tasks,
+                &NewLoop {
+                    title: &title,
+                    description: &description,
+                    max_iterations,
+                    max_errors,
+                    max_cost_usd,
+                    max_tokens,
+                    mode,
+                    workflow,
+                    tasks: &tasks,
+                },
             )?;
             println!("{id}");
             Ok(0)
@@ -238,17 +250,32 @@ pub fn run(cli: Cli) -> Result<i32> {
     }
 }
 
-#[allow(clippy::too_many_arguments)]
-pub fn create_loop(
-    p: &Project,
-    title: &str,
-    description: &str,
-    max_iterations: Option<u64>,
-    max_errors: Option<u64>,
-    mode: ModeArg,
-    workflow: Option<String>,
-    tasks: &[String],
-) -> Result<String> {
+/// What `create` asks for.
+pub struct NewLoop<'a> {
+    pub title: &'a str,
+    pub description: &'a str,
+    pub max_iterations: Option<u64>,
+    pub max_errors: Option<u64>,
+    pub max_cost_usd: Option<f64>,
+    pub max_tokens: Option<u64>,
+    pub mode: ModeArg,
+    pub workflow: Option<String>,
+    pub tasks: &'a [String],
+}
+
+/// Writes a new loop (and its task list); returns its id.
+pub fn create_loop(p: &Project, new: &NewLoop) -> Result<String> {
+    let NewLoop {
+        title,
+        description,
+        max_iterations,
+        max_errors,
+        max_cost_usd,
+        max_tokens,
+        mode,
+        ref workflow,
+        tasks,
+    } = *new;
     if title.trim().is_empty() {
         return Err(usage("--title must not be empty"));
     }
@@ -257,6 +284,12 @@ pub fn create_loop(
     }
     if max_errors == Some(0) {
         return Err(usage("--max-errors must be at least 1"));
+    }
+    if max_cost_usd.is_some_and(|c| !(c.is_finite() && c > 0.0)) {
+        return Err(usage("--max-cost-usd must be a positive number"));
+    }
+    if max_tokens == Some(0) {
+        return Err(usage("--max-tokens must be at least 1"));
     }
     if let Some(w) = &workflow
         && crate::workflow::by_name(w).is_none()
@@ -277,6 +310,8 @@ pub fn create_loop(
         description: description.to_owned(),
         max_iterations: Some(max_iterations.unwrap_or(p.config.max_iterations)),
         max_errors: Some(max_errors.unwrap_or(p.config.max_errors)),
+        max_cost_usd: max_cost_usd.or(p.config.max_cost_usd),
+        max_tokens: max_tokens.or(p.config.max_tokens),
         status: Status::Created,
         created_at: Some(now.clone()),
         updated_at: Some(now),
@@ -285,7 +320,11 @@ pub fn create_loop(
                 ModeArg::Auto => Mode::Auto,
                 ModeArg::Interactive => Mode::Interactive,
             },
-            workflow: Some(workflow.unwrap_or_else(|| p.config.workflow.clone())),
+            workflow: Some(
+                workflow
+                    .clone()
+                    .unwrap_or_else(|| p.config.workflow.clone()),
+            ),
             ..SkillState::default()
         }),
         ..LoopState::default()

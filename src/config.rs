@@ -32,6 +32,13 @@ pub struct Config {
     pub action_retries: u32,
     pub retry_backoff: f64,
     pub executor: String,
+    /// Budgets of loops that do not set their own; absent means none.
+    pub max_cost_usd: Option<f64>,
+    pub max_tokens: Option<u64>,
+    /// Seconds to wait after a rate limit that gave no reset time.
+    pub rate_limit_wait: f64,
+    /// The longest wait for a rate limit's reset, in seconds.
+    pub rate_limit_max_wait: f64,
     pub executor_defaults: ExecutorDefaults,
     pub executors: BTreeMap<String, ExecutorConfig>,
     pub actions: BTreeMap<String, ActionConfig>,
@@ -44,6 +51,7 @@ pub struct ExecutorDefaults {
     pub idle_timeout: f64,
     pub kill_grace: f64,
     pub output_cap: u64,
+    pub final_grace: f64,
 }
 
 /// How the prompt reaches the executor.
@@ -67,6 +75,12 @@ pub enum Format {
     Text,
     /// A test command: exit 0 passed, else not passed; counts from the runner's summary.
     Test,
+    /// Claude Code's (and Qwen Code's) `--output-format stream-json`.
+    ClaudeStreamJson,
+    /// Codex's `exec --json` events.
+    CodexJsonl,
+    /// Gemini CLI's `--output-format json` (or `stream-json`).
+    GeminiJson,
 }
 
 #[derive(Clone, Debug, Default, Deserialize)]
@@ -80,6 +94,7 @@ pub struct ExecutorConfig {
     pub idle_timeout: Option<f64>,
     pub kill_grace: Option<f64>,
     pub output_cap: Option<u64>,
+    pub final_grace: Option<f64>,
 }
 
 #[derive(Clone, Debug, Default, Deserialize)]
@@ -99,6 +114,8 @@ pub struct Supervision {
     pub idle_timeout: Duration,
     pub kill_grace: Duration,
     pub output_cap: u64,
+    /// How long an agent may linger after its final event.
+    pub final_grace: Duration,
 }
 
 struct Layer {
@@ -209,6 +226,15 @@ impl Config {
         positive("executor_defaults.timeout", d.timeout)?;
         positive("executor_defaults.idle_timeout", d.idle_timeout)?;
         positive("executor_defaults.kill_grace", d.kill_grace)?;
+        positive("executor_defaults.final_grace", d.final_grace)?;
+        positive("rate_limit_wait", self.rate_limit_wait)?;
+        positive("rate_limit_max_wait", self.rate_limit_max_wait)?;
+        if let Some(c) = self.max_cost_usd {
+            positive("max_cost_usd", c)?;
+        }
+        if self.max_tokens == Some(0) {
+            return Err(("max_tokens".into(), "must be at least 1".into()));
+        }
         if d.output_cap == 0 {
             return Err((
                 "executor_defaults.output_cap".into(),
@@ -228,6 +254,7 @@ impl Config {
                 ("timeout", e.timeout),
                 ("idle_timeout", e.idle_timeout),
                 ("kill_grace", e.kill_grace),
+                ("final_grace", e.final_grace),
             ] {
                 if let Some(v) = v {
                     positive(&format!("executors.{name}.{key}"), v)?;
@@ -291,6 +318,7 @@ impl Config {
             ),
             kill_grace: secs(executor.kill_grace.unwrap_or(d.kill_grace)),
             output_cap: executor.output_cap.unwrap_or(d.output_cap),
+            final_grace: secs(executor.final_grace.unwrap_or(d.final_grace)),
         }
     }
 }

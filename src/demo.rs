@@ -68,13 +68,17 @@ pub fn run() -> Result<i32> {
     };
     let id = crate::cli::create_loop(
         &project,
-        "Make the calculator's tests pass",
-        "calc.sh needs add and sub, and test.sh must pass.",
-        None,
-        None,
-        ModeArg::Auto,
-        None,
-        &[],
+        &crate::cli::NewLoop {
+            title: "Make the calculator's tests pass",
+            description: "calc.sh needs add and sub, and test.sh must pass.",
+            max_iterations: None,
+            max_errors: None,
+            max_cost_usd: None,
+            max_tokens: None,
+            mode: ModeArg::Auto,
+            workflow: None,
+            tasks: &[],
+        },
     )?;
     eprintln!("loopd demo: a loop that fixes a tiny shell calculator");
     eprintln!("  project  {}", dir.display());

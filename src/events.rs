@@ -32,6 +32,8 @@ pub mod name {
     pub const TASKS_ADDED: &str = "tasks_added";
     /// loopd's: a previous daemon's attempt was found in flight at start and cleaned up.
     pub const RECOVERED: &str = "recovered";
+    /// loopd's: the agent hit its provider's rate limit; the loop waits `until`, then retries.
+    pub const RATE_LIMITED: &str = "rate_limited";
     /// loopd's: something worth a person's attention that changes nothing.
     pub const WARNING: &str = "warning";
 }

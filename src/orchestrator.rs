@@ -18,6 +18,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime};
 
 use anyhow::{Context as _, Result};
+use chrono::{DateTime, Utc};
 use serde_json::Value;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
@@ -25,9 +26,12 @@ use tokio_util::sync::CancellationToken;
 use crate::actions::ActionDef;
 use crate::config::{Config, Format, PromptMode, Supervision};
 use crate::events::{Event, EventLog, Progress, name};
+use crate::executor::agent::{AgentStream, AttemptOutcome};
 use crate::executor::result::{Verdict, verdict};
-use crate::executor::{Executor, Spawned, Spec, procs};
-use crate::state::model::{AwaitingChoice, HistoryEntry, InFlight, LoopState, Status, now_rfc3339};
+use crate::executor::{Budget, Executor, Spawned, Spec, procs};
+use crate::state::model::{
+    AwaitingChoice, HistoryEntry, InFlight, LoopState, Status, format_ts, now_rfc3339,
+};
 use crate::state::store::{Loaded, Store, Transition};
 use crate::watch::{Snapshot, Watch};
 use crate::workflow::{
@@ -57,6 +61,9 @@ impl Exit {
         }
     }
 }
+
+/// Rate limits in a row after which an attempt counts as failed.
+const MAX_RATE_LIMITS: u32 = 20;
 
 /// How one action runs: its executor, resolved.
 #[derive(Clone, Debug)]
@@ -128,6 +135,8 @@ impl Daemon {
         Limits {
             max_iterations: self.config.max_iterations,
             max_errors: self.config.max_errors,
+            max_cost_usd: self.config.max_cost_usd,
+            max_tokens: self.config.max_tokens,
         }
     }
 
@@ -609,6 +618,7 @@ impl Turn<'_> {
         let mut last_error = String::new();
         let mut consumed_choice = consumed_choice;
         let mut attempt = 1;
+        let mut rate_limited = 0;
         while attempt <= attempts {
             let outcome = self
                 .attempt(
@@ -626,7 +636,40 @@ impl Turn<'_> {
                     Verdict::Success(result) => {
                         return self.finish(state, dispatch, iteration, Finish::Success(result));
                     }
-                    Verdict::Failed { message, .. } => last_error = message,
+                    Verdict::Failed { outcome, message } => {
+                        last_error = message;
+                        if outcome == AttemptOutcome::BudgetExceeded {
+                            break; // no retry can help
+                        }
+                    }
+                    Verdict::RateLimited { message, .. } if rate_limited >= MAX_RATE_LIMITS => {
+                        // An agent that says "rate limited" forever is failing.
+                        last_error =
+                            format!("rate limited {rate_limited} times in a row: {message}");
+                    }
+                    Verdict::RateLimited { until, message } => {
+                        // Wait for the reset and try the same attempt again: not an error.
+                        rate_limited += 1;
+                        let wait = self.rate_limit_wait(until);
+                        self.events.emit(
+                            Event::new(name::RATE_LIMITED)
+                                .with("iteration", iteration)
+                                .with("action", dispatch.action.clone())
+                                .with("attempt", attempt)
+                                .with("until", format_ts(Utc::now() + wait))
+                                .with("message", message),
+                        );
+                        match self
+                            .sleep_unless_interrupted(wait.to_std().unwrap_or_default())
+                            .await
+                        {
+                            None => continue,
+                            Some(Interrupt::Shutdown(sig)) => {
+                                return Ok(Some(Exit::Signalled(sig)));
+                            }
+                            Some(Interrupt::Control) => return Ok(None),
+                        }
+                    }
                     Verdict::Interrupted => unreachable!("handled as Attempted::Interrupted"),
                 },
                 Attempted::Interrupted(Interrupt::Shutdown(sig)) => {
@@ -645,6 +688,22 @@ impl Turn<'_> {
             }
         }
         self.finish(state, dispatch, iteration, Finish::Failed(last_error))
+    }
+
+    /// How long to wait for a rate limit to reset: until the time the agent gave, else the
+    /// configured wait; never longer than `rate_limit_max_wait`.
+    fn rate_limit_wait(&self, until: Option<DateTime<Utc>>) -> chrono::Duration {
+        let config = &self.daemon.config;
+        let max = chrono::Duration::milliseconds((config.rate_limit_max_wait * 1000.0) as i64);
+        let wait = match until {
+            Some(t) => t - Utc::now(),
+            None => chrono::Duration::milliseconds((config.rate_limit_wait * 1000.0) as i64),
+        };
+        // A reset time already past still gets a moment, so a confused agent cannot spin.
+        wait.clamp(
+            chrono::Duration::seconds(1),
+            max.max(chrono::Duration::seconds(1)),
+        )
     }
 
     /// Sleeps, unless the status leaves `running` or a signal arrives first.
@@ -743,6 +802,11 @@ impl Turn<'_> {
             cwd: daemon.root.clone(),
             supervision: plan.supervision,
             log_path: log_path.clone(),
+            agent: AgentStream::for_format(plan.format),
+            budget: {
+                let (tokens, cost_usd) = daemon.limits().remaining(state);
+                Budget { tokens, cost_usd }
+            },
         };
         let started_at = now_rfc3339();
         let cancel = CancellationToken::new();
@@ -803,32 +867,27 @@ impl Turn<'_> {
             self.ours = Some(committed?.state);
         }
         let (run, interrupt) = run;
+        let done = Done {
+            dispatch,
+            iteration,
+            attempt,
+            started_at: &started_at,
+        };
         let run = match run {
             Ok(run) => run,
             Err(e) => {
                 // The executor could not even start: a failed attempt like any other.
-                let message = e.to_string();
-                self.record(
-                    state,
-                    dispatch,
-                    iteration,
-                    attempt,
-                    &started_at,
-                    "failed",
-                    None,
-                    Some(&message),
-                )?;
+                let v = Verdict::Failed {
+                    outcome: AttemptOutcome::AgentError,
+                    message: e.to_string(),
+                };
+                self.record(state, &done, &v, None)?;
                 self.events.emit(
-                    Event::new(name::ACTION_FAILED)
-                        .with("iteration", iteration)
-                        .with("action", dispatch.action.clone())
-                        .with("attempt", attempt)
-                        .with("error", message.clone()),
+                    done.event(name::ACTION_FAILED)
+                        .with("outcome", v.outcome())
+                        .with("error", e.to_string()),
                 );
-                return Ok(Attempted::Done(Verdict::Failed {
-                    message,
-                    result: None,
-                }));
+                return Ok(Attempted::Done(v));
             }
         };
         let mut v = verdict(plan.format, &result_path, &run);
@@ -836,125 +895,103 @@ impl Turn<'_> {
             && let Err(reason) = daemon.workflow.validate(&dispatch.action, result)
         {
             v = Verdict::Failed {
+                outcome: AttemptOutcome::AgentError,
                 message: format!("invalid result: {reason}"),
-                result: Some(result.clone()),
             };
         }
-        let duration_ms = run.duration.as_millis() as u64;
-        let exit_code = run.status.and_then(|s| s.code());
-        let base = |event: &str| {
-            Event::new(event)
-                .with("iteration", iteration)
-                .with("action", dispatch.action.clone())
-                .with("attempt", attempt)
-                .with("task_id", dispatch.task_id.clone())
-                .with("pid", run.spawned.pid)
-                .with("duration_ms", duration_ms)
-                .with("exit_code", exit_code)
-                .with("log", log_path.display().to_string())
-        };
-        match &v {
-            Verdict::Interrupted => {
-                self.record(
-                    state,
-                    dispatch,
-                    iteration,
-                    attempt,
-                    &started_at,
-                    "interrupted",
-                    None,
-                    None,
-                )?;
-                let why = match interrupt {
+        self.record(state, &done, &v, run.agent.as_ref())?;
+        let mut event = done
+            .event(match &v {
+                Verdict::Success(_) => name::ACTION_FINISHED,
+                Verdict::Interrupted => name::ACTION_INTERRUPTED,
+                Verdict::Failed { .. } | Verdict::RateLimited { .. } => name::ACTION_FAILED,
+            })
+            .with("pid", run.spawned.pid)
+            .with("duration_ms", run.duration.as_millis() as u64)
+            .with("exit_code", run.status.and_then(|s| s.code()))
+            .with("outcome", v.outcome())
+            .with("log", log_path.display().to_string());
+        if let Some(agent) = &run.agent {
+            event = event
+                .with("tokens_in", agent.usage.input_tokens)
+                .with("tokens_out", agent.usage.output_tokens)
+                .with(
+                    "tokens_cached",
+                    agent.usage.cache_read_tokens + agent.usage.cache_write_tokens,
+                )
+                .with("cost_usd", agent.cost_usd);
+        }
+        event = match &v {
+            Verdict::Success(result) => event.with(
+                "summary",
+                (!result.summary.is_empty()).then(|| result.summary.clone()),
+            ),
+            Verdict::Failed { message, .. } | Verdict::RateLimited { message, .. } => {
+                event.with("error", message.clone())
+            }
+            Verdict::Interrupted => event.with(
+                "message",
+                match interrupt {
                     Some(Interrupt::Shutdown(sig)) => format!("daemon received signal {sig}"),
                     _ => "the loop's status left running".to_owned(),
-                };
-                self.events.emit(
-                    base(name::ACTION_INTERRUPTED)
-                        .with("outcome", "interrupted")
-                        .with("message", why),
-                );
-                Ok(Attempted::Interrupted(
-                    interrupt.unwrap_or(Interrupt::Control),
-                ))
-            }
-            Verdict::Success(result) => {
-                let summary = (!result.summary.is_empty()).then(|| result.summary.clone());
-                self.record(
-                    state,
-                    dispatch,
-                    iteration,
-                    attempt,
-                    &started_at,
-                    "success",
-                    summary.as_deref(),
-                    None,
-                )?;
-                self.events.emit(
-                    base(name::ACTION_FINISHED)
-                        .with("outcome", "success")
-                        .with("summary", summary),
-                );
-                Ok(Attempted::Done(v))
-            }
-            Verdict::Failed { message, .. } => {
-                self.record(
-                    state,
-                    dispatch,
-                    iteration,
-                    attempt,
-                    &started_at,
-                    "failed",
-                    None,
-                    Some(message),
-                )?;
-                self.events.emit(
-                    base(name::ACTION_FAILED)
-                        .with("outcome", "failed")
-                        .with("error", message.clone()),
-                );
-                Ok(Attempted::Done(v))
-            }
-        }
+                },
+            ),
+        };
+        self.events.emit(event);
+        Ok(match v {
+            Verdict::Interrupted => Attempted::Interrupted(interrupt.unwrap_or(Interrupt::Control)),
+            v => Attempted::Done(v),
+        })
     }
 
-    /// Records a finished attempt in the history and clears the in-flight record.
-    #[allow(clippy::too_many_arguments)]
+    /// Records a finished attempt: in the history, its spending in the totals, and the in-flight
+    /// record cleared. A success is written with its result, by [`Turn::finish`].
     fn record(
         &mut self,
         state: &mut LoopState,
-        dispatch: &Dispatch,
-        iteration: u64,
-        attempt: u32,
-        started_at: &str,
-        outcome: &str,
-        summary: Option<&str>,
-        error: Option<&str>,
+        done: &Done,
+        v: &Verdict,
+        agent: Option<&AgentStream>,
     ) -> Result<()> {
-        state.skill().in_flight = None;
+        let skill = state.skill();
+        skill.in_flight = None;
+        if let Some(agent) = agent {
+            let u = &mut skill.usage;
+            u.input_tokens += agent.usage.input_tokens;
+            u.output_tokens += agent.usage.output_tokens;
+            u.cache_read_tokens += agent.usage.cache_read_tokens;
+            u.cache_write_tokens += agent.usage.cache_write_tokens;
+            u.cost_usd += agent.cost_usd.unwrap_or(0.0);
+        }
+        let (summary, error) = match v {
+            Verdict::Success(r) => ((!r.summary.is_empty()).then(|| r.summary.clone()), None),
+            Verdict::Failed { message, .. } | Verdict::RateLimited { message, .. } => {
+                (None, Some(message.clone()))
+            }
+            Verdict::Interrupted => (None, None),
+        };
         workflow::record_attempt(
             state,
             HistoryEntry {
-                action: dispatch.action.clone(),
-                iteration,
-                attempt,
-                task_id: dispatch.task_id.clone(),
-                started_at: started_at.to_owned(),
+                action: done.dispatch.action.clone(),
+                iteration: done.iteration,
+                attempt: done.attempt,
+                task_id: done.dispatch.task_id.clone(),
+                started_at: done.started_at.to_owned(),
                 finished_at: Some(now_rfc3339()),
-                outcome: outcome.to_owned(),
-                summary: summary.map(str::to_owned),
-                error: error.map(str::to_owned),
+                outcome: v.outcome().to_owned(),
+                summary,
+                error,
                 ..HistoryEntry::default()
             },
         );
-        match outcome {
-            "interrupted" => {
+        match v {
+            Verdict::Success(_) => {}
+            Verdict::Interrupted => {
                 // The attempt did not happen, as far as the workflow is concerned.
                 state.skill().current_action = None;
                 self.commit(state, None, None, true)?;
             }
-            // A success is written with its result, by `finish`.
-            "success" => {}
             _ => {
                 self.commit(state, None, None, false)?;
             }
@@ -1057,6 +1094,24 @@ impl Turn<'_> {
 enum Attempted {
     Done(Verdict),
     Interrupted(Interrupt),
+}
+
+/// Which attempt finished.
+struct Done<'a> {
+    dispatch: &'a Dispatch,
+    iteration: u64,
+    attempt: u32,
+    started_at: &'a str,
+}
+
+impl Done<'_> {
+    fn event(&self, event: &str) -> Event {
+        Event::new(event)
+            .with("iteration", self.iteration)
+            .with("action", self.dispatch.action.clone())
+            .with("attempt", self.attempt)
+            .with("task_id", self.dispatch.task_id.clone())
+    }
 }
 
 fn still_running(rx: &watch::Receiver<Option<Snapshot>>) -> bool {

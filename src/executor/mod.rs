@@ -11,6 +11,7 @@
 //! An executor never touches the state file: it reports a [`Run`], and [`result`] turns that into
 //! an attempt's verdict.
 
+pub mod agent;
 pub mod procs;
 pub mod result;
 
@@ -41,6 +42,27 @@ pub struct Spec {
     pub supervision: Supervision,
     /// The attempt's output log.
     pub log_path: PathBuf,
+    /// For an agent's output format: its stream, fed stdout as it comes.
+    pub agent: Option<agent::AgentStream>,
+    /// What this attempt may still spend, if the loop has a budget.
+    pub budget: Budget,
+}
+
+/// Tokens and dollars an attempt may still spend.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Budget {
+    pub tokens: Option<u64>,
+    pub cost_usd: Option<f64>,
+}
+
+impl Budget {
+    /// Whether an agent's spending so far crossed this budget.
+    pub fn crossed(&self, stream: &agent::AgentStream) -> bool {
+        self.tokens.is_some_and(|t| stream.usage.total() > t)
+            || self
+                .cost_usd
+                .is_some_and(|c| stream.cost_usd.is_some_and(|spent| spent > c))
+    }
 }
 
 /// The executor's process, once spawned.
@@ -60,6 +82,11 @@ pub enum Cut {
     Idle(Duration),
     /// Cancelled from outside (pause, stop, shutdown).
     Cancelled,
+    /// The agent's final event came and it did not exit within the grace: its tree was ended.
+    /// Not a failure.
+    Lingered,
+    /// The agent's spending crossed the loop's budget.
+    Budget,
 }
 
 /// How an attempt's process ended.
@@ -78,6 +105,8 @@ pub struct Run {
     pub output_bytes: u64,
     /// Whether the process group had to be SIGKILLed.
     pub killed: bool,
+    /// The agent's stream, read to the end.
+    pub agent: Option<agent::AgentStream>,
 }
 
 #[async_trait::async_trait]
@@ -171,6 +200,10 @@ async fn run_subprocess(
     tokio::pin!(wall, idle);
     let mut status: Option<ExitStatus> = None;
     let mut cut = None;
+    let mut agent = spec.agent;
+    let budget = spec.budget;
+    // Set once the agent's final event is read: it may linger until then.
+    let mut linger_until: Option<tokio::time::Instant> = None;
     // Once the main process has exited, what it left behind gets a moment to flush, then ends.
     let mut drain_until: Option<tokio::time::Instant> = None;
 
@@ -178,12 +211,8 @@ async fn run_subprocess(
         if stdout.is_none() && stderr.is_none() && status.is_some() {
             break;
         }
-        let drain = async {
-            match drain_until {
-                Some(t) => tokio::time::sleep_until(t).await,
-                None => std::future::pending().await,
-            }
-        };
+        let drain = sleep_until(drain_until);
+        let linger = sleep_until(linger_until);
         tokio::select! {
             n = read_some(&mut stdout, &mut out_buf) => match n {
                 Some(n) => {
@@ -191,6 +220,15 @@ async fn run_subprocess(
                     stdout_tail.push(&out_buf[..n]);
                     output_tail.push(&out_buf[..n]);
                     idle.as_mut().reset(tokio::time::Instant::now() + sup.idle_timeout);
+                    if let Some(stream) = &mut agent {
+                        if stream.feed(&out_buf[..n]) == agent::Signal::Final && linger_until.is_none() {
+                            linger_until = Some(tokio::time::Instant::now() + sup.final_grace);
+                        }
+                        if budget.crossed(stream) {
+                            cut = Some(Cut::Budget);
+                            break;
+                        }
+                    }
                 }
                 None => stdout = None,
             },
@@ -207,6 +245,7 @@ async fn run_subprocess(
                 drain_until = Some(tokio::time::Instant::now() + Duration::from_millis(200));
             }
             () = drain => break,
+            () = linger, if status.is_none() => { cut = Some(Cut::Lingered); break }
             () = &mut wall, if status.is_none() => { cut = Some(Cut::Timeout(sup.timeout)); break }
             () = &mut idle, if status.is_none() => { cut = Some(Cut::Idle(sup.idle_timeout)); break }
             () = cancel.cancelled(), if status.is_none() => { cut = Some(Cut::Cancelled); break }
@@ -232,6 +271,9 @@ async fn run_subprocess(
     })
     .await;
     log.finish();
+    if let Some(stream) = &mut agent {
+        stream.finish(&stdout_tail.buf, &output_tail.buf);
+    }
     Ok(Run {
         spawned,
         status,
@@ -241,7 +283,16 @@ async fn run_subprocess(
         output_tail: output_tail.into_vec(),
         output_bytes: log.seen,
         killed,
+        agent,
     })
+}
+
+/// Sleeps until `t`, or forever without one (so `select!` ignores it).
+async fn sleep_until(t: Option<tokio::time::Instant>) {
+    match t {
+        Some(t) => tokio::time::sleep_until(t).await,
+        None => std::future::pending().await,
+    }
 }
 
 /// Reads from an optional pipe: `None` at end of file, error, or when there is no pipe (then it

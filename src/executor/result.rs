@@ -5,6 +5,9 @@ use std::path::Path;
 
 use serde_json::{Map, Value, json};
 
+use chrono::{DateTime, Utc};
+
+use super::agent::AttemptOutcome;
 use super::{Cut, Run};
 use crate::config::Format;
 use crate::protocol::{ActionResult, ResultStatus};
@@ -17,78 +20,137 @@ const RESULT_FILE_CAP: u64 = 4 << 20;
 pub enum Verdict {
     Success(ActionResult),
     Failed {
+        outcome: AttemptOutcome,
         message: String,
-        /// The result the executor reported, if any.
-        result: Option<ActionResult>,
+    },
+    /// The provider's limit: try again after `until` (when known); not an error.
+    RateLimited {
+        until: Option<DateTime<Utc>>,
+        message: String,
     },
     /// Ended from outside (pause, stop, shutdown): neither a success nor an error.
     Interrupted,
 }
 
+impl Verdict {
+    /// The attempt's outcome in the one taxonomy (`interrupted` aside).
+    pub fn outcome(&self) -> &'static str {
+        match self {
+            Verdict::Success(_) => AttemptOutcome::Success.as_str(),
+            Verdict::Failed { outcome, .. } => outcome.as_str(),
+            Verdict::RateLimited { .. } => AttemptOutcome::RateLimited.as_str(),
+            Verdict::Interrupted => "interrupted",
+        }
+    }
+}
+
+fn failed(outcome: AttemptOutcome, message: impl Into<String>) -> Verdict {
+    Verdict::Failed {
+        outcome,
+        message: message.into(),
+    }
+}
+
 /// Classifies a finished run.
 pub fn verdict(format: Format, result_file: &Path, run: &Run) -> Verdict {
+    use AttemptOutcome as O;
     match run.cut {
         Some(Cut::Cancelled) => return Verdict::Interrupted,
-        Some(Cut::Timeout(d)) => return failed(format!("timed out after {}", secs(d))),
-        Some(Cut::Idle(d)) => return failed(format!("no output for {}", secs(d))),
-        None => {}
+        Some(Cut::Timeout(d)) => return failed(O::Timeout, format!("timed out after {}", secs(d))),
+        Some(Cut::Idle(d)) => return failed(O::Timeout, format!("no output for {}", secs(d))),
+        Some(Cut::Budget) => {
+            return failed(
+                O::BudgetExceeded,
+                "the loop's budget ran out while the agent worked",
+            );
+        }
+        Some(Cut::Lingered) | None => {}
     }
     let exit_code = run.status.and_then(|s| s.code());
+    if let Some(agent) = &run.agent {
+        return match agent.classify(exit_code) {
+            (O::Success, _) => match read_result_file(result_file) {
+                Some(reported) => judge(reported, None),
+                // The result in the agent's final message, else a success with no updates.
+                None => match agent
+                    .last_message
+                    .as_deref()
+                    .and_then(|m| last_json_object(m.as_bytes()))
+                {
+                    Some(v) => judge(ActionResult::from_value(v), None),
+                    None => Verdict::Success(ActionResult {
+                        summary: first_line(agent.last_message.as_deref().unwrap_or("")),
+                        ..ActionResult::bare_success()
+                    }),
+                },
+            },
+            (O::RateLimited, message) => Verdict::RateLimited {
+                until: agent.reset_at,
+                message: message.unwrap_or_else(|| "rate limited".into()),
+            },
+            (outcome, message) => {
+                failed(outcome, message.unwrap_or_else(|| outcome.as_str().into()))
+            }
+        };
+    }
     let exit_failure = match (exit_code, run.status) {
         (Some(0), _) => None,
-        (Some(code), _) => Some(format!("exit code {code}")),
+        (Some(code), _) => Some((O::AgentError, format!("exit code {code}"))),
         (None, Some(status)) => {
             use std::os::unix::process::ExitStatusExt;
             Some(match status.signal() {
-                Some(sig) => format!("killed by signal {sig}"),
-                None => "ended abnormally".to_owned(),
+                Some(sig) => (O::Killed, format!("killed by signal {sig}")),
+                None => (O::AgentError, "ended abnormally".to_owned()),
             })
         }
-        (None, None) => Some("ended without an exit status".to_owned()),
+        (None, None) => Some((O::AgentError, "ended without an exit status".to_owned())),
     };
     let reported = match read_result_file(result_file) {
         Some(r) => Some(r),
         None => match format {
-            Format::Json => last_json_object(&run.stdout_tail).map(ActionResult::from_value),
-            Format::Text => None,
             Format::Test => {
                 return Verdict::Success(test_result(exit_code == Some(0), &run.output_tail));
             }
+            Format::Text => None,
+            _ => last_json_object(&run.stdout_tail).map(ActionResult::from_value),
         },
     };
-    match reported {
-        Some(Err(reason)) => failed(reason),
-        Some(Ok(result)) => match (result.status, exit_failure) {
-            (ResultStatus::Success, None) => Verdict::Success(result),
-            (ResultStatus::Success, Some(exit)) => Verdict::Failed {
-                message: format!("{exit} after reporting success"),
-                result: Some(result),
-            },
-            (ResultStatus::Failed, _) => Verdict::Failed {
-                message: if result.summary.is_empty() {
-                    "the executor reported failure".to_owned()
-                } else {
-                    format!("reported failure: {}", result.summary)
-                },
-                result: Some(result),
-            },
-            (ResultStatus::NeedsInput, _) => Verdict::Failed {
-                message: format!("needs input: {}", result.summary),
-                result: Some(result),
-            },
-        },
-        None => match exit_failure {
-            None => Verdict::Success(ActionResult::bare_success()),
-            Some(exit) => failed(exit),
-        },
+    match (reported, exit_failure) {
+        (Some(reported), exit) => judge(reported, exit.map(|(_, e)| e)),
+        (None, None) => Verdict::Success(ActionResult::bare_success()),
+        (None, Some((outcome, message))) => failed(outcome, message),
     }
 }
 
-fn failed(message: String) -> Verdict {
-    Verdict::Failed {
-        message,
-        result: None,
+/// The verdict on a result the executor reported (and how it exited, if it failed).
+fn judge(reported: Result<ActionResult, String>, exit_failure: Option<String>) -> Verdict {
+    use AttemptOutcome as O;
+    let result = match reported {
+        Ok(result) => result,
+        Err(reason) => return failed(O::AgentError, reason),
+    };
+    match (result.status, exit_failure) {
+        (ResultStatus::Success, None) => Verdict::Success(result),
+        (ResultStatus::Success, Some(exit)) => {
+            failed(O::AgentError, format!("{exit} after reporting success"))
+        }
+        (ResultStatus::Failed, _) if result.summary.is_empty() => {
+            failed(O::AgentError, "the executor reported failure")
+        }
+        (ResultStatus::Failed, _) => failed(
+            O::AgentError,
+            format!("reported failure: {}", result.summary),
+        ),
+        (ResultStatus::NeedsInput, _) => {
+            failed(O::AgentError, format!("needs input: {}", result.summary))
+        }
     }
+}
+
+/// The first line of a text, at most 200 characters.
+fn first_line(text: &str) -> String {
+    let line = text.trim().lines().next().unwrap_or("");
+    line.chars().take(200).collect()
 }
 
 fn secs(d: std::time::Duration) -> String {
@@ -153,7 +215,8 @@ pub fn last_json_object(bytes: &[u8]) -> Option<Value> {
 /// Counts read from a test runner's output.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct TestCounts {
-    pub passed: u64,
+    /// `None` where the runner does not say (`go test` without `-v` prints only failures).
+    pub passed: Option<u64>,
     pub failed: u64,
     pub failed_tests: Vec<String>,
 }
@@ -166,19 +229,25 @@ pub fn test_result(passed: bool, output: &[u8]) -> ActionResult {
     updates.insert("passed".into(), json!(passed));
     let summary = match &counts {
         Some(c) => {
-            let total = c.passed + c.failed;
-            if total > 0 {
-                let rate = (c.passed as f64 * 1000.0 / total as f64).round() / 10.0;
+            if let Some(p) = c.passed
+                && p + c.failed > 0
+            {
+                let rate = (p as f64 * 1000.0 / (p + c.failed) as f64).round() / 10.0;
                 updates.insert("pass_rate".into(), json!(rate));
             }
             updates.insert("failed_tests".into(), json!(c.failed_tests));
-            format!("{} passed, {} failed", c.passed, c.failed)
+            match c.passed {
+                Some(p) => format!("{p} passed, {} failed", c.failed),
+                None => format!("{} failed", c.failed),
+            }
         }
         None if passed => "tests passed".to_owned(),
         None => "tests failed".to_owned(),
     };
-    if counts.is_none() {
-        updates.insert("pass_rate".into(), json!(if passed { 100.0 } else { 0.0 }));
+    if counts.as_ref().is_none_or(|c| c.passed.is_none()) {
+        updates
+            .entry("pass_rate")
+            .or_insert(json!(if passed { 100.0 } else { 0.0 }));
     }
     ActionResult {
         status: ResultStatus::Success,
@@ -188,21 +257,22 @@ pub fn test_result(passed: bool, output: &[u8]) -> ActionResult {
     }
 }
 
-/// Reads pass/fail counts from libtest (cargo test), pytest, jest, go test, TAP, or a plain
-/// `N passed, N failed` line.
+/// Reads pass/fail counts and failed test names from libtest (cargo test), pytest, jest,
+/// go test (`-v` or not), TAP, or a plain `N passed, N failed` line.
 pub fn parse_test_output(text: &str) -> Option<TestCounts> {
-    let mut libtest = TestCounts::default();
-    let mut libtest_seen = false;
-    let mut summary: Option<TestCounts> = None;
-    let mut go = TestCounts::default();
-    let mut tap = TestCounts::default();
+    let mut libtest: Option<(u64, u64)> = None;
+    let mut summary: Option<(u64, u64)> = None;
+    let (mut go_passed, mut go_failed, mut go_verbose) = (0u64, Vec::new(), false);
+    let (mut tap_passed, mut tap_failed) = (0u64, 0u64);
     let mut failed_names = Vec::new();
     for line in text.lines() {
         let t = line.trim();
         if let Some(rest) = t.strip_prefix("test result:") {
-            libtest_seen = true;
-            libtest.passed += number_before(rest, "passed").unwrap_or(0);
-            libtest.failed += number_before(rest, "failed").unwrap_or(0);
+            let (p, f) = libtest.unwrap_or_default();
+            libtest = Some((
+                p + number_before(rest, "passed").unwrap_or(0),
+                f + number_before(rest, "failed").unwrap_or(0),
+            ));
         } else if let Some(name) = t
             .strip_prefix("test ")
             .and_then(|r| r.strip_suffix(" ... FAILED"))
@@ -211,44 +281,77 @@ pub fn parse_test_output(text: &str) -> Option<TestCounts> {
         } else if let Some(name) = t.strip_prefix("FAILED ") {
             // pytest: `FAILED tests/test_x.py::test_y - AssertionError`
             failed_names.push(name.split(" - ").next().unwrap_or(name).to_owned());
+        } else if let Some(name) = t.strip_prefix("● ") {
+            // jest: `● describe › test name` heads each failure's details.
+            if !matches!(name, "Test suite failed to run" | "Console") {
+                failed_names.push(name.to_owned());
+            }
         } else if let Some(name) = t.strip_prefix("--- FAIL: ") {
-            go.failed += 1;
-            failed_names.push(name.split_whitespace().next().unwrap_or(name).to_owned());
+            go_failed.push(name.split_whitespace().next().unwrap_or(name).to_owned());
         } else if t.starts_with("--- PASS: ") {
-            go.passed += 1;
+            go_passed += 1;
+        } else if t.starts_with("=== RUN ") {
+            go_verbose = true;
         } else if let Some(rest) = t.strip_prefix("not ok ") {
-            tap.failed += 1;
+            tap_failed += 1;
             failed_names.push(tap_name(rest));
         } else if t.starts_with("ok ") && t[3..].starts_with(|c: char| c.is_ascii_digit()) {
-            tap.passed += 1;
-        } else if t.contains("passed") || t.contains("failed") {
-            // pytest `=== 3 passed, 1 failed in 0.1s ===`, jest `Tests: 1 failed, 3 passed, 4 total`,
-            // or a plain `3 passed, 1 failed`.
+            tap_passed += 1;
+        } else if t.starts_with("Tests:") || t.starts_with('=') || is_plain_summary(t) {
+            // jest `Tests: 1 failed, 3 passed, 4 total`, pytest `=== 3 passed, 1 failed in 0.1s ===`
+            // (`-q`: the same without the rules), or a plain `3 passed, 1 failed`.
             let passed = number_before(t, "passed");
             let failed = number_before(t, "failed");
             if passed.is_some() || failed.is_some() {
-                summary = Some(TestCounts {
-                    passed: passed.unwrap_or(0),
-                    failed: failed.unwrap_or(0),
-                    failed_tests: Vec::new(),
-                });
+                summary = Some((passed.unwrap_or(0), failed.unwrap_or(0)));
             }
         }
     }
-    let mut counts = if libtest_seen {
-        libtest
-    } else if let Some(s) = summary {
-        s
-    } else if go.passed + go.failed > 0 {
-        go
-    } else if tap.passed + tap.failed > 0 {
-        tap
+    // go: a failing subtest also fails its parent; count the leaves only.
+    let go_leaves: Vec<String> = go_failed
+        .iter()
+        .filter(|n| !go_failed.iter().any(|m| m.starts_with(&format!("{n}/"))))
+        .cloned()
+        .collect();
+    let mut counts = if let Some((passed, failed)) = libtest {
+        TestCounts {
+            passed: Some(passed),
+            failed,
+            failed_tests: Vec::new(),
+        }
+    } else if let Some((passed, failed)) = summary {
+        TestCounts {
+            passed: Some(passed),
+            failed,
+            failed_tests: Vec::new(),
+        }
+    } else if go_passed > 0 || !go_leaves.is_empty() {
+        failed_names.extend(go_leaves.iter().cloned());
+        TestCounts {
+            // Without -v, go prints nothing for tests that pass.
+            passed: (go_verbose || go_passed > 0).then_some(go_passed),
+            failed: go_leaves.len() as u64,
+            failed_tests: Vec::new(),
+        }
+    } else if tap_passed + tap_failed > 0 {
+        TestCounts {
+            passed: Some(tap_passed),
+            failed: tap_failed,
+            failed_tests: Vec::new(),
+        }
     } else {
         return None;
     };
+    failed_names.dedup();
     failed_names.truncate(crate::state::model::FAILED_TESTS_WINDOW);
     counts.failed_tests = failed_names;
     Some(counts)
+}
+
+/// `3 passed, 1 failed`, `1 failed, 2 passed, 1 skipped in 0.02s`: a line that is a summary.
+fn is_plain_summary(t: &str) -> bool {
+    let first = t.split_whitespace().next().unwrap_or("");
+    first.parse::<u64>().is_ok() && (t.contains(" passed") || t.contains(" failed"))
 }
 
 fn tap_name(rest: &str) -> String {
@@ -290,35 +393,26 @@ mod tests {
     }
 
     #[test]
-    fn parses_test_runner_summaries() {
-        let libtest = "running 3 tests\ntest a ... ok\ntest m::b ... FAILED\ntest c ... ok\n\ntest result: FAILED. 2 passed; 1 failed; 0 ignored; 0 measured; 0 filtered out; finished in 0.00s\n";
-        let c = parse_test_output(libtest).unwrap();
-        assert_eq!(
-            (c.passed, c.failed, c.failed_tests.clone()),
-            (2, 1, vec!["m::b".to_owned()])
-        );
-        let pytest = "FAILED tests/test_x.py::test_y - assert 1 == 2\n==== 1 failed, 4 passed in 0.12s ====\n";
-        let c = parse_test_output(pytest).unwrap();
-        assert_eq!((c.passed, c.failed), (4, 1));
-        assert_eq!(c.failed_tests, ["tests/test_x.py::test_y"]);
-        let jest = "Tests:       1 failed, 3 passed, 4 total\n";
-        assert_eq!(
-            parse_test_output(jest).map(|c| (c.passed, c.failed)),
-            Some((3, 1))
-        );
-        let go = "=== RUN   TestA\n--- PASS: TestA (0.00s)\n--- FAIL: TestB (0.00s)\nFAIL\n";
-        let c = parse_test_output(go).unwrap();
-        assert_eq!(
-            (c.passed, c.failed, c.failed_tests.clone()),
-            (1, 1, vec!["TestB".to_owned()])
-        );
-        let tap = "ok 1 - add\nnot ok 2 - mul # expected 12\n";
+    fn parses_tap_plain_summaries_and_go_subtests() {
+        // The real runners' output is tested in tests/runners.rs, on captured fixtures.
+        let tap = "ok 1 - add\nnot ok 2 - mul # expected 12\n2 passed, 1 failed\n";
         let c = parse_test_output(tap).unwrap();
         assert_eq!(
-            (c.passed, c.failed, c.failed_tests.clone()),
-            (1, 1, vec!["mul".to_owned()])
+            (c.passed, c.failed, c.failed_tests),
+            (Some(2), 1, vec!["mul".to_owned()])
         );
-        assert!(parse_test_output("all good\n").is_none());
+        let tap = "ok 1 - add\nnot ok 2 - mul # expected 12\n";
+        assert_eq!(
+            parse_test_output(tap).map(|c| (c.passed, c.failed)),
+            Some((Some(1), 1))
+        );
+        let go = "=== RUN   TestT\n--- FAIL: TestT (0.00s)\n    --- PASS: TestT/one (0.00s)\n    --- FAIL: TestT/two (0.00s)\nFAIL\n";
+        let c = parse_test_output(go).unwrap();
+        assert_eq!(
+            (c.passed, c.failed, c.failed_tests),
+            (Some(1), 1, vec!["TestT/two".to_owned()])
+        );
+        assert!(parse_test_output("all good\nbuilt 3 passed targets? no\n").is_none());
     }
 
     #[test]

@@ -126,6 +126,11 @@ pub struct LoopState {
     /// Interactive mode: the action a controller chose (`loopd next`, or a dashboard writing it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub next_action: Option<String>,
+    /// loopd's: the loop's budgets; absent means the configured default (none unless set).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_cost_usd: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_tokens: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub skill_state: Option<SkillState>,
 }
@@ -220,8 +225,34 @@ pub struct SkillState {
     /// Interactive mode: the choice the daemon waits for.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub awaiting_choice: Option<AwaitingChoice>,
+    /// Tokens and cost the agents reported, over every attempt.
+    #[serde(default)]
+    pub usage: UsageTotals,
     #[serde(flatten)]
     pub extra: Extra,
+}
+
+/// Tokens and cost spent by a loop's agents.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct UsageTotals {
+    #[serde(default)]
+    pub input_tokens: u64,
+    #[serde(default)]
+    pub output_tokens: u64,
+    #[serde(default)]
+    pub cache_read_tokens: u64,
+    #[serde(default)]
+    pub cache_write_tokens: u64,
+    #[serde(default)]
+    pub cost_usd: f64,
+    #[serde(flatten)]
+    pub extra: Extra,
+}
+
+impl UsageTotals {
+    pub fn tokens(&self) -> u64 {
+        self.input_tokens + self.output_tokens + self.cache_read_tokens + self.cache_write_tokens
+    }
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]

@@ -480,6 +480,8 @@ mod tests {
     const LIMITS: Limits = Limits {
         max_iterations: 10,
         max_errors: 3,
+        max_cost_usd: None,
+        max_tokens: None,
     };
 
     fn task(id: &str, status: TaskStatus) -> DevelopTask {
@@ -737,6 +739,27 @@ mod tests {
             assert!(steps < 100, "no completion after 100 steps");
         }
         assert_eq!(s.current_iteration, 10);
+    }
+
+    #[test]
+    fn a_spent_budget_fails_the_loop_first() {
+        let mut s = state(&[("t1", Pending)], &[]);
+        s.skill().usage.cost_usd = 2.5;
+        s.max_cost_usd = Some(2.0);
+        let Decision::Abort(reason) = decide(&CcwLoop, &s, LIMITS) else {
+            panic!("expected abort");
+        };
+        assert!(reason.contains("max_cost_usd"), "{reason}");
+        s.max_cost_usd = None;
+        s.skill().usage.output_tokens = 100;
+        let limits = Limits {
+            max_tokens: Some(100),
+            ..LIMITS
+        };
+        assert!(
+            matches!(decide(&CcwLoop, &s, limits), Decision::Abort(r) if r.contains("max_tokens"))
+        );
+        assert_eq!(limits.remaining(&s), (Some(0), None));
     }
 
     #[test]

@@ -82,10 +82,47 @@ pub enum Decision {
 }
 
 /// Defaults for limits a loop's state does not set.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, Default)]
 pub struct Limits {
     pub max_iterations: u64,
     pub max_errors: u64,
+    pub max_cost_usd: Option<f64>,
+    pub max_tokens: Option<u64>,
+}
+
+impl Limits {
+    /// What the loop may still spend: `(tokens, dollars)`, each `None` without a budget.
+    pub fn remaining(&self, state: &LoopState) -> (Option<u64>, Option<f64>) {
+        let spent = state.skill_state.as_ref().map(|s| &s.usage);
+        let tokens = state.max_tokens.or(self.max_tokens);
+        let cost = state.max_cost_usd.or(self.max_cost_usd);
+        (
+            tokens.map(|t| t.saturating_sub(spent.map_or(0, |u| u.tokens()))),
+            cost.map(|c| (c - spent.map_or(0.0, |u| u.cost_usd)).max(0.0)),
+        )
+    }
+
+    /// Why the loop's budget is spent, if it is.
+    pub fn budget_spent(&self, state: &LoopState) -> Option<String> {
+        let spent = state.skill_state.clone().unwrap_or_default().usage;
+        if let Some(max) = state.max_cost_usd.or(self.max_cost_usd)
+            && spent.cost_usd >= max
+        {
+            return Some(format!(
+                "budget exceeded: ${:.4} spent, max_cost_usd is ${max}",
+                spent.cost_usd
+            ));
+        }
+        if let Some(max) = state.max_tokens.or(self.max_tokens)
+            && spent.tokens() >= max
+        {
+            return Some(format!(
+                "budget exceeded: {} tokens spent, max_tokens is {max}",
+                spent.tokens()
+            ));
+        }
+        None
+    }
 }
 
 /// How an action ended, after its retries.
@@ -150,6 +187,9 @@ pub const WORKFLOWS: &[&str] = &["ccw-loop"];
 
 /// Termination checks, then selection: auto mode selects, interactive mode waits for a choice.
 pub fn decide(workflow: &dyn Workflow, state: &LoopState, limits: Limits) -> Decision {
+    if let Some(reason) = limits.budget_spent(state) {
+        return Decision::Abort(reason);
+    }
     if let Some(decision) = workflow.check(state, limits) {
         return decision;
     }

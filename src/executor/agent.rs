@@ -1,0 +1,831 @@
+//! Agent output formats: Claude Code's `stream-json` (also Qwen Code's), Codex's `exec --json`
+//! JSONL, and Gemini CLI's `--output-format json`.
+//!
+//! Theory of operation: an [`AgentStream`] is fed the agent's stdout as it arrives. It keeps only
+//! what matters — the last message the agent wrote, token usage and cost so far, structured
+//! errors, and the final event — never the whole transcript, so memory stays bounded however much
+//! the agent prints. Seeing the final event is a [`Signal::Final`]: the executor then gives the
+//! agent a short grace to exit and ends its process tree (agents are known to linger). When the
+//! run is over, [`AgentStream::classify`] puts the attempt into the one taxonomy of
+//! [`AttemptOutcome`], deciding from the final event first, then from structured errors, then
+//! from the exit code.
+
+use chrono::{DateTime, Utc};
+use serde_json::Value;
+
+use crate::config::Format;
+
+/// How an attempt ended, the same for every format.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AttemptOutcome {
+    Success,
+    /// The agent (or the executor's result) reported an error.
+    AgentError,
+    /// The agent stopped at its turn limit.
+    MaxTurns,
+    /// The agent's own budget, or the loop's, was reached.
+    BudgetExceeded,
+    /// The provider's rate or usage limit; retried after the reset, not an error.
+    RateLimited,
+    /// An overloaded or failing API (5xx, network): an error of the attempt, retried.
+    TransientApiError,
+    /// Wall-clock or idle timeout.
+    Timeout,
+    /// Ended by a signal loopd did not send.
+    Killed,
+    /// The agent finished without a final message or result.
+    NoResult,
+}
+
+impl AttemptOutcome {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AttemptOutcome::Success => "success",
+            AttemptOutcome::AgentError => "agent_error",
+            AttemptOutcome::MaxTurns => "max_turns",
+            AttemptOutcome::BudgetExceeded => "budget_exceeded",
+            AttemptOutcome::RateLimited => "rate_limited",
+            AttemptOutcome::TransientApiError => "transient_api_error",
+            AttemptOutcome::Timeout => "timeout",
+            AttemptOutcome::Killed => "killed",
+            AttemptOutcome::NoResult => "no_result",
+        }
+    }
+}
+
+/// Tokens as the agents report them.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Usage {
+    pub input_tokens: u64,
+    pub output_tokens: u64,
+    pub cache_read_tokens: u64,
+    pub cache_write_tokens: u64,
+}
+
+impl Usage {
+    pub fn total(&self) -> u64 {
+        self.input_tokens + self.output_tokens + self.cache_read_tokens + self.cache_write_tokens
+    }
+
+    pub fn add(&mut self, other: &Usage) {
+        self.input_tokens += other.input_tokens;
+        self.output_tokens += other.output_tokens;
+        self.cache_read_tokens += other.cache_read_tokens;
+        self.cache_write_tokens += other.cache_write_tokens;
+    }
+}
+
+/// What a line of output told the executor.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Signal {
+    Continue,
+    /// The agent's final event: it has nothing more to say.
+    Final,
+}
+
+/// The final event, reduced.
+#[derive(Clone, Debug, PartialEq)]
+struct FinalEvent {
+    outcome: AttemptOutcome,
+    /// The error text, for a final event that is not a success.
+    error: Option<String>,
+}
+
+/// Longest line kept while waiting for its end; a longer one is skipped.
+const MAX_LINE: usize = 4 << 20;
+
+/// The agent's output, read as it comes.
+#[derive(Clone, Debug)]
+pub struct AgentStream {
+    format: Format,
+    line: Vec<u8>,
+    skipping_long_line: bool,
+    /// The last text the agent addressed to its user.
+    pub last_message: Option<String>,
+    /// Tokens so far (for formats that report them as they go) or in all (after the final event).
+    pub usage: Usage,
+    pub cost_usd: Option<f64>,
+    final_event: Option<FinalEvent>,
+    /// The last structured error seen before any final event.
+    error: Option<String>,
+    /// When a rate limit resets, if the agent said.
+    pub reset_at: Option<DateTime<Utc>>,
+}
+
+impl AgentStream {
+    /// A stream for `format`, or `None` for the formats that are not an agent's.
+    pub fn for_format(format: Format) -> Option<AgentStream> {
+        matches!(
+            format,
+            Format::ClaudeStreamJson | Format::CodexJsonl | Format::GeminiJson
+        )
+        .then(|| AgentStream {
+            format,
+            line: Vec::new(),
+            skipping_long_line: false,
+            last_message: None,
+            usage: Usage::default(),
+            cost_usd: None,
+            final_event: None,
+            error: None,
+            reset_at: None,
+        })
+    }
+
+    /// Feeds a chunk of stdout; returns [`Signal::Final`] once the final event has been read.
+    pub fn feed(&mut self, mut chunk: &[u8]) -> Signal {
+        let mut signal = Signal::Continue;
+        while let Some(nl) = chunk.iter().position(|b| *b == b'\n') {
+            if !self.skipping_long_line {
+                self.line.extend_from_slice(&chunk[..nl]);
+                let line = std::mem::take(&mut self.line);
+                if self.line_done(&line) == Signal::Final {
+                    signal = Signal::Final;
+                }
+            }
+            self.skipping_long_line = false;
+            chunk = &chunk[nl + 1..];
+        }
+        if !self.skipping_long_line {
+            self.line.extend_from_slice(chunk);
+            if self.line.len() > MAX_LINE {
+                self.line.clear();
+                self.skipping_long_line = true;
+            }
+        }
+        signal
+    }
+
+    /// Reads what is left once the agent's output has ended. `stdout` is the end of its stdout and
+    /// `output` of its stdout and stderr together: Gemini CLI prints one object at the end, on
+    /// stdout, or on stderr when it fails.
+    pub fn finish(&mut self, stdout: &[u8], output: &[u8]) {
+        let line = std::mem::take(&mut self.line);
+        self.line_done(&line);
+        if self.format == Format::GeminiJson && self.final_event.is_none() {
+            let object = super::result::last_json_object(stdout)
+                .or_else(|| super::result::last_json_object(output));
+            if let Some(v) = object {
+                self.gemini_object(&v);
+            }
+        }
+    }
+
+    /// Whether the final event has been seen.
+    pub fn is_final(&self) -> bool {
+        self.final_event.is_some()
+    }
+
+    fn line_done(&mut self, line: &[u8]) -> Signal {
+        let trimmed = line.trim_ascii();
+        if !trimmed.starts_with(b"{") {
+            return Signal::Continue;
+        }
+        let Ok(event) = serde_json::from_slice::<Value>(trimmed) else {
+            return Signal::Continue;
+        };
+        let was_final = self.final_event.is_some();
+        match self.format {
+            Format::ClaudeStreamJson => self.claude_event(&event),
+            Format::CodexJsonl => self.codex_event(&event),
+            Format::GeminiJson => self.gemini_event(&event),
+            _ => {}
+        }
+        if !was_final && self.final_event.is_some() {
+            Signal::Final
+        } else {
+            Signal::Continue
+        }
+    }
+
+    /// Claude Code (and Qwen Code) `stream-json`: `system`, `assistant`, `user`, then `result`.
+    fn claude_event(&mut self, event: &Value) {
+        match event["type"].as_str() {
+            Some("rate_limit_event") => {
+                let info = &event["rate_limit_info"];
+                if info["status"] == "rejected"
+                    && let Some(at) = info["resetsAt"].as_i64()
+                {
+                    // Seconds in observed output; milliseconds in one description of it.
+                    let secs = if at > 1_000_000_000_000 {
+                        at / 1000
+                    } else {
+                        at
+                    };
+                    self.reset_at = DateTime::<Utc>::from_timestamp(secs, 0);
+                }
+            }
+            Some("assistant") => {
+                let message = &event["message"];
+                if let Some(text) = text_blocks(&message["content"]) {
+                    self.last_message = Some(text);
+                }
+                // Running total while the agent works; the result event has the real one.
+                if let Some(usage) = claude_usage(&message["usage"]) {
+                    self.usage.add(&usage);
+                }
+            }
+            Some("result") => {
+                if let Some(usage) = claude_usage(&event["usage"]) {
+                    self.usage = usage;
+                }
+                self.cost_usd = event["total_cost_usd"]
+                    .as_f64()
+                    .or_else(|| event["cost_usd"].as_f64())
+                    .or(self.cost_usd);
+                let errors = event["errors"].as_array().map(|e| {
+                    e.iter()
+                        .filter_map(error_text)
+                        .collect::<Vec<_>>()
+                        .join("; ")
+                });
+                let text = event["result"]
+                    .as_str()
+                    .map(str::to_owned)
+                    .or_else(|| error_text(&event["error"]))
+                    .or(errors.filter(|e| !e.is_empty()));
+                let subtype = event["subtype"].as_str().unwrap_or("");
+                // `subtype: success` can come with `is_error: true`; Qwen Code has reported API
+                // errors as a success whose text starts with "[API Error".
+                let is_error = event["is_error"].as_bool().unwrap_or(false)
+                    || subtype != "success"
+                    || text.as_deref().is_some_and(|t| t.starts_with("[API Error"));
+                let outcome = match (subtype, event["api_error_status"].as_i64()) {
+                    ("error_max_turns", _) => AttemptOutcome::MaxTurns,
+                    _ if event["terminal_reason"] == "max_turns" => AttemptOutcome::MaxTurns,
+                    (s, _) if s.contains("budget") => AttemptOutcome::BudgetExceeded,
+                    _ if !is_error => AttemptOutcome::Success,
+                    (_, Some(429)) => AttemptOutcome::RateLimited,
+                    (_, Some(500..=599)) => AttemptOutcome::TransientApiError,
+                    _ => classify_error_text(text.as_deref().unwrap_or(subtype)),
+                };
+                if outcome == AttemptOutcome::Success {
+                    if let Some(t) = text.filter(|t| !t.trim().is_empty()) {
+                        self.last_message = Some(t);
+                    }
+                    self.final_event = Some(FinalEvent {
+                        outcome,
+                        error: None,
+                    });
+                } else {
+                    let error = text
+                        .filter(|t| !t.is_empty())
+                        .unwrap_or_else(|| subtype.to_owned());
+                    self.note_reset(&error, event);
+                    self.final_event = Some(FinalEvent {
+                        outcome,
+                        error: Some(error),
+                    });
+                }
+            }
+            _ => {}
+        }
+    }
+
+    /// Codex `exec --json`: `thread.started`, `turn.started`, `item.*`, then `turn.completed` or
+    /// `turn.failed`; `error` events on the way. Also the older `{"msg": {...}}` events.
+    fn codex_event(&mut self, event: &Value) {
+        let msg = &event["msg"];
+        let (kind, body) = match event["type"].as_str() {
+            Some(kind) => (kind, event),
+            None => (msg["type"].as_str().unwrap_or(""), msg),
+        };
+        match kind {
+            "item.completed" => {
+                let item = &body["item"];
+                let is_message = matches!(
+                    item["type"].as_str(),
+                    Some("agent_message" | "assistant_message")
+                );
+                if is_message && let Some(text) = item["text"].as_str() {
+                    self.last_message = Some(text.to_owned());
+                }
+            }
+            "agent_message" => {
+                if let Some(text) = body["message"].as_str() {
+                    self.last_message = Some(text.to_owned());
+                }
+            }
+            "turn.completed" => {
+                if let Some(usage) = codex_usage(&body["usage"]) {
+                    self.usage.add(&usage);
+                }
+                self.final_event = Some(FinalEvent {
+                    outcome: AttemptOutcome::Success,
+                    error: None,
+                });
+            }
+            "token_count" => {
+                let info = &body["info"]["total_token_usage"];
+                if let Some(usage) = codex_usage(if info.is_null() { body } else { info }) {
+                    self.usage = usage;
+                }
+            }
+            "task_complete" => {
+                if let Some(text) = body["last_agent_message"].as_str() {
+                    self.last_message = Some(text.to_owned());
+                }
+                self.final_event = Some(FinalEvent {
+                    outcome: AttemptOutcome::Success,
+                    error: None,
+                });
+            }
+            "turn.failed" => {
+                let error = error_text(&body["error"]).unwrap_or_else(|| "turn failed".into());
+                self.note_reset(&error, body);
+                self.final_event = Some(FinalEvent {
+                    outcome: classify_error_text(&error),
+                    error: Some(error),
+                });
+            }
+            "error" | "stream_error" => {
+                if let Some(error) = error_text(body) {
+                    self.note_reset(&error, body);
+                    self.error = Some(error);
+                }
+            }
+            _ => {}
+        }
+    }
+
+    /// Gemini CLI: one JSON object at the end (`--output-format json`); `stream-json` events
+    /// (`message`, `result`) are understood too.
+    fn gemini_event(&mut self, event: &Value) {
+        match event["type"].as_str() {
+            Some("message") if event["role"] == "assistant" => {
+                if let Some(text) = event["content"].as_str() {
+                    let delta = event["delta"].as_bool().unwrap_or(false);
+                    match (&mut self.last_message, delta) {
+                        (Some(m), true) => m.push_str(text),
+                        _ => self.last_message = Some(text.to_owned()),
+                    }
+                }
+            }
+            Some("result") => {
+                if let Some(usage) = gemini_usage(&event["stats"]) {
+                    self.usage = usage;
+                }
+                let failed = event["status"].as_str().is_some_and(|s| s != "success");
+                let error = error_text(&event["error"]);
+                self.final_event = Some(match (failed || error.is_some(), error) {
+                    (false, _) => FinalEvent {
+                        outcome: AttemptOutcome::Success,
+                        error: None,
+                    },
+                    (true, error) => {
+                        let error = error.unwrap_or_else(|| "the agent reported an error".into());
+                        self.note_reset(&error, &event["error"]);
+                        FinalEvent {
+                            outcome: classify_error_text(&error),
+                            error: Some(error),
+                        }
+                    }
+                });
+            }
+            Some("error") => {
+                if let Some(error) = error_text(event) {
+                    self.note_reset(&error, event);
+                    self.error = Some(error);
+                }
+            }
+            None if event.get("response").is_some() || event.get("error").is_some() => {
+                self.gemini_object(event);
+            }
+            _ => {}
+        }
+    }
+
+    /// `{"response", "stats", "error"}`.
+    fn gemini_object(&mut self, v: &Value) {
+        if let Some(usage) = gemini_usage(&v["stats"]) {
+            self.usage = usage;
+        }
+        if let Some(text) = v["response"].as_str() {
+            self.last_message = Some(text.to_owned());
+        }
+        let error = error_text(&v["error"]);
+        self.final_event = Some(match error {
+            None => FinalEvent {
+                outcome: AttemptOutcome::Success,
+                error: None,
+            },
+            Some(error) => {
+                self.note_reset(&error, &v["error"]);
+                let code = v["error"]["code"].as_i64();
+                let outcome = match code {
+                    Some(429) => AttemptOutcome::RateLimited,
+                    Some(500..=599) => AttemptOutcome::TransientApiError,
+                    Some(53) => AttemptOutcome::MaxTurns,
+                    _ => classify_error_text(&error),
+                };
+                FinalEvent {
+                    outcome,
+                    error: Some(error),
+                }
+            }
+        });
+    }
+
+    fn note_reset(&mut self, text: &str, event: &Value) {
+        if self.reset_at.is_none() {
+            self.reset_at = reset_time(text, event, Utc::now());
+        }
+    }
+
+    /// The attempt's outcome and, if it failed, why: from the final event, else a structured
+    /// error, else the exit code (`None` when a signal ended the agent).
+    pub fn classify(&self, exit_code: Option<i32>) -> (AttemptOutcome, Option<String>) {
+        if let Some(f) = &self.final_event {
+            return (f.outcome, f.error.clone());
+        }
+        // An error event alone is no failure (agents retry); with a failed exit, it says why.
+        if let Some(error) = &self.error
+            && exit_code != Some(0)
+        {
+            return (classify_error_text(error), Some(error.clone()));
+        }
+        match exit_code {
+            Some(0) => (
+                AttemptOutcome::NoResult,
+                Some("the agent exited without a final message".into()),
+            ),
+            // Gemini CLI and Qwen Code: turn limit, session budget.
+            Some(53) => (
+                AttemptOutcome::MaxTurns,
+                Some("turn limit reached (exit 53)".into()),
+            ),
+            Some(55) => (
+                AttemptOutcome::BudgetExceeded,
+                Some("budget exhausted (exit 55)".into()),
+            ),
+            Some(code) => (
+                AttemptOutcome::AgentError,
+                Some(format!("exit code {code}")),
+            ),
+            None => (AttemptOutcome::Killed, Some("ended by a signal".into())),
+        }
+    }
+}
+
+/// The text blocks of a Claude message's `content`, joined.
+fn text_blocks(content: &Value) -> Option<String> {
+    let blocks = content.as_array()?;
+    let text: Vec<&str> = blocks
+        .iter()
+        .filter(|b| b["type"] == "text")
+        .filter_map(|b| b["text"].as_str())
+        .collect();
+    (!text.is_empty()).then(|| text.join("\n"))
+}
+
+fn claude_usage(u: &Value) -> Option<Usage> {
+    u.is_object().then(|| Usage {
+        input_tokens: u["input_tokens"].as_u64().unwrap_or(0),
+        output_tokens: u["output_tokens"].as_u64().unwrap_or(0),
+        cache_read_tokens: u["cache_read_input_tokens"].as_u64().unwrap_or(0),
+        cache_write_tokens: u["cache_creation_input_tokens"].as_u64().unwrap_or(0),
+    })
+}
+
+fn codex_usage(u: &Value) -> Option<Usage> {
+    if !u.is_object() || u.get("input_tokens").is_none() {
+        return None;
+    }
+    let cached = u["cached_input_tokens"].as_u64().unwrap_or(0);
+    Some(Usage {
+        // Codex counts cached tokens inside input_tokens.
+        input_tokens: u["input_tokens"]
+            .as_u64()
+            .unwrap_or(0)
+            .saturating_sub(cached),
+        output_tokens: u["output_tokens"].as_u64().unwrap_or(0)
+            + u["reasoning_output_tokens"].as_u64().unwrap_or(0),
+        cache_read_tokens: cached,
+        cache_write_tokens: 0,
+    })
+}
+
+/// `stats.models.<name>.tokens` summed over models.
+fn gemini_usage(stats: &Value) -> Option<Usage> {
+    let models = stats["models"].as_object()?;
+    let mut usage = Usage::default();
+    for model in models.values() {
+        let t = &model["tokens"];
+        let cached = t["cached"].as_u64().unwrap_or(0);
+        usage.input_tokens += t["prompt"].as_u64().unwrap_or(0).saturating_sub(cached);
+        usage.cache_read_tokens += cached;
+        usage.output_tokens +=
+            t["candidates"].as_u64().unwrap_or(0) + t["thoughts"].as_u64().unwrap_or(0);
+    }
+    Some(usage)
+}
+
+/// An error's message, whether it is a string or `{"message": ...}`.
+fn error_text(v: &Value) -> Option<String> {
+    match v {
+        Value::String(s) => Some(s.clone()),
+        Value::Object(_) => v["message"].as_str().map(str::to_owned).or_else(|| {
+            (!v["error"].is_null())
+                .then(|| error_text(&v["error"]))
+                .flatten()
+        }),
+        _ => None,
+    }
+}
+
+/// Classifies an error by its text: rate or usage limits, transient API trouble, or the agent's
+/// own error.
+pub fn classify_error_text(text: &str) -> AttemptOutcome {
+    let t = text.to_ascii_lowercase();
+    let has = |needles: &[&str]| needles.iter().any(|n| t.contains(n));
+    if has(&[
+        "rate limit",
+        "rate_limit",
+        "ratelimit",
+        "usage limit",
+        "429",
+        "resource_exhausted",
+        "quota",
+        "too many requests",
+        "hit your limit",
+        "hit your session limit",
+        "exhausted your capacity",
+    ]) {
+        AttemptOutcome::RateLimited
+    } else if has(&[
+        "max turns",
+        "maximum number of turns",
+        "turn limit",
+        "max_turns",
+    ]) {
+        AttemptOutcome::MaxTurns
+    } else if has(&["budget", "spend limit"]) {
+        AttemptOutcome::BudgetExceeded
+    } else if has(&[
+        "overloaded",
+        "529",
+        "500",
+        "502",
+        "503",
+        "504",
+        "internal server error",
+        "service unavailable",
+        "bad gateway",
+        "timed out",
+        "timeout",
+        "econnreset",
+        "connection reset",
+        "network error",
+        "unavailable",
+    ]) {
+        AttemptOutcome::TransientApiError
+    } else {
+        AttemptOutcome::AgentError
+    }
+}
+
+/// When a rate limit resets: an epoch after a `|` (Claude's `usage limit reached|1700000000`),
+/// a structured field (`resets_in_seconds`, `retry_after`, `reset_at`), or "retry in 23s",
+/// "try again in 2 hours 5 minutes".
+pub fn reset_time(text: &str, event: &Value, now: DateTime<Utc>) -> Option<DateTime<Utc>> {
+    let epoch = |secs: i64| DateTime::<Utc>::from_timestamp(secs, 0);
+    if let Some((_, tail)) = text.rsplit_once('|')
+        && let Ok(secs) = tail.trim().parse::<i64>()
+    {
+        return epoch(secs);
+    }
+    for key in ["resets_in_seconds", "retry_after", "retry_after_seconds"] {
+        if let Some(secs) = find_number(event, key) {
+            return Some(now + chrono::Duration::milliseconds((secs * 1000.0) as i64));
+        }
+    }
+    for key in ["reset_at", "resets_at"] {
+        if let Some(v) = find_value(event, key) {
+            if let Some(secs) = v.as_i64() {
+                return epoch(secs);
+            }
+            if let Some(t) = v.as_str().and_then(crate::state::model::parse_ts) {
+                return Some(t);
+            }
+        }
+    }
+    let lower = text.to_ascii_lowercase();
+    let after = [
+        "retry in ",
+        "try again in ",
+        "retry after ",
+        "resets in ",
+        "reset after ",
+    ]
+    .iter()
+    .find_map(|p| lower.find(p).map(|i| &lower[i + p.len()..]))?;
+    parse_duration_words(after).map(|d| now + d)
+}
+
+/// "2 hours 5 minutes", "23.4s", "90 seconds", "1h30m": the leading duration of a text.
+fn parse_duration_words(text: &str) -> Option<chrono::Duration> {
+    let mut total_ms = 0f64;
+    let mut found = false;
+    let mut rest = text.trim_start();
+    loop {
+        let digits = rest
+            .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+            .unwrap_or(rest.len());
+        if digits == 0 {
+            break;
+        }
+        let Ok(n) = rest[..digits].parse::<f64>() else {
+            break;
+        };
+        let after = rest[digits..].trim_start();
+        let unit_len = after
+            .find(|c: char| !c.is_ascii_alphabetic())
+            .unwrap_or(after.len());
+        let unit = &after[..unit_len];
+        let ms = match unit {
+            "ms" | "millisecond" | "milliseconds" => 1.0,
+            "s" | "sec" | "secs" | "second" | "seconds" => 1000.0,
+            "m" | "min" | "mins" | "minute" | "minutes" => 60_000.0,
+            "h" | "hr" | "hrs" | "hour" | "hours" => 3_600_000.0,
+            "d" | "day" | "days" => 86_400_000.0,
+            _ => break,
+        };
+        total_ms += n * ms;
+        found = true;
+        rest = after[unit_len..]
+            .trim_start_matches([' ', ','])
+            .trim_start_matches("and ");
+    }
+    found.then(|| chrono::Duration::milliseconds(total_ms as i64))
+}
+
+fn find_value<'a>(v: &'a Value, key: &str) -> Option<&'a Value> {
+    match v {
+        Value::Object(map) => map
+            .get(key)
+            .or_else(|| map.values().find_map(|child| find_value(child, key))),
+        Value::Array(items) => items.iter().find_map(|child| find_value(child, key)),
+        _ => None,
+    }
+}
+
+fn find_number(v: &Value, key: &str) -> Option<f64> {
+    find_value(v, key).and_then(Value::as_f64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn stream(format: Format, text: &str) -> AgentStream {
+        let mut s = AgentStream::for_format(format).unwrap();
+        // Fed in awkward pieces, as a pipe delivers them.
+        for chunk in text.as_bytes().chunks(7) {
+            s.feed(chunk);
+        }
+        s.finish(text.as_bytes(), text.as_bytes());
+        s
+    }
+
+    #[test]
+    fn claude_success_with_usage_and_cost() {
+        let s = stream(
+            Format::ClaudeStreamJson,
+            concat!(
+                r#"{"type":"system","subtype":"init","session_id":"x"}"#,
+                "\n",
+                r#"{"type":"assistant","message":{"content":[{"type":"text","text":"working"}],"usage":{"input_tokens":5,"output_tokens":2}}}"#,
+                "\n",
+                r#"{"type":"result","subtype":"success","is_error":false,"result":"done ```json\n{\"status\":\"success\"}\n```","total_cost_usd":0.25,"usage":{"input_tokens":10,"output_tokens":20,"cache_read_input_tokens":30,"cache_creation_input_tokens":40}}"#,
+                "\n"
+            ),
+        );
+        assert_eq!(s.classify(Some(0)).0, AttemptOutcome::Success);
+        assert_eq!(s.usage.total(), 100);
+        assert_eq!(s.cost_usd, Some(0.25));
+        assert!(s.last_message.unwrap().contains("\"status\""));
+    }
+
+    #[test]
+    fn claude_errors_are_classified_whatever_the_exit_code() {
+        let result = |subtype: &str, is_error: bool, text: &str| {
+            let line = serde_json::json!({"type": "result", "subtype": subtype, "is_error": is_error, "result": text});
+            stream(Format::ClaudeStreamJson, &format!("{line}\n"))
+                .classify(Some(0))
+                .0
+        };
+        assert_eq!(
+            result("error_max_turns", true, ""),
+            AttemptOutcome::MaxTurns
+        );
+        assert_eq!(
+            result("success", true, "API Error: 529 Overloaded"),
+            AttemptOutcome::TransientApiError
+        );
+        assert_eq!(
+            result("success", true, "Claude AI usage limit reached|1767225600"),
+            AttemptOutcome::RateLimited
+        );
+        assert_eq!(
+            result("error_during_execution", true, "tool failed"),
+            AttemptOutcome::AgentError
+        );
+        assert_eq!(
+            result("error_max_budget_usd", true, ""),
+            AttemptOutcome::BudgetExceeded
+        );
+    }
+
+    #[test]
+    fn codex_jsonl_new_and_old_events() {
+        let s = stream(
+            Format::CodexJsonl,
+            concat!(
+                r#"{"type":"thread.started","thread_id":"t"}"#,
+                "\n",
+                r#"{"type":"item.completed","item":{"id":"i","type":"agent_message","text":"the answer"}}"#,
+                "\n",
+                r#"{"type":"turn.completed","usage":{"input_tokens":100,"cached_input_tokens":40,"output_tokens":7}}"#,
+                "\n"
+            ),
+        );
+        assert_eq!(s.classify(Some(0)).0, AttemptOutcome::Success);
+        assert_eq!(
+            s.usage,
+            Usage {
+                input_tokens: 60,
+                output_tokens: 7,
+                cache_read_tokens: 40,
+                cache_write_tokens: 0
+            }
+        );
+        assert_eq!(s.last_message.as_deref(), Some("the answer"));
+        let s = stream(
+            Format::CodexJsonl,
+            "{\"id\":\"0\",\"msg\":{\"type\":\"task_complete\",\"last_agent_message\":\"old style\"}}\n",
+        );
+        assert_eq!(s.last_message.as_deref(), Some("old style"));
+        let s = stream(
+            Format::CodexJsonl,
+            "{\"type\":\"turn.failed\",\"error\":{\"message\":\"stream error: 429 Too Many Requests; try again in 2 minutes\"}}\n",
+        );
+        assert_eq!(s.classify(Some(1)).0, AttemptOutcome::RateLimited);
+        assert!(s.reset_at.is_some());
+    }
+
+    #[test]
+    fn gemini_json_object_at_the_end() {
+        let text = r#"{
+  "response": "ok ```json\n{\"status\": \"success\"}\n```",
+  "stats": {"models": {"gemini-2.5-pro": {"tokens": {"prompt": 50, "candidates": 5, "total": 60, "cached": 10, "thoughts": 5}}}}
+}"#;
+        let s = stream(Format::GeminiJson, text);
+        assert_eq!(s.classify(Some(0)).0, AttemptOutcome::Success);
+        assert_eq!(s.usage.total(), 60);
+        let err = r#"{"error": {"type": "ApiError", "message": "Quota exceeded. Please retry in 23.5s.", "code": 429}}"#;
+        let s = stream(Format::GeminiJson, err);
+        assert_eq!(s.classify(Some(1)).0, AttemptOutcome::RateLimited);
+        assert!(s.reset_at.is_some());
+    }
+
+    #[test]
+    fn no_final_event_falls_back_to_errors_then_the_exit_code() {
+        let s = stream(Format::ClaudeStreamJson, "garbage\n{\"type\":\"system\"}\n");
+        assert_eq!(s.classify(Some(0)).0, AttemptOutcome::NoResult);
+        assert_eq!(s.classify(Some(2)).0, AttemptOutcome::AgentError);
+        assert_eq!(s.classify(None).0, AttemptOutcome::Killed);
+        let s = stream(
+            Format::CodexJsonl,
+            "{\"type\":\"error\",\"message\":\"503 Service Unavailable\"}\n",
+        );
+        assert_eq!(s.classify(Some(1)).0, AttemptOutcome::TransientApiError);
+    }
+
+    #[test]
+    fn reset_times() {
+        let now = DateTime::<Utc>::from_timestamp(1_000_000, 0).unwrap();
+        let at = |text: &str| reset_time(text, &Value::Null, now).map(|t| (t - now).num_seconds());
+        assert_eq!(
+            reset_time("usage limit reached|1767225600", &Value::Null, now).map(|t| t.timestamp()),
+            Some(1_767_225_600)
+        );
+        assert_eq!(at("Please retry in 23.5s."), Some(23));
+        assert_eq!(at("try again in 2 hours 5 minutes"), Some(7500));
+        assert_eq!(at("try again in 1h30m"), Some(5400));
+        assert_eq!(at("nothing here"), None);
+        let event = serde_json::json!({"error": {"resets_in_seconds": 90}});
+        assert_eq!(
+            reset_time("limit", &event, now).map(|t| (t - now).num_seconds()),
+            Some(90)
+        );
+    }
+
+    #[test]
+    fn a_huge_line_is_skipped_not_kept() {
+        let mut s = AgentStream::for_format(Format::ClaudeStreamJson).unwrap();
+        s.feed(&vec![b'x'; MAX_LINE + 10]);
+        s.feed(b"yyy\n{\"type\":\"result\",\"subtype\":\"success\",\"is_error\":false,\"result\":\"r\"}\n");
+        assert!(s.line.is_empty());
+        assert!(s.is_final());
+    }
+}

@@ -1,0 +1,291 @@
+//! Agent executors through the real binary, with stand-in `claude`, `codex`, `gemini` and `qwen`
+//! programs first on PATH that replay recorded transcripts (tests/fixtures/agents/, see its
+//! README) in each documented format, with the default config's invocations.
+
+mod common;
+
+use std::process::{Output, Stdio};
+
+use common::*;
+use serde_json::Value;
+
+/// Short graces, so lingering and killing are quick; everything else is the default config.
+const AGENT_CONFIG: &str = r#"
+retry_backoff = 0.01
+rate_limit_wait = 0.2
+
+[executor_defaults]
+kill_grace = 0.5
+final_grace = 0.3
+"#;
+
+fn fixture(name: &str) -> String {
+    format!(
+        "{}/tests/fixtures/agents/{name}",
+        env!("CARGO_MANIFEST_DIR")
+    )
+}
+
+/// A project whose `bin/NAME` replays `transcript` (a fixture file) on `stream`, then runs
+/// `after` and exits with `exit`. It reads its prompt to the end first: if loopd left stdin
+/// open, it would hang there. The recorded result's `greeting_written` becomes `passed`, so a
+/// validate accepts it.
+fn stand_in(name: &str, transcript: &str, stream: &str, exit: i32, after: &str) -> Project {
+    let p = Project::new("");
+    p.config(AGENT_CONFIG);
+    let redirect = if stream == "stderr" { " >&2" } else { "" };
+    p.script(
+        name,
+        &format!(
+            "cat > /dev/null\necho \"$*\" >> {name}.args\nsed 's/greeting_written/passed/g' '{}'{redirect}\n{after}\nexit {exit}\n",
+            fixture(transcript)
+        ),
+    );
+    p
+}
+
+/// `loopd ARGS...` with the project's `bin/` first on PATH.
+fn loopd_with_agents(p: &Project, args: &[&str]) -> Output {
+    let path = format!(
+        "{}:{}",
+        p.root.join("bin").display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    let child = p
+        .loopd()
+        .env("PATH", path)
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn loopd");
+    wait_output(child, DEADLINE)
+}
+
+fn events_named(p: &Project, id: &str, name: &str) -> Vec<Value> {
+    p.events(id)
+        .into_iter()
+        .filter(|e| e["event"] == name)
+        .collect()
+}
+
+#[test]
+fn each_agent_runs_a_loop_to_completion_with_its_tokens() {
+    for (agent, transcript, flags) in [
+        (
+            "claude",
+            "claude-success.jsonl",
+            "-p --output-format stream-json --verbose",
+        ),
+        ("codex", "codex-success.jsonl", "exec --json"),
+        ("gemini", "gemini-success.json", "--output-format json"),
+        ("qwen", "qwen-success.jsonl", "--output-format stream-json"),
+    ] {
+        let p = stand_in(agent, transcript, "stdout", 0, "");
+        let id = p.create(&["--title", "t", "--task", "one"]);
+        let out = loopd_with_agents(&p, &["run", &id, "--executor", agent]);
+        assert_eq!(out.status.code(), Some(0), "{agent}: {}", stderr(&out));
+        let args = std::fs::read_to_string(p.root.join(format!("{agent}.args"))).unwrap();
+        assert!(
+            args.lines().all(|l| l.contains(flags)),
+            "{agent} was run as {args}"
+        );
+        let state = p.state(&id);
+        let usage = &state["skill_state"]["usage"];
+        let tokens = [
+            "input_tokens",
+            "output_tokens",
+            "cache_read_tokens",
+            "cache_write_tokens",
+        ]
+        .iter()
+        .map(|k| usage[k].as_u64().unwrap())
+        .sum::<u64>();
+        assert!(tokens > 0, "{agent}: no tokens recorded: {usage}");
+        let finished = events_named(&p, &id, "action_finished");
+        assert!(
+            finished.iter().all(|e| e["outcome"] == "success"),
+            "{agent}"
+        );
+        assert!(
+            finished.iter().all(|e| e["tokens_out"].as_u64().is_some()),
+            "{agent}"
+        );
+        // The summary came from the fenced JSON in the agent's final message.
+        assert!(
+            finished[0]["summary"]
+                .as_str()
+                .is_some_and(|s| !s.is_empty()),
+            "{agent}"
+        );
+        if agent == "claude" {
+            let cost = usage["cost_usd"].as_f64().unwrap();
+            assert!(cost > 0.0, "claude's cost was not recorded");
+            assert!(finished.iter().all(|e| e["cost_usd"].as_f64().is_some()));
+        }
+    }
+}
+
+#[test]
+fn every_failure_is_classified_and_recorded() {
+    for (agent, transcript, stream, exit, outcome) in [
+        (
+            "claude",
+            "claude-error.jsonl",
+            "stdout",
+            1,
+            "transient_api_error",
+        ),
+        ("claude", "claude-max-turns.jsonl", "stdout", 1, "max_turns"),
+        (
+            "claude",
+            "claude-is-error-exit0.jsonl",
+            "stdout",
+            0,
+            "transient_api_error",
+        ),
+        (
+            "codex",
+            "codex-error.jsonl",
+            "stdout",
+            1,
+            "transient_api_error",
+        ),
+        ("gemini", "gemini-error.json", "stderr", 144, "agent_error"),
+        ("gemini", "gemini-max-turns.json", "stderr", 53, "max_turns"),
+        ("qwen", "qwen-error.jsonl", "stdout", 1, "agent_error"),
+        ("claude", "README.md", "stdout", 0, "no_result"),
+        ("codex", "README.md", "stdout", 3, "agent_error"),
+    ] {
+        let p = stand_in(agent, transcript, stream, exit, "");
+        p.config(&format!("action_retries = 0\n{AGENT_CONFIG}"));
+        let id = p.create(&["--title", "t", "--max-errors", "1"]);
+        let out = loopd_with_agents(&p, &["run", &id, "--executor", agent]);
+        let case = format!("{agent} {transcript}");
+        assert_eq!(out.status.code(), Some(4), "{case}: {}", stderr(&out));
+        let failed = events_named(&p, &id, "action_failed");
+        assert_eq!(failed.len(), 1, "{case}");
+        assert_eq!(failed[0]["outcome"], outcome, "{case}: {}", failed[0]);
+        let state = p.state(&id);
+        assert_eq!(
+            state["skill_state"]["action_history"][0]["outcome"], outcome,
+            "{case}"
+        );
+        assert!(
+            state["failure_reason"]
+                .as_str()
+                .unwrap()
+                .contains("max_errors"),
+            "{case}"
+        );
+    }
+}
+
+#[test]
+fn a_rate_limit_waits_for_its_reset_then_goes_on_without_an_error() {
+    let p = Project::new("");
+    p.config(AGENT_CONFIG);
+    // The first call is refused until one second from now; the others succeed.
+    p.script(
+        "claude",
+        &format!(
+            r#"cat > /dev/null
+if [ ! -f limited ]; then
+  touch limited
+  reset=$(( $(date +%s) + 1 ))
+  echo '{{"type":"result","subtype":"success","is_error":true,"result":"Claude AI usage limit reached|'$reset'"}}'
+  exit 1
+fi
+sed 's/greeting_written/passed/g' '{}'
+"#,
+            fixture("claude-success.jsonl")
+        ),
+    );
+    let id = p.create(&["--title", "t", "--task", "one"]);
+    let out = loopd_with_agents(&p, &["run", &id, "--executor", "claude"]);
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let limited = events_named(&p, &id, "rate_limited");
+    assert_eq!(limited.len(), 1);
+    assert!(
+        limited[0]["until"]
+            .as_str()
+            .is_some_and(|t| t.ends_with('Z'))
+    );
+    let state = p.state(&id);
+    assert_eq!(state["skill_state"]["error_count"], 0);
+    let history = state["skill_state"]["action_history"].as_array().unwrap();
+    assert!(history.iter().any(|h| h["outcome"] == "rate_limited"));
+    // The same attempt ran again: no retry was spent.
+    let init: Vec<Value> = events_named(&p, &id, "action_finished")
+        .into_iter()
+        .filter(|e| e["action"] == "init")
+        .collect();
+    assert_eq!(init[0]["attempt"], 1);
+}
+
+#[test]
+fn an_agent_lingering_after_its_final_event_is_ended_and_succeeds() {
+    let p = stand_in(
+        "claude",
+        "claude-success.jsonl",
+        "stdout",
+        0,
+        "sleep 1000 & echo $! >> lingering.pids\necho $$ >> lingering.pids\nwait",
+    );
+    let id = p.create(&["--title", "t", "--task", "one"]);
+    let out = loopd_with_agents(&p, &["run", &id, "--executor", "claude"]);
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    assert!(
+        events_named(&p, &id, "action_finished")
+            .iter()
+            .all(|e| e["outcome"] == "success")
+    );
+    for pid in std::fs::read_to_string(p.root.join("lingering.pids"))
+        .unwrap()
+        .lines()
+    {
+        assert!(
+            !alive(pid.parse().unwrap()),
+            "process {pid} outlived its attempt"
+        );
+    }
+}
+
+#[test]
+fn a_spent_budget_fails_the_loop_with_a_clear_reason() {
+    let p = stand_in("claude", "claude-success.jsonl", "stdout", 0, "");
+    let id = p.create(&["--title", "t", "--task", "one", "--max-tokens", "100"]);
+    let out = loopd_with_agents(&p, &["run", &id, "--executor", "claude"]);
+    assert_eq!(out.status.code(), Some(4), "{}", stderr(&out));
+    let state = p.state(&id);
+    let reason = state["failure_reason"].as_str().unwrap();
+    assert!(
+        reason.contains("budget exceeded") && reason.contains("max_tokens is 100"),
+        "{reason}"
+    );
+    // init ran and spent it; nothing ran after.
+    assert_eq!(events_named(&p, &id, "action_started").len(), 1);
+}
+
+#[test]
+fn an_agent_crossing_the_budget_while_it_streams_is_stopped() {
+    let p = Project::new("");
+    p.config(AGENT_CONFIG);
+    p.script(
+        "claude",
+        r#"cat > /dev/null
+echo $$ > agent.pid
+echo '{"type":"assistant","message":{"content":[{"type":"text","text":"thinking hard"}],"usage":{"input_tokens":90000,"output_tokens":20000}}}'
+exec sleep 1000
+"#,
+    );
+    let id = p.create(&["--title", "t", "--max-tokens", "50000"]);
+    let out = loopd_with_agents(&p, &["run", &id, "--executor", "claude"]);
+    assert_eq!(out.status.code(), Some(4), "{}", stderr(&out));
+    let failed = events_named(&p, &id, "action_failed");
+    assert_eq!(failed[0]["outcome"], "budget_exceeded");
+    assert_eq!(failed.len(), 1, "no retry once the budget is spent");
+    assert!(!alive(read_pid(&p.root.join("agent.pid"))));
+    let reason = p.state(&id)["failure_reason"].as_str().unwrap().to_owned();
+    assert!(reason.contains("budget exceeded"), "{reason}");
+}
