@@ -128,6 +128,13 @@ pub enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Show which agent CLIs are installed, whether the config and action files load, and what a
+    /// loop would run for each action; exit 1 if an executor the actions use is missing
+    Doctor {
+        /// As `run --executor NAME` would
+        #[arg(long, value_name = "NAME")]
+        executor: Option<String>,
+    },
     /// Run a complete example loop in a temporary project
     Demo,
     /// The demo's scripted executor (used by `demo`)
@@ -245,6 +252,7 @@ pub fn run(cli: Cli) -> Result<i32> {
         Command::Status { id, json } => status(&project()?, &id, json),
         Command::List { json } => list(&project()?, json),
         Command::Logs { id, follow, json } => logs(&project()?, &id, follow, json),
+        Command::Doctor { executor } => crate::doctor::run(&project()?, executor),
         Command::Demo => crate::demo::run(),
         Command::DemoAgent => crate::demo::agent(),
     }

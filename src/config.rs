@@ -83,6 +83,20 @@ pub enum Format {
     GeminiJson,
 }
 
+impl Format {
+    /// The name the config uses.
+    pub fn name(self) -> &'static str {
+        match self {
+            Format::Json => "json",
+            Format::Text => "text",
+            Format::Test => "test",
+            Format::ClaudeStreamJson => "claude-stream-json",
+            Format::CodexJsonl => "codex-jsonl",
+            Format::GeminiJson => "gemini-json",
+        }
+    }
+}
+
 #[derive(Clone, Debug, Default, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct ExecutorConfig {
@@ -126,30 +140,37 @@ struct Layer {
 impl Config {
     /// Loads every layer for a project root; `explicit` is `--config` (else `$LOOPD_CONFIG`).
     pub fn load(root: &Path, explicit: Option<&Path>) -> Result<Config, ConfigError> {
-        let mut files: Vec<PathBuf> = Vec::new();
+        let mut layers = vec![parse_layer("built-in config.toml", DEFAULT_CONFIG)?];
+        for (file, required) in Self::layer_files(root, explicit) {
+            match std::fs::read_to_string(&file) {
+                Ok(text) => layers.push(parse_layer(&file.display().to_string(), &text)?),
+                Err(e) if required || e.kind() != std::io::ErrorKind::NotFound => {
+                    return Err(ConfigError {
+                        file: file.display().to_string(),
+                        key: None,
+                        reason: e.to_string(),
+                    });
+                }
+                Err(_) => {}
+            }
+        }
+        Self::from_layers(&layers)
+    }
+
+    /// The config files layered over the built-in defaults, in order, and whether each must
+    /// exist (`--config` / `$LOOPD_CONFIG` must; the others are optional).
+    pub fn layer_files(root: &Path, explicit: Option<&Path>) -> Vec<(PathBuf, bool)> {
+        let mut files = Vec::new();
         if let Some(home) = std::env::var_os("HOME") {
-            files.push(Path::new(&home).join(".config/loopd/config.toml"));
+            files.push((Path::new(&home).join(".config/loopd/config.toml"), false));
         }
         // The project layer lives in the default state dir; `state_dir` cannot move it.
-        files.push(root.join(".loop/config.toml"));
+        files.push((root.join(".loop/config.toml"), false));
         let explicit = explicit
             .map(Path::to_owned)
             .or_else(|| std::env::var_os("LOOPD_CONFIG").map(PathBuf::from));
-        let mut layers = vec![parse_layer("built-in config.toml", DEFAULT_CONFIG)?];
-        for file in &files {
-            if let Ok(text) = std::fs::read_to_string(file) {
-                layers.push(parse_layer(&file.display().to_string(), &text)?);
-            }
-        }
-        if let Some(file) = explicit {
-            let text = std::fs::read_to_string(&file).map_err(|e| ConfigError {
-                file: file.display().to_string(),
-                key: None,
-                reason: e.to_string(),
-            })?;
-            layers.push(parse_layer(&file.display().to_string(), &text)?);
-        }
-        Self::from_layers(&layers)
+        files.extend(explicit.map(|f| (f, true)));
+        files
     }
 
     /// The built-in defaults alone, plus `extra` TOML on top (used by the demo and tests).

@@ -10,6 +10,7 @@ pub mod cli;
 pub mod config;
 pub mod daemon;
 pub mod demo;
+pub mod doctor;
 pub mod events;
 pub mod executor;
 pub mod orchestrator;

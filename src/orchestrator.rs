@@ -67,13 +67,14 @@ const MAX_RATE_LIMITS: u32 = 20;
 
 /// How one action runs: its executor, resolved.
 #[derive(Clone, Debug)]
-struct Plan {
-    executor: String,
-    argv: Vec<String>,
-    prompt_mode: PromptMode,
-    format: Format,
-    env: Vec<(String, OsString)>,
-    supervision: Supervision,
+pub struct Plan {
+    /// The executor's name, or `command: ...` for an action's own shell command.
+    pub executor: String,
+    pub argv: Vec<String>,
+    pub prompt_mode: PromptMode,
+    pub format: Format,
+    pub env: Vec<(String, OsString)>,
+    pub supervision: Supervision,
 }
 
 /// Everything a daemon needs to drive one loop.
@@ -129,6 +130,18 @@ impl Daemon {
             actions,
             plans,
         })
+    }
+
+    /// How each action would run, by action.
+    pub fn plans(&self) -> &BTreeMap<String, Plan> {
+        &self.plans
+    }
+
+    /// Where each action's definition comes from, by action.
+    pub fn action_sources(&self) -> impl Iterator<Item = (&str, &str)> {
+        self.actions
+            .iter()
+            .map(|(name, def)| (name.as_str(), def.source.as_str()))
     }
 
     fn limits(&self) -> Limits {

@@ -289,3 +289,43 @@ exec sleep 1000
     let reason = p.state(&id)["failure_reason"].as_str().unwrap().to_owned();
     assert!(reason.contains("budget exceeded"), "{reason}");
 }
+
+#[test]
+fn doctor_shows_what_would_run_and_what_is_missing() {
+    let p = Project::new("");
+    p.config(AGENT_CONFIG);
+    let out = loopd_with_agents(&p, &["doctor"]);
+    let text = stdout(&out);
+    assert_eq!(out.status.code(), Some(1), "{text}");
+    assert!(
+        text.contains("claude: not found on PATH") && text.contains("not ready: missing claude"),
+        "{text}"
+    );
+    p.script(
+        "claude",
+        "[ \"$1\" = --version ] && echo '2.0.14 (Claude Code)'\n",
+    );
+    let out = loopd_with_agents(&p, &["doctor"]);
+    let text = stdout(&out);
+    assert_eq!(out.status.code(), Some(0), "{text}");
+    assert!(text.contains("2.0.14 (Claude Code)"), "{text}");
+    assert!(text.contains("format claude-stream-json"), "{text}");
+    assert!(
+        text.contains(&p.root.join(".loop/config.toml").display().to_string()),
+        "{text}"
+    );
+    // A project's action file and --executor show up in the plan.
+    let actions = p.root.join(".loop/actions/ccw-loop");
+    std::fs::create_dir_all(&actions).unwrap();
+    std::fs::write(actions.join("develop.md"), "develop {{task_description}}\n").unwrap();
+    let text = stdout(&loopd_with_agents(&p, &["doctor", "--executor", "bash"]));
+    assert!(
+        text.contains(&actions.join("develop.md").display().to_string()),
+        "{text}"
+    );
+    assert!(text.contains("bash -s"), "{text}");
+    // A broken action file is bad input.
+    std::fs::write(actions.join("develop.md"), "develop {{nope}}\n").unwrap();
+    let out = loopd_with_agents(&p, &["doctor"]);
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+}
