@@ -5,11 +5,13 @@ use loopd::cli::{Cli, UsageError};
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    // LOOPD_LOG: error, warn, info (the default), debug or trace.
+    let level = std::env::var("LOOPD_LOG")
+        .ok()
+        .and_then(|l| l.parse::<tracing_subscriber::filter::LevelFilter>().ok())
+        .unwrap_or(tracing_subscriber::filter::LevelFilter::INFO);
     tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("LOOPD_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
+        .with_max_level(level)
         .with_writer(std::io::stderr)
         .without_time()
         .with_target(false)
