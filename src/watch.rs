@@ -6,7 +6,8 @@
 //! [`Snapshot`] of what a controller can change. The snapshot is published on a
 //! `tokio::sync::watch` channel only when it differs, so the daemon's own writes, which never
 //! change those fields, wake nobody. A slow periodic re-check covers missed or overflowed events,
-//! and when inotify cannot be used (its limits reached) a polling watcher takes over.
+//! and when inotify cannot be used (its limits reached, or `LOOPD_WATCH=poll`) a polling watcher
+//! takes over.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -127,10 +128,16 @@ fn watch_dir<F>(dir: &Path, on_event: F) -> Box<dyn notify::Watcher + Send>
 where
     F: notify::EventHandler + Clone,
 {
-    let inotify = notify::recommended_watcher(on_event.clone()).and_then(|mut w| {
-        w.watch(dir, RecursiveMode::NonRecursive)?;
-        Ok(w)
-    });
+    // LOOPD_WATCH=poll: no inotify (filesystems that do not report changes, such as NFS).
+    let forced = std::env::var("LOOPD_WATCH").is_ok_and(|w| w == "poll");
+    let inotify = if forced {
+        Err(notify::Error::generic("LOOPD_WATCH=poll"))
+    } else {
+        notify::recommended_watcher(on_event.clone()).and_then(|mut w| {
+            w.watch(dir, RecursiveMode::NonRecursive)?;
+            Ok(w)
+        })
+    };
     match inotify {
         Ok(w) => Box::new(w),
         Err(e) => {

@@ -137,6 +137,8 @@ fn every_failure_is_classified_and_recorded() {
             "transient_api_error",
         ),
         ("claude", "claude-max-turns.jsonl", "stdout", 1, "max_turns"),
+        // Older Claude Code builds stopped at max turns with exit 0.
+        ("claude", "claude-max-turns.jsonl", "stdout", 0, "max_turns"),
         (
             "claude",
             "claude-is-error-exit0.jsonl",

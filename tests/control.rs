@@ -447,6 +447,62 @@ fn sigterm_to_the_daemon_interrupts_the_action_and_keeps_the_loop_running() {
 }
 
 #[test]
+fn a_second_signal_ends_the_daemon_and_its_executor_at_once() {
+    // The agent survives SIGTERM (its trap notes it), and the grace is long.
+    let p = Project::new(&agent(&[(
+        "develop",
+        "trap 'echo got >> term.log' TERM; echo $$ > agent.pid; while :; do sleep 0.05; done",
+    )]));
+    p.config(&TEST_CONFIG.replace("kill_grace = 0.5", "kill_grace = 60"));
+    let id = p.create(&["--title", "t"]);
+    let run = p.spawn_run(&id, &[]);
+    let agent_pid = wait_in_flight(&p, &id);
+    let daemon = nix::unistd::Pid::from_raw(run.id() as i32);
+    nix::sys::signal::kill(daemon, nix::sys::signal::Signal::SIGTERM).expect("signal");
+    wait_for("the agent to get SIGTERM", || {
+        p.root.join("term.log").exists()
+    });
+    let second = Instant::now();
+    nix::sys::signal::kill(daemon, nix::sys::signal::Signal::SIGTERM).expect("signal");
+    finish(run, 143);
+    assert!(
+        second.elapsed() < Duration::from_secs(30),
+        "the second signal did not end the daemon at once"
+    );
+    wait_for("the agent to be killed", || !alive(agent_pid));
+}
+
+#[test]
+fn control_works_by_polling_where_inotify_is_not_available() {
+    let p = Project::new(&agent(&[("develop", HANG_WITH_GRANDCHILD)]));
+    let id = p.create(&["--title", "t"]);
+    let run: Running = p
+        .loopd()
+        .env("LOOPD_WATCH", "poll")
+        .args(["run", &id])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawn loopd run")
+        .into();
+    let agent_pid = wait_in_flight(&p, &id);
+    let grandchild = read_pid(&p.root.join("grandchild.pid"));
+    control(&p, "stop", &id);
+    let out = finish(run, 5);
+    assert!(
+        stderr(&out).contains("polling every 100ms"),
+        "{}",
+        stderr(&out)
+    );
+    assert_stopped(
+        &p,
+        &id,
+        &[agent_pid, grandchild],
+        "Manually stopped by user",
+    );
+}
+
+#[test]
 fn lowering_max_iterations_below_the_current_one_ends_the_loop() {
     // The third develop (iteration 3) waits until the test has lowered the limit.
     let develop = format!(
