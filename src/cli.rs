@@ -49,8 +49,9 @@ pub struct Cli {
     pub command: Command,
 }
 
-#[derive(Clone, Copy, Debug, ValueEnum)]
+#[derive(Clone, Copy, Debug, Default, ValueEnum)]
 pub enum ModeArg {
+    #[default]
     Auto,
     Interactive,
 }
@@ -58,29 +59,7 @@ pub enum ModeArg {
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Write a new loop (status `created`) and print its id
-    Create {
-        #[arg(long)]
-        title: String,
-        #[arg(long, default_value = "")]
-        description: String,
-        #[arg(long, value_name = "N")]
-        max_iterations: Option<u64>,
-        #[arg(long, value_name = "N")]
-        max_errors: Option<u64>,
-        /// Fail the loop once its agents have cost this many dollars
-        #[arg(long, value_name = "USD")]
-        max_cost_usd: Option<f64>,
-        /// Fail the loop once its agents have used this many tokens
-        #[arg(long, value_name = "N")]
-        max_tokens: Option<u64>,
-        #[arg(long, value_enum, default_value = "auto")]
-        mode: ModeArg,
-        #[arg(long, value_name = "NAME")]
-        workflow: Option<String>,
-        /// A develop task (repeatable); written to the loop's task list
-        #[arg(long = "task", value_name = "TEXT")]
-        tasks: Vec<String>,
-    },
+    Create(CreateArgs),
     /// Drive a loop in the foreground until it ends
     Run {
         id: String,
@@ -205,32 +184,8 @@ pub fn run(cli: Cli) -> Result<i32> {
     } = cli;
     let project = || Project::open(root.as_deref(), config.as_deref());
     match command {
-        Command::Create {
-            title,
-            description,
-            max_iterations,
-            max_errors,
-            max_cost_usd,
-            max_tokens,
-            mode,
-            workflow,
-            tasks,
-        } => {
-            let p = project()?;
-            let id = create_loop(
-                &p,
-                &NewLoop {
-                    title: &title,
-                    description: &description,
-                    max_iterations,
-                    max_errors,
-                    max_cost_usd,
-                    max_tokens,
-                    mode,
-                    workflow,
-                    tasks: &tasks,
-                },
-            )?;
+        Command::Create(args) => {
+            let id = create_loop(&project()?, &args)?;
             println!("{id}");
             Ok(0)
         }
@@ -259,21 +214,40 @@ pub fn run(cli: Cli) -> Result<i32> {
 }
 
 /// What `create` asks for.
-pub struct NewLoop<'a> {
-    pub title: &'a str,
-    pub description: &'a str,
+#[derive(Debug, Default, clap::Args)]
+pub struct CreateArgs {
+    /// The loop's goal, in one line
+    #[arg(long)]
+    pub title: String,
+    /// More about the goal; the agents see it in every prompt
+    #[arg(long, default_value = "")]
+    pub description: String,
+    /// Complete the loop after this many develop/debug/validate actions [default: config's]
+    #[arg(long, value_name = "N")]
     pub max_iterations: Option<u64>,
+    /// Fail the loop after this many failed actions [default: config's]
+    #[arg(long, value_name = "N")]
     pub max_errors: Option<u64>,
+    /// Fail the loop once its agents have cost this many dollars
+    #[arg(long, value_name = "USD")]
     pub max_cost_usd: Option<f64>,
+    /// Fail the loop once its agents have used this many tokens
+    #[arg(long, value_name = "N")]
     pub max_tokens: Option<u64>,
+    /// `interactive`: the loop waits for `loopd next` before each action
+    #[arg(long, value_enum, default_value = "auto")]
     pub mode: ModeArg,
+    /// The workflow [default: config's, `ccw-loop`]
+    #[arg(long, value_name = "NAME")]
     pub workflow: Option<String>,
-    pub tasks: &'a [String],
+    /// A develop task (repeatable); written to the loop's task list
+    #[arg(long = "task", value_name = "TEXT")]
+    pub tasks: Vec<String>,
 }
 
 /// Writes a new loop (and its task list); returns its id.
-pub fn create_loop(p: &Project, new: &NewLoop) -> Result<String> {
-    let NewLoop {
+pub fn create_loop(p: &Project, args: &CreateArgs) -> Result<String> {
+    let CreateArgs {
         title,
         description,
         max_iterations,
@@ -281,9 +255,11 @@ pub fn create_loop(p: &Project, new: &NewLoop) -> Result<String> {
         max_cost_usd,
         max_tokens,
         mode,
-        ref workflow,
+        workflow,
         tasks,
-    } = *new;
+    } = args;
+    let (max_iterations, max_errors, max_cost_usd, max_tokens) =
+        (*max_iterations, *max_errors, *max_cost_usd, *max_tokens);
     if title.trim().is_empty() {
         return Err(usage("--title must not be empty"));
     }

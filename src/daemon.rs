@@ -41,16 +41,7 @@ pub fn drive(p: &Project, id: &str, executor: Option<String>, exit_on_pause: boo
             .executor_named(name)
             .map_err(|reason| crate::cli::UsageError(format!("--executor: {reason}")))?;
     }
-    let daemon = Daemon::new(
-        p.root.clone(),
-        p.store.clone(),
-        p.config.clone(),
-        workflow,
-        Box::new(Subprocess),
-        executor,
-        exit_on_pause,
-    )
-    .map_err(|e| crate::cli::UsageError(format!("{e:#}")))?;
+    let daemon = build(p, workflow, executor, exit_on_pause)?;
     let mut daemon = daemon;
     daemon.restored = restored;
     let _lock = DaemonLock::acquire(&p.store, id)?;
@@ -64,6 +55,26 @@ pub fn drive(p: &Project, id: &str, executor: Option<String>, exit_on_pause: boo
         tokio::spawn(forward_signals(tx));
         daemon.run(id, rx).await
     })
+}
+
+/// A daemon for a project's loops, with real subprocess executors; a bad action file or executor
+/// is bad input.
+pub fn build(
+    p: &Project,
+    workflow: &'static dyn crate::workflow::Workflow,
+    executor: Option<String>,
+    exit_on_pause: bool,
+) -> Result<Daemon> {
+    Daemon::new(
+        p.root.clone(),
+        p.store.clone(),
+        p.config.clone(),
+        workflow,
+        Box::new(Subprocess),
+        executor,
+        exit_on_pause,
+    )
+    .map_err(|e| crate::cli::UsageError(format!("{e:#}")).into())
 }
 
 /// SIGINT and SIGTERM ask the daemon to stop (the attempt in flight is ended and recorded); a

@@ -12,7 +12,7 @@ use std::path::Path;
 use anyhow::{Context as _, Result};
 use serde_json::{Value, json};
 
-use crate::cli::{ModeArg, Project};
+use crate::cli::Project;
 use crate::config::Config;
 use crate::orchestrator::Exit;
 use crate::state::model::TaskStatus;
@@ -68,16 +68,10 @@ pub fn run() -> Result<i32> {
     };
     let id = crate::cli::create_loop(
         &project,
-        &crate::cli::NewLoop {
-            title: "Make the calculator's tests pass",
-            description: "calc.sh needs add and sub, and test.sh must pass.",
-            max_iterations: None,
-            max_errors: None,
-            max_cost_usd: None,
-            max_tokens: None,
-            mode: ModeArg::Auto,
-            workflow: None,
-            tasks: &[],
+        &crate::cli::CreateArgs {
+            title: "Make the calculator's tests pass".into(),
+            description: "calc.sh needs add and sub, and test.sh must pass.".into(),
+            ..Default::default()
         },
     )?;
     eprintln!("loopd demo: a loop that fixes a tiny shell calculator");

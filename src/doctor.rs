@@ -8,8 +8,6 @@ use std::time::{Duration, Instant};
 use anyhow::Result;
 
 use crate::cli::Project;
-use crate::executor::Subprocess;
-use crate::orchestrator::Daemon;
 
 /// How long `--version` may take.
 const VERSION_TIMEOUT: Duration = Duration::from_secs(5);
@@ -18,16 +16,7 @@ const VERSION_TIMEOUT: Duration = Duration::from_secs(5);
 pub fn run(p: &Project, executor: Option<String>) -> Result<i32> {
     let workflow = crate::workflow::by_name(&p.config.workflow)
         .ok_or_else(|| anyhow::anyhow!("unknown workflow {}", p.config.workflow))?;
-    let daemon = Daemon::new(
-        p.root.clone(),
-        p.store.clone(),
-        p.config.clone(),
-        workflow,
-        Box::new(Subprocess),
-        executor,
-        false,
-    )
-    .map_err(|e| crate::cli::UsageError(format!("{e:#}")))?;
+    let daemon = crate::daemon::build(p, workflow, executor, false)?;
 
     let mut out = String::new();
     let _ = writeln!(out, "loopd {}", env!("CARGO_PKG_VERSION"));
