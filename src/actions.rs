@@ -119,8 +119,11 @@ impl ActionDef {
             ("timeout", front.timeout),
             ("idle_timeout", front.idle_timeout),
         ] {
-            if v.is_some_and(|v| !(v.is_finite() && v > 0.0)) {
-                return Err(err(format!("front matter {key} must be a positive number")));
+            if v.is_some_and(|v| !crate::config::seconds_ok(v)) {
+                return Err(err(format!(
+                    "front matter {key} must be a positive number of seconds, at most {}",
+                    crate::config::MAX_SECONDS
+                )));
             }
         }
         for placeholder in placeholders(&template) {

@@ -14,12 +14,26 @@ use serde_json::{Value, json};
 use crate::config::Config;
 use crate::events::render;
 use crate::state::model::{LoopState, Mode, SkillState, Status, TaskStatus, now_rfc3339};
-use crate::state::store::{Store, StoreError, new_id, validate_id};
+use crate::state::store::{Store, new_id, validate_id};
 
 /// A mistake in what the user asked for: exit code 2.
 #[derive(Debug, thiserror::Error)]
 #[error("{0}")]
 pub struct UsageError(pub String);
+
+/// The exit code of an error: 2 for bad input (usage, config, action files, ids, unknown or
+/// unusable loops), else 1.
+pub fn exit_code_of(e: &anyhow::Error) -> i32 {
+    let bad_input = e.chain().any(|cause| {
+        cause.is::<UsageError>()
+            || cause.is::<crate::config::ConfigError>()
+            || cause.is::<crate::actions::ActionError>()
+            || cause
+                .downcast_ref::<crate::state::store::StoreError>()
+                .is_some_and(|s| s.is_bad_input())
+    });
+    if bad_input { 2 } else { 1 }
+}
 
 fn usage(msg: impl Into<String>) -> anyhow::Error {
     UsageError(msg.into()).into()
@@ -534,6 +548,14 @@ fn next(p: &Project, id: &str, action: &str) -> Result<i32> {
             workflow.actions().join(", ")
         )));
     }
+    let mut chosen = state.clone();
+    chosen.next_action = Some(action.to_owned());
+    if let crate::workflow::Decision::Wait {
+        refused: Some(why), ..
+    } = crate::workflow::decide(workflow, &chosen, p.config.limits())
+    {
+        return Err(usage(format!("cannot choose {why}")));
+    }
     p.store.update(id, true, |raw, _| {
         raw.insert("next_action".into(), json!(action));
     })?;
@@ -743,58 +765,41 @@ fn logs(p: &Project, id: &str, follow: bool, as_json: bool) -> Result<i32> {
     p.load(id)?;
     let path = p.store.progress_dir(id).join("events.jsonl");
     let mut offset = 0u64;
-    let mut pending = String::new();
+    // Bytes of a line not yet complete (the daemon may be writing it).
+    let mut pending: Vec<u8> = Vec::new();
+    let mut idle_polls = 0;
     loop {
-        let mut ended = false;
         if let Ok(mut file) = File::open(&path) {
             file.seek(SeekFrom::Start(offset))?;
-            let mut chunk = String::new();
-            let n = file.read_to_string(&mut chunk)?;
+            let n = file.read_to_end(&mut pending)?;
             offset += n as u64;
-            pending.push_str(&chunk);
-            while let Some(nl) = pending.find('\n') {
-                let line: String = pending.drain(..=nl).collect();
+            while let Some(nl) = pending.iter().position(|b| *b == b'\n') {
+                let line: Vec<u8> = pending.drain(..=nl).collect();
+                let line = String::from_utf8_lossy(&line);
                 let line = line.trim_end();
                 if line.is_empty() {
                     continue;
                 }
                 match serde_json::from_str::<Value>(line) {
-                    Ok(event) => {
-                        if as_json {
-                            println!("{line}");
-                        } else {
-                            println!("{}", render(&event));
-                        }
-                        if event["event"] == crate::events::name::DAEMON_EXITED {
-                            ended = true;
-                        }
-                    }
-                    Err(_) if as_json => println!("{line}"),
-                    Err(_) => println!("(unreadable event) {line}"),
+                    Ok(event) if !as_json => println!("{}", render(&event)),
+                    Err(_) if !as_json => println!("(unreadable event) {line}"),
+                    _ => println!("{line}"),
                 }
             }
         }
         if !follow {
             return Ok(0);
         }
-        if (ended && daemon_pid(&p.store, id).is_none()) || finished(p, id) {
+        // Done once no daemon drives the loop (twice in a row: a daemon may be starting).
+        idle_polls = if finished(p, id) { idle_polls + 1 } else { 0 };
+        if idle_polls >= 2 {
             return Ok(0);
         }
         std::thread::sleep(Duration::from_millis(100));
     }
 }
 
-/// A loop that no daemon drives and that will not go on by itself.
+/// Whether no daemon drives the loop: nothing more will happen to it by itself.
 fn finished(p: &Project, id: &str) -> bool {
-    if daemon_pid(&p.store, id).is_some() {
-        return false;
-    }
-    match p.store.load(id) {
-        Ok(l) => matches!(
-            l.state.status,
-            Status::Completed | Status::Failed | Status::UserExit
-        ),
-        Err(StoreError::NotFound { .. }) => true,
-        Err(_) => false,
-    }
+    daemon_pid(&p.store, id).is_none()
 }

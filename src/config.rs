@@ -121,6 +121,15 @@ pub struct ActionConfig {
     pub command: Option<String>,
 }
 
+/// The longest duration a setting may have, in seconds (about 31 years): more is surely a typo,
+/// and would overflow a `Duration`.
+pub const MAX_SECONDS: f64 = 1e9;
+
+/// Whether `v` is a usable number of seconds.
+pub fn seconds_ok(v: f64) -> bool {
+    v.is_finite() && v > 0.0 && v <= MAX_SECONDS
+}
+
 /// Supervision limits of one attempt, resolved.
 #[derive(Clone, Copy, Debug)]
 pub struct Supervision {
@@ -209,12 +218,12 @@ impl Config {
 
     fn check(&self) -> Result<(), (String, String)> {
         let positive = |key: &str, v: f64| {
-            if v.is_finite() && v > 0.0 {
+            if seconds_ok(v) {
                 Ok(())
             } else {
                 Err((
                     key.to_owned(),
-                    format!("must be a positive number, not {v}"),
+                    format!("must be a positive number of at most {MAX_SECONDS}, not {v}"),
                 ))
             }
         };
@@ -237,7 +246,7 @@ impl Config {
         if self.max_errors == 0 {
             return Err(("max_errors".into(), "must be at least 1".into()));
         }
-        if !(self.retry_backoff.is_finite() && self.retry_backoff >= 0.0) {
+        if !(self.retry_backoff == 0.0 || seconds_ok(self.retry_backoff)) {
             return Err((
                 "retry_backoff".into(),
                 "must be a number of seconds >= 0".into(),
@@ -300,6 +309,16 @@ impl Config {
             }
         }
         Ok(())
+    }
+
+    /// The limits of loops that do not set their own.
+    pub fn limits(&self) -> crate::workflow::Limits {
+        crate::workflow::Limits {
+            max_iterations: self.max_iterations,
+            max_errors: self.max_errors,
+            max_cost_usd: self.max_cost_usd,
+            max_tokens: self.max_tokens,
+        }
     }
 
     /// The executor called `name`, or why there is none.
@@ -452,6 +471,10 @@ mod tests {
             e.contains("actions.develop.executor") && e.contains("unknown executor"),
             "{e}"
         );
+        let e = Config::builtin_with("[executor_defaults]\ntimeout = 1e20")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("timeout") && e.contains("at most"), "{e}");
         let e = Config::builtin_with("[executor_defaults]\nkill_grace = -1.0")
             .unwrap_err()
             .to_string();

@@ -1,10 +1,29 @@
 use std::process::ExitCode;
 
-use clap::Parser;
-use loopd::cli::{Cli, UsageError};
+use clap::Parser as _;
+use loopd::cli::Cli;
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        // Help and version go to stdout as clap prints them.
+        Err(e) if !e.use_stderr() => e.exit(),
+        // A usage error in one line: clap's first, without its usage block.
+        Err(e) => {
+            let text = e.to_string();
+            let first: Vec<&str> = text
+                .lines()
+                .take_while(|l| !l.trim().is_empty())
+                .map(str::trim)
+                .collect();
+            let line = first.join(" ");
+            eprintln!(
+                "loopd: {} (see loopd --help)",
+                line.trim_start_matches("error: ")
+            );
+            return ExitCode::from(2);
+        }
+    };
     // LOOPD_LOG: error, warn, info (the default), debug or trace.
     let level = std::env::var("LOOPD_LOG")
         .ok()
@@ -21,20 +40,7 @@ fn main() -> ExitCode {
         Ok(code) => ExitCode::from(u8::try_from(code).unwrap_or(1)),
         Err(e) => {
             eprintln!("loopd: {e:#}");
-            ExitCode::from(exit_code_of(&e))
+            ExitCode::from(u8::try_from(loopd::cli::exit_code_of(&e)).unwrap_or(1))
         }
     }
-}
-
-/// Bad input is 2, everything else an internal error (1).
-fn exit_code_of(e: &anyhow::Error) -> u8 {
-    let bad_input = e.chain().any(|cause| {
-        cause.is::<UsageError>()
-            || cause.is::<loopd::config::ConfigError>()
-            || cause.is::<loopd::actions::ActionError>()
-            || cause
-                .downcast_ref::<loopd::state::store::StoreError>()
-                .is_some_and(|s| s.is_bad_input())
-    });
-    if bad_input { 2 } else { 1 }
 }

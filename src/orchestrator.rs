@@ -50,6 +50,18 @@ pub enum Exit {
 }
 
 impl Exit {
+    /// One word for the event log: `passed`, `iteration_limit`, `incomplete`, `failed`,
+    /// `stopped`, `paused` or `signal`.
+    pub fn label(&self) -> &'static str {
+        match self {
+            Exit::Completed(outcome) => outcome.as_str(),
+            Exit::Failed(_) => "failed",
+            Exit::Stopped(_) => "stopped",
+            Exit::Paused => "paused",
+            Exit::Signalled(_) => "signal",
+        }
+    }
+
     pub fn code(&self) -> i32 {
         match self {
             Exit::Completed(Outcome::Passed) => 0,
@@ -145,12 +157,7 @@ impl Daemon {
     }
 
     fn limits(&self) -> Limits {
-        Limits {
-            max_iterations: self.config.max_iterations,
-            max_errors: self.config.max_errors,
-            max_cost_usd: self.config.max_cost_usd,
-            max_tokens: self.config.max_tokens,
-        }
+        self.config.limits()
     }
 
     /// Drives the loop until it ends. `shutdown` carries the signal number that asked to stop.
@@ -177,16 +184,14 @@ impl Daemon {
             ours: None,
         };
         let exit = turn.drive().await;
-        let (code, outcome) = match &exit {
-            Ok(e) => (e.code(), format!("{e:?}")),
-            Err(e) => (1, format!("internal error: {e:#}")),
-        };
-        turn.events.emit(
-            Event::new(name::DAEMON_EXITED)
-                .with("pid", std::process::id())
-                .with("exit_code", code)
-                .with("outcome", outcome),
-        );
+        let event = Event::new(name::DAEMON_EXITED).with("pid", std::process::id());
+        turn.events.emit(match &exit {
+            Ok(e) => event.with("exit_code", e.code()).with("outcome", e.label()),
+            Err(e) => event
+                .with("exit_code", crate::cli::exit_code_of(e))
+                .with("outcome", "error")
+                .with("error", format!("{e:#}")),
+        });
         exit
     }
 }
@@ -300,11 +305,20 @@ impl Turn<'_> {
             self.ours = Some(loaded.state.clone());
             return Ok(loaded.state);
         };
-        let our_skill = serde_json::to_value(&ours.skill_state)?;
         let reverted = loaded.state.current_iteration != ours.current_iteration
-            || loaded.raw.get("skill_state").unwrap_or(&Value::Null) != &our_skill;
+            || loaded.state.skill_state != ours.skill_state;
         if !reverted {
             return Ok(loaded.state);
+        }
+        // Fields someone added that the daemon does not know are no revert: keep them.
+        if loaded.state.current_iteration == ours.current_iteration {
+            let theirs = serde_json::to_value(&loaded.state.skill_state)?;
+            let mut mine = serde_json::to_value(&ours.skill_state)?;
+            crate::state::store::keep_unknown(&theirs, &mut mine);
+            if mine == theirs {
+                self.ours = Some(loaded.state.clone());
+                return Ok(loaded.state);
+            }
         }
         let ours = ours.clone();
         self.events.emit(Event::new(name::WARNING).with(
@@ -392,6 +406,8 @@ impl Turn<'_> {
             self.absorb_tasks(&mut state)?;
             match workflow::decide(self.daemon.workflow, &state, self.daemon.limits()) {
                 Decision::Abort(reason) => {
+                    // Marked as the daemon's own failure, which a later run reports as such.
+                    state.skill().outcome = Some("failed".into());
                     let after = self.commit(
                         &state,
                         Some(&Transition {
@@ -433,6 +449,16 @@ impl Turn<'_> {
 
     /// A status that is neither running nor paused: record the stop and say why.
     fn stopped(&mut self, state: &LoopState) -> Result<Exit> {
+        let own_failure = state.status == Status::Failed
+            && state
+                .skill_state
+                .as_ref()
+                .and_then(|s| s.outcome.as_deref())
+                == Some("failed");
+        if own_failure {
+            let reason = state.failure_reason.clone().unwrap_or_default();
+            return Ok(Exit::Failed(reason));
+        }
         let reason = match &state.status {
             Status::Other(s) => format!("unknown status {s:?}, treated as a stop"),
             _ => match &state.failure_reason {
@@ -625,7 +651,10 @@ impl Turn<'_> {
         let iteration = state.current_iteration + u64::from(wf.counts_iteration(&dispatch.action));
         let now = now_rfc3339();
         wf.begin(&mut state, dispatch, &now);
-        state.skill().awaiting_choice = None;
+        let skill = state.skill();
+        skill.awaiting_choice = None;
+        // How a previous run of the loop ended no longer holds.
+        skill.outcome = None;
         let attempts = daemon.config.action_retries + 1;
         let mut backoff = Duration::from_secs_f64(daemon.config.retry_backoff);
         let mut last_error = String::new();

@@ -407,7 +407,6 @@ fn state_files_are_readable_by_their_owner_only() {
     for file in [
         p.state_path(&id),
         p.root.join(format!(".loop/{id}.json.bak")),
-        p.root.join(format!(".loop/.{id}.json.spare")),
     ] {
         let mode = std::fs::metadata(&file).unwrap().permissions().mode() & 0o777;
         assert_eq!(mode, 0o600, "{}", file.display());

@@ -51,8 +51,45 @@ fn failed(outcome: AttemptOutcome, message: impl Into<String>) -> Verdict {
     }
 }
 
-/// Classifies a finished run.
+/// Classifies a finished run. Summaries and messages come out as one line each.
 pub fn verdict(format: Format, result_file: &Path, run: &Run) -> Verdict {
+    match classify(format, result_file, run) {
+        Verdict::Success(mut result) => {
+            result.summary = one_line(&result.summary);
+            Verdict::Success(result)
+        }
+        Verdict::Failed { outcome, message } => Verdict::Failed {
+            outcome,
+            message: one_line(&message),
+        },
+        Verdict::RateLimited { until, message } => Verdict::RateLimited {
+            until,
+            message: one_line(&message),
+        },
+        Verdict::Interrupted => Verdict::Interrupted,
+    }
+}
+
+/// A text made one line for logs and status: line breaks become ` / `, and it is cut at 500
+/// characters.
+pub fn one_line(text: &str) -> String {
+    const MAX: usize = 500;
+    let joined = text
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .collect::<Vec<_>>()
+        .join(" / ");
+    if joined.chars().count() <= MAX {
+        joined
+    } else {
+        let mut cut: String = joined.chars().take(MAX).collect();
+        cut.push('…');
+        cut
+    }
+}
+
+fn classify(format: Format, result_file: &Path, run: &Run) -> Verdict {
     use AttemptOutcome as O;
     match run.cut {
         Some(Cut::Cancelled) => return Verdict::Interrupted,
@@ -147,10 +184,9 @@ fn judge(reported: Result<ActionResult, String>, exit_failure: Option<String>) -
     }
 }
 
-/// The first line of a text, at most 200 characters.
+/// The first line of a text.
 fn first_line(text: &str) -> String {
-    let line = text.trim().lines().next().unwrap_or("");
-    line.chars().take(200).collect()
+    text.trim().lines().next().unwrap_or("").to_owned()
 }
 
 fn secs(d: std::time::Duration) -> String {
@@ -413,6 +449,15 @@ mod tests {
             (Some(1), 1, vec!["TestT/two".to_owned()])
         );
         assert!(parse_test_output("all good\nbuilt 3 passed targets? no\n").is_none());
+    }
+
+    #[test]
+    fn messages_are_one_line() {
+        assert_eq!(
+            one_line("line one\n\n  line two\r\n"),
+            "line one / line two"
+        );
+        assert_eq!(one_line(&"x".repeat(600)).chars().count(), 501);
     }
 
     #[test]

@@ -98,7 +98,7 @@ pub enum Mode {
 }
 
 /// `{id}.json`.
-#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct LoopState {
     #[serde(default)]
     pub loop_id: String,
@@ -171,7 +171,11 @@ impl Control {
 }
 
 /// `skill_state`: everything in it belongs to the daemon.
-#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+///
+/// Below this level every known field is always written (`null` when empty), so that a key the
+/// daemon does not write is a key it does not know, which the store keeps (see
+/// [`super::store::keep_unknown`]).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct SkillState {
     #[serde(default)]
     pub current_action: Option<String>,
@@ -183,7 +187,7 @@ pub struct SkillState {
     #[serde(default)]
     pub mode: Mode,
     /// The workflow driving this loop (loopd's addition; absent means `ccw-loop`).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default)]
     pub workflow: Option<String>,
     #[serde(default)]
     pub develop: DevelopState,
@@ -194,7 +198,7 @@ pub struct SkillState {
     /// The last [`ERRORS_WINDOW`] errors.
     #[serde(default)]
     pub errors: Vec<ErrorEntry>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default)]
     pub summary: Option<Value>,
 
     // loopd's additions, documented in the README.
@@ -208,7 +212,7 @@ pub struct SkillState {
     #[serde(default)]
     pub in_flight: Option<InFlight>,
     /// When `init` finished ("planned"), even if it planned nothing.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default)]
     pub initialized_at: Option<String>,
     /// How many actions have finished; the clock of `finished`.
     #[serde(default)]
@@ -217,13 +221,13 @@ pub struct SkillState {
     #[serde(default)]
     pub finished: BTreeMap<String, Finished>,
     /// `seq` of the last develop that left a task failed.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default)]
     pub develop_failed_seq: Option<u64>,
     /// Why the loop completed: `passed`, `iteration_limit` or `incomplete`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default)]
     pub outcome: Option<String>,
     /// Interactive mode: the choice the daemon waits for.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default)]
     pub awaiting_choice: Option<AwaitingChoice>,
     /// Tokens and cost the agents reported, over every attempt.
     #[serde(default)]
@@ -261,15 +265,15 @@ pub struct Finished {
     pub ok: bool,
 }
 
-#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct AwaitingChoice {
     pub since: String,
     pub choices: Vec<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default)]
     pub suggested: Option<String>,
 }
 
-#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct DevelopState {
     #[serde(default)]
     pub total: u64,
@@ -308,14 +312,14 @@ impl TaskStatus {
     }
 }
 
-#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct DevelopTask {
     pub id: String,
     #[serde(default)]
     pub description: String,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default)]
     pub tool: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default)]
     pub mode: Option<String>,
     #[serde(default)]
     pub status: TaskStatus,
@@ -329,7 +333,7 @@ pub struct DevelopTask {
     pub extra: Extra,
 }
 
-#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct DebugState {
     #[serde(default)]
     pub active_bug: Option<String>,
@@ -348,7 +352,7 @@ pub struct DebugState {
     pub extra: Extra,
 }
 
-#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct Hypothesis {
     #[serde(default)]
     pub id: String,
@@ -376,7 +380,7 @@ fn default_hypothesis_status() -> String {
     "pending".to_owned()
 }
 
-#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct EvidenceCriteria {
     #[serde(default)]
     pub confirm: String,
@@ -386,7 +390,7 @@ pub struct EvidenceCriteria {
     pub extra: Extra,
 }
 
-#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct ValidateState {
     #[serde(default)]
     pub pass_rate: f64,
@@ -406,7 +410,7 @@ pub struct ValidateState {
     pub extra: Extra,
 }
 
-#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct TestResult {
     #[serde(default)]
     pub test_name: String,
@@ -424,7 +428,7 @@ pub struct TestResult {
     pub extra: Extra,
 }
 
-#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct ErrorEntry {
     pub action: String,
     pub message: String,
@@ -434,33 +438,33 @@ pub struct ErrorEntry {
 }
 
 /// One attempt in `skill_state.action_history`.
-#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct HistoryEntry {
     pub action: String,
     pub iteration: u64,
     pub attempt: u32,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default)]
     pub task_id: Option<String>,
     pub started_at: String,
     #[serde(default)]
     pub finished_at: Option<String>,
     /// `success`, `failed` or `interrupted`.
     pub outcome: String,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default)]
     pub summary: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default)]
     pub error: Option<String>,
     #[serde(flatten)]
     pub extra: Extra,
 }
 
 /// The attempt in flight, recorded while its executor runs.
-#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct InFlight {
     pub action: String,
     pub iteration: u64,
     pub attempt: u32,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default)]
     pub task_id: Option<String>,
     pub started_at: String,
     /// The executor's pid, which is also its process group id.
@@ -468,7 +472,7 @@ pub struct InFlight {
     pub pgid: u32,
     /// The process's start time in clock ticks since boot (`/proc/PID/stat` field 22), so that a
     /// recycled pid is never mistaken for the executor.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default)]
     pub proc_start: Option<u64>,
     /// The pid of the daemon that started it.
     pub daemon_pid: u32,

@@ -2,10 +2,11 @@
 //!
 //! Theory of operation: every writer (the daemon, the CLI's control commands) changes a state file
 //! by read-modify-write under an exclusive `flock` on the sidecar `{id}.lock`, which is never
-//! renamed or deleted, so the lock and the file it guards cannot come apart. The write itself goes
-//! to a temporary file in the same directory (`.{id}.json.XXXXXX.tmp`, mode 0600) that is renamed
-//! over the state file: a reader sees the old file or the new one, never a mix. Durable writes also
-//! fsync the file before the rename and the directory after it.
+//! renamed or deleted, so the lock and the file it guards cannot come apart. The new version is
+//! written to a temporary file in the same directory (`.{id}.json.XXXXXX.tmp`, mode 0600) and
+//! exchanged with the state file (`renameat2(RENAME_EXCHANGE)`, else a plain rename): a reader
+//! sees the old file or the new one, never a mix. Durable writes also fsync the file before and
+//! the directory after the exchange, and refresh the backup `{id}.json.bak`.
 //!
 //! The daemon never writes a copy of the whole state: [`Store::commit`] re-reads the file under the
 //! lock and replaces only the fields the daemon owns ([`DAEMON_FIELDS`]), plus a status transition
@@ -56,7 +57,8 @@ pub enum StoreError {
     Corrupt { path: PathBuf, reason: String },
     #[error("timed out after {}s waiting for the lock {path}", LOCK_TIMEOUT.as_secs())]
     Locked { path: PathBuf },
-    #[error("{path}: {source}")]
+    /// The cause follows in the error chain.
+    #[error("{}", path.display())]
     Io { path: PathBuf, source: io::Error },
 }
 
@@ -317,6 +319,10 @@ impl Store {
                 )));
             }
         }
+        // A FIFO or a device would block the open, or never end.
+        if !fs::metadata(&path).map_err(io_err(&path))?.is_file() {
+            return Err(corrupt("not a regular file".into()));
+        }
         let deadline = Instant::now() + PARSE_RETRY;
         loop {
             let bytes = match read_capped(&path) {
@@ -348,7 +354,11 @@ impl Store {
     /// cannot be read or does not parse right now (a writer may be half-way; its next event
     /// comes).
     pub fn read_control(&self, id: &str) -> Option<Control> {
-        let bytes = read_capped(&self.state_path(id)).ok()?;
+        let path = self.state_path(id);
+        if !fs::metadata(&path).ok()?.is_file() {
+            return None;
+        }
+        let bytes = read_capped(&path).ok()?;
         serde_json::from_slice(&bytes).ok()
     }
 
@@ -449,6 +459,11 @@ impl Store {
         skill.initialized_at = (!tasks.is_empty()).then(now_rfc3339);
         skill.develop.tasks = tasks;
         skill.develop.recount();
+        if let Some(problem) = state.problems(Some(id)).into_iter().next() {
+            return Err(format!(
+                "the rebuilt state would be unusable too: {problem}"
+            ));
+        }
         let skill = serde_json::to_value(&state.skill_state).map_err(|e| e.to_string())?;
         raw.insert("skill_state".into(), skill);
         to_pretty(&path, &Value::Object(raw)).map_err(|e| e.to_string())
@@ -614,7 +629,13 @@ impl Store {
         self.update(&ours.loop_id, durable, |raw, current| {
             for key in DAEMON_FIELDS {
                 match ours_value.get(*key) {
-                    Some(v) => raw.insert((*key).to_owned(), v.clone()),
+                    Some(v) => {
+                        let mut v = v.clone();
+                        if let Some(theirs) = raw.get(*key) {
+                            keep_unknown(theirs, &mut v);
+                        }
+                        raw.insert((*key).to_owned(), v)
+                    }
                     None => raw.remove(*key),
                 };
             }
@@ -679,18 +700,49 @@ fn ends_with_newline(path: &Path) -> Result<bool, StoreError> {
     Ok(last[0] == b'\n')
 }
 
+/// Copies into `ours` what `theirs` has and `ours` does not know: keys missing from an object
+/// (at any depth) and, in lists of objects with an `id`, the unknown keys of the element with the
+/// same id. Every known key is always in `ours`, so nothing the daemon dropped comes back.
+pub fn keep_unknown(theirs: &Value, ours: &mut Value) {
+    match (theirs, ours) {
+        (Value::Object(t), Value::Object(o)) => {
+            for (key, tv) in t {
+                match o.get_mut(key) {
+                    Some(ov) => keep_unknown(tv, ov),
+                    None => {
+                        o.insert(key.clone(), tv.clone());
+                    }
+                }
+            }
+        }
+        (Value::Array(t), Value::Array(o)) => {
+            for ov in o.iter_mut() {
+                let Some(id) = ov.get("id").filter(|id| id.is_string()).cloned() else {
+                    continue;
+                };
+                if let Some(tv) = t.iter().find(|tv| tv.get("id") == Some(&id)) {
+                    keep_unknown(tv, ov);
+                }
+            }
+        }
+        _ => {}
+    }
+}
+
 /// Parses NDJSON task records (the CCW dashboard's `LoopTask`). Two records glued on one line (a
 /// known defect of the dashboard's writer) are both recovered.
 pub fn parse_tasks(path: &Path, text: &str) -> (Vec<DevelopTask>, Vec<String>) {
-    let mut records: Vec<(usize, Map<String, Value>)> = Vec::new();
+    // Each record with the place it came from: line, and index within the line.
+    let mut records: Vec<(usize, usize, Map<String, Value>)> = Vec::new();
     let mut warnings = Vec::new();
     for (lineno, line) in text.lines().enumerate() {
         if line.trim().is_empty() {
             continue;
         }
-        for value in serde_json::Deserializer::from_str(line).into_iter::<Value>() {
+        let stream = serde_json::Deserializer::from_str(line).into_iter::<Value>();
+        for (k, value) in stream.enumerate() {
             match value {
-                Ok(Value::Object(map)) => records.push((lineno + 1, map)),
+                Ok(Value::Object(map)) => records.push((lineno + 1, k, map)),
                 Ok(other) => warnings.push(format!(
                     "{}:{}: a task must be a JSON object, not {other}",
                     path.display(),
@@ -705,35 +757,52 @@ pub fn parse_tasks(path: &Path, text: &str) -> (Vec<DevelopTask>, Vec<String>) {
     }
     // Stable: records without an `order` keep their place after those with one.
     let order = |m: &Map<String, Value>| m.get("order").and_then(Value::as_f64);
-    records.sort_by(|(_, a), (_, b)| match (order(a), order(b)) {
+    records.sort_by(|(_, _, a), (_, _, b)| match (order(a), order(b)) {
         (Some(x), Some(y)) => x.total_cmp(&y),
         (a, b) => b.is_some().cmp(&a.is_some()),
     });
     let now = now_rfc3339();
-    let tasks = records
-        .into_iter()
-        .enumerate()
-        .map(|(i, (lineno, map))| {
-            let text_field = |k: &str| map.get(k).and_then(Value::as_str).map(str::to_owned);
-            let mut extra = Map::new();
-            if let Some(order) = map.get("order") {
-                extra.insert("order".into(), order.clone());
-            }
-            DevelopTask {
-                id: text_field("task_id")
-                    .or_else(|| text_field("id"))
-                    .unwrap_or_else(|| format!("jsonl-{lineno}-{i}")),
-                description: text_field("description")
-                    .or_else(|| text_field("title"))
-                    .unwrap_or_default(),
-                tool: text_field("tool"),
-                mode: text_field("mode"),
-                created_at: Some(text_field("created_at").unwrap_or_else(|| now.clone())),
-                extra,
-                ..DevelopTask::default()
-            }
-        })
-        .collect();
+    let mut seen = std::collections::HashSet::new();
+    let mut tasks = Vec::new();
+    for (lineno, k, map) in records {
+        let text_field = |key: &str| {
+            map.get(key)
+                .and_then(Value::as_str)
+                .filter(|s| !s.trim().is_empty())
+                .map(str::to_owned)
+        };
+        // A record without an id is named by where it stands, which appending never changes.
+        let place = if k == 0 {
+            format!("jsonl-{lineno}")
+        } else {
+            format!("jsonl-{lineno}-{k}")
+        };
+        let id = text_field("task_id")
+            .or_else(|| text_field("id"))
+            .unwrap_or(place);
+        if !seen.insert(id.clone()) {
+            warnings.push(format!(
+                "{}:{lineno}: task id {id:?} appears again; this record is skipped",
+                path.display()
+            ));
+            continue;
+        }
+        let mut extra = Map::new();
+        if let Some(order) = map.get("order") {
+            extra.insert("order".into(), order.clone());
+        }
+        tasks.push(DevelopTask {
+            id,
+            description: text_field("description")
+                .or_else(|| text_field("title"))
+                .unwrap_or_default(),
+            tool: text_field("tool"),
+            mode: text_field("mode"),
+            created_at: Some(text_field("created_at").unwrap_or_else(|| now.clone())),
+            extra,
+            ..DevelopTask::default()
+        });
+    }
     (tasks, warnings)
 }
 
@@ -763,71 +832,54 @@ enum Swapped {
     Raced,
 }
 
-/// Puts `bytes` in place of `path` atomically; `durable` adds fsync of the new version before and
-/// of the directory after. `expected` is what should be in place; `None` writes whatever is there.
+/// Puts `bytes` in place of `path` atomically: a new temp file in the same directory (mode
+/// 0600), fsync if `durable`, exchanged with `path`, fsync of the directory if `durable`.
+/// `expected` is what should be in place; `None` writes whatever is there.
 ///
-/// The new version is written into the spare file `.{name}.spare` next to `path`, which is then
-/// exchanged with `path`: the spare now holds the replaced version, ready for the next write.
-/// No inode is created or deleted per write (which is what a temp file and rename cost, dearly
-/// on some filesystems), and the exchange hands back exactly what it replaced.
+/// The exchange (`renameat2(RENAME_EXCHANGE)`) hands back exactly what it replaced, under the
+/// temp file's name, which is then unlinked: a reader that opened the old version still reads
+/// it whole. (A version is never rewritten in place: that would tear it under such a reader.)
 fn swap_in(
     path: &Path,
     bytes: &[u8],
     durable: bool,
     expected: Option<&[u8]>,
 ) -> io::Result<Swapped> {
-    let dir = path.parent().unwrap_or(Path::new("."));
-    let spare = spare_path(path);
-    let written = write_in_place(&spare, bytes)?;
-    // The spare may be a version another program created, with its own mode.
-    use std::os::unix::fs::PermissionsExt;
-    written.set_permissions(fs::Permissions::from_mode(0o600))?;
+    let mut tmp = temp_file(path)?;
+    tmp.write_all(bytes)?;
     if durable {
-        written.sync_data()?;
+        tmp.as_file().sync_data()?;
     }
-    drop(written);
-    let swapped = match exchange(&spare, path) {
+    let swapped = match exchange(tmp.path(), path) {
         Ok(()) => {
-            // The spare is the replaced version now. A writer that opened it before the
-            // exchange may still be writing into it: give it a moment to finish.
+            // `tmp` names the replaced version now. A writer that opened it before the exchange
+            // may still be writing into it: give it a moment to finish.
             let deadline = Instant::now() + PARSE_RETRY;
-            let mut old = fs::read(&spare)?;
+            let mut old = fs::read(tmp.path())?;
             while expected.is_some_and(|e| e != old)
                 && serde_json::from_slice::<serde::de::IgnoredAny>(&old).is_err()
                 && Instant::now() < deadline
             {
                 std::thread::sleep(Duration::from_millis(1));
-                old = fs::read(&spare)?;
+                old = fs::read(tmp.path())?;
             }
             Swapped::Replaced(old)
         }
         Err(_) => {
             // No exchange here (another kernel or filesystem): compare, then a plain rename.
-            let _ = fs::remove_file(&spare);
             if let Some(expected) = expected
                 && !fs::read(path).is_ok_and(|now| now == expected)
             {
                 return Ok(Swapped::Raced);
-            }
-            let mut tmp = temp_file(path)?;
-            tmp.write_all(bytes)?;
-            if durable {
-                tmp.as_file().sync_data()?;
             }
             tmp.persist(path).map_err(|e| e.error)?;
             Swapped::Renamed
         }
     };
     if durable {
-        File::open(dir)?.sync_all()?;
+        File::open(path.parent().unwrap_or(Path::new(".")))?.sync_all()?;
     }
     Ok(swapped)
-}
-
-/// The spare file of a state file (see [`swap_in`]).
-pub fn spare_path(path: &Path) -> PathBuf {
-    let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("state");
-    path.with_file_name(format!(".{name}.spare"))
 }
 
 /// Swaps two paths atomically: afterwards `a` names what `b` named and the other way round.
@@ -875,7 +927,7 @@ fn read_capped(path: &Path) -> io::Result<Vec<u8>> {
 }
 
 /// Overwrites `path` with `bytes` (mode 0600 when created), not atomically.
-pub fn write_in_place(path: &Path, bytes: &[u8]) -> io::Result<File> {
+pub fn write_in_place(path: &Path, bytes: &[u8]) -> io::Result<()> {
     use std::os::unix::fs::OpenOptionsExt;
     let mut file = OpenOptions::new()
         .create(true)
@@ -883,8 +935,7 @@ pub fn write_in_place(path: &Path, bytes: &[u8]) -> io::Result<File> {
         .truncate(true)
         .mode(0o600)
         .open(path)?;
-    file.write_all(bytes)?;
-    Ok(file)
+    file.write_all(bytes)
 }
 
 /// Replaces `path` with `bytes` atomically (mode 0600): temp file in the same directory,
@@ -951,6 +1002,16 @@ mod tests {
         assert_eq!(ids, ["a", "b", "c", "d"]);
         assert_eq!(warnings.len(), 1, "{warnings:?}");
         assert!(warnings[0].starts_with("t.jsonl:3:"), "{warnings:?}");
+        // Ids are unique and do not move when records are appended.
+        let text = "{\"description\":\"A\"}\n{\"task_id\":\"\",\"description\":\"B\"}\n{\"task_id\":\"x\"}\n{\"task_id\":\"x\"}\n";
+        let (tasks, warnings) = parse_tasks(Path::new("t.jsonl"), text);
+        let ids: Vec<&str> = tasks.iter().map(|t| t.id.as_str()).collect();
+        assert_eq!(ids, ["jsonl-1", "jsonl-2", "x"]);
+        assert!(warnings[0].contains("\"x\" appears again"), "{warnings:?}");
+        let more = format!("{text}{{\"description\":\"C\",\"order\":1}}\n");
+        let (tasks, _) = parse_tasks(Path::new("t.jsonl"), &more);
+        let ids: Vec<&str> = tasks.iter().map(|t| t.id.as_str()).collect();
+        assert_eq!(ids, ["jsonl-5", "jsonl-1", "jsonl-2", "x"]);
     }
 
     #[test]

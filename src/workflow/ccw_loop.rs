@@ -137,25 +137,30 @@ impl Workflow for CcwLoop {
         })
     }
 
-    fn choose(&self, state: &LoopState, action: &str) -> Dispatch {
+    fn choose(&self, state: &LoopState, action: &str) -> Result<Dispatch, String> {
+        let skill = state.skill_state.as_ref();
+        let initialised =
+            skill.is_some_and(|s| s.initialized_at.is_some() || !s.develop.tasks.is_empty());
         match action {
-            "develop" => Dispatch {
-                task_id: state
-                    .skill_state
-                    .as_ref()
-                    .and_then(first_open_task)
-                    .map(|t| t.id.clone()),
-                ..Dispatch::new("develop")
+            "init" if initialised => Err("the loop is planned already".into()),
+            "init" => Ok(Dispatch::new("init")),
+            _ if !initialised => Err("the loop is not planned yet: init first".into()),
+            "develop" => match skill.and_then(first_open_task) {
+                Some(task) => Ok(Dispatch {
+                    task_id: Some(task.id.clone()),
+                    ..Dispatch::new("develop")
+                }),
+                None => Err("no task is pending".into()),
             },
             "complete" => {
-                let met = state.skill_state.as_ref().is_some_and(Self::goal_met);
-                complete(if met {
+                let met = skill.is_some_and(Self::goal_met);
+                Ok(complete(if met {
                     Outcome::Passed
                 } else {
                     Outcome::Incomplete
-                })
+                }))
             }
-            other => Dispatch::new(other),
+            other => Ok(Dispatch::new(other)),
         }
     }
 
@@ -781,6 +786,18 @@ mod tests {
         ));
         s.next_action = Some("validate".into());
         assert_eq!(selected(&s).0, "validate");
+        // Choices that cannot run now are refused with the reason.
+        s.next_action = Some("init".into());
+        assert!(matches!(
+            decide(&CcwLoop, &s, LIMITS),
+            Decision::Wait { refused: Some(r), .. } if r.contains("planned already")
+        ));
+        s.skill().develop.tasks[0].status = Completed;
+        s.next_action = Some("develop".into());
+        assert!(matches!(
+            decide(&CcwLoop, &s, LIMITS),
+            Decision::Wait { refused: Some(r), .. } if r.contains("no task is pending")
+        ));
     }
 
     #[test]

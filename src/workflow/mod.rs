@@ -156,8 +156,9 @@ pub trait Workflow: Send + Sync {
     fn check(&self, state: &LoopState, limits: Limits) -> Option<Decision>;
     /// The next action in auto mode.
     fn select(&self, state: &LoopState) -> Dispatch;
-    /// The dispatch for an action a controller chose in interactive mode.
-    fn choose(&self, state: &LoopState, action: &str) -> Dispatch;
+    /// The dispatch for an action a controller chose in interactive mode, or why it cannot run
+    /// now.
+    fn choose(&self, state: &LoopState, action: &str) -> Result<Dispatch, String>;
     /// Marks the state as the action starts (a develop task becomes `in_progress`).
     fn begin(&self, state: &mut LoopState, dispatch: &Dispatch, now: &str);
     /// Checks an action's `state_updates` before anything is applied.
@@ -197,13 +198,17 @@ pub fn decide(workflow: &dyn Workflow, state: &LoopState, limits: Limits) -> Dec
         return Decision::Run(workflow.select(state));
     }
     let choices: Vec<String> = workflow.actions().iter().map(|a| (*a).to_owned()).collect();
-    match &state.next_action {
-        Some(choice) if choices.contains(choice) => Decision::Run(workflow.choose(state, choice)),
-        other => Decision::Wait {
-            suggested: Some(workflow.select(state).action),
-            refused: other.clone(),
-            choices,
+    let refused = match &state.next_action {
+        Some(choice) if choices.contains(choice) => match workflow.choose(state, choice) {
+            Ok(dispatch) => return Decision::Run(dispatch),
+            Err(why) => Some(format!("{choice} ({why})")),
         },
+        other => other.clone(),
+    };
+    Decision::Wait {
+        suggested: Some(workflow.select(state).action),
+        refused,
+        choices,
     }
 }
 
