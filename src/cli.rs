@@ -527,7 +527,8 @@ fn control(p: &Project, id: &str, what: Control) -> Result<i32> {
     }
     eprintln!("loop {id}: {status} → {target}");
     if matches!(what, Control::Resume) && daemon_pid(&p.store, id).is_none() {
-        let pid = start(p, id, None)?;
+        let executor = state.skill_state.as_ref().and_then(|s| s.executor.clone());
+        let pid = start(p, id, executor.as_deref())?;
         eprintln!("started daemon pid {pid}");
         println!("{pid}");
     }

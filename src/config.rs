@@ -336,10 +336,14 @@ impl Config {
     }
 
     /// The supervision limits for an executor, with an action's overrides.
+    /// The supervision limits of an action. Timeouts: the action's config, else the action
+    /// file's front matter (`action_file`: timeout, idle timeout), else the executor's, else the
+    /// defaults; the rest is the executor's, else the defaults.
     pub fn supervision(
         &self,
         executor: &ExecutorConfig,
         action: Option<&ActionConfig>,
+        action_file: (Option<f64>, Option<f64>),
     ) -> Supervision {
         let d = &self.executor_defaults;
         let secs = |v: f64| Duration::from_secs_f64(v);
@@ -347,12 +351,14 @@ impl Config {
             timeout: secs(
                 action
                     .and_then(|a| a.timeout)
+                    .or(action_file.0)
                     .or(executor.timeout)
                     .unwrap_or(d.timeout),
             ),
             idle_timeout: secs(
                 action
                     .and_then(|a| a.idle_timeout)
+                    .or(action_file.1)
                     .or(executor.idle_timeout)
                     .unwrap_or(d.idle_timeout),
             ),

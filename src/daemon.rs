@@ -25,6 +25,15 @@ pub fn run_foreground(
 /// Drives a loop in this process with a fresh runtime, holding its daemon lock.
 pub fn drive(p: &Project, id: &str, executor: Option<String>, exit_on_pause: bool) -> Result<Exit> {
     crate::state::store::validate_id(id)?;
+    // Before touching anything: another daemon may be driving this loop.
+    if let Some(pid) = crate::cli::daemon_pid(&p.store, id)
+        && crate::executor::procs::ProcStat::read(pid).is_some_and(|s| s.is_alive())
+    {
+        return Err(crate::cli::UsageError(format!(
+            "loop {id} is already driven by a daemon (pid {pid})"
+        ))
+        .into());
+    }
     // A state file spoilt since the last run is restored from its backup before anything else.
     let restored = p.store.restore(id)?.map(|(reason, from)| {
         let message = format!(

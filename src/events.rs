@@ -38,11 +38,19 @@ pub mod name {
     pub const WARNING: &str = "warning";
 }
 
+/// When the event log reaches this size it is moved to `events.1.jsonl` (replacing the one
+/// before) and a new one starts.
+pub const EVENT_LOG_ROTATE: u64 = 16 << 20;
+
+/// Actions whose attempt files `actions/` keeps (the oldest go).
+pub const KEEP_ACTIONS: u64 = 200;
+
 /// Appends events of one loop.
 pub struct EventLog {
     loop_id: String,
     path: PathBuf,
     file: Option<File>,
+    size: u64,
 }
 
 /// One event being built.
@@ -71,15 +79,13 @@ impl EventLog {
         std::fs::create_dir_all(progress_dir)?;
         let path = progress_dir.join("events.jsonl");
         let file = OpenOptions::new().create(true).append(true).open(&path)?;
+        let size = file.metadata()?.len();
         Ok(EventLog {
             loop_id: loop_id.to_owned(),
             path,
             file: Some(file),
+            size,
         })
-    }
-
-    pub fn path(&self) -> &Path {
-        &self.path
     }
 
     pub fn emit(&mut self, event: Event) {
@@ -96,11 +102,37 @@ impl EventLog {
         }
         let mut text = value.to_string();
         text.push('\n');
-        if let Some(file) = &mut self.file
-            && let Err(e) = file.write_all(text.as_bytes())
-        {
-            tracing::warn!(path = %self.path.display(), "cannot append to the event log: {e}");
-            self.file = None;
+        if let Some(file) = &mut self.file {
+            if let Err(e) = file.write_all(text.as_bytes()) {
+                tracing::warn!(path = %self.path.display(), "cannot append to the event log: {e}");
+                self.file = None;
+                return;
+            }
+            self.size += text.len() as u64;
+            if self.size >= EVENT_LOG_ROTATE {
+                self.rotate();
+            }
+        }
+    }
+}
+
+impl EventLog {
+    fn rotate(&mut self) {
+        let old = self.path.with_file_name("events.1.jsonl");
+        let reopened = std::fs::rename(&self.path, &old).and_then(|()| {
+            OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(&self.path)
+        });
+        match reopened {
+            Ok(file) => {
+                self.file = Some(file);
+                self.size = 0;
+            }
+            Err(e) => {
+                tracing::warn!(path = %self.path.display(), "cannot rotate the event log: {e}");
+            }
         }
     }
 }
@@ -166,6 +198,31 @@ impl Progress {
 
     pub fn actions_dir(&self) -> PathBuf {
         self.dir.join("actions")
+    }
+
+    /// Removes the files of all but the last [`KEEP_ACTIONS`] actions from `actions/` (their
+    /// names start with the action's number).
+    pub fn prune_actions(&self) {
+        let dir = self.actions_dir();
+        let Ok(entries) = std::fs::read_dir(&dir) else {
+            return;
+        };
+        let numbered: Vec<(u64, PathBuf)> = entries
+            .filter_map(Result::ok)
+            .filter_map(|e| {
+                let name = e.file_name().into_string().ok()?;
+                let n = name.split('-').next()?.parse().ok()?;
+                Some((n, e.path()))
+            })
+            .collect();
+        let Some(newest) = numbered.iter().map(|(n, _)| *n).max() else {
+            return;
+        };
+        for (n, path) in numbered {
+            if n + KEEP_ACTIONS <= newest {
+                let _ = std::fs::remove_file(path);
+            }
+        }
     }
 
     fn append(&self, file: &str, text: &str) {

@@ -8,7 +8,7 @@
 //! status that is no longer `running` cancels the attempt at once, which ends its process group.
 //!
 //! Durability: the attempt in flight is recorded right after the spawn (with its pid, process
-//! group and start time) by an atomic rename without fsync — it only matters if the daemon dies
+//! group and start time) by an atomic write without fsync — it only matters if the daemon dies
 //! while the machine lives on — and every finished action is committed with fsync of the file and
 //! the directory before the next one starts.
 
@@ -24,7 +24,7 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use crate::actions::ActionDef;
-use crate::config::{Config, Format, PromptMode, Supervision};
+use crate::config::{Config, ExecutorConfig, Format, PromptMode, Supervision};
 use crate::events::{Event, EventLog, Progress, name};
 use crate::executor::agent::{AgentStream, AttemptOutcome};
 use crate::executor::result::{Verdict, verdict};
@@ -122,7 +122,9 @@ impl Daemon {
         executor_override: Option<String>,
         exit_on_pause: bool,
     ) -> Result<Daemon> {
-        let actions = crate::actions::load(workflow.name(), workflow.actions(), store.dir())?;
+        // Project overrides live next to the project config, wherever `state_dir` points.
+        let actions =
+            crate::actions::load(workflow.name(), workflow.actions(), &root.join(".loop"))?;
         let mut plans = BTreeMap::new();
         for (name, def) in &actions {
             plans.insert(
@@ -196,64 +198,50 @@ impl Daemon {
     }
 }
 
-/// Resolves the executor of an action: `--executor`, else `[actions.NAME]`, else the action
-/// file's front matter, else the config's `executor`.
+/// Resolves the executor of an action: `--executor`, else `[actions.NAME]` (its `executor`, or
+/// its own shell `command`), else the action file's front matter, else the config's `executor`.
 fn plan(config: &Config, def: &ActionDef, override_: Option<&str>) -> Result<Plan> {
     let action_config = config.actions.get(&def.name);
-    let command = action_config.and_then(|a| a.command.clone());
-    if let (Some(command), None) = (command, override_) {
-        let defaults = crate::config::ExecutorConfig::default();
-        let mut supervision = config.supervision(&defaults, action_config);
-        if action_config.and_then(|a| a.timeout).is_none()
-            && let Some(t) = def.front.timeout
-        {
-            supervision.timeout = Duration::from_secs_f64(t);
-        }
-        return Ok(Plan {
-            executor: format!("command: {command}"),
-            argv: vec!["sh".into(), "-c".into(), command],
-            prompt_mode: PromptMode::Stdin,
-            format: if def.name == "validate" {
-                Format::Test
-            } else {
-                Format::Json
-            },
-            env: Vec::new(),
-            supervision,
-        });
-    }
-    let name = override_
-        .map(str::to_owned)
-        .or_else(|| action_config.and_then(|a| a.executor.clone()))
-        .or_else(|| def.front.executor.clone())
-        .unwrap_or_else(|| config.executor.clone());
-    let executor = config
-        .executor_named(&name)
-        .map_err(|reason| anyhow::anyhow!("action {} ({}): {reason}", def.name, def.source))?;
-    let mut supervision = config.supervision(executor, action_config);
-    if action_config.and_then(|a| a.timeout).is_none()
-        && executor.timeout.is_none()
-        && let Some(t) = def.front.timeout
-    {
-        supervision.timeout = Duration::from_secs_f64(t);
-    }
-    if action_config.and_then(|a| a.idle_timeout).is_none()
-        && executor.idle_timeout.is_none()
-        && let Some(t) = def.front.idle_timeout
-    {
-        supervision.idle_timeout = Duration::from_secs_f64(t);
-    }
+    let shell = ExecutorConfig::default();
+    let (name, executor, argv, format) =
+        match (action_config.and_then(|a| a.command.clone()), override_) {
+            (Some(command), None) => {
+                // A validate command is a test command; any other reports like a `json` executor.
+                let format = if def.name == "validate" {
+                    Format::Test
+                } else {
+                    Format::Json
+                };
+                let argv = vec!["sh".into(), "-c".into(), command.clone()];
+                (format!("command: {command}"), &shell, argv, format)
+            }
+            _ => {
+                let name = override_
+                    .map(str::to_owned)
+                    .or_else(|| action_config.and_then(|a| a.executor.clone()))
+                    .or_else(|| def.front.executor.clone())
+                    .unwrap_or_else(|| config.executor.clone());
+                let executor = config.executor_named(&name).map_err(|reason| {
+                    anyhow::anyhow!("action {} ({}): {reason}", def.name, def.source)
+                })?;
+                (name, executor, executor.command.clone(), executor.format)
+            }
+        };
     Ok(Plan {
         executor: name,
-        argv: executor.command.clone(),
+        argv,
         prompt_mode: executor.prompt,
-        format: executor.format,
+        format,
         env: executor
             .env
             .iter()
             .map(|(k, v)| (k.clone(), OsString::from(v)))
             .collect(),
-        supervision,
+        supervision: config.supervision(
+            executor,
+            action_config,
+            (def.front.timeout, def.front.idle_timeout),
+        ),
     })
 }
 
@@ -345,6 +333,12 @@ impl Turn<'_> {
         }
         let mut state = self.store().load(self.id)?.state;
         self.ours = Some(state.clone());
+        // Remembered, so that `loopd resume` restarts the loop with the same executor.
+        let executor = &self.daemon.executor_override;
+        if state.skill_state.as_ref().and_then(|s| s.executor.as_ref()) != executor.as_ref() {
+            state.skill().executor = executor.clone();
+            state = self.commit(&state, None, None, false)?;
+        }
         self.recover(&mut state).await?;
         self.events.emit(
             Event::new(name::LOOP_STARTED)
@@ -802,6 +796,17 @@ impl Turn<'_> {
             attempt
         );
         let actions_dir = self.progress.actions_dir();
+        // One file per attempt: a rerun (after an interruption or a rate limit) gets its own.
+        let stem = (1..)
+            .map(|n| {
+                if n == 1 {
+                    stem.clone()
+                } else {
+                    format!("{stem}.{n}")
+                }
+            })
+            .find(|s| !actions_dir.join(format!("{s}.log")).exists())
+            .unwrap_or(stem);
         let log_path = actions_dir.join(format!("{stem}.log"));
         let result_path = actions_dir.join(format!("{stem}.result.json"));
         let _ = std::fs::remove_file(&result_path);
@@ -1074,6 +1079,10 @@ impl Turn<'_> {
             completed_at: true,
         });
         let state = self.commit(&state, transition.as_ref(), None, true)?;
+        // Now and then, not on every action: it lists the directory.
+        if state.skill_state.as_ref().is_some_and(|s| s.seq % 50 == 0) {
+            self.progress.prune_actions();
+        }
         let (ok, summary, files) = match &finish {
             Finish::Success(r) => (true, r.summary.clone(), r.files_changed.clone()),
             Finish::Failed(e) => (false, e.clone(), Vec::new()),

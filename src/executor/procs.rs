@@ -89,15 +89,6 @@ pub fn all() -> Vec<ProcStat> {
         .collect()
 }
 
-/// Whether any live (non-zombie) process is in group `pgid`.
-pub fn group_alive(pgid: u32) -> bool {
-    // Cheap first: no process at all in the group.
-    if killpg(Pid::from_raw(pgid as i32), None) == Err(Errno::ESRCH) {
-        return false;
-    }
-    all().iter().any(|p| p.pgid == pgid && p.is_alive())
-}
-
 fn signal_group(pgid: u32, signal: Signal) -> bool {
     killpg(Pid::from_raw(pgid as i32), signal) != Err(Errno::ESRCH)
 }

@@ -223,7 +223,11 @@ pub struct SkillState {
     /// `seq` of the last develop that left a task failed.
     #[serde(default)]
     pub develop_failed_seq: Option<u64>,
-    /// Why the loop completed: `passed`, `iteration_limit` or `incomplete`.
+    /// The `--executor` the loop's daemon was last started with.
+    #[serde(default)]
+    pub executor: Option<String>,
+    /// How the loop ended: `passed`, `iteration_limit` or `incomplete` (completed), or `failed`
+    /// (the daemon failed it). Cleared when an action starts.
     #[serde(default)]
     pub outcome: Option<String>,
     /// Interactive mode: the choice the daemon waits for.
@@ -448,7 +452,8 @@ pub struct HistoryEntry {
     pub started_at: String,
     #[serde(default)]
     pub finished_at: Option<String>,
-    /// `success`, `failed` or `interrupted`.
+    /// The attempt's outcome: `success`, `interrupted`, or a failure of the taxonomy in
+    /// [`crate::executor::agent::AttemptOutcome`].
     pub outcome: String,
     #[serde(default)]
     pub summary: Option<String>,
@@ -561,18 +566,6 @@ impl DevelopState {
 
     pub fn task(&self, id: &str) -> Option<&DevelopTask> {
         self.tasks.iter().find(|t| t.id == id)
-    }
-
-    /// The next id of the form `task-NNN` not used yet.
-    pub fn next_task_id(&self) -> String {
-        let mut n = self.tasks.len() + 1;
-        loop {
-            let id = format!("task-{n:03}");
-            if self.task(&id).is_none() {
-                return id;
-            }
-            n += 1;
-        }
     }
 }
 
