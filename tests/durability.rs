@@ -451,3 +451,111 @@ fn a_flood_of_output_keeps_the_daemon_small() {
         .unwrap();
     assert!(std::fs::metadata(log).unwrap().len() < 11 << 20);
 }
+
+#[test]
+fn a_reader_never_sees_a_torn_or_empty_state_file() {
+    let p = Project::new(GOOD_AGENT);
+    p.config(&format!(
+        "{TEST_CONFIG}\n[actions.validate]\ncommand = \"false\"\n"
+    ));
+    let id = p.create(&["--title", "t", "--max-iterations", "150"]);
+    let child = p.spawn_run(&id, &[]);
+    let path = p.state_path(&id);
+    let done = Arc::new(AtomicBool::new(false));
+    // Like a dashboard's asynchronous read: open, yield, then read.
+    let reader = {
+        let (path, done) = (path.clone(), done.clone());
+        std::thread::spawn(move || {
+            let (mut reads, mut bad) = (0, Vec::new());
+            while !done.load(Ordering::SeqCst) {
+                let Ok(mut file) = std::fs::File::open(&path) else {
+                    continue;
+                };
+                std::thread::sleep(Duration::from_millis(1));
+                let mut bytes = Vec::new();
+                use std::io::Read as _;
+                file.read_to_end(&mut bytes).unwrap();
+                reads += 1;
+                if serde_json::from_slice::<Value>(&bytes).is_err() {
+                    bad.push(bytes.len());
+                }
+            }
+            (reads, bad)
+        })
+    };
+    let out = wait_output(child, DEADLINE);
+    done.store(true, Ordering::SeqCst);
+    let (reads, bad) = reader.join().unwrap();
+    assert_eq!(code(&out), 3, "{}", stderr(&out));
+    assert!(reads > 50, "only {reads} reads");
+    assert!(
+        bad.is_empty(),
+        "{} of {reads} reads saw a torn file: sizes {bad:?}",
+        bad.len()
+    );
+}
+
+#[test]
+fn fields_another_program_adds_inside_skill_state_are_kept() {
+    let p = Project::new(&format!(
+        "[ \"$LOOPD_TASK_ID\" = task-001 ] && {{ touch waiting; while [ ! -f go ]; do sleep 0.01; done; }}\n{GOOD_AGENT}"
+    ));
+    let id = p.create(&["--title", "t", "--task", "a", "--task", "b"]);
+    let child = p.spawn_run(&id, &[]);
+    wait_for("task-001 to start", || p.root.join("waiting").exists());
+    let mut state = p.state(&id);
+    state["skill_state"]["dashboard_note"] = json!({"pinned": true});
+    state["skill_state"]["develop"]["tasks"][1]["label"] = json!("urgent");
+    std::fs::write(
+        p.state_path(&id),
+        serde_json::to_vec_pretty(&state).unwrap(),
+    )
+    .unwrap();
+    std::fs::write(p.root.join("go"), "").unwrap();
+    let out = wait_output(child, DEADLINE);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    let state = p.state(&id);
+    assert_eq!(
+        state["skill_state"]["dashboard_note"],
+        json!({"pinned": true})
+    );
+    assert_eq!(
+        state["skill_state"]["develop"]["tasks"][1]["label"],
+        "urgent"
+    );
+    assert_eq!(p.developed(&id), ["task-001", "task-002"]);
+    // Not mistaken for a stale write.
+    assert!(
+        !p.events(&id)
+            .iter()
+            .any(|e| e["message"].as_str().is_some_and(|m| m.contains("stale")))
+    );
+}
+
+#[test]
+fn a_state_file_that_is_not_a_regular_file_is_refused_at_once() {
+    let p = Project::new(GOOD_AGENT);
+    let id = p.create(&["--title", "t"]);
+    std::fs::remove_file(p.state_path(&id)).unwrap();
+    let made = std::process::Command::new("mkfifo")
+        .arg(p.state_path(&id))
+        .status()
+        .unwrap();
+    assert!(made.success());
+    for cmd in ["status", "run"] {
+        let child = p
+            .loopd()
+            .args([cmd, &id])
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let out = wait_output(child, DEADLINE);
+        assert_eq!(code(&out), 2, "{cmd}: {}", stderr(&out));
+        assert!(
+            stderr(&out).contains("not a regular file"),
+            "{}",
+            stderr(&out)
+        );
+    }
+}

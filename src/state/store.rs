@@ -319,10 +319,6 @@ impl Store {
                 )));
             }
         }
-        // A FIFO or a device would block the open, or never end.
-        if !fs::metadata(&path).map_err(io_err(&path))?.is_file() {
-            return Err(corrupt("not a regular file".into()));
-        }
         let deadline = Instant::now() + PARSE_RETRY;
         loop {
             let bytes = match read_capped(&path) {
@@ -332,6 +328,9 @@ impl Store {
                         "{e}, over the {} MiB limit",
                         MAX_STATE_SIZE >> 20
                     )));
+                }
+                Err(e) if e.kind() == io::ErrorKind::InvalidInput => {
+                    return Err(corrupt(e.to_string()));
                 }
                 Err(e) => return Err(io_err(&path)(e)),
             };
@@ -354,11 +353,7 @@ impl Store {
     /// cannot be read or does not parse right now (a writer may be half-way; its next event
     /// comes).
     pub fn read_control(&self, id: &str) -> Option<Control> {
-        let path = self.state_path(id);
-        if !fs::metadata(&path).ok()?.is_file() {
-            return None;
-        }
-        let bytes = read_capped(&path).ok()?;
+        let bytes = read_capped(&self.state_path(id)).ok()?;
         serde_json::from_slice(&bytes).ok()
     }
 
@@ -380,7 +375,7 @@ impl Store {
         let _lock = self.lock(id)?;
         let path = self.state_path(id);
         let backup = self.backup_path(id);
-        let from_backup = fs::read(&backup)
+        let from_backup = read_capped(&backup)
             .map_err(|e| format!("no backup ({e})"))
             .and_then(|bytes| {
                 Loaded::parse(&path, &bytes)
@@ -407,10 +402,7 @@ impl Store {
     /// The state file with `skill_state` rebuilt from the task list and `changes.log`.
     fn rebuild(&self, id: &str) -> Result<Vec<u8>, String> {
         let path = self.state_path(id);
-        if fs::metadata(&path).map_err(|e| e.to_string())?.len() > MAX_STATE_SIZE {
-            return Err("the file is too large".into());
-        }
-        let bytes = fs::read(&path).map_err(|e| e.to_string())?;
+        let bytes = read_capped(&path).map_err(|e| e.to_string())?;
         let Ok(Value::Object(mut raw)) = serde_json::from_slice::<Value>(&bytes) else {
             return Err("the file is not a JSON object".into());
         };
@@ -903,9 +895,16 @@ fn temp_file(path: &Path) -> io::Result<tempfile::NamedTempFile> {
         .tempfile_in(dir)
 }
 
-/// A state file's bytes in one read, refused (`FileTooLarge`) past [`MAX_STATE_SIZE`].
+/// A state file's bytes in one read, refused (`FileTooLarge`) past [`MAX_STATE_SIZE`], and
+/// (`InvalidInput`) if it is not a regular file: a FIFO would block the open.
 fn read_capped(path: &Path) -> io::Result<Vec<u8>> {
     use std::io::Read;
+    if !fs::metadata(path)?.is_file() {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "not a regular file",
+        ));
+    }
     let file = File::open(path)?;
     let len = file.metadata()?.len();
     if len > MAX_STATE_SIZE {
