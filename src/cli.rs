@@ -1,13 +1,11 @@
 //! The command line (CONTRACT §7): clap definitions and the small commands.
 
-use std::fs::{File, OpenOptions};
-use std::io::{Read, Seek, SeekFrom, Write};
-use std::os::unix::process::CommandExt as _;
+use std::fs::File;
+use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
-use std::process::Stdio;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use anyhow::{Context as _, Result, bail};
+use anyhow::{Context as _, Result};
 use clap::{Parser, Subcommand, ValueEnum};
 use serde_json::{Value, json};
 
@@ -35,7 +33,7 @@ pub fn exit_code_of(e: &anyhow::Error) -> i32 {
     if bad_input { 2 } else { 1 }
 }
 
-fn usage(msg: impl Into<String>) -> anyhow::Error {
+pub(crate) fn usage(msg: impl Into<String>) -> anyhow::Error {
     UsageError(msg.into()).into()
 }
 
@@ -210,7 +208,7 @@ pub fn run(cli: Cli) -> Result<i32> {
         } => crate::daemon::run_foreground(&project()?, &id, executor, exit_on_pause),
         Command::Start { id, executor } => {
             let p = project()?;
-            let pid = start(&p, &id, executor.as_deref())?;
+            let pid = crate::daemon::start(&p, &id, executor.as_deref())?;
             println!("{pid}");
             Ok(0)
         }
@@ -347,119 +345,6 @@ pub fn create_loop(p: &Project, args: &CreateArgs) -> Result<String> {
     Ok(id)
 }
 
-/// Who holds a loop's daemon lock, if anyone: the pid written in it.
-pub fn daemon_pid(store: &Store, id: &str) -> Option<u32> {
-    let path = store.daemon_lock_path(id);
-    let file = File::open(&path).ok()?;
-    match file.try_lock_shared() {
-        Ok(()) => None,
-        Err(_) => {
-            let mut text = String::new();
-            (&file).read_to_string(&mut text).ok()?;
-            Some(text.trim().parse().unwrap_or(0))
-        }
-    }
-}
-
-/// The lock that says "a daemon drives this loop", held for the daemon's lifetime.
-pub struct DaemonLock {
-    _file: File,
-}
-
-impl DaemonLock {
-    pub fn acquire(store: &Store, id: &str) -> Result<DaemonLock> {
-        let path = store.daemon_lock_path(id);
-        std::fs::create_dir_all(store.dir())
-            .with_context(|| format!("cannot create {}", store.dir().display()))?;
-        let mut file = OpenOptions::new()
-            .create(true)
-            .truncate(false)
-            .read(true)
-            .write(true)
-            .open(&path)
-            .with_context(|| format!("cannot open {}", path.display()))?;
-        // A holder whose recorded daemon is gone is passing through: `status` or `resume`
-        // probing the lock, or a dead daemon's executor between fork and exec. Wait it out.
-        let deadline = Instant::now() + Duration::from_secs(2);
-        while file.try_lock().is_err() {
-            let pid = daemon_pid(store, id).unwrap_or(0);
-            let alive = pid > 0
-                && crate::executor::procs::ProcStat::read(pid).is_some_and(|p| p.is_alive());
-            if alive || Instant::now() > deadline {
-                return Err(usage(format!(
-                    "loop {id} is already driven by a daemon (pid {pid})"
-                )));
-            }
-            std::thread::sleep(Duration::from_millis(5));
-        }
-        file.set_len(0)?;
-        file.seek(SeekFrom::Start(0))?;
-        write!(file, "{}", std::process::id())?;
-        file.flush()?;
-        Ok(DaemonLock { _file: file })
-    }
-}
-
-/// Starts a detached daemon for a loop; returns its pid once it holds the loop's daemon lock.
-pub fn start(p: &Project, id: &str, executor: Option<&str>) -> Result<u32> {
-    let state = p.load(id)?;
-    if let Some(pid) = daemon_pid(&p.store, id) {
-        return Err(usage(format!(
-            "loop {id} is already driven by a daemon (pid {pid})"
-        )));
-    }
-    if state.status == Status::Completed {
-        return Err(usage(format!("loop {id} is completed; nothing to start")));
-    }
-    let progress = p.store.progress_dir(id);
-    std::fs::create_dir_all(&progress)
-        .with_context(|| format!("cannot create {}", progress.display()))?;
-    let log_path = progress.join("daemon.log");
-    let log = OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(&log_path)
-        .with_context(|| format!("cannot open {}", log_path.display()))?;
-    let exe = std::env::current_exe().context("cannot find the loopd binary")?;
-    let mut cmd = std::process::Command::new(exe);
-    cmd.arg("--root").arg(&p.root);
-    if let Some(c) = &p.config_flag {
-        cmd.arg("--config").arg(c);
-    }
-    cmd.args(["run", id]);
-    if let Some(e) = executor {
-        cmd.args(["--executor", e]);
-    }
-    // Its own process group: the terminal's signals are not for it.
-    cmd.stdin(Stdio::null())
-        .stdout(log.try_clone()?)
-        .stderr(log)
-        .process_group(0);
-    let mut child = cmd.spawn().context("cannot start the daemon")?;
-    let pid = child.id();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        if daemon_pid(&p.store, id) == Some(pid) {
-            return Ok(pid);
-        }
-        if let Some(status) = child.try_wait()? {
-            let tail = std::fs::read_to_string(&log_path).unwrap_or_default();
-            let last = tail.lines().last().unwrap_or("").to_owned();
-            bail!(
-                "the daemon exited at once ({status}); {}: {last}",
-                log_path.display()
-            );
-        }
-        if Instant::now() > deadline {
-            bail!(
-                "the daemon (pid {pid}) did not take the loop within 10s; see {}",
-                log_path.display()
-            );
-        }
-        std::thread::sleep(Duration::from_millis(2));
-    }
-}
-
 enum Control {
     Pause,
     Resume,
@@ -526,9 +411,9 @@ fn control(p: &Project, id: &str, what: Control) -> Result<i32> {
         )));
     }
     eprintln!("loop {id}: {status} → {target}");
-    if matches!(what, Control::Resume) && daemon_pid(&p.store, id).is_none() {
+    if matches!(what, Control::Resume) && crate::daemon::daemon_pid(&p.store, id).is_none() {
         let executor = state.skill_state.as_ref().and_then(|s| s.executor.clone());
-        let pid = start(p, id, executor.as_deref())?;
+        let pid = crate::daemon::start(p, id, executor.as_deref())?;
         eprintln!("started daemon pid {pid}");
         println!("{pid}");
     }
@@ -595,7 +480,7 @@ fn status(p: &Project, id: &str, as_json: bool) -> Result<i32> {
     }
     let s = &loaded.state;
     let skill = s.skill_state.clone().unwrap_or_default();
-    let daemon = match daemon_pid(&p.store, id) {
+    let daemon = match crate::daemon::daemon_pid(&p.store, id) {
         Some(pid) => format!("daemon pid {pid}"),
         None => "no daemon".to_owned(),
     };
@@ -802,5 +687,5 @@ fn logs(p: &Project, id: &str, follow: bool, as_json: bool) -> Result<i32> {
 
 /// Whether no daemon drives the loop: nothing more will happen to it by itself.
 fn finished(p: &Project, id: &str) -> bool {
-    daemon_pid(&p.store, id).is_none()
+    crate::daemon::daemon_pid(&p.store, id).is_none()
 }

@@ -1,15 +1,23 @@
-//! Running a daemon in this process: the daemon lock, signals, the runtime, and the exit code.
+//! Daemons: the lock that says a daemon drives a loop, starting one detached, and running one in
+//! this process (signals, the runtime, the exit code).
 
+use std::fs::{File, OpenOptions};
+use std::io::{Read as _, Seek as _, SeekFrom, Write as _};
+use std::os::unix::process::CommandExt as _;
+use std::process::Stdio;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
 
-use anyhow::{Context as _, Result};
+use anyhow::{Context as _, Result, bail};
 use nix::sys::signal::Signal;
 use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::watch;
 
-use crate::cli::{DaemonLock, Project, loop_workflow};
+use crate::cli::{Project, loop_workflow};
 use crate::executor::Subprocess;
 use crate::orchestrator::{Daemon, Exit};
+use crate::state::model::Status;
+use crate::state::store::Store;
 
 /// `loopd run`: drives a loop until it ends; returns the exit code.
 pub fn run_foreground(
@@ -26,7 +34,7 @@ pub fn run_foreground(
 pub fn drive(p: &Project, id: &str, executor: Option<String>, exit_on_pause: bool) -> Result<Exit> {
     crate::state::store::validate_id(id)?;
     // Before touching anything: another daemon may be driving this loop.
-    if let Some(pid) = crate::cli::daemon_pid(&p.store, id)
+    if let Some(pid) = daemon_pid(&p.store, id)
         && crate::executor::procs::ProcStat::read(pid).is_some_and(|s| s.is_alive())
     {
         return Err(crate::cli::UsageError(format!(
@@ -111,5 +119,120 @@ async fn forward_signals(tx: watch::Sender<Option<i32>>) {
         }
         tracing::info!("signal {sig}: ending the action in flight, then exiting");
         let _ = tx.send(Some(sig));
+    }
+}
+
+/// Who holds a loop's daemon lock, if anyone: the pid written in it.
+pub fn daemon_pid(store: &Store, id: &str) -> Option<u32> {
+    let path = store.daemon_lock_path(id);
+    let file = File::open(&path).ok()?;
+    match file.try_lock_shared() {
+        Ok(()) => None,
+        Err(_) => {
+            let mut text = String::new();
+            (&file).read_to_string(&mut text).ok()?;
+            Some(text.trim().parse().unwrap_or(0))
+        }
+    }
+}
+
+/// The lock that says "a daemon drives this loop", held for the daemon's lifetime.
+pub struct DaemonLock {
+    _file: File,
+}
+
+impl DaemonLock {
+    pub fn acquire(store: &Store, id: &str) -> Result<DaemonLock> {
+        let path = store.daemon_lock_path(id);
+        std::fs::create_dir_all(store.dir())
+            .with_context(|| format!("cannot create {}", store.dir().display()))?;
+        let mut file = OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .read(true)
+            .write(true)
+            .open(&path)
+            .with_context(|| format!("cannot open {}", path.display()))?;
+        // A holder whose recorded daemon is gone is passing through: `status` or `resume`
+        // probing the lock, or a dead daemon's executor between fork and exec. Wait it out.
+        let deadline = Instant::now() + Duration::from_secs(2);
+        while file.try_lock().is_err() {
+            let pid = daemon_pid(store, id).unwrap_or(0);
+            let alive = pid > 0
+                && crate::executor::procs::ProcStat::read(pid).is_some_and(|p| p.is_alive());
+            if alive || Instant::now() > deadline {
+                return Err(crate::cli::usage(format!(
+                    "loop {id} is already driven by a daemon (pid {pid})"
+                )));
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        file.set_len(0)?;
+        file.seek(SeekFrom::Start(0))?;
+        write!(file, "{}", std::process::id())?;
+        file.flush()?;
+        Ok(DaemonLock { _file: file })
+    }
+}
+
+/// Starts a detached daemon for a loop; returns its pid once it holds the loop's daemon lock.
+pub fn start(p: &Project, id: &str, executor: Option<&str>) -> Result<u32> {
+    let state = p.load(id)?;
+    if let Some(pid) = daemon_pid(&p.store, id) {
+        return Err(crate::cli::usage(format!(
+            "loop {id} is already driven by a daemon (pid {pid})"
+        )));
+    }
+    if state.status == Status::Completed {
+        return Err(crate::cli::usage(format!(
+            "loop {id} is completed; nothing to start"
+        )));
+    }
+    let progress = p.store.progress_dir(id);
+    std::fs::create_dir_all(&progress)
+        .with_context(|| format!("cannot create {}", progress.display()))?;
+    let log_path = progress.join("daemon.log");
+    let log = OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&log_path)
+        .with_context(|| format!("cannot open {}", log_path.display()))?;
+    let exe = std::env::current_exe().context("cannot find the loopd binary")?;
+    let mut cmd = std::process::Command::new(exe);
+    cmd.arg("--root").arg(&p.root);
+    if let Some(c) = &p.config_flag {
+        cmd.arg("--config").arg(c);
+    }
+    cmd.args(["run", id]);
+    if let Some(e) = executor {
+        cmd.args(["--executor", e]);
+    }
+    // Its own process group: the terminal's signals are not for it.
+    cmd.stdin(Stdio::null())
+        .stdout(log.try_clone()?)
+        .stderr(log)
+        .process_group(0);
+    let mut child = cmd.spawn().context("cannot start the daemon")?;
+    let pid = child.id();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        if daemon_pid(&p.store, id) == Some(pid) {
+            return Ok(pid);
+        }
+        if let Some(status) = child.try_wait()? {
+            let tail = std::fs::read_to_string(&log_path).unwrap_or_default();
+            let last = tail.lines().last().unwrap_or("").to_owned();
+            bail!(
+                "the daemon exited at once ({status}); {}: {last}",
+                log_path.display()
+            );
+        }
+        if Instant::now() > deadline {
+            bail!(
+                "the daemon (pid {pid}) did not take the loop within 10s; see {}",
+                log_path.display()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(2));
     }
 }

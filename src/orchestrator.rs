@@ -876,7 +876,7 @@ impl Turn<'_> {
                 });
                 // Durable against a daemon crash (the rename); an fsync buys nothing here, since
                 // after a power loss no executor is left to clean up.
-                spawn_commit = Some(store.commit_consuming(state, consumed, false));
+                spawn_commit = Some(store.commit_with(state, None, consumed, false));
                 events.emit(
                     Event::new(name::ACTION_STARTED)
                         .with("iteration", iteration)

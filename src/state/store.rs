@@ -597,16 +597,6 @@ impl Store {
 
     /// [`Store::commit`] that also takes an interactive choice: `next_action` is removed if it
     /// still holds `choice` (a controller may have written a new one since).
-    pub fn commit_consuming(
-        &self,
-        ours: &LoopState,
-        choice: Option<&str>,
-        durable: bool,
-    ) -> Result<Loaded, StoreError> {
-        self.commit_with(ours, None, choice, durable)
-    }
-
-    /// [`Store::commit`] and [`Store::commit_consuming`] in one.
     pub fn commit_with(
         &self,
         ours: &LoopState,
