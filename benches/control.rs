@@ -23,9 +23,13 @@
 //!   LOOPD_BENCH_DUMP     set: print every sample, sorted, to stderr
 //!   LOOPD_BENCH_DIR      where the temporary project goes (default: the system temp dir)
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
+
+use common::env_num;
 
 const CONFIG: &str = r#"
 retry_backoff = 0.01
@@ -57,16 +61,6 @@ const DEADLINE: Duration = Duration::from_secs(10);
 /// write, in ms (LOOPD_BENCH_SETTLE_MS, default 10).
 fn settle() -> Duration {
     Duration::from_millis(env_num("LOOPD_BENCH_SETTLE_MS", 10) as u64)
-}
-
-fn env_num(name: &str, default: usize) -> usize {
-    match std::env::var(name) {
-        Ok(v) => v
-            .trim()
-            .parse()
-            .unwrap_or_else(|_| panic!("{name}={v:?} is not a number")),
-        Err(_) => default,
-    }
 }
 
 /// Whether a process is alive (not a zombie).
@@ -128,10 +122,16 @@ fn poll_until(mut cond: impl FnMut() -> bool) -> Option<Instant> {
 }
 
 struct Project {
-    _dir: tempfile::TempDir,
-    root: PathBuf,
+    base: common::Project,
     /// Executor pids seen, ended at drop if still alive (after a failed trial).
     seen: std::cell::RefCell<Vec<u32>>,
+}
+
+impl std::ops::Deref for Project {
+    type Target = common::Project;
+    fn deref(&self) -> &common::Project {
+        &self.base
+    }
 }
 
 impl Drop for Project {
@@ -151,62 +151,25 @@ impl Drop for Project {
 
 impl Project {
     fn new() -> Project {
-        let dir = match std::env::var_os("LOOPD_BENCH_DIR") {
-            Some(d) => tempfile::tempdir_in(d).expect("tempdir in LOOPD_BENCH_DIR"),
-            None => tempfile::tempdir().expect("tempdir"),
-        };
-        let root = dir.path().canonicalize().expect("canonical tempdir");
-        std::fs::create_dir_all(root.join(".loop")).expect("mkdir .loop");
-        std::fs::create_dir_all(root.join("bin")).expect("mkdir bin");
-        std::fs::write(root.join(".loop/config.toml"), CONFIG).expect("write config");
-        std::fs::write(root.join("bin/agent.sh"), AGENT).expect("write agent");
         Project {
-            _dir: dir,
-            root,
+            base: common::Project::new(CONFIG, Some(AGENT)),
             seen: Default::default(),
         }
     }
 
+    /// `loopd --root ROOT` with its output discarded.
     fn loopd(&self) -> Command {
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_loopd"));
-        cmd.arg("--root")
-            .arg(&self.root)
-            .current_dir(&self.root)
-            .env("HOME", &self.root)
-            .env_remove("LOOPD_CONFIG")
-            .env_remove("LOOPD_ROOT")
-            .env_remove("LOOPD_LOG")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null());
+        let mut cmd = self.base.loopd();
+        cmd.stdout(Stdio::null()).stderr(Stdio::null());
         cmd
     }
 
     fn create(&self) -> String {
-        let out = self
-            .loopd()
-            .args(["create", "--title", "t", "--max-iterations", "100000"])
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .output()
-            .expect("run loopd create");
-        assert!(
-            out.status.success(),
-            "create failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8(out.stdout)
-            .expect("utf8")
-            .trim()
-            .to_owned()
+        self.base.create(100_000)
     }
 
     fn state_path(&self, id: &str) -> PathBuf {
         self.root.join(".loop").join(format!("{id}.json"))
-    }
-
-    fn progress(&self, id: &str) -> PathBuf {
-        self.root.join(".loop").join(format!("{id}.progress"))
     }
 
     fn daemon_log(&self, id: &str) -> PathBuf {

@@ -18,9 +18,13 @@
 //!   LOOPD_BENCH_AGENT    `shell` to use a trivial shell agent (`sh -c 'cat >/dev/null; echo ok'`,
 //!                        the kind of agent peers are measured with) instead of `/bin/true`
 
+mod common;
+
 use std::io::Write as _;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Stdio};
+
+use common::{Project, env_num, tempdir};
 use std::time::{Duration, Instant};
 
 /// The trivial executor's argv: `/bin/true`, or a shell agent with `LOOPD_BENCH_AGENT=shell`.
@@ -53,81 +57,6 @@ command = "false"
     )
 }
 
-fn env_num(name: &str, default: usize) -> usize {
-    match std::env::var(name) {
-        Ok(v) => v
-            .trim()
-            .parse()
-            .unwrap_or_else(|_| panic!("{name}={v:?} is not a number")),
-        Err(_) => default,
-    }
-}
-
-fn tempdir() -> tempfile::TempDir {
-    match std::env::var_os("LOOPD_BENCH_DIR") {
-        Some(d) => tempfile::tempdir_in(d).expect("tempdir in LOOPD_BENCH_DIR"),
-        None => tempfile::tempdir().expect("tempdir"),
-    }
-}
-
-struct Project {
-    _dir: tempfile::TempDir,
-    root: PathBuf,
-}
-
-impl Project {
-    fn new() -> Project {
-        let dir = tempdir();
-        let root = dir.path().canonicalize().expect("canonical tempdir");
-        std::fs::create_dir_all(root.join(".loop")).expect("mkdir .loop");
-        std::fs::write(root.join(".loop/config.toml"), config()).expect("write config");
-        Project { _dir: dir, root }
-    }
-
-    fn loopd(&self) -> Command {
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_loopd"));
-        cmd.arg("--root")
-            .arg(&self.root)
-            .current_dir(&self.root)
-            .env("HOME", &self.root)
-            .env_remove("LOOPD_CONFIG")
-            .env_remove("LOOPD_ROOT")
-            .env_remove("LOOPD_LOG")
-            .stdin(Stdio::null());
-        cmd
-    }
-
-    fn create(&self, max_iterations: usize) -> String {
-        let out = self
-            .loopd()
-            .args(["create", "--title", "t", "--max-iterations"])
-            .arg(max_iterations.to_string())
-            .output()
-            .expect("run loopd create");
-        assert!(
-            out.status.success(),
-            "create failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8(out.stdout)
-            .expect("utf8")
-            .trim()
-            .to_owned()
-    }
-
-    fn events(&self, id: &str) -> Vec<serde_json::Value> {
-        let path = self
-            .root
-            .join(".loop")
-            .join(format!("{id}.progress/events.jsonl"));
-        std::fs::read_to_string(path)
-            .unwrap_or_default()
-            .lines()
-            .map(|l| serde_json::from_str(l).expect("event parses"))
-            .collect()
-    }
-}
-
 /// One timed `loopd run`.
 struct DaemonRound {
     actions: usize,
@@ -148,7 +77,7 @@ fn ts(event: &serde_json::Value) -> Option<chrono::DateTime<chrono::FixedOffset>
 }
 
 fn daemon_round(max_iterations: usize) -> DaemonRound {
-    let p = Project::new();
+    let p = Project::new(&config(), None);
     let id = p.create(max_iterations);
     let log = std::fs::File::create(p.root.join("daemon.log")).expect("daemon log");
     let started = Instant::now();

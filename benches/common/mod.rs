@@ -1,0 +1,90 @@
+//! What both benchmarks share: a temporary project driven through the real binary.
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+
+/// A number from the environment, or `default`.
+pub fn env_num(name: &str, default: usize) -> usize {
+    match std::env::var(name) {
+        Ok(v) => v
+            .trim()
+            .parse()
+            .unwrap_or_else(|_| panic!("{name}={v:?} is not a number")),
+        Err(_) => default,
+    }
+}
+
+/// A temporary directory in `$LOOPD_BENCH_DIR`, else the system's.
+pub fn tempdir() -> tempfile::TempDir {
+    match std::env::var_os("LOOPD_BENCH_DIR") {
+        Some(d) => tempfile::tempdir_in(d).expect("tempdir in LOOPD_BENCH_DIR"),
+        None => tempfile::tempdir().expect("tempdir"),
+    }
+}
+
+/// A project with `config` as its `.loop/config.toml` and, if given, `bin/agent.sh`.
+pub struct Project {
+    _dir: tempfile::TempDir,
+    pub root: PathBuf,
+}
+
+impl Project {
+    pub fn new(config: &str, agent: Option<&str>) -> Project {
+        let dir = tempdir();
+        let root = dir.path().canonicalize().expect("canonical tempdir");
+        std::fs::create_dir_all(root.join(".loop")).expect("mkdir .loop");
+        std::fs::create_dir_all(root.join("bin")).expect("mkdir bin");
+        std::fs::write(root.join(".loop/config.toml"), config).expect("write config");
+        if let Some(agent) = agent {
+            std::fs::write(root.join("bin/agent.sh"), agent).expect("write agent");
+        }
+        Project { _dir: dir, root }
+    }
+
+    /// `loopd --root ROOT`, isolated from the user's environment and config.
+    pub fn loopd(&self) -> Command {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_loopd"));
+        cmd.arg("--root")
+            .arg(&self.root)
+            .current_dir(&self.root)
+            .env("HOME", &self.root)
+            .env_remove("LOOPD_CONFIG")
+            .env_remove("LOOPD_ROOT")
+            .env_remove("LOOPD_LOG")
+            .stdin(Stdio::null());
+        cmd
+    }
+
+    /// A new loop with this iteration limit; its id.
+    pub fn create(&self, max_iterations: usize) -> String {
+        let out = self
+            .loopd()
+            .args(["create", "--title", "t", "--max-iterations"])
+            .arg(max_iterations.to_string())
+            .output()
+            .expect("run loopd create");
+        assert!(
+            out.status.success(),
+            "create failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout)
+            .expect("utf8")
+            .trim()
+            .to_owned()
+    }
+
+    pub fn progress(&self, id: &str) -> PathBuf {
+        self.root.join(".loop").join(format!("{id}.progress"))
+    }
+
+    /// The loop's events, parsed.
+    pub fn events(&self, id: &str) -> Vec<serde_json::Value> {
+        std::fs::read_to_string(self.progress(id).join("events.jsonl"))
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| serde_json::from_str(l).ok())
+            .collect()
+    }
+}
