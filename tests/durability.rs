@@ -216,22 +216,19 @@ fn loopd_writers_and_a_ccw_style_writer_lose_no_update() {
     assert_eq!(state["skill_state"]["error_count"], 0);
 }
 
+/// A loop that stopped at its iteration limit with two of its three tasks done.
+fn two_of_three_tasks_done() -> (Project, String) {
+    let p = Project::new(GOOD_AGENT);
+    let args = ["--title", "t", "--max-iterations", "2"];
+    let tasks = ["--task", "a", "--task", "b", "--task", "c"];
+    let id = p.create(&[&args[..], &tasks[..]].concat());
+    assert_eq!(code(&p.run(&id, &[])), 3);
+    (p, id)
+}
+
 #[test]
 fn a_state_file_spoilt_between_runs_is_restored_and_done_work_is_kept() {
-    let p = Project::new(GOOD_AGENT);
-    let id = p.create(&[
-        "--title",
-        "t",
-        "--max-iterations",
-        "2",
-        "--task",
-        "a",
-        "--task",
-        "b",
-        "--task",
-        "c",
-    ]);
-    assert_eq!(code(&p.run(&id, &[])), 3);
+    let (p, id) = two_of_three_tasks_done();
     let path = p.state_path(&id);
     std::fs::write(&path, b"{\"loop_id\": \"trunc").unwrap();
     let out = p.output(&["status", &id]);
@@ -263,20 +260,7 @@ fn a_state_file_spoilt_between_runs_is_restored_and_done_work_is_kept() {
 
 #[test]
 fn a_broken_skill_state_without_backup_is_rebuilt_from_the_progress_files() {
-    let p = Project::new(GOOD_AGENT);
-    let id = p.create(&[
-        "--title",
-        "t",
-        "--max-iterations",
-        "2",
-        "--task",
-        "a",
-        "--task",
-        "b",
-        "--task",
-        "c",
-    ]);
-    assert_eq!(code(&p.run(&id, &[])), 3);
+    let (p, id) = two_of_three_tasks_done();
     let mut state = p.state(&id);
     state["skill_state"]["develop"]["tasks"][1]["id"] = json!("task-001"); // a duplicate id
     state["max_iterations"] = json!(10);
