@@ -166,12 +166,20 @@ pub struct Project {
     pub config_flag: Option<PathBuf>,
 }
 
+/// A short-lived command settles the versions its writes replaced before it exits (see
+/// [`Store::close`]).
+impl Drop for Project {
+    fn drop(&mut self) {
+        self.store.close();
+    }
+}
+
 impl Project {
     pub fn open(root: Option<&Path>, config: Option<&Path>) -> Result<Project> {
         let root = resolve_root(root)?;
         let config_flag = config.map(Path::to_owned);
         let config = Config::load(&root, config)?;
-        let store = Store::new(root.join(&config.state_dir));
+        let store = Store::new(&root, &config.state_dir);
         Ok(Project {
             root,
             config,

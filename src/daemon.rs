@@ -1,7 +1,7 @@
 //! Daemons: the lock that says a daemon drives a loop, starting one detached, and running one in
 //! this process (signals, the runtime, the exit code).
 
-use std::fs::{File, OpenOptions};
+use std::fs::File;
 use std::io::{Read as _, Seek as _, SeekFrom, Write as _};
 use std::os::unix::process::CommandExt as _;
 use std::process::Stdio;
@@ -124,8 +124,7 @@ async fn forward_signals(tx: watch::Sender<Option<i32>>) {
 
 /// Who holds a loop's daemon lock, if anyone: the pid written in it.
 pub fn daemon_pid(store: &Store, id: &str) -> Option<u32> {
-    let path = store.daemon_lock_path(id);
-    let file = File::open(&path).ok()?;
+    let file = store.existing_daemon_lock(id)?;
     match file.try_lock_shared() {
         Ok(()) => None,
         Err(_) => {
@@ -143,16 +142,7 @@ pub struct DaemonLock {
 
 impl DaemonLock {
     pub fn acquire(store: &Store, id: &str) -> Result<DaemonLock> {
-        let path = store.daemon_lock_path(id);
-        std::fs::create_dir_all(store.dir())
-            .with_context(|| format!("cannot create {}", store.dir().display()))?;
-        let mut file = OpenOptions::new()
-            .create(true)
-            .truncate(false)
-            .read(true)
-            .write(true)
-            .open(&path)
-            .with_context(|| format!("cannot open {}", path.display()))?;
+        let mut file = store.open_daemon_lock(id)?;
         // A holder whose recorded daemon is gone is passing through: `status` or `resume`
         // probing the lock, or a dead daemon's executor between fork and exec. Wait it out.
         let deadline = Instant::now() + Duration::from_secs(2);
@@ -188,15 +178,9 @@ pub fn start(p: &Project, id: &str, executor: Option<&str>) -> Result<u32> {
             "loop {id} is completed; nothing to start"
         )));
     }
-    let progress = p.store.progress_dir(id);
-    std::fs::create_dir_all(&progress)
-        .with_context(|| format!("cannot create {}", progress.display()))?;
+    let progress = p.store.progress(id)?;
     let log_path = progress.join("daemon.log");
-    let log = OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(&log_path)
-        .with_context(|| format!("cannot open {}", log_path.display()))?;
+    let log = progress.append("daemon.log")?;
     let exe = std::env::current_exe().context("cannot find the loopd binary")?;
     let mut cmd = std::process::Command::new(exe);
     cmd.arg("--root").arg(&p.root);

@@ -61,7 +61,7 @@ pub fn run() -> Result<i32> {
     // The built-in defaults and the demo's layer only: the user's own config does not apply here.
     let config = Config::builtin_with(&config_text)?;
     let project = Project {
-        store: Store::new(dir.join(&config.state_dir)),
+        store: Store::new(&dir, &config.state_dir),
         root: dir.clone(),
         config,
         config_flag: None,

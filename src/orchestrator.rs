@@ -1098,9 +1098,7 @@ impl Turn<'_> {
             _ => {}
         }
         if dispatch.action == "init" {
-            self.tasks_seen = std::fs::metadata(self.store().tasks_path(self.id))
-                .ok()
-                .map(|m| (m.len(), m.modified().unwrap_or(SystemTime::UNIX_EPOCH)));
+            self.tasks_seen = self.store().tasks_stamp(self.id);
         }
         if let Finish::Failed(error) = &finish {
             let skill = state.skill_state.as_ref();

@@ -9,7 +9,7 @@
 //! and when inotify cannot be used (its limits reached, or `LOOPD_WATCH=poll`) a polling watcher
 //! takes over.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
@@ -36,9 +36,7 @@ pub struct Snapshot {
 impl Snapshot {
     fn read(store: &Store, id: &str) -> Option<Snapshot> {
         let control = store.read_control(id)?;
-        let tasks_file = std::fs::metadata(store.tasks_path(id))
-            .ok()
-            .map(|m| (m.len(), m.modified().unwrap_or(SystemTime::UNIX_EPOCH)));
+        let tasks_file = store.tasks_stamp(id);
         Some(Snapshot {
             control,
             tasks_file,
@@ -75,21 +73,23 @@ impl Watch {
                 }
             }
         };
-        let names: Vec<PathBuf> = vec![store.state_path(id), store.tasks_path(id)];
+        let names = Names::of(id);
         let on_event = {
             let refresh = refresh.clone();
+            let (store, id) = (store.clone(), id.to_owned());
             move |event: notify::Result<notify::Event>| match event {
                 Ok(event) => {
                     // Opening or reading the file is no change; closing it after writing is.
                     let no_change = matches!(event.kind, EventKind::Access(kind)
                         if kind != AccessKind::Close(AccessMode::Write));
-                    let relevant = !no_change
-                        && (event.need_rescan()
-                            || event
-                                .paths
-                                .iter()
-                                .any(|p| names.iter().any(|n| same_name(p, n))));
-                    if relevant {
+                    if no_change {
+                        return;
+                    }
+                    // A late write into a version the daemon replaced: merge it.
+                    if event.paths.iter().any(|p| names.is_orphan(p)) {
+                        let _ = store.settle(&id);
+                    }
+                    if event.need_rescan() || event.paths.iter().any(|p| names.is_watched(p)) {
                         refresh();
                     }
                 }
@@ -97,15 +97,23 @@ impl Watch {
             }
         };
         let watcher = watch_dir(store.dir(), on_event);
-        let recheck = tokio::spawn(async move {
-            let mut tick = tokio::time::interval(RECHECK);
-            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            loop {
-                tick.tick().await;
-                let refresh = refresh.clone();
-                let _ = tokio::task::spawn_blocking(refresh).await;
-            }
-        });
+        let recheck = {
+            let (store, id) = (store.clone(), id.to_owned());
+            tokio::spawn(async move {
+                let mut tick = tokio::time::interval(RECHECK);
+                tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                loop {
+                    tick.tick().await;
+                    let (refresh, store, id) = (refresh.clone(), store.clone(), id.clone());
+                    let _ = tokio::task::spawn_blocking(move || {
+                        // Replaced versions past their time go.
+                        let _ = store.settle(&id);
+                        refresh();
+                    })
+                    .await;
+                }
+            })
+        };
         Watch {
             rx,
             _watcher: watcher,
@@ -119,8 +127,37 @@ impl Watch {
     }
 }
 
-fn same_name(a: &Path, b: &Path) -> bool {
-    a.file_name().is_some() && a.file_name() == b.file_name()
+/// The file names in the state directory that concern one loop.
+#[derive(Clone)]
+struct Names {
+    state: String,
+    tasks: String,
+    /// Temporary names of the state file: `.{id}.json.XXXXXX.tmp`, replaced versions among them.
+    temp_prefix: String,
+}
+
+impl Names {
+    fn of(id: &str) -> Names {
+        Names {
+            state: format!("{id}.json"),
+            tasks: format!("{id}.tasks.jsonl"),
+            temp_prefix: format!(".{id}.json."),
+        }
+    }
+
+    fn name(p: &Path) -> &str {
+        p.file_name().and_then(|n| n.to_str()).unwrap_or("")
+    }
+
+    fn is_watched(&self, p: &Path) -> bool {
+        let name = Self::name(p);
+        name == self.state || name == self.tasks
+    }
+
+    fn is_orphan(&self, p: &Path) -> bool {
+        let name = Self::name(p);
+        name.starts_with(&self.temp_prefix) && name.ends_with(crate::safe_fs::TEMP_SUFFIX)
+    }
 }
 
 /// Watches `dir` with inotify, or by polling when inotify is unavailable.

@@ -345,18 +345,14 @@ fn hostile_state_files_are_refused_cleanly_and_left_alone() {
             );
         }
     }
-    // A symlink that leads out of the state directory.
+    // A symlink that leads out of the state directory: loopd follows no symlink there.
     let outside = p.root.join("outside.json");
     std::fs::write(&outside, br#"{"status": "running"}"#).unwrap();
     std::fs::remove_file(&path).unwrap();
     std::os::unix::fs::symlink(&outside, &path).unwrap();
     let out = p.output(&["run", &id]);
     assert_eq!(code(&out), 2, "{}", stderr(&out));
-    assert!(
-        stderr(&out).contains("outside the state directory"),
-        "{}",
-        stderr(&out)
-    );
+    assert!(stderr(&out).contains("is a symlink"), "{}", stderr(&out));
     assert_eq!(
         std::fs::read(&outside).unwrap(),
         br#"{"status": "running"}"#
@@ -542,4 +538,61 @@ fn a_state_file_that_is_not_a_regular_file_is_refused_at_once() {
             stderr(&out)
         );
     }
+}
+
+/// The stress command for lockless writers: `LOOPD_STRESS_EDITS=300 cargo test --test durability
+/// in_place_edits_stress -- --ignored --nocapture` prints `edits lost: 0 of 300`. A writer edits
+/// `notes` in place (read, truncate, write; no lock, as the CCW dashboard API does) while the
+/// daemon commits every few milliseconds, and reads each edit back 60 ms later.
+#[test]
+#[ignore = "a stress run of about 20 s; run it on purpose"]
+fn in_place_edits_stress() {
+    let edits: usize = std::env::var("LOOPD_STRESS_EDITS")
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(300);
+    // Validation never passes: the loop goes validate → debug → validate... committing each time.
+    let p = Project::new(
+        r#"cat > /dev/null
+sleep 0.002
+case "$LOOPD_ACTION" in
+  validate) echo '{"status":"success","state_updates":{"passed":false}}' > "$LOOPD_RESULT_FILE" ;;
+  *) echo '{"status":"success"}' > "$LOOPD_RESULT_FILE" ;;
+esac
+"#,
+    );
+    let id = p.create(&["--title", "t", "--max-iterations", "1000000", "--task", "a"]);
+    let child = p.spawn_run(&id, &[]);
+    let path = p.state_path(&id);
+    wait_for("the loop to run", || {
+        p.state(&id)["current_iteration"].as_u64().unwrap_or(0) > 2
+    });
+    let mut lost = 0;
+    for i in 0..edits {
+        let note = format!("edit {i}");
+        let mut state: Value = loop {
+            if let Ok(v) = serde_json::from_slice(&std::fs::read(&path).unwrap()) {
+                break v;
+            }
+        };
+        state["notes"] = json!(note);
+        let mut file = std::fs::File::create(&path).unwrap();
+        file.write_all(&serde_json::to_vec_pretty(&state).unwrap())
+            .unwrap();
+        drop(file);
+        std::thread::sleep(Duration::from_millis(60));
+        let back: Value = loop {
+            if let Ok(v) = serde_json::from_slice(&std::fs::read(&path).unwrap()) {
+                break v;
+            }
+        };
+        if back["notes"] != json!(note) {
+            lost += 1;
+        }
+    }
+    let iterations = p.state(&id)["current_iteration"].as_u64().unwrap_or(0);
+    println!("edits lost: {lost} of {edits} ({iterations} iterations meanwhile)");
+    assert!(p.output(&["stop", &id]).status.success());
+    wait_output(child, DEADLINE);
+    assert_eq!(lost, 0, "edits lost: {lost} of {edits}");
 }

@@ -6,29 +6,37 @@
 //! written to a temporary file in the same directory (`.{id}.json.XXXXXX.tmp`, mode 0600) and
 //! exchanged with the state file (`renameat2(RENAME_EXCHANGE)`, else a plain rename): a reader
 //! sees the old file or the new one, never a mix. Durable writes also fsync the file before and
-//! the directory after the exchange, and refresh the backup `{id}.json.bak`.
+//! the directory after the exchange, and refresh the backup `{id}.json.bak`. Every file is opened
+//! relative to the checked state directory, never through a symlink ([`crate::safe_fs`]).
 //!
 //! The daemon never writes a copy of the whole state: [`Store::commit`] re-reads the file under the
 //! lock and replaces only the fields the daemon owns ([`DAEMON_FIELDS`]), plus a status transition
 //! the daemon itself makes, and only from the status it expects. A control field written by anyone
 //! else in the meantime therefore survives.
 //!
-//! Writers that do not take the lock (the CCW dashboard truncates and rewrites the file in place)
-//! can be seen half-way; a read that does not parse is retried for a moment before the file is
-//! called corrupt. Their writes are not lost to ours either: see [`Store::update`].
+//! Writers that take no lock (the CCW dashboard truncates and rewrites the file in place) are
+//! caught three ways. A write that lands before the exchange is handed back by it and the change
+//! is made again on top. A write into the replaced version — the writer opened the file just before
+//! the exchange and writes just after — lands in an inode that is no longer the state file: that
+//! version is therefore not unlinked at once but kept, as an *orphan*, for [`ORPHAN_LIFE`], and a
+//! late write into it is merged into the state file ([`Store::settle`]: the keys it changed,
+//! against the version it replaced). The daemon's watcher settles on the orphan's file event;
+//! every writer settles before it writes; a short-lived command settles before it exits
+//! ([`Store::close`]).
 
 use std::cell::RefCell;
 use std::collections::HashMap;
-use std::fs::{self, File, OpenOptions};
+use std::fs::File;
 use std::io::{self, Write};
 use std::path::{Path, PathBuf};
 use std::rc::Rc;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use serde_json::{Map, Value};
 
 use super::model::{Control, DevelopTask, LoopState, Status, TaskStatus, now_rfc3339};
+use crate::safe_fs::{self, Dir, TEMP_SUFFIX};
 
 /// Top-level fields the daemon owns and writes back from its own copy.
 pub const DAEMON_FIELDS: &[&str] = &["current_iteration", "skill_state"];
@@ -39,9 +47,18 @@ const LOCK_TIMEOUT: Duration = Duration::from_secs(10);
 const PARSE_RETRY: Duration = Duration::from_millis(250);
 /// A state file larger than this is refused rather than read.
 pub const MAX_STATE_SIZE: u64 = 16 << 20;
+/// A task list larger than this is refused rather than read.
+pub const MAX_TASKS_FILE_SIZE: u64 = 16 << 20;
+/// A progress file read back (`changes.log`) larger than this is not read.
+const MAX_PROGRESS_READ: u64 = 16 << 20;
 /// How often a read-modify-write starts over when a writer that takes no lock changed the file
 /// under it.
 const WRITE_RACE_RETRIES: usize = 5;
+/// How long a replaced version is kept for a late write into it by a writer that takes no lock.
+pub const ORPHAN_LIFE: Duration = Duration::from_secs(2);
+/// How long a short-lived command keeps its replaced versions before it exits ([`Store::close`]):
+/// a lockless writer that opened the file before the exchange writes within microseconds.
+const ORPHAN_LIFE_SHORT: Duration = Duration::from_millis(30);
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
@@ -57,6 +74,10 @@ pub enum StoreError {
     Corrupt { path: PathBuf, reason: String },
     #[error("timed out after {}s waiting for the lock {path}", LOCK_TIMEOUT.as_secs())]
     Locked { path: PathBuf },
+    /// A file or directory that is not what it should be (a symlink, a FIFO, a hard link): bad
+    /// input, refused.
+    #[error("{0}")]
+    Refused(String),
     /// The cause follows in the error chain.
     #[error("{}", path.display())]
     Io { path: PathBuf, source: io::Error },
@@ -71,18 +92,41 @@ impl StoreError {
                 | StoreError::NotFound { .. }
                 | StoreError::Exists { .. }
                 | StoreError::Corrupt { .. }
+                | StoreError::Refused(_)
         )
     }
+
+    /// Errors that may go away by themselves: a full disk, a lock held by someone else.
+    pub fn is_transient(&self) -> bool {
+        match self {
+            StoreError::Locked { .. } => true,
+            StoreError::Io { source, .. } => is_transient_io(source),
+            _ => false,
+        }
+    }
+}
+
+/// A full disk or quota, or a resource that may come back.
+pub fn is_transient_io(e: &io::Error) -> bool {
+    matches!(
+        e.kind(),
+        io::ErrorKind::StorageFull | io::ErrorKind::QuotaExceeded | io::ErrorKind::WouldBlock
+    )
 }
 
 fn io_err(path: &Path) -> impl FnOnce(io::Error) -> StoreError + '_ {
-    move |source| StoreError::Io {
-        path: path.to_owned(),
-        source,
+    move |source| {
+        if safe_fs::is_refusal(&source) {
+            StoreError::Refused(source.to_string())
+        } else {
+            StoreError::Io {
+                path: path.to_owned(),
+                source,
+            }
+        }
     }
 }
 
-/// Checks a loop id: `^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$`.
 pub fn validate_id(id: &str) -> Result<(), StoreError> {
     let ok = !id.is_empty()
         && id.len() <= 128
@@ -144,10 +188,17 @@ pub struct Transition {
 /// The state directory of a project.
 #[derive(Clone, Debug)]
 pub struct Store {
-    dir: PathBuf,
+    root: PathBuf,
+    /// The state directory relative to the root (config `state_dir`).
+    rel: PathBuf,
+    path: PathBuf,
+    /// The state directory, once opened.
+    dir: Arc<Mutex<Option<Dir>>>,
     /// The last version of each state file this store read or wrote, bytes and parse: a read
     /// that finds the same bytes again skips the parse.
     last: Arc<Mutex<HashMap<String, Arc<Seen>>>>,
+    /// Versions this store replaced, kept for a late write into them.
+    orphans: Arc<Mutex<Vec<Orphan>>>,
 }
 
 /// A version of a state file, and its parse.
@@ -155,6 +206,16 @@ pub struct Store {
 struct Seen {
     bytes: Vec<u8>,
     loaded: Loaded,
+}
+
+/// A replaced version of a state file, still linked under its temporary name.
+#[derive(Debug)]
+struct Orphan {
+    id: String,
+    name: String,
+    /// What it held when it was replaced.
+    base: Vec<u8>,
+    since: Instant,
 }
 
 /// An exclusive lock on a loop's sidecar lock file, released on drop.
@@ -176,29 +237,60 @@ thread_local! {
     static LOCK_FILES: RefCell<HashMap<PathBuf, Rc<File>>> = RefCell::new(HashMap::new());
 }
 
-fn lock_file(path: &Path) -> io::Result<Rc<File>> {
-    LOCK_FILES.with(|files| {
-        if let Some(file) = files.borrow().get(path) {
-            return Ok(file.clone());
-        }
-        let file = Rc::new(
-            OpenOptions::new()
-                .create(true)
-                .truncate(false)
-                .write(true)
-                .open(path)?,
-        );
-        files.borrow_mut().insert(path.to_owned(), file.clone());
-        Ok(file)
-    })
-}
-
 impl Store {
-    pub fn new(dir: impl Into<PathBuf>) -> Store {
+    /// The store of `<root>/<state_dir>`; nothing is opened until it is used.
+    pub fn new(root: &Path, state_dir: &str) -> Store {
         Store {
-            dir: dir.into(),
+            root: root.to_owned(),
+            rel: PathBuf::from(state_dir),
+            path: root.join(state_dir),
+            dir: Arc::default(),
             last: Arc::default(),
+            orphans: Arc::default(),
         }
+    }
+
+    /// The state directory, opened from the root one component at a time (none may be a
+    /// symlink); created (0700) when `create` is set.
+    pub fn state_dir(&self, create: bool) -> Result<Dir, StoreError> {
+        let mut cached = self.dir.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(dir) = &*cached {
+            return Ok(dir.clone());
+        }
+        let dir = Dir::open(&self.root)
+            .and_then(|root| root.open_nested(&self.rel, create))
+            .map_err(io_err(&self.path))?;
+        *cached = Some(dir.clone());
+        Ok(dir)
+    }
+
+    /// The state directory, or `None` if it does not exist yet.
+    fn existing_dir(&self) -> Result<Option<Dir>, StoreError> {
+        match self.state_dir(false) {
+            Ok(dir) => Ok(Some(dir)),
+            Err(StoreError::Io { source, .. }) if source.kind() == io::ErrorKind::NotFound => {
+                Ok(None)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    fn not_found(&self, id: &str) -> StoreError {
+        StoreError::NotFound {
+            id: id.to_owned(),
+            path: self.state_path(id),
+        }
+    }
+
+    /// A loop's progress directory (`{id}.progress`, 0700), created when missing.
+    pub fn progress(&self, id: &str) -> Result<Dir, StoreError> {
+        validate_id(id)?;
+        let dir = self.state_dir(true)?;
+        let progress = dir
+            .subdir(&progress_name(id), true)
+            .map_err(io_err(&self.progress_dir(id)))?;
+        progress.make_private();
+        Ok(progress)
     }
 
     /// The parse of `bytes` if they are the last version seen of `id`.
@@ -215,49 +307,73 @@ impl Store {
         }
     }
 
+    /// The state directory's path, for people and other programs.
     pub fn dir(&self) -> &Path {
-        &self.dir
+        &self.path
     }
 
     pub fn state_path(&self, id: &str) -> PathBuf {
-        self.dir.join(format!("{id}.json"))
-    }
-
-    pub fn lock_path(&self, id: &str) -> PathBuf {
-        self.dir.join(format!("{id}.lock"))
-    }
-
-    /// Held by a daemon for its whole life: "a daemon drives this loop".
-    pub fn daemon_lock_path(&self, id: &str) -> PathBuf {
-        self.dir.join(format!("{id}.daemon"))
+        self.path.join(state_name(id))
     }
 
     pub fn progress_dir(&self, id: &str) -> PathBuf {
-        self.dir.join(format!("{id}.progress"))
+        self.path.join(progress_name(id))
     }
 
-    /// The task list: `{id}.tasks.jsonl`, else the CCW dashboard's `{id}/tasks.jsonl`.
-    pub fn tasks_path(&self, id: &str) -> PathBuf {
-        let flat = self.dir.join(format!("{id}.tasks.jsonl"));
-        let nested = self.dir.join(id).join("tasks.jsonl");
-        if !flat.exists() && nested.exists() {
-            nested
-        } else {
-            flat
+    /// Opens a loop's daemon lock file (`{id}.daemon`), creating it.
+    pub fn open_daemon_lock(&self, id: &str) -> Result<File, StoreError> {
+        validate_id(id)?;
+        let name = format!("{id}.daemon");
+        self.state_dir(true)?
+            .open_rw(&name)
+            .map_err(io_err(&self.path.join(&name)))
+    }
+
+    /// Opens a loop's daemon lock file if it exists.
+    pub fn existing_daemon_lock(&self, id: &str) -> Option<File> {
+        validate_id(id).ok()?;
+        self.existing_dir()
+            .ok()??
+            .open_read(&format!("{id}.daemon"))
+            .ok()
+    }
+
+    /// The task list's name in the state directory: `{id}.tasks.jsonl`, else the CCW dashboard's
+    /// `{id}/tasks.jsonl`, with the directory it is in.
+    fn tasks_file(&self, dir: &Dir, id: &str) -> Option<(Dir, String)> {
+        let flat = format!("{id}.tasks.jsonl");
+        if dir.exists(&flat) {
+            return Some((dir.clone(), flat));
         }
+        let nested = dir.subdir(id, false).ok()?;
+        nested
+            .exists("tasks.jsonl")
+            .then(|| (nested, "tasks.jsonl".to_owned()))
+    }
+
+    /// Length and modification time of the task list, if there is one: whether it changed.
+    pub fn tasks_stamp(&self, id: &str) -> Option<(u64, SystemTime)> {
+        let dir = self.existing_dir().ok()??;
+        let (dir, name) = self.tasks_file(&dir, id)?;
+        let stat = dir.stat(&name).ok()??;
+        let modified = SystemTime::UNIX_EPOCH
+            + Duration::new(
+                stat.st_mtime.max(0) as u64,
+                stat.st_mtime_nsec.max(0) as u32,
+            );
+        Some((stat.st_size.max(0) as u64, modified))
     }
 
     /// Every loop id in the directory, sorted.
     pub fn list_ids(&self) -> Result<Vec<String>, StoreError> {
-        let entries = match fs::read_dir(&self.dir) {
-            Ok(entries) => entries,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
-            Err(e) => return Err(io_err(&self.dir)(e)),
+        let Some(dir) = self.existing_dir()? else {
+            return Ok(Vec::new());
         };
-        let mut ids: Vec<String> = entries
-            .filter_map(|e| e.ok())
-            .filter_map(|e| {
-                let name = e.file_name().into_string().ok()?;
+        let mut ids: Vec<String> = dir
+            .entries()
+            .map_err(io_err(&self.path))?
+            .into_iter()
+            .filter_map(|name| {
                 let id = name.strip_suffix(".json")?;
                 validate_id(id).ok()?;
                 Some(id.to_owned())
@@ -269,17 +385,28 @@ impl Store {
 
     /// Takes the write lock of a loop, waiting a bounded time for another writer.
     pub fn lock(&self, id: &str) -> Result<WriteLock, StoreError> {
-        let path = self.lock_path(id);
-        let file = lock_file(&path).map_err(io_err(&path))?;
+        let dir = self.state_dir(true)?;
+        let name = format!("{id}.lock");
+        let path = dir.join(&name);
+        let file = LOCK_FILES
+            .with(|files| {
+                if let Some(file) = files.borrow().get(&path) {
+                    return Ok(file.clone());
+                }
+                let file = Rc::new(dir.open_rw(&name)?);
+                files.borrow_mut().insert(path.clone(), file.clone());
+                Ok(file)
+            })
+            .map_err(io_err(&path))?;
         let deadline = Instant::now() + LOCK_TIMEOUT;
         loop {
             match file.try_lock() {
                 Ok(()) => return Ok(WriteLock { file }),
-                Err(fs::TryLockError::WouldBlock) if Instant::now() < deadline => {
+                Err(std::fs::TryLockError::WouldBlock) if Instant::now() < deadline => {
                     std::thread::sleep(Duration::from_millis(1));
                 }
-                Err(fs::TryLockError::WouldBlock) => return Err(StoreError::Locked { path }),
-                Err(fs::TryLockError::Error(e)) => return Err(io_err(&path)(e)),
+                Err(std::fs::TryLockError::WouldBlock) => return Err(StoreError::Locked { path }),
+                Err(std::fs::TryLockError::Error(e)) => return Err(io_err(&path)(e)),
             }
         }
     }
@@ -289,51 +416,35 @@ impl Store {
         self.read(id).map(|(_, loaded)| loaded)
     }
 
-    /// The state file's bytes and their parse. Refused: a file over [`MAX_STATE_SIZE`], a symlink
-    /// that leads out of the state directory, and (after a short retry, in case another program
-    /// is half-way through rewriting it) a file that does not parse or fails validation.
+    /// A state file's bytes: refused over [`MAX_STATE_SIZE`], or when it is not a regular file
+    /// with one link.
+    fn read_bytes(&self, dir: &Dir, id: &str) -> Result<Vec<u8>, StoreError> {
+        let path = self.state_path(id);
+        dir.read(&state_name(id), MAX_STATE_SIZE)
+            .map_err(|e| match e.kind() {
+                io::ErrorKind::NotFound => self.not_found(id),
+                io::ErrorKind::FileTooLarge => StoreError::Corrupt {
+                    path: path.clone(),
+                    reason: format!("over the {} MiB limit", MAX_STATE_SIZE >> 20),
+                },
+                io::ErrorKind::InvalidInput => StoreError::Corrupt {
+                    path: path.clone(),
+                    reason: e.to_string(),
+                },
+                _ => io_err(&path)(e),
+            })
+    }
+
+    /// The state file's bytes and their parse. Refused: a file over [`MAX_STATE_SIZE`], anything
+    /// but a regular file with one link, and (after a short retry, in case another program is
+    /// half-way through rewriting it) a file that does not parse or fails validation.
     fn read(&self, id: &str) -> Result<(Vec<u8>, Loaded), StoreError> {
         validate_id(id)?;
+        let dir = self.existing_dir()?.ok_or_else(|| self.not_found(id))?;
         let path = self.state_path(id);
-        let corrupt = |reason: String| StoreError::Corrupt {
-            path: path.clone(),
-            reason,
-        };
-        let meta = match fs::symlink_metadata(&path) {
-            Ok(meta) => meta,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => {
-                return Err(StoreError::NotFound {
-                    id: id.to_owned(),
-                    path,
-                });
-            }
-            Err(e) => return Err(io_err(&path)(e)),
-        };
-        if meta.file_type().is_symlink() {
-            let target = fs::canonicalize(&path).map_err(io_err(&path))?;
-            let dir = fs::canonicalize(&self.dir).map_err(io_err(&self.dir))?;
-            if !target.starts_with(&dir) {
-                return Err(corrupt(format!(
-                    "a symlink to {}, outside the state directory",
-                    target.display()
-                )));
-            }
-        }
         let deadline = Instant::now() + PARSE_RETRY;
         loop {
-            let bytes = match read_capped(&path) {
-                Ok(bytes) => bytes,
-                Err(e) if e.kind() == io::ErrorKind::FileTooLarge => {
-                    return Err(corrupt(format!(
-                        "{e}, over the {} MiB limit",
-                        MAX_STATE_SIZE >> 20
-                    )));
-                }
-                Err(e) if e.kind() == io::ErrorKind::InvalidInput => {
-                    return Err(corrupt(e.to_string()));
-                }
-                Err(e) => return Err(io_err(&path)(e)),
-            };
+            let bytes = self.read_bytes(&dir, id)?;
             if let Some(loaded) = self.remembered(id, &bytes) {
                 return Ok((bytes, loaded));
             }
@@ -344,7 +455,7 @@ impl Store {
                 }
                 // Another program may be half-way through rewriting the file in place.
                 Err(_) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(1)),
-                Err(reason) => return Err(corrupt(reason)),
+                Err(reason) => return Err(StoreError::Corrupt { path, reason }),
             }
         }
     }
@@ -353,56 +464,101 @@ impl Store {
     /// cannot be read or does not parse right now (a writer may be half-way; its next event
     /// comes).
     pub fn read_control(&self, id: &str) -> Option<Control> {
-        let bytes = read_capped(&self.state_path(id)).ok()?;
+        let dir = self.existing_dir().ok()??;
+        let bytes = self.read_bytes(&dir, id).ok()?;
         serde_json::from_slice(&bytes).ok()
     }
 
     /// The backup of a loop's state: a copy of the last durable write of a loopd writer.
     pub fn backup_path(&self, id: &str) -> PathBuf {
-        self.dir.join(format!("{id}.json.bak"))
+        self.path.join(backup_name(id))
     }
 
-    /// Repairs a state file that does not load: from its backup if the backup loads, else by
-    /// rebuilding `skill_state` from the progress files (the seed's "State Recovery") when the
-    /// rest of the file is sound. Returns why the file was refused and where it came back from,
-    /// or `None` if it was fine; an error, touching nothing, if it cannot be repaired.
+    /// Repairs a state file that is missing or does not load: from its backup if the backup
+    /// loads, else by rebuilding `skill_state` from the progress files (the seed's "State
+    /// Recovery") when the rest of the file is sound. Returns why the file was refused and where
+    /// it came back from, or `None` if it was fine; an error, touching nothing, if it cannot be
+    /// repaired.
     pub fn restore(&self, id: &str) -> Result<Option<(String, String)>, StoreError> {
-        let reason = match self.load(id) {
+        let missing = match self.load(id) {
             Ok(_) => return Ok(None),
-            Err(StoreError::Corrupt { reason, .. }) => reason,
+            Err(StoreError::Corrupt { reason, .. }) => Err(reason),
+            Err(e @ StoreError::NotFound { .. }) => Ok(e),
             Err(e) => return Err(e),
         };
+        let dir = self.state_dir(false)?;
+        if missing.is_ok() && !dir.exists(&backup_name(id)) {
+            return Err(self.not_found(id));
+        }
         let _lock = self.lock(id)?;
         let path = self.state_path(id);
         let backup = self.backup_path(id);
-        let from_backup = read_capped(&backup)
+        let from_backup = dir
+            .read(&backup_name(id), MAX_STATE_SIZE)
             .map_err(|e| format!("no backup ({e})"))
             .and_then(|bytes| {
                 Loaded::parse(&path, &bytes)
                     .map(|_| bytes)
                     .map_err(|why| format!("the backup is no good either ({why})"))
             });
-        let (bytes, from) = match from_backup {
-            Ok(bytes) => (bytes, backup.display().to_string()),
-            Err(no_backup) => {
-                let rebuilt = self.rebuild(id).map_err(|why| StoreError::Corrupt {
+        let (reason, bytes, from) = match (missing, from_backup) {
+            (Ok(_), Ok(bytes)) => (
+                "it was missing".to_owned(),
+                bytes,
+                backup.display().to_string(),
+            ),
+            // A loop that does not exist, and has no good backup: nothing to restore.
+            (Ok(not_found), Err(_)) => return Err(not_found),
+            (Err(reason), Ok(bytes)) => (reason, bytes, backup.display().to_string()),
+            (Err(reason), Err(no_backup)) => {
+                let rebuilt = self.rebuild(&dir, id).map_err(|why| StoreError::Corrupt {
                     path: path.clone(),
                     reason: format!("{reason}; {no_backup}; cannot rebuild it: {why}"),
                 })?;
-                (
-                    rebuilt,
-                    format!("the progress files in {}", self.progress_dir(id).display()),
-                )
+                let from = format!("the progress files in {}", self.progress_dir(id).display());
+                (reason, rebuilt, from)
             }
         };
-        write_atomic(&path, &bytes, true).map_err(io_err(&path))?;
+        dir.write_atomic(&state_name(id), &bytes, true)
+            .map_err(io_err(&path))?;
         Ok(Some((reason, from)))
     }
 
+    /// Puts back `good` (a version read before) in place of a state file that is missing or no
+    /// longer loads, keeping what was there as `{id}.json.corrupt`. Does nothing if the file
+    /// loads again by the time the lock is held.
+    pub fn put_back(
+        &self,
+        id: &str,
+        good: &Map<String, Value>,
+    ) -> Result<Option<String>, StoreError> {
+        let dir = self.state_dir(false)?;
+        let _lock = self.lock(id)?;
+        let reason = match self.read(id) {
+            Ok(_) => return Ok(None),
+            Err(StoreError::NotFound { .. }) => "it was deleted".to_owned(),
+            Err(StoreError::Corrupt { reason, .. }) => {
+                if let Ok(bytes) = self.read_bytes(&dir, id) {
+                    let _ = dir.write_atomic(&format!("{id}.json.corrupt"), &bytes, false);
+                }
+                reason
+            }
+            Err(e) => return Err(e),
+        };
+        let mut raw = good.clone();
+        raw.insert("updated_at".into(), Value::String(now_rfc3339()));
+        let bytes = to_pretty(&self.state_path(id), &Value::Object(raw))?;
+        dir.write_atomic(&state_name(id), &bytes, true)
+            .map_err(io_err(&self.state_path(id)))?;
+        Ok(Some(reason))
+    }
+
     /// The state file with `skill_state` rebuilt from the task list and `changes.log`.
-    fn rebuild(&self, id: &str) -> Result<Vec<u8>, String> {
+    fn rebuild(&self, dir: &Dir, id: &str) -> Result<Vec<u8>, String> {
         let path = self.state_path(id);
-        let bytes = read_capped(&path).map_err(|e| e.to_string())?;
+        let bytes = self
+            .read_bytes(dir, id)
+            .map_err(|_| "the file cannot be read".to_owned())?;
         let Ok(Value::Object(mut raw)) = serde_json::from_slice::<Value>(&bytes) else {
             return Err("the file is not a JSON object".into());
         };
@@ -413,8 +569,11 @@ impl Store {
             return Err(problem);
         }
         let (mut tasks, _) = self.read_tasks(id).map_err(|e| e.to_string())?;
-        let changes =
-            fs::read_to_string(self.progress_dir(id).join("changes.log")).unwrap_or_default();
+        let changes = dir
+            .subdir(&progress_name(id), false)
+            .and_then(|p| p.read("changes.log", MAX_PROGRESS_READ))
+            .map(|b| String::from_utf8_lossy(&b).into_owned())
+            .unwrap_or_default();
         for line in changes.lines() {
             let Ok(change) = serde_json::from_str::<Value>(line) else {
                 continue;
@@ -462,24 +621,30 @@ impl Store {
     }
 
     /// Removes temporary files that an interrupted write left behind (under the loop's lock, so
-    /// no write of another loopd is in progress). Returns how many were removed.
+    /// no write of another loopd is in progress), and replaced versions no living writer keeps.
+    /// Returns how
+    /// many were removed.
     pub fn sweep_temp_files(&self, id: &str) -> Result<usize, StoreError> {
+        let dir = self.state_dir(false)?;
         let _lock = self.lock(id)?;
-        let prefix = format!(".{id}.json.");
+        self.settle_locked(&dir, id, false);
+        let prefix = format!(".{}.", state_name(id));
+        let kept: Vec<String> = self
+            .orphans
+            .lock()
+            .map(|o| o.iter().map(|o| o.name.clone()).collect())
+            .unwrap_or_default();
         let mut removed = 0;
-        for dir in [self.dir.clone(), self.progress_dir(id)] {
-            let Ok(entries) = fs::read_dir(&dir) else {
-                continue;
-            };
-            for entry in entries.filter_map(Result::ok) {
-                let name = entry.file_name();
-                let name = name.to_string_lossy();
-                let ours = if dir == self.dir {
-                    name.starts_with(&prefix)
+        let progress = dir.subdir(&progress_name(id), false).ok();
+        for (dir, ours) in [(Some(&dir), true), (progress.as_ref(), false)] {
+            let Some(dir) = dir else { continue };
+            for name in dir.entries().unwrap_or_default() {
+                let temp = if ours {
+                    name.starts_with(&prefix) && !kept.contains(&name)
                 } else {
                     name.starts_with('.')
                 };
-                if ours && name.ends_with(TEMP_SUFFIX) && fs::remove_file(entry.path()).is_ok() {
+                if temp && name.ends_with(TEMP_SUFFIX) && dir.remove(&name).is_ok() {
                     removed += 1;
                 }
             }
@@ -490,10 +655,10 @@ impl Store {
     /// Writes a new loop; refuses if one with that id exists.
     pub fn create(&self, state: &LoopState) -> Result<(), StoreError> {
         validate_id(&state.loop_id)?;
-        fs::create_dir_all(&self.dir).map_err(io_err(&self.dir))?;
+        let dir = self.state_dir(true)?;
         let _lock = self.lock(&state.loop_id)?;
         let path = self.state_path(&state.loop_id);
-        if path.exists() {
+        if dir.exists(&state_name(&state.loop_id)) {
             return Err(StoreError::Exists {
                 id: state.loop_id.clone(),
                 path,
@@ -503,7 +668,9 @@ impl Store {
             path: path.clone(),
             reason: e.to_string(),
         })?;
-        write_json(&path, &value, true)
+        let bytes = to_pretty(&path, &value)?;
+        dir.write_atomic(&state_name(&state.loop_id), &bytes, true)
+            .map_err(io_err(&path))
     }
 
     /// Read-modify-write under the lock: `change` edits the raw JSON object. Returns the new state.
@@ -512,17 +679,32 @@ impl Store {
     /// new version is swapped in with `renameat2(RENAME_EXCHANGE)`, which hands back the version
     /// it replaced. If that is not the version the change was made on, another program wrote in
     /// between; the change is made again on top of what it wrote and swapped in once more, so its
-    /// edit is kept. (Where the exchange is not supported, the file is compared just before a
+    /// edit is kept. The replaced version is kept for a late write into it (see the module's
+    /// documentation). (Where the exchange is not supported, the file is compared just before a
     /// plain rename instead, which leaves a window of microseconds.) A durable write also
     /// refreshes the backup ([`Store::backup_path`]).
     pub fn update(
         &self,
         id: &str,
         durable: bool,
+        change: impl FnMut(&mut Map<String, Value>, &LoopState),
+    ) -> Result<Loaded, StoreError> {
+        validate_id(id)?;
+        let dir = self.existing_dir()?.ok_or_else(|| self.not_found(id))?;
+        let _lock = self.lock(id)?;
+        self.settle_locked(&dir, id, false);
+        self.update_locked(&dir, id, durable, change)
+    }
+
+    fn update_locked(
+        &self,
+        dir: &Dir,
+        id: &str,
+        durable: bool,
         mut change: impl FnMut(&mut Map<String, Value>, &LoopState),
     ) -> Result<Loaded, StoreError> {
-        let _lock = self.lock(id)?;
         let path = self.state_path(id);
+        let name = state_name(id);
         // What is in place now, and the version to make the change on.
         let (mut in_place, mut base) = self.read(id)?;
         for round in 1.. {
@@ -533,39 +715,52 @@ impl Store {
             let bytes = to_pretty(&path, &value)?;
             // The last round writes whatever happened, rather than fail the write.
             let expected = (round < WRITE_RACE_RETRIES).then_some(in_place.as_slice());
-            let replaced = swap_in(&path, &bytes, durable, expected).map_err(io_err(&path))?;
+            let replaced = swap_in(dir, &name, &bytes, durable, expected).map_err(io_err(&path))?;
             match replaced {
                 Swapped::Raced => {
                     (in_place, base) = self.read(id)?;
                     continue;
                 }
-                Swapped::Replaced(other) if expected.is_some_and(|e| e != other) => {
-                    match Loaded::parse(&path, &other) {
-                        Ok(theirs) => {
-                            tracing::debug!(
-                                "another writer changed {} meanwhile; merging",
-                                path.display()
-                            );
-                            in_place = bytes;
-                            base = theirs;
-                            continue;
-                        }
-                        Err(why) => tracing::warn!(
-                            "warning: another writer left {} unreadable meanwhile ({why}); kept this write",
+                Swapped::Replaced { tmp, old } => {
+                    let theirs = match expected {
+                        Some(e) if e != old => Loaded::parse(&path, &old).ok(),
+                        _ => None,
+                    };
+                    if let Some(theirs) = theirs {
+                        // Another writer's version, complete: start again from it.
+                        tracing::debug!(
+                            "another writer changed {} meanwhile; merging",
                             path.display()
-                        ),
+                        );
+                        let _ = dir.remove(&tmp);
+                        in_place = bytes;
+                        base = theirs;
+                        continue;
                     }
+                    // Kept for a late write; what it held is what this write replaced (or, if a
+                    // writer is half-way through it, what that writer is overwriting).
+                    let base = if Loaded::parse(&path, &old).is_ok() {
+                        old
+                    } else {
+                        in_place
+                    };
+                    self.keep_orphan(id, tmp, base);
                 }
-                _ => {}
+                Swapped::Renamed => {}
             }
             if durable {
                 // A copy, not a link: a writer that truncates the state file in place must not
                 // reach the backup. Written in place, without fsync: it is only read when the
                 // state file was spoilt, which a crash cannot do (only another program can), and
                 // a torn backup is refused when read.
-                let backup = self.backup_path(id);
-                if let Err(e) = write_in_place(&backup, &bytes) {
-                    tracing::warn!("warning: cannot write the backup {}: {e}", backup.display());
+                let backup = dir
+                    .create(&backup_name(id))
+                    .and_then(|mut f| f.write_all(&bytes));
+                if let Err(e) = backup {
+                    tracing::warn!(
+                        "warning: cannot write the backup {}: {e}",
+                        self.backup_path(id).display()
+                    );
                 }
             }
             let Value::Object(raw) = value else {
@@ -582,6 +777,156 @@ impl Store {
             return Ok(loaded);
         }
         unreachable!("the loop returns by its last round")
+    }
+
+    fn keep_orphan(&self, id: &str, name: String, base: Vec<u8>) {
+        if let Ok(mut orphans) = self.orphans.lock() {
+            orphans.push(Orphan {
+                id: id.to_owned(),
+                name,
+                base,
+                since: Instant::now(),
+            });
+        }
+    }
+
+    /// Merges late writes into this loop's replaced versions and removes the versions past their
+    /// time (see the module's documentation). Returns how many late writes were merged.
+    pub fn settle(&self, id: &str) -> Result<usize, StoreError> {
+        if !self.has_orphans(Some(id)) {
+            return Ok(0);
+        }
+        let dir = self.state_dir(false)?;
+        let _lock = self.lock(id)?;
+        Ok(self.settle_locked(&dir, id, false))
+    }
+
+    /// Whether this store keeps replaced versions (of `id`, or of any loop).
+    pub fn has_orphans(&self, id: Option<&str>) -> bool {
+        self.orphans
+            .lock()
+            .is_ok_and(|o| o.iter().any(|o| id.is_none_or(|id| o.id == id)))
+    }
+
+    /// Settles every replaced version before a short-lived process exits: each is kept until it
+    /// is [`ORPHAN_LIFE_SHORT`] old, then merged if written into, else removed.
+    pub fn close(&self) {
+        // A merge writes a new version, itself kept: a few rounds settle everything.
+        for _ in 0..WRITE_RACE_RETRIES {
+            let orphans: Vec<(String, Instant)> = self
+                .orphans
+                .lock()
+                .map(|o| o.iter().map(|o| (o.id.clone(), o.since)).collect())
+                .unwrap_or_default();
+            let Some(youngest) = orphans.iter().map(|(_, since)| *since).max() else {
+                return;
+            };
+            std::thread::sleep(ORPHAN_LIFE_SHORT.saturating_sub(youngest.elapsed()));
+            let mut ids: Vec<String> = orphans.into_iter().map(|(id, _)| id).collect();
+            ids.sort();
+            ids.dedup();
+            let Ok(dir) = self.state_dir(false) else {
+                return;
+            };
+            for id in ids {
+                if let Ok(_lock) = self.lock(&id) {
+                    self.settle_locked(&dir, &id, true);
+                }
+            }
+        }
+    }
+
+    /// [`Store::settle`] with the lock held; `all` removes every unwritten version, whatever its
+    /// age.
+    fn settle_locked(&self, dir: &Dir, id: &str, all: bool) -> usize {
+        // Looked at without taking them off the list, which another thread may read meanwhile.
+        let mine: Vec<(String, Vec<u8>, Instant)> = match self.orphans.lock() {
+            Ok(orphans) => orphans
+                .iter()
+                .filter(|o| o.id == id)
+                .map(|o| (o.name.clone(), o.base.clone(), o.since))
+                .collect(),
+            Err(_) => return 0,
+        };
+        if mine.is_empty() {
+            return 0;
+        }
+        let path = self.state_path(id);
+        let mut late = Vec::new();
+        let mut done = Vec::new();
+        for (name, base, since) in mine {
+            let Ok(now) = dir.read(&name, MAX_STATE_SIZE) else {
+                done.push(name); // gone, or made into something else: nothing to merge
+                continue;
+            };
+            let age = since.elapsed();
+            if now == base {
+                if all || age >= ORPHAN_LIFE {
+                    let _ = dir.remove(&name);
+                    done.push(name);
+                }
+                continue;
+            }
+            match serde_json::from_slice::<Value>(&now) {
+                Ok(Value::Object(theirs)) => {
+                    let written = dir.stat(&name).ok().flatten().map(|s| mtime(&s));
+                    late.push((base, theirs, written));
+                    let _ = dir.remove(&name);
+                    done.push(name);
+                }
+                // Still being written.
+                _ if !all && age < ORPHAN_LIFE => {}
+                _ => {
+                    tracing::warn!(
+                        "warning: a late write into a replaced version of {} never completed; dropped",
+                        path.display()
+                    );
+                    let _ = dir.remove(&name);
+                    done.push(name);
+                }
+            }
+        }
+        if let Ok(mut orphans) = self.orphans.lock() {
+            orphans.retain(|o| !done.contains(&o.name));
+        }
+        let mut merged = 0;
+        for (base, theirs, written) in late {
+            let base = match serde_json::from_slice::<Value>(&base) {
+                Ok(Value::Object(base)) => base,
+                _ => Map::new(),
+            };
+            let changed = changed_keys(&base, &theirs);
+            if changed.is_empty() {
+                continue;
+            }
+            // A key someone else changed since too goes to the later write: the state file's
+            // time says when it was last written.
+            let live = dir.stat(&state_name(id)).ok().flatten().map(|s| mtime(&s));
+            let theirs_newer = written.is_some_and(|w| live.is_none_or(|l| w > l));
+            tracing::debug!(
+                "a late write into a replaced version of {} changed {changed:?}; merging",
+                path.display()
+            );
+            let result = self.update_locked(dir, id, true, |raw, _| {
+                for key in &changed {
+                    if raw.get(key) != base.get(key) && !theirs_newer {
+                        continue;
+                    }
+                    match theirs.get(key) {
+                        Some(v) => raw.insert(key.clone(), v.clone()),
+                        None => raw.remove(key),
+                    };
+                }
+            });
+            match result {
+                Ok(_) => merged += 1,
+                Err(e) => tracing::warn!(
+                    "warning: cannot merge a late write into {}: {e}",
+                    path.display()
+                ),
+            }
+        }
+        merged
     }
 
     /// The daemon's write: re-reads the file and replaces only the daemon's own fields with those of
@@ -641,8 +986,14 @@ impl Store {
     /// Reads the task list written by the API/CLI (`{id}.tasks.jsonl` or `{id}/tasks.jsonl`), in
     /// `order`. Lines that do not parse are returned as warnings, never silently dropped.
     pub fn read_tasks(&self, id: &str) -> Result<(Vec<DevelopTask>, Vec<String>), StoreError> {
-        let path = self.tasks_path(id);
-        let text = match fs::read(&path) {
+        let Some(dir) = self.existing_dir()? else {
+            return Ok((Vec::new(), Vec::new()));
+        };
+        let Some((dir, name)) = self.tasks_file(&dir, id) else {
+            return Ok((Vec::new(), Vec::new()));
+        };
+        let path = dir.join(&name);
+        let text = match dir.read(&name, MAX_TASKS_FILE_SIZE) {
             Ok(bytes) => String::from_utf8_lossy(&bytes).into_owned(),
             Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok((Vec::new(), Vec::new())),
             Err(e) => return Err(io_err(&path)(e)),
@@ -652,34 +1003,60 @@ impl Store {
 
     /// Appends tasks to `{id}.tasks.jsonl` under the lock, each line ending in a newline.
     pub fn append_tasks(&self, id: &str, lines: &[Value]) -> Result<(), StoreError> {
+        let dir = self.state_dir(true)?;
         let _lock = self.lock(id)?;
-        let path = self.dir.join(format!("{id}.tasks.jsonl"));
-        let mut file = OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&path)
-            .map_err(io_err(&path))?;
+        let name = format!("{id}.tasks.jsonl");
+        let path = dir.join(&name);
         // A previous writer may have left the last line without its newline.
-        let len = file.metadata().map_err(io_err(&path))?.len();
+        let ends_with_newline = match dir.read(&name, MAX_TASKS_FILE_SIZE) {
+            Ok(bytes) => bytes.last().is_none_or(|b| *b == b'\n'),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => true,
+            Err(e) => return Err(io_err(&path)(e)),
+        };
         let mut out = String::new();
-        if len > 0 && !ends_with_newline(&path)? {
+        if !ends_with_newline {
             out.push('\n');
         }
         for line in lines {
             out.push_str(&line.to_string());
             out.push('\n');
         }
-        file.write_all(out.as_bytes()).map_err(io_err(&path))
+        dir.append(&name)
+            .and_then(|mut f| f.write_all(out.as_bytes()))
+            .map_err(io_err(&path))
     }
 }
 
-fn ends_with_newline(path: &Path) -> Result<bool, StoreError> {
-    use std::io::{Read, Seek, SeekFrom};
-    let mut file = File::open(path).map_err(io_err(path))?;
-    file.seek(SeekFrom::End(-1)).map_err(io_err(path))?;
-    let mut last = [0u8; 1];
-    file.read_exact(&mut last).map_err(io_err(path))?;
-    Ok(last[0] == b'\n')
+/// The top-level keys a lockless writer changed from `base` in `theirs`, but for the daemon's own
+/// fields and `updated_at`.
+fn changed_keys(base: &Map<String, Value>, theirs: &Map<String, Value>) -> Vec<String> {
+    let mut keys: Vec<String> = base
+        .keys()
+        .chain(theirs.keys())
+        .filter(|k| !DAEMON_FIELDS.contains(&k.as_str()) && *k != "updated_at")
+        .filter(|k| base.get(*k) != theirs.get(*k))
+        .cloned()
+        .collect();
+    keys.sort();
+    keys.dedup();
+    keys
+}
+
+/// A file's modification time, to the nanosecond the filesystem keeps.
+fn mtime(stat: &nix::sys::stat::FileStat) -> (i64, i64) {
+    (stat.st_mtime, stat.st_mtime_nsec)
+}
+
+fn state_name(id: &str) -> String {
+    format!("{id}.json")
+}
+
+fn backup_name(id: &str) -> String {
+    format!("{id}.json.bak")
+}
+
+fn progress_name(id: &str) -> String {
+    format!("{id}.progress")
 }
 
 /// Copies into `ours` what `theirs` has and `ours` does not know: keys missing from an object
@@ -788,13 +1165,6 @@ pub fn parse_tasks(path: &Path, text: &str) -> (Vec<DevelopTask>, Vec<String>) {
     (tasks, warnings)
 }
 
-/// Writes pretty JSON atomically: temp file in the same directory, rename; `durable` adds fsync of
-/// the file before and of the directory after the rename.
-pub fn write_json(path: &Path, value: &Value, durable: bool) -> Result<(), StoreError> {
-    let bytes = to_pretty(path, value)?;
-    write_atomic(path, &bytes, durable).map_err(io_err(path))
-}
-
 fn to_pretty(path: &Path, value: &Value) -> Result<Vec<u8>, StoreError> {
     let mut bytes = serde_json::to_vec_pretty(value).map_err(|e| StoreError::Corrupt {
         path: path.to_owned(),
@@ -806,148 +1176,73 @@ fn to_pretty(path: &Path, value: &Value) -> Result<Vec<u8>, StoreError> {
 
 /// What [`swap_in`] replaced.
 enum Swapped {
-    /// This version, handed back by the exchange.
-    Replaced(Vec<u8>),
+    /// The replaced version, now named `tmp`, and what it held just after the exchange.
+    Replaced { tmp: String, old: Vec<u8> },
     /// Not known (plain rename), but the file was as expected just before.
     Renamed,
     /// Nothing was written: the file changed before a plain rename could be made.
     Raced,
 }
 
-/// Puts `bytes` in place of `path` atomically: a new temp file in the same directory (mode
-/// 0600), fsync if `durable`, exchanged with `path`, fsync of the directory if `durable`.
-/// `expected` is what should be in place; `None` writes whatever is there.
+/// Puts `bytes` in place of `name` atomically: a new temp file in the same directory (mode 0600),
+/// fsync if `durable`, exchanged with `name`, fsync of the directory if `durable`. `expected` is
+/// what should be in place; `None` writes whatever is there.
 ///
 /// The exchange (`renameat2(RENAME_EXCHANGE)`) hands back exactly what it replaced, under the
-/// temp file's name, which is then unlinked: a reader that opened the old version still reads
-/// it whole. (A version is never rewritten in place: that would tear it under such a reader.)
+/// temp file's name: a reader that opened the old version still reads it whole. (A version is
+/// never rewritten in place: that would tear it under such a reader.)
 fn swap_in(
-    path: &Path,
+    dir: &Dir,
+    name: &str,
     bytes: &[u8],
     durable: bool,
     expected: Option<&[u8]>,
 ) -> io::Result<Swapped> {
-    let mut tmp = temp_file(path)?;
-    tmp.write_all(bytes)?;
-    if durable {
-        tmp.as_file().sync_data()?;
+    let (tmp, mut file) = dir.temp_file(name)?;
+    let written = file
+        .write_all(bytes)
+        .and_then(|()| if durable { file.sync_data() } else { Ok(()) });
+    drop(file);
+    if let Err(e) = written {
+        let _ = dir.remove(&tmp);
+        return Err(e);
     }
-    let swapped = match exchange(tmp.path(), path) {
+    let swapped = match dir.exchange(&tmp, name) {
         Ok(()) => {
-            // `tmp` names the replaced version now. A writer that opened it before the exchange
-            // may still be writing into it: give it a moment to finish.
-            let deadline = Instant::now() + PARSE_RETRY;
-            let mut old = fs::read(tmp.path())?;
-            while expected.is_some_and(|e| e != old)
-                && serde_json::from_slice::<serde::de::IgnoredAny>(&old).is_err()
-                && Instant::now() < deadline
-            {
-                std::thread::sleep(Duration::from_millis(1));
-                old = fs::read(tmp.path())?;
-            }
-            Swapped::Replaced(old)
+            let old = dir.read(&tmp, MAX_STATE_SIZE).unwrap_or_default();
+            Swapped::Replaced { tmp, old }
         }
-        Err(_) => {
+        Err(e) if e.kind() == io::ErrorKind::Unsupported => {
             // No exchange here (another kernel or filesystem): compare, then a plain rename.
             if let Some(expected) = expected
-                && !fs::read(path).is_ok_and(|now| now == expected)
+                && !dir
+                    .read(name, MAX_STATE_SIZE)
+                    .is_ok_and(|now| now == expected)
             {
+                let _ = dir.remove(&tmp);
                 return Ok(Swapped::Raced);
             }
-            tmp.persist(path).map_err(|e| e.error)?;
+            if let Err(e) = dir.rename(&tmp, name) {
+                let _ = dir.remove(&tmp);
+                return Err(e);
+            }
             Swapped::Renamed
+        }
+        Err(e) => {
+            let _ = dir.remove(&tmp);
+            return Err(e);
         }
     };
     if durable {
-        File::open(path.parent().unwrap_or(Path::new(".")))?.sync_all()?;
+        dir.sync()?;
     }
     Ok(swapped)
 }
 
-/// Swaps two paths atomically: afterwards `a` names what `b` named and the other way round.
-#[cfg(all(target_os = "linux", target_env = "gnu"))]
-fn exchange(a: &Path, b: &Path) -> io::Result<()> {
-    use nix::fcntl::{AT_FDCWD, RenameFlags, renameat2};
-    renameat2(AT_FDCWD, a, AT_FDCWD, b, RenameFlags::RENAME_EXCHANGE).map_err(io::Error::from)
-}
-
-#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
-fn exchange(_: &Path, _: &Path) -> io::Result<()> {
-    Err(io::ErrorKind::Unsupported.into())
-}
-
-fn temp_file(path: &Path) -> io::Result<tempfile::NamedTempFile> {
-    let dir = path.parent().unwrap_or(Path::new("."));
-    let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("state");
-    tempfile::Builder::new()
-        .prefix(&format!(".{name}."))
-        .suffix(TEMP_SUFFIX)
-        .tempfile_in(dir)
-}
-
-/// A state file's bytes in one read, refused (`FileTooLarge`) past [`MAX_STATE_SIZE`], and
-/// (`InvalidInput`) if it is not a regular file: a FIFO would block the open.
-fn read_capped(path: &Path) -> io::Result<Vec<u8>> {
-    use std::io::Read;
-    if !fs::metadata(path)?.is_file() {
-        return Err(io::Error::new(
-            io::ErrorKind::InvalidInput,
-            "not a regular file",
-        ));
-    }
-    let file = File::open(path)?;
-    let len = file.metadata()?.len();
-    if len > MAX_STATE_SIZE {
-        return Err(io::Error::new(
-            io::ErrorKind::FileTooLarge,
-            format!("{len} bytes"),
-        ));
-    }
-    // One byte more than expected, to see the end of a file that grew meanwhile in one read.
-    let mut bytes = Vec::with_capacity(len as usize + 1);
-    file.take(MAX_STATE_SIZE + 1).read_to_end(&mut bytes)?;
-    if bytes.len() as u64 > MAX_STATE_SIZE {
-        return Err(io::Error::new(
-            io::ErrorKind::FileTooLarge,
-            "the file grew".to_owned(),
-        ));
-    }
-    Ok(bytes)
-}
-
-/// Overwrites `path` with `bytes` (mode 0600 when created), not atomically.
-pub fn write_in_place(path: &Path, bytes: &[u8]) -> io::Result<()> {
-    use std::os::unix::fs::OpenOptionsExt;
-    let mut file = OpenOptions::new()
-        .create(true)
-        .write(true)
-        .truncate(true)
-        .mode(0o600)
-        .open(path)?;
-    file.write_all(bytes)
-}
-
-/// Replaces `path` with `bytes` atomically (mode 0600): temp file in the same directory,
-/// rename; `durable` adds fsync of the file before and of the directory after the rename.
-pub fn write_atomic(path: &Path, bytes: &[u8], durable: bool) -> io::Result<()> {
-    let mut tmp = temp_file(path)?;
-    tmp.write_all(bytes)?;
-    if durable {
-        tmp.as_file().sync_data()?;
-    }
-    tmp.persist(path).map_err(|e| e.error)?;
-    if durable {
-        File::open(path.parent().unwrap_or(Path::new(".")))?.sync_all()?;
-    }
-    Ok(())
-}
-
-/// The suffix of the temporary files of [`write_atomic`].
-pub const TEMP_SUFFIX: &str = ".tmp";
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::fs;
 
     #[test]
     fn ids() {
@@ -1006,7 +1301,7 @@ mod tests {
     #[test]
     fn an_in_place_write_during_an_update_is_merged_not_lost() {
         let dir = tempfile::tempdir().unwrap();
-        let store = Store::new(dir.path());
+        let store = Store::new(dir.path(), ".");
         let state = LoopState {
             loop_id: "l1".into(),
             status: Status::Running,
@@ -1036,6 +1331,7 @@ mod tests {
         let on_disk: Value = serde_json::from_slice(&fs::read(&path).unwrap()).unwrap();
         assert_eq!(on_disk["notes"], "theirs");
         assert_eq!(on_disk["current_iteration"], 7);
+        store.close();
         let leftovers: Vec<_> = fs::read_dir(dir.path())
             .unwrap()
             .filter_map(|e| e.ok())
@@ -1045,9 +1341,52 @@ mod tests {
     }
 
     #[test]
+    fn a_late_write_into_the_replaced_version_is_merged() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::new(dir.path(), ".");
+        let state = LoopState {
+            loop_id: "l1".into(),
+            status: Status::Running,
+            ..LoopState::default()
+        };
+        store.create(&state).unwrap();
+        let path = store.state_path("l1");
+        // A lockless writer reads the file and opens it for writing...
+        let mut theirs: Value = serde_json::from_slice(&fs::read(&path).unwrap()).unwrap();
+        let mut late = fs::OpenOptions::new().write(true).open(&path).unwrap();
+        // ...loopd writes a new version in the meantime...
+        store
+            .update("l1", true, |raw, _| {
+                raw.insert("current_iteration".into(), 3.into());
+            })
+            .unwrap();
+        // ...and the writer's bytes land in the version that is no longer the state file.
+        theirs["notes"] = "late".into();
+        late.set_len(0).unwrap();
+        late.write_all(&serde_json::to_vec(&theirs).unwrap())
+            .unwrap();
+        drop(late);
+        assert_eq!(store.settle("l1").unwrap(), 1);
+        let on_disk: Value = serde_json::from_slice(&fs::read(&path).unwrap()).unwrap();
+        assert_eq!(on_disk["notes"], "late");
+        assert_eq!(
+            on_disk["current_iteration"], 3,
+            "their stale copy of the daemon's fields is ignored"
+        );
+        store.close();
+        assert!(!store.has_orphans(None));
+        let names: Vec<String> = fs::read_dir(dir.path())
+            .unwrap()
+            .filter_map(|e| e.ok()?.file_name().into_string().ok())
+            .filter(|n| n.ends_with(TEMP_SUFFIX))
+            .collect();
+        assert!(names.is_empty(), "{names:?}");
+    }
+
+    #[test]
     fn commit_keeps_control_fields_written_by_others() {
         let dir = tempfile::tempdir().unwrap();
-        let store = Store::new(dir.path());
+        let store = Store::new(dir.path(), ".");
         let mut state = LoopState {
             loop_id: "l1".into(),
             title: "t".into(),

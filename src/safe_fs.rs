@@ -1,0 +1,391 @@
+//! Files under a directory loopd has checked: never through a symlink, never a FIFO or a device,
+//! never a file with a second name, always private.
+//!
+//! Theory of operation: a [`Dir`] is an open directory descriptor. Every file loopd creates,
+//! writes, appends to or reads under it is opened *relative to that descriptor* (`openat`) with
+//! `O_NOFOLLOW` (a symlink in the last component is refused, not followed) and `O_NONBLOCK` (a FIFO
+//! cannot block the open), then checked with `fstat`: it must be a regular file with exactly one
+//! link (a hard link would let a write land in a file elsewhere). Subdirectories are opened the same
+//! way, one component at a time, so a symlinked `{id}.progress` or `.loop` is refused too. Files
+//! loopd creates are mode 0600 and directories 0700; an older file or directory of loopd's own with
+//! group or other bits gets them removed when it is opened for writing. Reads are bounded by a cap.
+//!
+//! A repository can commit anything under `.loop/`; none of it can make loopd write outside the
+//! directory, block on a read, or read without bound.
+
+use std::fs::File;
+use std::io::{self, Read as _, Write as _};
+use std::os::fd::{AsFd, OwnedFd};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use nix::errno::Errno;
+use nix::fcntl::{AtFlags, OFlag, RenameFlags};
+use nix::sys::stat::{FileStat, Mode, SFlag};
+
+/// Mode of the files loopd creates.
+pub const FILE_MODE: u32 = 0o600;
+/// Mode of the directories loopd creates.
+pub const DIR_MODE: u32 = 0o700;
+/// The suffix of temporary files of [`Dir::write_atomic`] and of the store.
+pub const TEMP_SUFFIX: &str = ".tmp";
+
+/// An open directory that files are opened relative to.
+#[derive(Clone, Debug)]
+pub struct Dir {
+    fd: Arc<OwnedFd>,
+    path: PathBuf,
+}
+
+/// Why a file was refused, as an `io::Error` of kind `InvalidInput` whose message says it in words.
+fn refused(path: &Path, what: &str) -> io::Error {
+    io::Error::new(
+        io::ErrorKind::InvalidInput,
+        format!("{} {what}; refused", path.display()),
+    )
+}
+
+/// Whether an error is one of [`Dir`]'s refusals (a symlink, a FIFO, a hard link...).
+pub fn is_refusal(e: &io::Error) -> bool {
+    e.kind() == io::ErrorKind::InvalidInput
+}
+
+fn describe(stat: &FileStat) -> Option<&'static str> {
+    let kind = SFlag::from_bits_truncate(stat.st_mode & SFlag::S_IFMT.bits());
+    match kind {
+        SFlag::S_IFREG if stat.st_nlink > 1 => Some("has more than one link (a hard link)"),
+        SFlag::S_IFREG => None,
+        SFlag::S_IFDIR => Some("is a directory, not a regular file"),
+        SFlag::S_IFIFO => Some("is a FIFO, not a regular file"),
+        SFlag::S_IFLNK => Some("is a symlink (loopd never follows one here)"),
+        SFlag::S_IFSOCK => Some("is a socket, not a regular file"),
+        _ => Some("is a device, not a regular file"),
+    }
+}
+
+impl Dir {
+    /// Opens a directory the user named (the project root): it is trusted as given.
+    pub fn open(path: &Path) -> io::Result<Dir> {
+        let fd = nix::fcntl::open(
+            path,
+            OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
+            Mode::empty(),
+        )
+        .map_err(|e| with_path(path, e.into()))?;
+        Ok(Dir {
+            fd: Arc::new(fd),
+            path: path.to_owned(),
+        })
+    }
+
+    /// Opens `rel` (one or more plain components) below this directory, one component at a time,
+    /// creating what is missing when `create` is set. No component may be a symlink.
+    pub fn open_nested(&self, rel: &Path, create: bool) -> io::Result<Dir> {
+        let mut dir = self.clone();
+        for part in rel.components() {
+            match part {
+                std::path::Component::Normal(name) => {
+                    let name = name
+                        .to_str()
+                        .ok_or_else(|| refused(&dir.path.join(name), "is not a UTF-8 name"))?;
+                    dir = dir.subdir(name, create)?;
+                }
+                std::path::Component::CurDir => {}
+                _ => {
+                    return Err(refused(
+                        &self.path.join(rel),
+                        "must be a relative path without '..'",
+                    ));
+                }
+            }
+        }
+        Ok(dir)
+    }
+
+    /// Opens the subdirectory `name`, creating it (mode 0700) when `create` is set and it is
+    /// missing. A symlink is refused.
+    pub fn subdir(&self, name: &str, create: bool) -> io::Result<Dir> {
+        let path = self.path.join(name);
+        if create {
+            match nix::sys::stat::mkdirat(&*self.fd, name, Mode::from_bits_truncate(DIR_MODE)) {
+                Ok(()) | Err(Errno::EEXIST) => {}
+                Err(e) => return Err(with_path(&path, e.into())),
+            }
+        }
+        let flags = OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
+        match nix::fcntl::openat(&*self.fd, name, flags, Mode::empty()) {
+            Ok(fd) => Ok(Dir {
+                fd: Arc::new(fd),
+                path,
+            }),
+            Err(Errno::ELOOP | Errno::ENOTDIR) => Err(self.refusal(name)),
+            Err(e) => Err(with_path(&path, e.into())),
+        }
+    }
+
+    /// Makes a directory of loopd's own private (0700) if it is not.
+    pub fn make_private(&self) {
+        if let Ok(stat) = nix::sys::stat::fstat(&*self.fd)
+            && stat.st_mode & 0o077 != 0
+        {
+            let _ = nix::sys::stat::fchmod(&*self.fd, Mode::from_bits_truncate(DIR_MODE));
+        }
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The path of `name` in this directory, for messages and for other programs.
+    pub fn join(&self, name: &str) -> PathBuf {
+        self.path.join(name)
+    }
+
+    /// The error for an entry that is not what it should be, saying what it is.
+    fn refusal(&self, name: &str) -> io::Error {
+        let path = self.join(name);
+        match self.stat(name) {
+            Ok(Some(stat)) => refused(&path, describe(&stat).unwrap_or("is not a directory")),
+            _ => refused(&path, "cannot be opened safely"),
+        }
+    }
+
+    /// `name`'s own metadata (a symlink is reported as one), or `None` if it does not exist.
+    pub fn stat(&self, name: &str) -> io::Result<Option<FileStat>> {
+        match nix::sys::stat::fstatat(&*self.fd, name, AtFlags::AT_SYMLINK_NOFOLLOW) {
+            Ok(stat) => Ok(Some(stat)),
+            Err(Errno::ENOENT) => Ok(None),
+            Err(e) => Err(with_path(&self.join(name), e.into())),
+        }
+    }
+
+    /// Whether `name` exists (as anything).
+    pub fn exists(&self, name: &str) -> bool {
+        self.stat(name).is_ok_and(|s| s.is_some())
+    }
+
+    fn open_checked(&self, name: &str, flags: OFlag, private: bool) -> io::Result<File> {
+        let flags = flags | OFlag::O_NOFOLLOW | OFlag::O_NONBLOCK | OFlag::O_CLOEXEC;
+        let fd =
+            match nix::fcntl::openat(&*self.fd, name, flags, Mode::from_bits_truncate(FILE_MODE)) {
+                Ok(fd) => fd,
+                // ELOOP: a symlink; ENXIO: a FIFO without a reader, opened for writing.
+                Err(Errno::ELOOP | Errno::ENXIO | Errno::EISDIR) => return Err(self.refusal(name)),
+                Err(e) => return Err(with_path(&self.join(name), e.into())),
+            };
+        let stat = nix::sys::stat::fstat(&fd).map_err(|e| with_path(&self.join(name), e.into()))?;
+        if let Some(what) = describe(&stat) {
+            return Err(refused(&self.join(name), what));
+        }
+        if private && stat.st_mode & 0o077 != 0 {
+            let _ = nix::sys::stat::fchmod(&fd, Mode::from_bits_truncate(FILE_MODE));
+        }
+        Ok(File::from(fd))
+    }
+
+    /// Opens a regular file for reading.
+    pub fn open_read(&self, name: &str) -> io::Result<File> {
+        self.open_checked(name, OFlag::O_RDONLY, false)
+    }
+
+    /// Reads a whole regular file, refusing (`FileTooLarge`) one over `cap` bytes.
+    pub fn read(&self, name: &str, cap: u64) -> io::Result<Vec<u8>> {
+        let file = self.open_read(name)?;
+        read_capped(file, cap).map_err(|e| with_path(&self.join(name), e))
+    }
+
+    /// Opens a file for appending, creating it (0600) if missing.
+    pub fn append(&self, name: &str) -> io::Result<File> {
+        self.open_checked(
+            name,
+            OFlag::O_WRONLY | OFlag::O_APPEND | OFlag::O_CREAT,
+            true,
+        )
+    }
+
+    /// Opens a file for writing from its start, created (0600) if missing, emptied if not.
+    pub fn create(&self, name: &str) -> io::Result<File> {
+        self.open_checked(
+            name,
+            OFlag::O_WRONLY | OFlag::O_CREAT | OFlag::O_TRUNC,
+            true,
+        )
+    }
+
+    /// Opens a file for reading and writing without changing it, created (0600) if missing: lock
+    /// files.
+    pub fn open_rw(&self, name: &str) -> io::Result<File> {
+        self.open_checked(name, OFlag::O_RDWR | OFlag::O_CREAT, true)
+    }
+
+    /// Creates a new temporary file next to `name` (`.NAME.XXXXXX.tmp`, 0600); returns its name.
+    pub fn temp_file(&self, name: &str) -> io::Result<(String, File)> {
+        for _ in 0..100 {
+            let tmp = format!(".{name}.{}{TEMP_SUFFIX}", random_suffix());
+            match self.open_checked(&tmp, OFlag::O_RDWR | OFlag::O_CREAT | OFlag::O_EXCL, true) {
+                Ok(file) => return Ok((tmp, file)),
+                Err(e) if e.kind() == io::ErrorKind::AlreadyExists => continue,
+                Err(e) => return Err(e),
+            }
+        }
+        Err(io::Error::new(
+            io::ErrorKind::AlreadyExists,
+            format!("{}: no free temporary name", self.join(name).display()),
+        ))
+    }
+
+    /// Replaces `name` with `bytes` atomically: a temporary file in this directory, renamed over
+    /// it; `durable` adds an fsync of the file before and of the directory after the rename.
+    pub fn write_atomic(&self, name: &str, bytes: &[u8], durable: bool) -> io::Result<()> {
+        let (tmp, mut file) = self.temp_file(name)?;
+        let written = file
+            .write_all(bytes)
+            .and_then(|()| if durable { file.sync_data() } else { Ok(()) });
+        if let Err(e) = written.and_then(|()| self.rename(&tmp, name)) {
+            let _ = self.remove(&tmp);
+            return Err(with_path(&self.join(name), e));
+        }
+        if durable {
+            self.sync()?;
+        }
+        Ok(())
+    }
+
+    /// Renames `from` to `to`, both in this directory.
+    pub fn rename(&self, from: &str, to: &str) -> io::Result<()> {
+        nix::fcntl::renameat(&*self.fd, from, &*self.fd, to)
+            .map_err(|e| with_path(&self.join(to), e.into()))
+    }
+
+    /// Swaps `a` and `b` atomically (`renameat2(RENAME_EXCHANGE)`); `Unsupported` where the
+    /// kernel or filesystem cannot.
+    pub fn exchange(&self, a: &str, b: &str) -> io::Result<()> {
+        #[cfg(all(target_os = "linux", target_env = "gnu"))]
+        {
+            nix::fcntl::renameat2(&*self.fd, a, &*self.fd, b, RenameFlags::RENAME_EXCHANGE).map_err(
+                |e| match e {
+                    Errno::EINVAL | Errno::ENOSYS => io::ErrorKind::Unsupported.into(),
+                    e => with_path(&self.join(b), e.into()),
+                },
+            )
+        }
+        #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+        {
+            let _ = (a, b, RenameFlags::empty());
+            Err(io::ErrorKind::Unsupported.into())
+        }
+    }
+
+    /// Removes the file `name`; a missing file is no error.
+    pub fn remove(&self, name: &str) -> io::Result<()> {
+        match nix::unistd::unlinkat(&*self.fd, name, nix::unistd::UnlinkatFlags::NoRemoveDir) {
+            Ok(()) | Err(Errno::ENOENT) => Ok(()),
+            Err(e) => Err(with_path(&self.join(name), e.into())),
+        }
+    }
+
+    /// The names in this directory.
+    pub fn entries(&self) -> io::Result<Vec<String>> {
+        let fd = self.fd.try_clone().map_err(|e| with_path(&self.path, e))?;
+        let mut dir = nix::dir::Dir::from_fd(fd).map_err(|e| with_path(&self.path, e.into()))?;
+        Ok(dir
+            .iter()
+            .filter_map(Result::ok)
+            .filter_map(|e| e.file_name().to_str().ok().map(str::to_owned))
+            .filter(|n| n != "." && n != "..")
+            .collect())
+    }
+
+    /// fsync of the directory itself: makes renames and creations in it durable.
+    pub fn sync(&self) -> io::Result<()> {
+        nix::unistd::fsync(self.fd.as_fd()).map_err(|e| with_path(&self.path, e.into()))
+    }
+}
+
+/// Reads at most `cap` bytes of a file; more is `FileTooLarge`.
+pub fn read_capped(file: File, cap: u64) -> io::Result<Vec<u8>> {
+    let len = file.metadata()?.len();
+    if len > cap {
+        return Err(io::Error::new(
+            io::ErrorKind::FileTooLarge,
+            format!("{len} bytes, over the {cap}-byte limit"),
+        ));
+    }
+    // One byte more than the cap, to see a file that grew meanwhile.
+    let mut bytes = Vec::with_capacity(len as usize + 1);
+    file.take(cap + 1).read_to_end(&mut bytes)?;
+    if bytes.len() as u64 > cap {
+        return Err(io::Error::new(
+            io::ErrorKind::FileTooLarge,
+            format!("over the {cap}-byte limit"),
+        ));
+    }
+    Ok(bytes)
+}
+
+/// Reads a file the user named by path (a config or action file): not through a FIFO or a
+/// device, at most `cap` bytes.
+pub fn read_user_file(path: &Path, cap: u64) -> io::Result<Vec<u8>> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(OFlag::O_NONBLOCK.bits())
+        .open(path)?;
+    let stat = nix::sys::stat::fstat(&file).map_err(io::Error::from)?;
+    let kind = SFlag::from_bits_truncate(stat.st_mode & SFlag::S_IFMT.bits());
+    if kind != SFlag::S_IFREG {
+        return Err(refused(
+            path,
+            describe(&stat).unwrap_or("is not a regular file"),
+        ));
+    }
+    read_capped(file, cap).map_err(|e| with_path(path, e))
+}
+
+fn with_path(path: &Path, e: io::Error) -> io::Error {
+    io::Error::new(e.kind(), format!("{}: {e}", path.display()))
+}
+
+fn random_suffix() -> String {
+    std::iter::repeat_with(fastrand::alphanumeric)
+        .take(6)
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    #[test]
+    fn symlinks_fifos_and_hard_links_are_refused() {
+        let tmp = tempfile::tempdir().unwrap();
+        let outside = tempfile::tempdir().unwrap();
+        let dir = Dir::open(tmp.path()).unwrap();
+        let target = outside.path().join("profile");
+        std::fs::write(&target, "mine\n").unwrap();
+        std::os::unix::fs::symlink(&target, tmp.path().join("link")).unwrap();
+        std::fs::hard_link(&target, tmp.path().join("hard")).unwrap();
+        nix::unistd::mkfifo(&tmp.path().join("fifo"), Mode::from_bits_truncate(0o600)).unwrap();
+        std::os::unix::fs::symlink(outside.path(), tmp.path().join("sub")).unwrap();
+        for name in ["link", "hard", "fifo"] {
+            let e = dir.append(name).unwrap_err();
+            assert!(is_refusal(&e), "{name}: {e}");
+            let e = dir.read(name, 100).unwrap_err();
+            assert!(is_refusal(&e), "{name}: {e}");
+        }
+        assert!(is_refusal(&dir.subdir("sub", true).unwrap_err()));
+        assert_eq!(std::fs::read_to_string(&target).unwrap(), "mine\n");
+        // What loopd creates is private.
+        let sub = dir.subdir("new", true).unwrap();
+        sub.append("f").unwrap().write_all(b"x").unwrap();
+        sub.write_atomic("g", b"y", true).unwrap();
+        let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode(&tmp.path().join("new")), 0o700);
+        assert_eq!(mode(&tmp.path().join("new/f")), 0o600);
+        assert_eq!(mode(&tmp.path().join("new/g")), 0o600);
+        assert_eq!(sub.read("g", 10).unwrap(), b"y");
+        let e = sub.read("g", 0).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::FileTooLarge);
+    }
+}
