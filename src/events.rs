@@ -3,14 +3,20 @@
 //! Every event is one NDJSON line appended with a single `write` (O_APPEND), and the same event
 //! is logged through `tracing` in its human form ([`render`]), which is also what `loopd logs`
 //! prints. Neither is fsynced: they are the story of the loop, the state file is its truth.
+//!
+//! Both go through a [`ProgressDir`]: the loop's progress directory opened safely (see
+//! [`crate::safe_fs`]) and opened again, recreated, if someone removes it while the loop runs.
 
-use std::fs::{File, OpenOptions};
-use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::cell::RefCell;
+use std::fs::File;
+use std::io::{self, Write};
+use std::path::PathBuf;
 
 use serde_json::{Map, Value, json};
 
+use crate::safe_fs::Dir;
 use crate::state::model::{LoopState, now_rfc3339};
+use crate::state::store::{Store, StoreError};
 
 /// Event names, CONTRACT §7 plus loopd's own (documented in the README).
 pub mod name {
@@ -45,10 +51,65 @@ pub const EVENT_LOG_ROTATE: u64 = 16 << 20;
 /// Actions whose attempt files `actions/` keeps (the oldest go).
 pub const KEEP_ACTIONS: u64 = 200;
 
+/// A loop's progress directory (`{id}.progress`), opened on first use and again after it was
+/// removed.
+#[derive(Clone)]
+pub struct ProgressDir {
+    store: Store,
+    id: String,
+    dir: RefCell<Option<Dir>>,
+}
+
+impl ProgressDir {
+    pub fn new(store: &Store, id: &str) -> ProgressDir {
+        ProgressDir {
+            store: store.clone(),
+            id: id.to_owned(),
+            dir: RefCell::new(None),
+        }
+    }
+
+    /// The directory, created (0700) if missing.
+    pub fn dir(&self) -> Result<Dir, StoreError> {
+        if let Some(dir) = &*self.dir.borrow() {
+            return Ok(dir.clone());
+        }
+        let dir = self.store.progress(&self.id)?;
+        *self.dir.borrow_mut() = Some(dir.clone());
+        Ok(dir)
+    }
+
+    pub fn path(&self) -> PathBuf {
+        self.store.progress_dir(&self.id)
+    }
+
+    /// Runs `f` on the directory; if the directory is gone (`NotFound`), once more on a new one.
+    pub fn with<T>(&self, f: impl Fn(&Dir) -> io::Result<T>) -> io::Result<T> {
+        let dir = self.dir().map_err(io::Error::other)?;
+        match f(&dir) {
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                *self.dir.borrow_mut() = None;
+                let dir = self.dir().map_err(io::Error::other)?;
+                f(&dir)
+            }
+            other => other,
+        }
+    }
+
+    /// The attempts' directory, `actions/`, created if missing.
+    pub fn actions(&self) -> io::Result<Dir> {
+        self.with(|d| {
+            let actions = d.subdir("actions", true)?;
+            actions.make_private();
+            Ok(actions)
+        })
+    }
+}
+
 /// Appends events of one loop.
 pub struct EventLog {
     loop_id: String,
-    path: PathBuf,
+    dir: ProgressDir,
     file: Option<File>,
     size: u64,
 }
@@ -75,17 +136,19 @@ impl Event {
 }
 
 impl EventLog {
-    pub fn open(loop_id: &str, progress_dir: &Path) -> std::io::Result<EventLog> {
-        std::fs::create_dir_all(progress_dir)?;
-        let path = progress_dir.join("events.jsonl");
-        let file = OpenOptions::new().create(true).append(true).open(&path)?;
+    pub fn open(loop_id: &str, dir: &ProgressDir) -> std::io::Result<EventLog> {
+        let file = dir.with(|d| d.append("events.jsonl"))?;
         let size = file.metadata()?.len();
         Ok(EventLog {
             loop_id: loop_id.to_owned(),
-            path,
+            dir: dir.clone(),
             file: Some(file),
             size,
         })
+    }
+
+    fn path(&self) -> PathBuf {
+        self.dir.path().join("events.jsonl")
     }
 
     pub fn emit(&mut self, event: Event) {
@@ -102,9 +165,18 @@ impl EventLog {
         }
         let mut text = value.to_string();
         text.push('\n');
+        // A log removed meanwhile (with its directory) is opened anew, once.
+        if self.file.as_ref().is_none_or(removed) {
+            self.file = self.dir.with(|d| d.append("events.jsonl")).ok();
+            self.size = self
+                .file
+                .as_ref()
+                .and_then(|f| f.metadata().ok())
+                .map_or(0, |m| m.len());
+        }
         if let Some(file) = &mut self.file {
             if let Err(e) = file.write_all(text.as_bytes()) {
-                tracing::warn!(path = %self.path.display(), "cannot append to the event log: {e}");
+                tracing::warn!(path = %self.path().display(), "cannot append to the event log: {e}");
                 self.file = None;
                 return;
             }
@@ -116,14 +188,17 @@ impl EventLog {
     }
 }
 
+/// Whether an open file has no name left.
+fn removed(file: &File) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    file.metadata().is_ok_and(|m| m.nlink() == 0)
+}
+
 impl EventLog {
     fn rotate(&mut self) {
-        let old = self.path.with_file_name("events.1.jsonl");
-        let reopened = std::fs::rename(&self.path, &old).and_then(|()| {
-            OpenOptions::new()
-                .create(true)
-                .append(true)
-                .open(&self.path)
+        let reopened = self.dir.with(|d| {
+            d.rename("events.jsonl", "events.1.jsonl")?;
+            d.append("events.jsonl")
         });
         match reopened {
             Ok(file) => {
@@ -131,7 +206,7 @@ impl EventLog {
                 self.size = 0;
             }
             Err(e) => {
-                tracing::warn!(path = %self.path.display(), "cannot rotate the event log: {e}");
+                tracing::warn!(path = %self.path().display(), "cannot rotate the event log: {e}");
             }
         }
     }
@@ -188,59 +263,52 @@ pub fn render(event: &Value) -> String {
 
 /// The Markdown and NDJSON files of `{id}.progress/` written for people.
 pub struct Progress {
-    dir: PathBuf,
+    dir: ProgressDir,
 }
 
 impl Progress {
-    pub fn new(dir: PathBuf) -> Progress {
-        Progress { dir }
-    }
-
-    pub fn actions_dir(&self) -> PathBuf {
-        self.dir.join("actions")
+    pub fn new(dir: &ProgressDir) -> Progress {
+        Progress { dir: dir.clone() }
     }
 
     /// Removes the files of all but the last [`KEEP_ACTIONS`] actions from `actions/` (their
     /// names start with the action's number).
     pub fn prune_actions(&self) {
-        let dir = self.actions_dir();
-        let Ok(entries) = std::fs::read_dir(&dir) else {
+        let Ok(dir) = self.dir.actions() else {
             return;
         };
-        let numbered: Vec<(u64, PathBuf)> = entries
-            .filter_map(Result::ok)
-            .filter_map(|e| {
-                let name = e.file_name().into_string().ok()?;
-                let n = name.split('-').next()?.parse().ok()?;
-                Some((n, e.path()))
-            })
+        let numbered: Vec<(u64, String)> = dir
+            .entries()
+            .unwrap_or_default()
+            .into_iter()
+            .filter_map(|name| Some((name.split('-').next()?.parse().ok()?, name)))
             .collect();
         let Some(newest) = numbered.iter().map(|(n, _)| *n).max() else {
             return;
         };
-        for (n, path) in numbered {
+        for (n, name) in numbered {
             if n + KEEP_ACTIONS <= newest {
-                let _ = std::fs::remove_file(path);
+                let _ = dir.remove(&name);
             }
         }
     }
 
     fn append(&self, file: &str, text: &str) {
-        let path = self.dir.join(file);
-        let result = OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&path)
-            .and_then(|mut f| f.write_all(text.as_bytes()));
+        let result = self.dir.with(|d| {
+            d.append(file)
+                .and_then(|mut f| f.write_all(text.as_bytes()))
+        });
         if let Err(e) = result {
-            tracing::warn!(path = %path.display(), "cannot write progress file: {e}");
+            tracing::warn!("cannot write progress file {file}: {e}");
         }
     }
 
     fn replace(&self, file: &str, text: &str) {
-        let path = self.dir.join(file);
-        if let Err(e) = std::fs::write(&path, text) {
-            tracing::warn!(path = %path.display(), "cannot write progress file: {e}");
+        if let Err(e) = self
+            .dir
+            .with(|d| d.write_atomic(file, text.as_bytes(), false))
+        {
+            tracing::warn!("cannot write progress file {file}: {e}");
         }
     }
 

@@ -25,7 +25,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::actions::ActionDef;
 use crate::config::{Config, ExecutorConfig, Format, PromptMode, Supervision};
-use crate::events::{Event, EventLog, Progress, name};
+use crate::events::{Event, EventLog, Progress, ProgressDir, name};
 use crate::executor::agent::{AgentStream, AttemptOutcome};
 use crate::executor::result::{Verdict, verdict};
 use crate::executor::{Budget, Executor, Spawned, Spec, procs};
@@ -164,11 +164,10 @@ impl Daemon {
 
     /// Drives the loop until it ends. `shutdown` carries the signal number that asked to stop.
     pub async fn run(&self, id: &str, shutdown: watch::Receiver<Option<i32>>) -> Result<Exit> {
-        let mut events = EventLog::open(id, &self.store.progress_dir(id))
+        let progress_dir = ProgressDir::new(&self.store, id);
+        let mut events = EventLog::open(id, &progress_dir)
             .with_context(|| format!("cannot open the event log of {id}"))?;
-        let progress = Progress::new(self.store.progress_dir(id));
-        std::fs::create_dir_all(progress.actions_dir())
-            .with_context(|| format!("cannot create {}", progress.actions_dir().display()))?;
+        let progress = Progress::new(&progress_dir);
         events.emit(
             Event::new(name::DAEMON_STARTED)
                 .with("pid", std::process::id())
@@ -180,6 +179,7 @@ impl Daemon {
             id,
             events,
             progress,
+            progress_dir,
             watch: Watch::start(&self.store, id),
             shutdown,
             tasks_seen: None,
@@ -251,6 +251,7 @@ struct Turn<'a> {
     id: &'a str,
     events: EventLog,
     progress: Progress,
+    progress_dir: ProgressDir,
     watch: Watch,
     shutdown: watch::Receiver<Option<i32>>,
     /// The task list file as last absorbed (length, modification time).
@@ -642,7 +643,9 @@ impl Turn<'_> {
             .get(&dispatch.action)
             .with_context(|| format!("no plan for action {}", dispatch.action))?;
         let def = &daemon.actions[&dispatch.action];
-        let iteration = state.current_iteration + u64::from(wf.counts_iteration(&dispatch.action));
+        let iteration = state
+            .current_iteration
+            .saturating_add(u64::from(wf.counts_iteration(&dispatch.action)));
         let now = now_rfc3339();
         wf.begin(&mut state, dispatch, &now);
         let skill = state.skill();
@@ -788,14 +791,21 @@ impl Turn<'_> {
         {
             return Ok(Attempted::Interrupted(Interrupt::Control));
         }
-        let progress_dir = store.progress_dir(id);
+        let progress_dir = self.progress_dir.path();
+        let actions = self
+            .progress_dir
+            .actions()
+            .with_context(|| format!("cannot open {}/actions", progress_dir.display()))?;
         let stem = format!(
             "{:04}-{}-{}",
-            state.skill_state.as_ref().map_or(0, |s| s.seq) + 1,
+            state
+                .skill_state
+                .as_ref()
+                .map_or(0, |s| s.seq)
+                .saturating_add(1),
             dispatch.action,
             attempt
         );
-        let actions_dir = self.progress.actions_dir();
         // One file per attempt: a rerun (after an interruption or a rate limit) gets its own.
         let stem = (1..)
             .map(|n| {
@@ -805,11 +815,12 @@ impl Turn<'_> {
                     format!("{stem}.{n}")
                 }
             })
-            .find(|s| !actions_dir.join(format!("{s}.log")).exists())
+            .find(|s| !actions.exists(&format!("{s}.log")))
             .unwrap_or(stem);
-        let log_path = actions_dir.join(format!("{stem}.log"));
-        let result_path = actions_dir.join(format!("{stem}.result.json"));
-        let _ = std::fs::remove_file(&result_path);
+        let result_name = format!("{stem}.result.json");
+        let log_path = actions.join(&format!("{stem}.log"));
+        let result_path = actions.join(&result_name);
+        let _ = actions.remove(&result_name);
         let task = dispatch
             .task_id
             .as_deref()
@@ -848,7 +859,8 @@ impl Turn<'_> {
             env,
             cwd: daemon.root.clone(),
             supervision: plan.supervision,
-            log_path: log_path.clone(),
+            dir: actions.clone(),
+            stem: stem.clone(),
             agent: AgentStream::for_format(plan.format),
             budget: {
                 let (tokens, cost_usd) = daemon.limits().remaining(state);
@@ -937,7 +949,8 @@ impl Turn<'_> {
                 return Ok(Attempted::Done(v));
             }
         };
-        let mut v = verdict(plan.format, &result_path, &run);
+        let reported = crate::executor::result::read_result_file(&actions, &result_name);
+        let mut v = verdict(plan.format, reported, &run);
         if let Verdict::Success(result) = &v
             && let Err(reason) = daemon.workflow.validate(&dispatch.action, result)
         {
@@ -1003,12 +1016,7 @@ impl Turn<'_> {
         let skill = state.skill();
         skill.in_flight = None;
         if let Some(agent) = agent {
-            let u = &mut skill.usage;
-            u.input_tokens += agent.usage.input_tokens;
-            u.output_tokens += agent.usage.output_tokens;
-            u.cache_read_tokens += agent.usage.cache_read_tokens;
-            u.cache_write_tokens += agent.usage.cache_write_tokens;
-            u.cost_usd += agent.cost_usd.unwrap_or(0.0);
+            skill.usage.add(&agent.usage, agent.cost_usd);
         }
         let (summary, error) = match v {
             Verdict::Success(r) => ((!r.summary.is_empty()).then(|| r.summary.clone()), None),

@@ -400,23 +400,8 @@ fn a_flood_of_output_keeps_the_daemon_small() {
         "develop) head -c 268435456 /dev/zero; echo",
     ));
     let id = p.create(&["--title", "t", "--task", "flood"]);
-    let mut child = p.spawn_run(&id, &[]);
-    let pid = child.id();
-    let mut peak_kib = 0u64;
-    let deadline = Instant::now() + DEADLINE;
-    while child.try_wait().unwrap().is_none() {
-        assert!(Instant::now() < deadline, "the flood did not end");
-        if let Ok(status) = std::fs::read_to_string(format!("/proc/{pid}/status"))
-            && let Some(kib) = status
-                .lines()
-                .find_map(|l| l.strip_prefix("VmHWM:"))
-                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        {
-            peak_kib = peak_kib.max(kib);
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    assert_eq!(child.wait().unwrap().code(), Some(0));
+    let (out, peak_kib) = wait_watching_rss(p.spawn_run(&id, &[]));
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
     eprintln!("daemon peak RSS during a 256 MiB flood: {peak_kib} KiB");
     assert!(
         peak_kib > 0 && peak_kib < 64 * 1024,

@@ -64,14 +64,21 @@ pub struct Usage {
 
 impl Usage {
     pub fn total(&self) -> u64 {
-        self.input_tokens + self.output_tokens + self.cache_read_tokens + self.cache_write_tokens
+        self.input_tokens
+            .saturating_add(self.output_tokens)
+            .saturating_add(self.cache_read_tokens)
+            .saturating_add(self.cache_write_tokens)
     }
 
     pub fn add(&mut self, other: &Usage) {
-        self.input_tokens += other.input_tokens;
-        self.output_tokens += other.output_tokens;
-        self.cache_read_tokens += other.cache_read_tokens;
-        self.cache_write_tokens += other.cache_write_tokens;
+        self.input_tokens = self.input_tokens.saturating_add(other.input_tokens);
+        self.output_tokens = self.output_tokens.saturating_add(other.output_tokens);
+        self.cache_read_tokens = self
+            .cache_read_tokens
+            .saturating_add(other.cache_read_tokens);
+        self.cache_write_tokens = self
+            .cache_write_tokens
+            .saturating_add(other.cache_write_tokens);
     }
 }
 
@@ -498,8 +505,10 @@ fn codex_usage(u: &Value) -> Option<Usage> {
             .as_u64()
             .unwrap_or(0)
             .saturating_sub(cached),
-        output_tokens: u["output_tokens"].as_u64().unwrap_or(0)
-            + u["reasoning_output_tokens"].as_u64().unwrap_or(0),
+        output_tokens: u["output_tokens"]
+            .as_u64()
+            .unwrap_or(0)
+            .saturating_add(u["reasoning_output_tokens"].as_u64().unwrap_or(0)),
         cache_read_tokens: cached,
         cache_write_tokens: 0,
     })
@@ -512,10 +521,15 @@ fn gemini_usage(stats: &Value) -> Option<Usage> {
     for model in models.values() {
         let t = &model["tokens"];
         let cached = t["cached"].as_u64().unwrap_or(0);
-        usage.input_tokens += t["prompt"].as_u64().unwrap_or(0).saturating_sub(cached);
-        usage.cache_read_tokens += cached;
-        usage.output_tokens +=
-            t["candidates"].as_u64().unwrap_or(0) + t["thoughts"].as_u64().unwrap_or(0);
+        usage.add(&Usage {
+            input_tokens: t["prompt"].as_u64().unwrap_or(0).saturating_sub(cached),
+            cache_read_tokens: cached,
+            output_tokens: t["candidates"]
+                .as_u64()
+                .unwrap_or(0)
+                .saturating_add(t["thoughts"].as_u64().unwrap_or(0)),
+            cache_write_tokens: 0,
+        });
     }
     Some(usage)
 }
@@ -596,7 +610,7 @@ pub fn reset_time(text: &str, event: &Value, now: DateTime<Utc>) -> Option<DateT
     }
     for key in ["resets_in_seconds", "retry_after", "retry_after_seconds"] {
         if let Some(secs) = find_number(event, key) {
-            return Some(now + chrono::Duration::milliseconds((secs * 1000.0) as i64));
+            return after(now, secs);
         }
     }
     for key in ["reset_at", "resets_at"] {
@@ -619,11 +633,26 @@ pub fn reset_time(text: &str, event: &Value, now: DateTime<Utc>) -> Option<DateT
     ]
     .iter()
     .find_map(|p| lower.find(p).map(|i| &lower[i + p.len()..]))?;
-    parse_duration_words(after).map(|d| now + d)
+    parse_duration_words(after).and_then(|secs| self::after(now, secs))
 }
 
-/// "2 hours 5 minutes", "23.4s", "90 seconds", "1h30m": the leading duration of a text.
-fn parse_duration_words(text: &str) -> Option<chrono::Duration> {
+/// The longest wait an agent's reset time is believed for (loopd's own `rate_limit_max_wait` is
+/// the real bound); beyond it a number is garbage.
+const MAX_RESET_SECS: f64 = 366.0 * 86_400.0;
+
+/// `now` plus `secs` seconds: `None` for a negative or non-finite number, at most
+/// [`MAX_RESET_SECS`] later, never an overflow.
+fn after(now: DateTime<Utc>, secs: f64) -> Option<DateTime<Utc>> {
+    if !(secs.is_finite() && secs >= 0.0) {
+        return None;
+    }
+    let ms = (secs.min(MAX_RESET_SECS) * 1000.0) as i64;
+    now.checked_add_signed(chrono::TimeDelta::try_milliseconds(ms)?)
+}
+
+/// "2 hours 5 minutes", "23.4s", "90 seconds", "1h30m": the leading duration of a text, in
+/// seconds.
+fn parse_duration_words(text: &str) -> Option<f64> {
     let mut total_ms = 0f64;
     let mut found = false;
     let mut rest = text.trim_start();
@@ -656,7 +685,7 @@ fn parse_duration_words(text: &str) -> Option<chrono::Duration> {
             .trim_start_matches([' ', ','])
             .trim_start_matches("and ");
     }
-    found.then(|| chrono::Duration::milliseconds(total_ms as i64))
+    found.then_some(total_ms / 1000.0)
 }
 
 fn find_value<'a>(v: &'a Value, key: &str) -> Option<&'a Value> {

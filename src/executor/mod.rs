@@ -27,6 +27,7 @@ use tokio::process::Command;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::{PromptMode, Supervision};
+use crate::safe_fs::Dir;
 
 /// How much of stdout is kept in memory to find the result in.
 pub const TAIL_CAP: usize = 1 << 20;
@@ -40,8 +41,10 @@ pub struct Spec {
     pub env: Vec<(String, OsString)>,
     pub cwd: PathBuf,
     pub supervision: Supervision,
-    /// The attempt's output log.
-    pub log_path: PathBuf,
+    /// Where the attempt's files go: `{stem}.log` (its output) and `{stem}.prompt.md` (the
+    /// prompt, when the executor takes it as a file).
+    pub dir: Dir,
+    pub stem: String,
     /// For an agent's output format: its stream, fed stdout as it comes.
     pub agent: Option<agent::AgentStream>,
     /// What this attempt may still spend, if the loop has a budget.
@@ -161,12 +164,21 @@ async fn run_subprocess(
             command.arg(&spec.prompt).stdin(Stdio::null());
         }
         PromptMode::File => {
-            let path = spec.log_path.with_extension("prompt.md");
-            std::fs::write(&path, &spec.prompt)?;
-            command.arg(&path).stdin(Stdio::null());
+            let name = format!("{}.prompt.md", spec.stem);
+            spec.dir
+                .create(&name)
+                .and_then(|mut f| f.write_all(spec.prompt.as_bytes()))?;
+            command.arg(spec.dir.join(&name)).stdin(Stdio::null());
         }
     }
-    let mut log = CappedLog::create(spec.log_path.clone(), spec.supervision.output_cap)?;
+    let log_name = format!("{}.log", spec.stem);
+    let mut log = CappedLog {
+        file: Some(spec.dir.create(&log_name)?),
+        path: spec.dir.join(&log_name),
+        cap: spec.supervision.output_cap,
+        written: 0,
+        seen: 0,
+    };
     let mut child = command
         .spawn()
         .map_err(|e| io::Error::new(e.kind(), format!("cannot start {program:?}: {e}")))?;
@@ -359,18 +371,6 @@ struct CappedLog {
 }
 
 impl CappedLog {
-    fn create(path: PathBuf, cap: u64) -> io::Result<CappedLog> {
-        let file = File::create(&path)
-            .map_err(|e| io::Error::new(e.kind(), format!("{}: {e}", path.display())))?;
-        Ok(CappedLog {
-            file: Some(file),
-            path,
-            cap,
-            written: 0,
-            seen: 0,
-        })
-    }
-
     fn write(&mut self, bytes: &[u8]) {
         self.seen += bytes.len() as u64;
         let room = self.cap.saturating_sub(self.written) as usize;

@@ -1,8 +1,6 @@
 //! From a finished [`Run`] to an attempt's verdict: find the result (the result file, else the
 //! output according to the executor's format, else the exit code) and classify the attempt.
 
-use std::path::Path;
-
 use serde_json::{Map, Value, json};
 
 use chrono::{DateTime, Utc};
@@ -11,6 +9,7 @@ use super::agent::AttemptOutcome;
 use super::{Cut, Run};
 use crate::config::Format;
 use crate::protocol::{ActionResult, ResultStatus};
+use crate::safe_fs::Dir;
 
 /// A result file larger than this is refused rather than read.
 const RESULT_FILE_CAP: u64 = 4 << 20;
@@ -51,9 +50,12 @@ fn failed(outcome: AttemptOutcome, message: impl Into<String>) -> Verdict {
     }
 }
 
+/// What the executor reported in `$LOOPD_RESULT_FILE`, if it wrote it (see [`read_result_file`]).
+pub type Reported = Option<Result<ActionResult, String>>;
+
 /// Classifies a finished run. Summaries and messages come out as one line each.
-pub fn verdict(format: Format, result_file: &Path, run: &Run) -> Verdict {
-    match classify(format, result_file, run) {
+pub fn verdict(format: Format, reported: Reported, run: &Run) -> Verdict {
+    match classify(format, reported, run) {
         Verdict::Success(mut result) => {
             result.summary = one_line(&result.summary);
             Verdict::Success(result)
@@ -89,7 +91,7 @@ pub fn one_line(text: &str) -> String {
     }
 }
 
-fn classify(format: Format, result_file: &Path, run: &Run) -> Verdict {
+fn classify(format: Format, reported: Reported, run: &Run) -> Verdict {
     use AttemptOutcome as O;
     match run.cut {
         Some(Cut::Cancelled) => return Verdict::Interrupted,
@@ -106,7 +108,7 @@ fn classify(format: Format, result_file: &Path, run: &Run) -> Verdict {
     let exit_code = run.status.and_then(|s| s.code());
     if let Some(agent) = &run.agent {
         return match agent.classify(exit_code) {
-            (O::Success, _) => match read_result_file(result_file) {
+            (O::Success, _) => match reported {
                 Some(reported) => judge(reported, None),
                 // The result in the agent's final message, else a success with no updates.
                 None => match agent
@@ -142,7 +144,7 @@ fn classify(format: Format, result_file: &Path, run: &Run) -> Verdict {
         }
         (None, None) => Some((O::AgentError, "ended without an exit status".to_owned())),
     };
-    let reported = match read_result_file(result_file) {
+    let reported = match reported {
         Some(r) => Some(r),
         None => match format {
             Format::Test => {
@@ -193,17 +195,20 @@ fn secs(d: std::time::Duration) -> String {
     format!("{}s", d.as_secs_f64())
 }
 
-/// The result the executor wrote to `$LOOPD_RESULT_FILE`, if it wrote one.
-fn read_result_file(path: &Path) -> Option<Result<ActionResult, String>> {
-    let meta = std::fs::metadata(path).ok()?;
-    if meta.len() > RESULT_FILE_CAP {
-        return Some(Err(format!(
-            "result file is {} bytes, over the {} byte cap",
-            meta.len(),
-            RESULT_FILE_CAP
-        )));
-    }
-    let text = std::fs::read(path).ok()?;
+/// The result the executor wrote to `$LOOPD_RESULT_FILE` (`name` in the attempts' directory),
+/// if it wrote one. Read without blocking and at most [`RESULT_FILE_CAP`] bytes: a FIFO, a
+/// device, a symlink or a hard link there is a failed attempt, never a hang.
+pub fn read_result_file(dir: &Dir, name: &str) -> Reported {
+    let text = match dir.read(name, RESULT_FILE_CAP) {
+        Ok(text) => text,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return None,
+        Err(e) if e.kind() == std::io::ErrorKind::FileTooLarge => {
+            return Some(Err(format!(
+                "result file is over the {RESULT_FILE_CAP} byte cap"
+            )));
+        }
+        Err(e) => return Some(Err(format!("result file: {e}"))),
+    };
     if text.iter().all(u8::is_ascii_whitespace) {
         return None;
     }
@@ -228,24 +233,53 @@ fn kind(v: &Value) -> &'static str {
     }
 }
 
+/// How many candidate objects [`last_json_object`] parses at most: the scan stays linear in the
+/// output's length, whatever an executor prints.
+const MAX_OBJECT_ATTEMPTS: usize = 64;
+
 /// The last top-level JSON object in some output, wherever it sits (alone on a line, inside a
-/// fenced code block, after prose).
+/// fenced code block, after prose): of every balanced `{...}` that parses, the one that ends last.
+///
+/// One pass matches the braces (strings are tracked inside braces only: prose may hold quotes),
+/// then the balanced spans are tried from the one that ends last, at most
+/// [`MAX_OBJECT_ATTEMPTS`] of them: time linear in the output, however it nests.
 pub fn last_json_object(bytes: &[u8]) -> Option<Value> {
     let text = String::from_utf8_lossy(bytes);
-    let mut last = None;
-    let mut pos = 0;
-    while let Some(offset) = text[pos..].find('{') {
-        let start = pos + offset;
-        let mut stream = serde_json::Deserializer::from_str(&text[start..]).into_iter::<Value>();
-        match stream.next() {
-            Some(Ok(value @ Value::Object(_))) => {
-                pos = start + stream.byte_offset();
-                last = Some(value);
+    let b = text.as_bytes();
+    let mut open: Vec<usize> = Vec::new();
+    // Balanced spans, in the order they close: by their end.
+    let mut spans: Vec<(usize, usize)> = Vec::new();
+    let (mut in_string, mut escaped) = (false, false);
+    for (i, &c) in b.iter().enumerate() {
+        if in_string {
+            match c {
+                _ if escaped => escaped = false,
+                b'\\' => escaped = true,
+                b'"' => in_string = false,
+                _ => {}
             }
-            _ => pos = start + 1,
+            continue;
+        }
+        match c {
+            b'"' if !open.is_empty() => in_string = true,
+            b'{' => open.push(i),
+            b'}' => {
+                if let Some(start) = open.pop() {
+                    spans.push((start, i));
+                }
+            }
+            _ => {}
         }
     }
-    last
+    spans
+        .iter()
+        .rev()
+        .take(MAX_OBJECT_ATTEMPTS)
+        .find_map(|&(start, end)| {
+            serde_json::from_str::<Value>(&text[start..=end])
+                .ok()
+                .filter(Value::is_object)
+        })
 }
 
 /// Counts read from a test runner's output.
@@ -266,9 +300,9 @@ pub fn test_result(passed: bool, output: &[u8]) -> ActionResult {
     let summary = match &counts {
         Some(c) => {
             if let Some(p) = c.passed
-                && p + c.failed > 0
+                && p.saturating_add(c.failed) > 0
             {
-                let rate = (p as f64 * 1000.0 / (p + c.failed) as f64).round() / 10.0;
+                let rate = (p as f64 * 1000.0 / (p as f64 + c.failed as f64)).round() / 10.0;
                 updates.insert("pass_rate".into(), json!(rate));
             }
             updates.insert("failed_tests".into(), json!(c.failed_tests));
@@ -306,8 +340,8 @@ pub fn parse_test_output(text: &str) -> Option<TestCounts> {
         if let Some(rest) = t.strip_prefix("test result:") {
             let (p, f) = libtest.unwrap_or_default();
             libtest = Some((
-                p + number_before(rest, "passed").unwrap_or(0),
-                f + number_before(rest, "failed").unwrap_or(0),
+                p.saturating_add(number_before(rest, "passed").unwrap_or(0)),
+                f.saturating_add(number_before(rest, "failed").unwrap_or(0)),
             ));
         } else if let Some(name) = t
             .strip_prefix("test ")

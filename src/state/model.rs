@@ -257,9 +257,33 @@ pub struct UsageTotals {
     pub extra: Extra,
 }
 
+/// The most dollars a loop's usage records: more is surely garbage, and must stay a finite number
+/// (JSON has no infinity).
+pub const MAX_COST_USD: f64 = 1e12;
+
 impl UsageTotals {
     pub fn tokens(&self) -> u64 {
-        self.input_tokens + self.output_tokens + self.cache_read_tokens + self.cache_write_tokens
+        self.input_tokens
+            .saturating_add(self.output_tokens)
+            .saturating_add(self.cache_read_tokens)
+            .saturating_add(self.cache_write_tokens)
+    }
+
+    /// Adds an attempt's spending; sums saturate, and a cost that is not a finite number of
+    /// dollars counts as nothing.
+    pub fn add(&mut self, usage: &crate::executor::agent::Usage, cost_usd: Option<f64>) {
+        self.input_tokens = self.input_tokens.saturating_add(usage.input_tokens);
+        self.output_tokens = self.output_tokens.saturating_add(usage.output_tokens);
+        self.cache_read_tokens = self
+            .cache_read_tokens
+            .saturating_add(usage.cache_read_tokens);
+        self.cache_write_tokens = self
+            .cache_write_tokens
+            .saturating_add(usage.cache_write_tokens);
+        let cost = cost_usd
+            .filter(|c| c.is_finite() && *c > 0.0)
+            .unwrap_or(0.0);
+        self.cost_usd = (self.cost_usd + cost).clamp(0.0, MAX_COST_USD);
     }
 }
 

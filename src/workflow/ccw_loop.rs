@@ -313,7 +313,7 @@ impl Workflow for CcwLoop {
                 skill.develop.recount();
             }
             "debug" => {
-                skill.debug.iteration += 1;
+                skill.debug.iteration = skill.debug.iteration.saturating_add(1);
                 skill.debug.last_analysis_at = Some(now.to_owned());
                 if let Some(u) = updates {
                     if let Ok(Some(bug)) = opt_str(u, "active_bug") {
@@ -326,7 +326,10 @@ impl Workflow for CcwLoop {
                         .get("hypotheses")
                         .and_then(|h| serde_json::from_value::<Vec<Hypothesis>>(h.clone()).ok())
                     {
-                        skill.debug.hypotheses_count += new.len() as u64;
+                        skill.debug.hypotheses_count = skill
+                            .debug
+                            .hypotheses_count
+                            .saturating_add(new.len() as u64);
                         skill.debug.hypotheses.extend(new);
                         trim_window(&mut skill.debug.hypotheses, HYPOTHESES_WINDOW);
                     }

@@ -229,10 +229,10 @@ pub fn record_finish(
     now: &str,
 ) {
     if workflow.counts_iteration(&dispatch.action) {
-        state.current_iteration += 1;
+        state.current_iteration = state.current_iteration.saturating_add(1);
     }
     let skill = state.skill();
-    skill.seq += 1;
+    skill.seq = skill.seq.saturating_add(1);
     let ok = matches!(finish, Finish::Success(_));
     skill
         .finished
@@ -242,7 +242,7 @@ pub fn record_finish(
     skill.completed_actions.push(dispatch.action.clone());
     trim_window(&mut skill.completed_actions, COMPLETED_ACTIONS_WINDOW);
     if let Finish::Failed(message) = finish {
-        skill.error_count += 1;
+        skill.error_count = skill.error_count.saturating_add(1);
         skill.errors.push(ErrorEntry {
             action: dispatch.action.clone(),
             message: message.clone(),

@@ -247,6 +247,30 @@ pub fn wait_output(child: impl Into<Running>, limit: Duration) -> Output {
     }
 }
 
+/// Waits for a running `loopd` to end, polling its peak RSS (`VmHWM`) meanwhile; returns its
+/// output and the peak in KiB.
+pub fn wait_watching_rss(mut child: Running) -> (Output, u64) {
+    let pid = child.id();
+    let mut peak_kib = 0u64;
+    let deadline = Instant::now() + DEADLINE;
+    while child.try_wait().expect("try_wait").is_none() {
+        assert!(
+            Instant::now() < deadline,
+            "loopd did not end within {DEADLINE:?}"
+        );
+        if let Ok(status) = std::fs::read_to_string(format!("/proc/{pid}/status"))
+            && let Some(kib) = status
+                .lines()
+                .find_map(|l| l.strip_prefix("VmHWM:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        {
+            peak_kib = peak_kib.max(kib);
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    (wait_output(child, DEADLINE), peak_kib)
+}
+
 /// Polls `cond` until it holds, failing the test past [`DEADLINE`].
 pub fn wait_for(what: &str, mut cond: impl FnMut() -> bool) {
     let deadline = Instant::now() + DEADLINE;
