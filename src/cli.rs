@@ -14,6 +14,34 @@ use crate::events::render;
 use crate::state::model::{LoopState, Mode, SkillState, Status, TaskStatus, now_rfc3339};
 use crate::state::store::{Store, new_id, validate_id};
 
+/// `println!` that returns an error instead of panicking when the reader of stdout has gone away
+/// (`loopd list | head -1`); `main` ends such a command quietly.
+#[macro_export]
+macro_rules! outln {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        writeln!(std::io::stdout().lock(), $($arg)*)
+    }};
+}
+
+/// `print!` that returns an error instead of panicking, as [`outln!`].
+#[macro_export]
+macro_rules! out {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        write!(std::io::stdout().lock(), $($arg)*)
+    }};
+}
+
+/// Whether an error is only that the reader of stdout went away.
+pub fn is_broken_pipe(e: &anyhow::Error) -> bool {
+    e.chain().any(|cause| {
+        cause
+            .downcast_ref::<std::io::Error>()
+            .is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe)
+    })
+}
+
 /// A mistake in what the user asked for: exit code 2.
 #[derive(Debug, thiserror::Error)]
 #[error("{0}")]
@@ -206,7 +234,7 @@ pub fn run(cli: Cli) -> Result<i32> {
     match command {
         Command::Create(args) => {
             let id = create_loop(&project()?, &args)?;
-            println!("{id}");
+            crate::outln!("{id}")?;
             Ok(0)
         }
         Command::Run {
@@ -217,7 +245,7 @@ pub fn run(cli: Cli) -> Result<i32> {
         Command::Start { id, executor } => {
             let p = project()?;
             let pid = crate::daemon::start(&p, &id, executor.as_deref())?;
-            println!("{pid}");
+            crate::outln!("{pid}")?;
             Ok(0)
         }
         Command::Pause { id } => control(&project()?, &id, Control::Pause),
@@ -423,7 +451,7 @@ fn control(p: &Project, id: &str, what: Control) -> Result<i32> {
         let executor = state.skill_state.as_ref().and_then(|s| s.executor.clone());
         let pid = crate::daemon::start(p, id, executor.as_deref())?;
         eprintln!("started daemon pid {pid}");
-        println!("{pid}");
+        crate::outln!("{pid}")?;
     }
     Ok(0)
 }
@@ -480,10 +508,10 @@ fn status(p: &Project, id: &str, as_json: bool) -> Result<i32> {
     validate_id(id)?;
     let loaded = p.store.load(id)?;
     if as_json {
-        println!(
+        crate::outln!(
             "{}",
             serde_json::to_string_pretty(&Value::Object(loaded.raw))?
-        );
+        )?;
         return Ok(0);
     }
     let s = &loaded.state;
@@ -593,7 +621,7 @@ fn status(p: &Project, id: &str, as_json: bool) -> Result<i32> {
         "files",
         p.store.progress_dir(id).display().to_string(),
     );
-    print!("{out}");
+    crate::out!("{out}")?;
     Ok(0)
 }
 
@@ -625,7 +653,7 @@ fn list(p: &Project, as_json: bool) -> Result<i32> {
                     .iter()
                     .filter(|t| t.status == TaskStatus::Completed)
                     .count();
-                println!(
+                crate::outln!(
                     "{:<34} {:<10} {:>7} {:>7}  {}",
                     s.loop_id,
                     s.status.as_str(),
@@ -636,19 +664,19 @@ fn list(p: &Project, as_json: bool) -> Result<i32> {
                     ),
                     format!("{done}/{}", skill.develop.tasks.len()),
                     s.title
-                );
+                )?;
             }
             Err(e) => {
                 if as_json {
                     rows.push(json!({"loop_id": id, "error": e.to_string()}));
                 } else {
-                    println!("{id:<34} {:<10} {e}", "unreadable");
+                    crate::outln!("{id:<34} {:<10} {e}", "unreadable")?;
                 }
             }
         }
     }
     if as_json {
-        println!("{}", serde_json::to_string_pretty(&rows)?);
+        crate::outln!("{}", serde_json::to_string_pretty(&rows)?)?;
     } else if ids.is_empty() {
         eprintln!("no loops in {}", p.store.dir().display());
     }
@@ -675,9 +703,9 @@ fn logs(p: &Project, id: &str, follow: bool, as_json: bool) -> Result<i32> {
                     continue;
                 }
                 match serde_json::from_str::<Value>(line) {
-                    Ok(event) if !as_json => println!("{}", render(&event)),
-                    Err(_) if !as_json => println!("(unreadable event) {line}"),
-                    _ => println!("{line}"),
+                    Ok(event) if !as_json => crate::outln!("{}", render(&event))?,
+                    Err(_) if !as_json => crate::outln!("(unreadable event) {line}")?,
+                    _ => crate::outln!("{line}")?,
                 }
             }
         }

@@ -5,7 +5,6 @@ use std::fs::File;
 use std::io::{Read as _, Seek as _, SeekFrom, Write as _};
 use std::os::unix::process::CommandExt as _;
 use std::process::Stdio;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result, bail};
@@ -94,10 +93,18 @@ pub fn build(
     .map_err(|e| crate::cli::UsageError(format!("{e:#}")).into())
 }
 
-/// SIGINT and SIGTERM ask the daemon to stop (the attempt in flight is ended and recorded); a
-/// second one ends the process at once. SIGHUP is ignored: a daemon outlives its terminal.
+/// A repeat of a signal that comes before the daemon acted on the first, and within this long of
+/// it, is the same request: `timeout` and a terminal signal the process and then its group, a
+/// burst of two. A person's second Ctrl-C comes after the daemon began ending the attempt.
+const SAME_REQUEST: Duration = Duration::from_millis(200);
+/// How long an escalated shutdown may take to record the attempt before the process exits anyway.
+const ESCALATED_EXIT: Duration = Duration::from_secs(2);
+
+/// SIGINT and SIGTERM ask the daemon to stop (the attempt in flight is ended and recorded). A
+/// second one, coming after the first was acted on, escalates: the attempt's processes are
+/// SIGKILLed at once, the attempt is still recorded, and the process exits within
+/// [`ESCALATED_EXIT`] whatever happens. SIGHUP is ignored: a daemon outlives its terminal.
 async fn forward_signals(tx: watch::Sender<Option<i32>>) {
-    static SEEN: AtomicBool = AtomicBool::new(false);
     let (Ok(mut int), Ok(mut term), Ok(mut hup)) = (
         signal(SignalKind::interrupt()),
         signal(SignalKind::terminate()),
@@ -106,19 +113,31 @@ async fn forward_signals(tx: watch::Sender<Option<i32>>) {
         tracing::warn!("warning: cannot install signal handlers");
         return;
     };
+    // When the first signal came, and how many attempt endings had begun by then.
+    let mut first: Option<(Instant, u64)> = None;
     loop {
         let sig = tokio::select! {
             _ = int.recv() => Signal::SIGINT as i32,
             _ = term.recv() => Signal::SIGTERM as i32,
             _ = hup.recv() => continue,
         };
-        if SEEN.swap(true, Ordering::SeqCst) {
-            tracing::warn!("warning: second signal {sig}: exiting now");
-            crate::executor::procs::kill_current_group();
-            std::process::exit(128 + sig);
+        match first {
+            None => {
+                first = Some((Instant::now(), crate::executor::procs::endings()));
+                tracing::info!("signal {sig}: ending the action in flight, then exiting");
+                let _ = tx.send(Some(sig));
+            }
+            Some((at, endings))
+                if at.elapsed() < SAME_REQUEST && crate::executor::procs::endings() == endings => {}
+            Some(_) => {
+                tracing::warn!("warning: second signal {sig}: ending the action's processes now");
+                crate::executor::procs::kill_current_group();
+                std::thread::spawn(move || {
+                    std::thread::sleep(ESCALATED_EXIT);
+                    std::process::exit(128 + sig);
+                });
+            }
         }
-        tracing::info!("signal {sig}: ending the action in flight, then exiting");
-        let _ = tx.send(Some(sig));
     }
 }
 

@@ -80,8 +80,8 @@ pub fn run() -> Result<i32> {
     let exit = crate::daemon::drive(&project, &id, None, false)?;
     let state = project.load(&id)?;
     let skill = state.skill_state.clone().unwrap_or_default();
-    println!();
-    println!(
+    crate::outln!()?;
+    crate::outln!(
         "{} after {} iterations ({})",
         match &exit {
             Exit::Completed(_) => "completed",
@@ -89,24 +89,24 @@ pub fn run() -> Result<i32> {
         },
         state.current_iteration,
         skill.outcome.as_deref().unwrap_or("-")
-    );
+    )?;
     for t in &skill.develop.tasks {
         let mark = if t.status == TaskStatus::Completed {
             "x"
         } else {
             " "
         };
-        println!("  [{mark}] {}  {}", t.id, t.description);
+        crate::outln!("  [{mark}] {}  {}", t.id, t.description)?;
     }
     let progress = project.store.progress_dir(&id);
-    println!("\nfiles:");
-    println!("  state     {}", project.store.state_path(&id).display());
-    println!("  events    {}", progress.join("events.jsonl").display());
-    println!("  summary   {}", progress.join("summary.md").display());
-    println!("  progress  {}", progress.display());
-    println!("\nlook around:");
-    println!("  loopd --root {} status {id}", dir.display());
-    println!("  loopd --root {} logs {id}", dir.display());
+    crate::outln!("\nfiles:")?;
+    crate::outln!("  state     {}", project.store.state_path(&id).display())?;
+    crate::outln!("  events    {}", progress.join("events.jsonl").display())?;
+    crate::outln!("  summary   {}", progress.join("summary.md").display())?;
+    crate::outln!("  progress  {}", progress.display())?;
+    crate::outln!("\nlook around:")?;
+    crate::outln!("  loopd --root {} status {id}", dir.display())?;
+    crate::outln!("  loopd --root {} logs {id}", dir.display())?;
     Ok(exit.code())
 }
 
@@ -119,7 +119,7 @@ pub fn agent() -> Result<i32> {
     let root = std::path::PathBuf::from(env("LOOPD_ROOT"));
     let result = match action.as_str() {
         "init" => {
-            println!("reading calc.sh and test.sh: add and sub are missing");
+            crate::outln!("reading calc.sh and test.sh: add and sub are missing")?;
             json!({
                 "status": "success",
                 "summary": "planned 2 tasks",
@@ -164,7 +164,7 @@ fn develop(root: &Path, task: &str) -> Result<Value> {
         return Ok(json!({"status": "failed", "summary": format!("no idea how to {task:?}")}));
     };
     std::fs::write(&calc, text)?;
-    println!("editing calc.sh: {summary}");
+    crate::outln!("editing calc.sh: {summary}")?;
     Ok(json!({"status": "success", "summary": summary, "files_changed": ["calc.sh"]}))
 }
 
@@ -178,7 +178,7 @@ fn debug(state_file: &Path) -> Result<Value> {
                 .collect()
         })
         .unwrap_or_default();
-    println!("failing tests: {failing:?}");
+    crate::outln!("failing tests: {failing:?}")?;
     if !failing.iter().any(|t| t.starts_with("mul")) {
         return Ok(json!({"status": "success", "summary": "nothing to fix"}));
     }

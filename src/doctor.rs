@@ -85,7 +85,7 @@ pub fn run(p: &Project, executor: Option<String>) -> Result<i32> {
     } else {
         let _ = writeln!(out, "\nnot ready: missing {}", missing.join(", "));
     }
-    print!("{out}");
+    crate::out!("{out}")?;
     Ok(if missing.is_empty() { 0 } else { 1 })
 }
 

@@ -260,3 +260,42 @@ fn create_refuses_an_unknown_workflow_and_list_json_lists_every_loop() {
     assert_eq!(code(&out), 2);
     assert!(stderr(&out).contains("not planned yet"), "{}", stderr(&out));
 }
+
+#[test]
+fn every_printing_command_ends_quietly_when_its_reader_goes_away() {
+    let p = Project::new(GOOD_AGENT);
+    let id = p.create(&["--title", "t"]);
+    assert_eq!(code(&p.run(&id, &[])), 0);
+    let commands: &[&[&str]] = &[
+        &["list"],
+        &["list", "--json"],
+        &["status", &id],
+        &["status", &id, "--json"],
+        &["logs", &id],
+        &["logs", &id, "--json"],
+        &["logs", &id, "--follow"],
+        &["doctor"],
+        &["create", "--title", "x"],
+        &["--help"],
+    ];
+    for args in commands {
+        // A pipe whose reader is gone before anything is written: every write fails (EPIPE).
+        let (reader, writer) = std::io::pipe().unwrap();
+        drop(reader);
+        let child = p
+            .loopd()
+            .args(*args)
+            .stdout(writer)
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let out = wait_output(child, DEADLINE);
+        let err = stderr(&out);
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+        assert!(
+            matches!(out.status.code(), Some(0 | 1)),
+            "{args:?}: {:?} {err}",
+            out.status
+        );
+    }
+}

@@ -629,3 +629,36 @@ fn interactive_mode_from_start_to_complete() {
         .collect();
     assert_eq!(started, PATH);
 }
+
+#[test]
+fn timeout_signalling_process_and_group_leaves_the_attempt_recorded_as_interrupted() {
+    let p = Project::new(&agent(&[("develop", "echo $$ > agent.pid; sleep 30")]));
+    let id = p.create(&["--title", "t"]);
+    // GNU timeout sends SIGTERM to loopd and then to its whole process group: two at once.
+    let child = std::process::Command::new("timeout")
+        .args(["--signal=TERM", "1"])
+        .arg(env!("CARGO_BIN_EXE_loopd"))
+        .arg("--root")
+        .arg(&p.root)
+        .args(["run", &id])
+        .env("HOME", &p.root)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let out = wait_output(child, DEADLINE);
+    assert_eq!(out.status.code(), Some(124), "{}", stderr(&out));
+    let state = p.state(&id);
+    assert_eq!(state["status"], "running");
+    assert!(state["skill_state"]["in_flight"].is_null(), "{state}");
+    let last = state["skill_state"]["action_history"]
+        .as_array()
+        .unwrap()
+        .last()
+        .unwrap()
+        .clone();
+    assert_eq!(last["action"], "develop");
+    assert_eq!(last["outcome"], "interrupted");
+    let agent = read_pid(&p.root.join("agent.pid"));
+    wait_for("the agent to be gone", || !alive(agent));
+}

@@ -11,7 +11,7 @@
 //! the next one finds them by the `LOOPD_STATE_FILE` in their environment ([`with_env`]).
 
 use std::collections::{HashMap, HashSet};
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use nix::errno::Errno;
@@ -20,6 +20,15 @@ use nix::unistd::Pid;
 
 /// The process group of the attempt in flight, for a second signal that must end it at once.
 static CURRENT_GROUP: AtomicU32 = AtomicU32::new(0);
+
+/// How many times this process has begun ending an attempt's processes: a signal handler compares
+/// it before and after, to tell whether a first signal has been acted on.
+static ENDINGS: AtomicU64 = AtomicU64::new(0);
+
+/// See [`ENDINGS`].
+pub fn endings() -> u64 {
+    ENDINGS.load(Ordering::SeqCst)
+}
 
 /// Records (or, with 0, clears) the process group of the attempt in flight.
 pub fn set_current_group(pgid: u32) {
@@ -200,6 +209,7 @@ fn signal_each(pids: &[u32], signal: Signal) {
 /// Ends every process of an attempt whose process group is `pgid` (see [`attempt_processes`]).
 /// `main` is the executor's own pid, reaped by its owner. Returns whether SIGKILL was needed.
 pub async fn end_attempt(pgid: u32, main: u32, grace: Duration) -> bool {
+    ENDINGS.fetch_add(1, Ordering::SeqCst);
     // The common case, in two system calls: the group is empty and this process has no child
     // left at all (the executor was reaped already).
     let group_empty = !signal_group(pgid, Signal::SIGTERM);
@@ -223,6 +233,7 @@ pub async fn end_attempt(pgid: u32, main: u32, grace: Duration) -> bool {
 /// and the descendants of all of them: SIGTERM, up to `grace` for them to go, then SIGKILL.
 /// `main` is not reaped here (its owner does). Returns whether SIGKILL was needed.
 pub async fn end_processes(pgids: &[u32], main: u32, extra: &[u32], grace: Duration) -> bool {
+    ENDINGS.fetch_add(1, Ordering::SeqCst);
     let own = nix::unistd::getpgrp().as_raw() as u32;
     let mut groups: Vec<u32> = pgids
         .iter()
