@@ -565,15 +565,17 @@ impl Turn<'_> {
     /// interrupted.
     async fn recover(&mut self, state: &mut LoopState) -> Result<()> {
         let flight = state.skill_state.as_mut().and_then(|s| s.in_flight.take());
+        // Only processes that prove they are this loop's executors are ended: by the marker every
+        // executor inherits, or by this loop's state file in their environment. The recorded pid
+        // and group are the file's word, which anyone who can write the file can make up.
         let state_file = self.store().state_path(self.id);
-        let mut leftovers = procs::with_env("LOOPD_STATE_FILE", &state_file.display().to_string());
-        if let Some(f) = &flight {
-            let same_process = procs::ProcStat::read(f.pid)
-                .is_some_and(|p| f.proc_start.is_none_or(|start| p.start == start));
-            if same_process {
-                leftovers.push(f.pid);
-            }
-        }
+        let mut leftovers = procs::with_marker(&procs::marker_name(&state_file));
+        leftovers.extend(procs::with_env(
+            "LOOPD_STATE_FILE",
+            &state_file.display().to_string(),
+        ));
+        leftovers.sort_unstable();
+        leftovers.dedup();
         if !leftovers.is_empty() {
             let action = flight.as_ref().map_or("", |f| f.action.as_str());
             let grace = self
@@ -581,8 +583,7 @@ impl Turn<'_> {
                 .plans
                 .get(action)
                 .map_or(Duration::from_secs(5), |p| p.supervision.kill_grace);
-            let pgids: Vec<u32> = flight.iter().map(|f| f.pgid).collect();
-            procs::end_processes(&pgids, 0, &leftovers, grace).await;
+            procs::end_processes(&[], 0, &leftovers, grace).await;
         }
         let Some(flight) = flight else {
             if !leftovers.is_empty() {
@@ -861,6 +862,7 @@ impl Turn<'_> {
             supervision: plan.supervision,
             dir: actions.clone(),
             stem: stem.clone(),
+            marker: procs::marker_name(&store.state_path(id)),
             agent: AgentStream::for_format(plan.format),
             budget: {
                 let (tokens, cost_usd) = daemon.limits().remaining(state);

@@ -2,6 +2,8 @@
 
 mod common;
 
+use std::os::unix::process::CommandExt as _;
+
 use common::*;
 
 /// An agent whose develop starts a process in a session of its own (`setsid`), records its pid,
@@ -57,4 +59,69 @@ fn a_process_that_escaped_the_session_is_ended_on_stop() {
         !alive(escaped),
         "escaped process {escaped} outlived the stop"
     );
+}
+
+#[test]
+fn an_escape_with_a_clean_environment_is_ended_after_the_daemon_is_killed() {
+    // `setsid env -i`: its own session and no LOOPD_* variable; only the inherited marker is left.
+    let p = Project::new(&escaping_agent(true).replace(
+        "setsid sh -c 'echo $$ > escaped.pid; exec sleep 1000'",
+        "setsid env -i sh -c 'echo $$ > escaped.pid; exec sleep 1000'",
+    ));
+    let id = p.create(&["--title", "t"]);
+    let mut run = p.spawn_run(&id, &[]);
+    wait_for("develop to wait", || p.root.join("waiting").exists());
+    let escaped = read_pid(&p.root.join("escaped.pid"));
+    run.kill().unwrap();
+    run.wait().unwrap();
+    assert!(alive(escaped), "the escape died with the daemon");
+    // The next daemon finds it and ends it; then stop the loop.
+    let mut again = p.spawn_run(&id, &[]);
+    wait_for("the escape to be ended", || !alive(escaped));
+    assert!(p.output(&["stop", &id]).status.success());
+    let status = again.wait().unwrap();
+    assert_eq!(status.code(), Some(5));
+}
+
+#[test]
+fn a_state_file_naming_a_foreign_process_in_flight_kills_nothing() {
+    let p = Project::new(
+        "cat > /dev/null\necho '{\"status\":\"success\",\"state_updates\":{\"passed\":true}}' > \"$LOOPD_RESULT_FILE\"\n",
+    );
+    let id = p.create(&["--title", "t"]);
+    // A process that is none of loopd's, in a group of its own, as any program of the user's.
+    let mut foreign = std::process::Command::new("sleep")
+        .arg("1000")
+        .process_group(0)
+        .spawn()
+        .unwrap();
+    let pid = foreign.id();
+    let start: u64 = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .unwrap()
+        .rsplit(')')
+        .next()
+        .unwrap()
+        .split_whitespace()
+        .nth(19)
+        .unwrap()
+        .parse()
+        .unwrap();
+    for proc_start in [serde_json::Value::Null, serde_json::json!(start)] {
+        let mut state = p.state(&id);
+        state["status"] = "running".into();
+        state["skill_state"]["in_flight"] = serde_json::json!({
+            "action": "develop", "iteration": 1, "attempt": 1, "started_at": "2026-01-01T00:00:00.000Z",
+            "pid": pid, "pgid": pid, "proc_start": proc_start, "daemon_pid": 1
+        });
+        state["max_iterations"] = 1.into();
+        std::fs::write(p.state_path(&id), serde_json::to_vec(&state).unwrap()).unwrap();
+        let out = p.run(&id, &[]);
+        assert!(out.status.code().is_some(), "{}", stderr(&out));
+        assert!(
+            alive(pid),
+            "loopd killed a foreign process on the file's word"
+        );
+    }
+    foreign.kill().unwrap();
+    foreign.wait().unwrap();
 }

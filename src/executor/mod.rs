@@ -45,6 +45,9 @@ pub struct Spec {
     /// prompt, when the executor takes it as a file).
     pub dir: Dir,
     pub stem: String,
+    /// The name of the marker the executor and everything it starts inherit (see
+    /// [`procs::marker_name`]).
+    pub marker: String,
     /// For an agent's output format: its stream, fed stdout as it comes.
     pub agent: Option<agent::AgentStream>,
     /// What this attempt may still spend, if the loop has a budget.
@@ -179,8 +182,7 @@ async fn run_subprocess(
         written: 0,
         seen: 0,
     };
-    let mut child = command
-        .spawn()
+    let mut child = spawn_marked(&mut command, &spec.marker)
         .map_err(|e| io::Error::new(e.kind(), format!("cannot start {program:?}: {e}")))?;
     let pid = child.id().unwrap_or(0);
     let spawned = Spawned {
@@ -297,6 +299,19 @@ async fn run_subprocess(
         killed,
         agent,
     })
+}
+
+/// Spawns `command` with the marker `name` inherited: a memfd opened without close-on-exec just
+/// before the spawn and closed just after, so the child (and whatever it starts) holds it open
+/// and this process does not. Spawns are serialized so no other child inherits it.
+fn spawn_marked(command: &mut Command, name: &str) -> io::Result<tokio::process::Child> {
+    static SPAWN: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _one_at_a_time = SPAWN.lock().unwrap_or_else(|e| e.into_inner());
+    let marker = nix::sys::memfd::memfd_create(name, nix::sys::memfd::MFdFlags::empty())
+        .map_err(io::Error::from)?;
+    let child = command.spawn();
+    drop(marker);
+    child
 }
 
 /// Sleeps until `t`, or forever without one (so `select!` ignores it).

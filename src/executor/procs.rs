@@ -229,8 +229,42 @@ pub async fn end_attempt(pgid: u32, main: u32, grace: Duration) -> bool {
     end_processes(&[pgid], main, &[], grace).await
 }
 
-/// Ends the processes `extra`, the members of the groups `pgids` and of the groups of `extra`,
-/// and the descendants of all of them: SIGTERM, up to `grace` for them to go, then SIGKILL.
+/// The name of the marker every executor of the loop whose state file is `state_file` inherits:
+/// an open memfd, `loopd-attempt:<hash of the path>`, which `setsid` and `env -i` keep.
+pub fn marker_name(state_file: &std::path::Path) -> String {
+    // FNV-1a: stable across processes and versions, which a recovering daemon needs.
+    let hash = state_file
+        .as_os_str()
+        .as_encoded_bytes()
+        .iter()
+        .fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+            (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3)
+        });
+    format!("loopd-attempt:{hash:016x}")
+}
+
+/// The live processes that hold the marker `name` (see [`marker_name`]) open: an executor of
+/// that loop and whatever it started, whatever session, group or environment they moved to.
+pub fn with_marker(name: &str) -> Vec<u32> {
+    let target = format!("/memfd:{name} (deleted)");
+    let me = std::process::id();
+    all()
+        .into_iter()
+        .filter(|p| p.pid != me && p.is_alive())
+        .filter(|p| {
+            std::fs::read_dir(format!("/proc/{}/fd", p.pid)).is_ok_and(|fds| {
+                fds.filter_map(Result::ok).any(|fd| {
+                    std::fs::read_link(fd.path()).is_ok_and(|l| l.as_os_str() == target.as_str())
+                })
+            })
+        })
+        .map(|p| p.pid)
+        .collect()
+}
+
+/// Ends the processes `extra`, the members of the groups `pgids` and of the groups that a
+/// process of `extra` leads, and the descendants of all of them: SIGTERM, up to `grace` for
+/// them to go, then SIGKILL.
 /// `main` is not reaped here (its owner does). Returns whether SIGKILL was needed.
 pub async fn end_processes(pgids: &[u32], main: u32, extra: &[u32], grace: Duration) -> bool {
     ENDINGS.fetch_add(1, Ordering::SeqCst);
@@ -242,6 +276,7 @@ pub async fn end_processes(pgids: &[u32], main: u32, extra: &[u32], grace: Durat
             extra
                 .iter()
                 .filter_map(|p| ProcStat::read(*p))
+                .filter(|s| s.pgid == s.pid)
                 .map(|s| s.pgid),
         )
         .filter(|g| *g > 1 && *g != own)
