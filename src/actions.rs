@@ -192,7 +192,7 @@ pub fn load(
             .join("actions")
             .join(workflow)
             .join(format!("{action}.md"));
-        let def = match std::fs::read_to_string(&path) {
+        let def = match crate::safe_fs::read_text(&path) {
             Ok(text) => ActionDef::parse(action, &path.display().to_string(), &text)?,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
                 let text = BUILTIN

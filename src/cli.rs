@@ -57,6 +57,9 @@ pub fn exit_code_of(e: &anyhow::Error) -> i32 {
             || cause
                 .downcast_ref::<crate::state::store::StoreError>()
                 .is_some_and(|s| s.is_bad_input())
+            || cause
+                .downcast_ref::<std::io::Error>()
+                .is_some_and(crate::safe_fs::is_refusal)
     });
     if bad_input { 2 } else { 1 }
 }

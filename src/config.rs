@@ -151,7 +151,7 @@ impl Config {
     pub fn load(root: &Path, explicit: Option<&Path>) -> Result<Config, ConfigError> {
         let mut layers = vec![parse_layer("built-in config.toml", DEFAULT_CONFIG)?];
         for (file, required) in Self::layer_files(root, explicit) {
-            match std::fs::read_to_string(&file) {
+            match crate::safe_fs::read_text(&file) {
                 Ok(text) => layers.push(parse_layer(&file.display().to_string(), &text)?),
                 Err(e) if required || e.kind() != std::io::ErrorKind::NotFound => {
                     return Err(ConfigError {

@@ -85,11 +85,11 @@ impl ProgressDir {
 
     /// Runs `f` on the directory; if the directory is gone (`NotFound`), once more on a new one.
     pub fn with<T>(&self, f: impl Fn(&Dir) -> io::Result<T>) -> io::Result<T> {
-        let dir = self.dir().map_err(io::Error::other)?;
+        let dir = self.dir().map_err(StoreError::into_io)?;
         match f(&dir) {
             Err(e) if e.kind() == io::ErrorKind::NotFound => {
                 *self.dir.borrow_mut() = None;
-                let dir = self.dir().map_err(io::Error::other)?;
+                let dir = self.dir().map_err(StoreError::into_io)?;
                 f(&dir)
             }
             other => other,

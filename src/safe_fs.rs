@@ -323,8 +323,22 @@ pub fn read_capped(file: File, cap: u64) -> io::Result<Vec<u8>> {
     Ok(bytes)
 }
 
-/// Reads a file the user named by path (a config or action file): not through a FIFO or a
-/// device, at most `cap` bytes.
+/// The most a config or action file may hold.
+pub const USER_FILE_CAP: u64 = 1 << 20;
+
+/// Reads a text file the user named by path (a config or action file): not a FIFO or a device,
+/// at most [`USER_FILE_CAP`] bytes, valid UTF-8.
+pub fn read_text(path: &Path) -> io::Result<String> {
+    let bytes = read_user_file(path, USER_FILE_CAP)?;
+    String::from_utf8(bytes).map_err(|_| {
+        io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("{} is not UTF-8 text", path.display()),
+        )
+    })
+}
+
+/// Reads a file the user named by path: not through a FIFO or a device, at most `cap` bytes.
 pub fn read_user_file(path: &Path, cap: u64) -> io::Result<Vec<u8>> {
     use std::os::unix::fs::OpenOptionsExt;
     let file = std::fs::OpenOptions::new()

@@ -114,3 +114,127 @@ fn reset_times_beyond_any_calendar_wait_at_most_the_limit_and_stop_works() {
         assert_eq!(p.state(&id)["status"], "failed", "{what}");
     }
 }
+
+fn mkfifo(path: &std::path::Path) {
+    nix::unistd::mkfifo(path, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+}
+
+#[test]
+fn fifos_and_hard_links_under_the_state_dir_are_refused_never_followed() {
+    let p = Project::new(GOOD_AGENT);
+    let id = p.create(&["--title", "t"]);
+    let progress = p.progress(&id);
+    std::fs::create_dir_all(&progress).unwrap();
+    for name in ["develop.md", "validate.md", "changes.log"] {
+        mkfifo(&progress.join(name));
+    }
+    mkfifo(&p.root.join(format!(".loop/{id}.json.bak")));
+    // Files elsewhere that hard links under the state dir point at.
+    let outside = tempfile::tempdir().unwrap();
+    for name in ["summary.md", "debug.md"] {
+        let target = outside.path().join(name);
+        std::fs::write(&target, "mine\n").unwrap();
+        std::fs::hard_link(&target, progress.join(name)).unwrap();
+    }
+    let out = p.run(&id, &[]);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    for name in ["summary.md", "debug.md"] {
+        assert_eq!(
+            std::fs::read_to_string(outside.path().join(name)).unwrap(),
+            "mine\n",
+            "{name} was written through a hard link"
+        );
+    }
+    assert!(
+        stderr(&out).contains("is a FIFO"),
+        "the refusals are logged: {}",
+        stderr(&out)
+    );
+    // Config and action files that are FIFOs: one clear line, at once, for every command.
+    let q = Project::new(GOOD_AGENT);
+    let id = q.create(&["--title", "t"]);
+    std::fs::create_dir_all(q.root.join(".loop/actions/ccw-loop")).unwrap();
+    mkfifo(&q.root.join(".loop/actions/ccw-loop/develop.md"));
+    let out = q.run(&id, &[]);
+    assert_eq!(code(&out), 2, "{}", stderr(&out));
+    assert!(stderr(&out).contains("FIFO"), "{}", stderr(&out));
+    std::fs::remove_file(q.root.join(".loop/config.toml")).unwrap();
+    mkfifo(&q.root.join(".loop/config.toml"));
+    for cmd in ["status", "run"] {
+        let out = q.output(&[cmd, &id]);
+        assert_eq!(code(&out), 2, "{cmd}: {}", stderr(&out));
+        assert_eq!(
+            stderr(&out).trim_end().lines().count(),
+            1,
+            "{}",
+            stderr(&out)
+        );
+    }
+}
+
+#[test]
+fn a_symlinked_progress_dir_or_file_is_refused_and_nothing_outside_changes() {
+    let outside = tempfile::tempdir().unwrap();
+    let profile = outside.path().join("profile");
+    std::fs::write(&profile, "mine\n").unwrap();
+    // The progress dir is a symlink to a directory elsewhere.
+    let p = Project::new(GOOD_AGENT);
+    let id = p.create(&["--title", "t"]);
+    std::os::unix::fs::symlink(outside.path(), p.progress(&id)).unwrap();
+    let out = p.run(&id, &[]);
+    assert_eq!(code(&out), 2, "{}", stderr(&out));
+    assert_eq!(
+        stderr(&out).trim_end().lines().count(),
+        1,
+        "{}",
+        stderr(&out)
+    );
+    assert!(stderr(&out).contains("symlink"), "{}", stderr(&out));
+    let names: Vec<_> = std::fs::read_dir(outside.path()).unwrap().collect();
+    assert_eq!(names.len(), 1, "loopd wrote into the symlinked directory");
+    // A progress file is a symlink to a file elsewhere.
+    let q = Project::new(GOOD_AGENT);
+    let id = q.create(&["--title", "t"]);
+    std::fs::create_dir_all(q.progress(&id)).unwrap();
+    for name in ["develop.md", "events.jsonl", "changes.log"] {
+        std::os::unix::fs::symlink(&profile, q.progress(&id).join(name)).unwrap();
+    }
+    let out = q.run(&id, &[]);
+    assert!(
+        code(&out) != 0 || stderr(&out).contains("symlink"),
+        "{}",
+        stderr(&out)
+    );
+    assert_eq!(std::fs::read_to_string(&profile).unwrap(), "mine\n");
+    // What loopd creates is private.
+    let r = Project::new(GOOD_AGENT);
+    let id = r.create(&["--title", "t"]);
+    assert_eq!(code(&r.run(&id, &[])), 0);
+    let mut stack = vec![r.root.join(".loop")];
+    while let Some(dir) = stack.pop() {
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            // The test's own config, and the result files the executor writes (under its own
+            // umask, inside the private actions/ directory).
+            let name = path.file_name().unwrap().to_string_lossy().into_owned();
+            if name == "config.toml" || name.ends_with(".result.json") {
+                continue;
+            }
+            use std::os::unix::fs::PermissionsExt;
+            let mode = std::fs::symlink_metadata(&path)
+                .unwrap()
+                .permissions()
+                .mode();
+            assert_eq!(
+                mode & 0o077,
+                0,
+                "{} is mode {:o}",
+                path.display(),
+                mode & 0o777
+            );
+            if path.is_dir() {
+                stack.push(path);
+            }
+        }
+    }
+}

@@ -96,6 +96,15 @@ impl StoreError {
         )
     }
 
+    /// As an `io::Error` of the same kind: a refusal stays `InvalidInput`.
+    pub fn into_io(self) -> io::Error {
+        match self {
+            StoreError::Io { source, .. } => source,
+            StoreError::Refused(why) => io::Error::new(io::ErrorKind::InvalidInput, why),
+            other => io::Error::other(other.to_string()),
+        }
+    }
+
     /// Errors that may go away by themselves: a full disk, a lock held by someone else.
     pub fn is_transient(&self) -> bool {
         match self {
