@@ -337,6 +337,28 @@ pub fn create_loop(p: &Project, args: &CreateArgs) -> Result<String> {
     if tasks.iter().any(|t| t.trim().is_empty()) {
         return Err(usage("--task must not be empty"));
     }
+    use crate::state::model::{MAX_DESCRIPTION, MAX_TASKS, MAX_TITLE};
+    if tasks.len() > MAX_TASKS {
+        return Err(usage(format!(
+            "{} tasks are over the limit of {MAX_TASKS}",
+            tasks.len()
+        )));
+    }
+    for (what, text, max) in std::iter::once(("--title", title, MAX_TITLE))
+        .chain(std::iter::once((
+            "--description",
+            description,
+            MAX_DESCRIPTION,
+        )))
+        .chain(tasks.iter().map(|t| ("--task", t, MAX_DESCRIPTION)))
+    {
+        if text.len() > max {
+            return Err(usage(format!(
+                "{what} is {} bytes, over the limit of {max}",
+                text.len()
+            )));
+        }
+    }
     let now = now_rfc3339();
     let id = new_id();
     let state = LoopState {
@@ -392,7 +414,11 @@ enum Control {
 
 /// pause / resume / stop: write the status the way the CCW dashboard API does.
 fn control(p: &Project, id: &str, what: Control) -> Result<i32> {
-    let state = p.load(id)?;
+    let state = match p.load(id) {
+        Ok(state) => state,
+        Err(e) if matches!(what, Control::Stop) => return stop_unloadable(p, id, e),
+        Err(e) => return Err(e),
+    };
     let status = state.status;
     let allowed: &[Status] = match what {
         Control::Pause => &[Status::Running, Status::Created],
@@ -456,6 +482,34 @@ fn control(p: &Project, id: &str, what: Control) -> Result<i32> {
         eprintln!("started daemon pid {pid}");
         crate::outln!("{pid}")?;
     }
+    Ok(0)
+}
+
+/// `stop` on a loop whose state file does not load: restored from its backup (or rebuilt) it is
+/// stopped as usual; else its daemon, if one drives it, is told to end (SIGTERM: the attempt in
+/// flight is ended and recorded). A stop never depends on the state being loadable.
+fn stop_unloadable(p: &Project, id: &str, error: anyhow::Error) -> Result<i32> {
+    let corrupt = error
+        .downcast_ref::<crate::state::store::StoreError>()
+        .is_some_and(|e| matches!(e, crate::state::store::StoreError::Corrupt { .. }));
+    if !corrupt {
+        return Err(error);
+    }
+    if let Ok(Some((reason, from))) = p.store.restore(id) {
+        eprintln!("loop {id}: the state file was unusable ({reason}); restored from {from}");
+        return control(p, id, Control::Stop);
+    }
+    let Some(pid) = crate::daemon::daemon_pid(&p.store, id).filter(|pid| *pid > 1) else {
+        return Err(error);
+    };
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .with_context(|| format!("cannot signal the daemon of {id} (pid {pid})"))?;
+    eprintln!(
+        "loop {id}: the state file cannot be read ({error:#}); its daemon (pid {pid}) was told to end; repair or remove the file"
+    );
     Ok(0)
 }
 

@@ -62,7 +62,10 @@ pub fn drive(p: &Project, id: &str, executor: Option<String>, exit_on_pause: boo
     daemon.restored = restored;
     let _lock = DaemonLock::acquire(&p.store, id)?;
     crate::executor::procs::become_subreaper();
-    let runtime = tokio::runtime::Builder::new_current_thread()
+    // The loop runs on this thread; signals and the watcher's re-check on a worker of their own,
+    // so that a wait for a full disk or a held lock still sees a signal.
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
         .enable_all()
         .build()
         .context("cannot start the async runtime")?;

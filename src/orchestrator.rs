@@ -32,7 +32,7 @@ use crate::executor::{Budget, Executor, Spawned, Spec, procs};
 use crate::state::model::{
     AwaitingChoice, HistoryEntry, InFlight, LoopState, Status, format_ts, now_rfc3339,
 };
-use crate::state::store::{Loaded, Store, Transition};
+use crate::state::store::{Loaded, Store, StoreError, Transition};
 use crate::watch::{Snapshot, Watch};
 use crate::workflow::{
     self, Decision, Dispatch, Finish, Inputs, Limits, LoopEnd, Outcome, Workflow,
@@ -73,6 +73,9 @@ impl Exit {
         }
     }
 }
+
+/// The longest pause between tries of a write that failed for a reason that may go away.
+const MAX_RETRY_PAUSE: Duration = Duration::from_secs(5);
 
 /// Rate limits in a row after which an attempt counts as failed.
 const MAX_RATE_LIMITS: u32 = 20;
@@ -184,6 +187,7 @@ impl Daemon {
             shutdown,
             tasks_seen: None,
             ours: None,
+            last_good: None,
         };
         let exit = turn.drive().await;
         let event = Event::new(name::DAEMON_EXITED).with("pid", std::process::id());
@@ -259,6 +263,8 @@ struct Turn<'a> {
     /// The state as this daemon last wrote it: its own fields here are the truth, whatever
     /// another program writes back.
     ours: Option<LoopState>,
+    /// The state file as last read or written whole, put back if another program spoils it.
+    last_good: Option<serde_json::Map<String, Value>>,
 }
 
 impl Turn<'_> {
@@ -278,18 +284,74 @@ impl Turn<'_> {
         choice: Option<&str>,
         durable: bool,
     ) -> Result<LoopState> {
-        let after = self
-            .store()
-            .commit_with(state, transition, choice, durable)?;
+        let after = self.survive(|store| store.commit_with(state, transition, choice, durable))?;
         self.ours = Some(after.state.clone());
         Ok(after.state)
+    }
+
+    /// Runs a read or write of the state file until it succeeds, outliving what a service
+    /// should: a full disk or a lock held by someone else (retried with a backoff, said once in
+    /// the log, until it goes away or a signal comes), and a state file another program spoilt or
+    /// deleted (the last good version is put back, what was there kept as `{id}.json.corrupt`).
+    fn survive(&mut self, op: impl Fn(&Store) -> Result<Loaded, StoreError>) -> Result<Loaded> {
+        let mut pause = Duration::from_millis(50);
+        let mut waiting = false;
+        let mut put_back = false;
+        loop {
+            let error = match op(self.store()) {
+                Ok(loaded) => {
+                    if waiting {
+                        self.events.emit(
+                            Event::new(name::WARNING)
+                                .with("message", "the state file can be written again; going on"),
+                        );
+                    }
+                    self.last_good = Some(loaded.raw.clone());
+                    return Ok(loaded);
+                }
+                Err(e) => e,
+            };
+            match &error {
+                e if e.is_transient() && self.signalled().is_none() => {
+                    if !waiting {
+                        waiting = true;
+                        self.events.emit(Event::new(name::WARNING).with(
+                            "message",
+                            format!(
+                                "{e:#}; keeping the last good state and retrying until it goes away"
+                            ),
+                        ));
+                    }
+                    std::thread::sleep(pause);
+                    pause = (pause * 2).min(MAX_RETRY_PAUSE);
+                }
+                StoreError::Corrupt { .. } | StoreError::NotFound { .. } if !put_back => {
+                    put_back = true;
+                    let Some(good) = self.last_good.clone() else {
+                        return Err(error.into());
+                    };
+                    if let Some(why) = self.store().put_back(self.id, &good)? {
+                        self.events.emit(Event::new(name::WARNING).with(
+                            "message",
+                            format!(
+                                "{} was unusable ({why}); put back the last good version, kept what was there as {}.json.corrupt",
+                                self.store().state_path(self.id).display(),
+                                self.id
+                            ),
+                        ));
+                    }
+                }
+                _ => return Err(error.into()),
+            }
+        }
     }
 
     /// The state as it is now: controllers' fields from the file, the daemon's fields from its own
     /// copy. A write by another program that put back stale daemon fields (a read-modify-write
     /// racing the daemon) is repaired at once, keeping that program's own changes.
     fn refresh(&mut self) -> Result<LoopState> {
-        let loaded = self.store().load(self.id)?;
+        let id = self.id;
+        let loaded = self.survive(|store| store.load(id))?;
         let Some(ours) = &self.ours else {
             self.ours = Some(loaded.state.clone());
             return Ok(loaded.state);
@@ -924,8 +986,15 @@ impl Turn<'_> {
             };
             (run, interrupt)
         };
-        if let Some(committed) = spawn_commit {
-            self.ours = Some(committed?.state);
+        match spawn_commit {
+            Some(Ok(committed)) => self.ours = Some(committed.state),
+            // The record only helps a daemon that dies; a full disk must not end this one.
+            Some(Err(e)) if e.is_transient() => self.events.emit(Event::new(name::WARNING).with(
+                "message",
+                format!("cannot record the attempt in flight: {e:#}"),
+            )),
+            Some(Err(e)) => return Err(e.into()),
+            None => {}
         }
         let (run, interrupt) = run;
         let done = Done {
@@ -936,6 +1005,21 @@ impl Turn<'_> {
         };
         let run = match run {
             Ok(run) => run,
+            Err(e) if crate::state::store::is_transient_io(&e) => {
+                // No room for the attempt's files: the environment's fault, not the attempt's.
+                self.events.emit(done.event(name::WARNING).with(
+                    "message",
+                    format!(
+                        "cannot start the attempt: {e}; waiting {}s",
+                        MAX_RETRY_PAUSE.as_secs()
+                    ),
+                ));
+                state.skill().in_flight = None;
+                return Ok(match self.sleep_unless_interrupted(MAX_RETRY_PAUSE).await {
+                    Some(interrupt) => Attempted::Interrupted(interrupt),
+                    None => Attempted::Interrupted(Interrupt::Control),
+                });
+            }
             Err(e) => {
                 // The executor could not even start: a failed attempt like any other.
                 let v = Verdict::Failed {

@@ -581,3 +581,181 @@ esac
     wait_output(child, DEADLINE);
     assert_eq!(lost, 0, "edits lost: {lost} of {edits}");
 }
+
+/// Develop waits for `go` in the project root before it reports, so that a test can spoil things
+/// while an action is in flight.
+const WAITING_AGENT: &str = r#"cat > /dev/null
+case "$LOOPD_ACTION" in
+  init) echo '{"status":"success","state_updates":{"tasks":[{"description":"a"}]}}' > "$LOOPD_RESULT_FILE" ;;
+  develop)
+    touch waiting
+    while [ ! -f go ]; do sleep 0.01; done
+    echo '{"status":"success","summary":"done"}' ;;
+  validate) echo '{"status":"success","state_updates":{"passed":true}}' ;;
+  *) echo '{"status":"success"}' ;;
+esac
+"#;
+
+#[test]
+fn a_deleted_state_file_is_restored_from_its_backup() {
+    let (p, id) = two_of_three_tasks_done();
+    std::fs::remove_file(p.state_path(&id)).unwrap();
+    let out = p.run(&id, &[]);
+    assert_eq!(code(&out), 3, "{}", stderr(&out));
+    assert!(stderr(&out).contains("it was missing"), "{}", stderr(&out));
+    assert_eq!(
+        p.developed(&id),
+        ["task-001", "task-002"],
+        "done work was redone"
+    );
+}
+
+#[test]
+fn a_spoilt_state_file_and_a_removed_progress_dir_mid_run_are_outlived() {
+    for spoil in ["garbage", "delete"] {
+        let p = Project::new(WAITING_AGENT);
+        let id = p.create(&["--title", "t"]);
+        let child = p.spawn_run(&id, &[]);
+        wait_for("develop to wait", || p.root.join("waiting").exists());
+        match spoil {
+            "garbage" => std::fs::write(p.state_path(&id), "{ not json").unwrap(),
+            _ => std::fs::remove_file(p.state_path(&id)).unwrap(),
+        }
+        std::fs::remove_dir_all(p.progress(&id)).unwrap();
+        std::fs::write(p.root.join("go"), "").unwrap();
+        let out = wait_output(child, DEADLINE);
+        assert_eq!(code(&out), 0, "{spoil}: {}", stderr(&out));
+        assert!(
+            stderr(&out).contains("put back the last good version"),
+            "{spoil}: {}",
+            stderr(&out)
+        );
+        assert_eq!(p.state(&id)["status"], "completed", "{spoil}");
+        if spoil == "garbage" {
+            let kept = std::fs::read_to_string(p.root.join(format!(".loop/{id}.json.corrupt")));
+            assert_eq!(kept.unwrap(), "{ not json");
+        }
+        assert!(p.progress(&id).join("events.jsonl").exists(), "{spoil}");
+    }
+}
+
+#[test]
+fn a_lock_held_past_the_lock_timeout_delays_the_daemon_but_does_not_end_it() {
+    let p = Project::new(WAITING_AGENT);
+    let id = p.create(&["--title", "t"]);
+    let child = p.spawn_run(&id, &[]);
+    wait_for("develop to wait", || p.root.join("waiting").exists());
+    let lock = std::fs::File::open(p.root.join(format!(".loop/{id}.lock"))).unwrap();
+    lock.lock().unwrap();
+    std::fs::write(p.root.join("go"), "").unwrap();
+    wait_for("the daemon to say it waits", || {
+        p.events(&id).iter().any(|e| {
+            e["message"]
+                .as_str()
+                .is_some_and(|m| m.contains("waiting for the lock"))
+        })
+    });
+    lock.unlock().unwrap();
+    let out = wait_output(child, DEADLINE);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+}
+
+#[test]
+fn a_full_disk_is_waited_out_and_nothing_is_lost() {
+    if !nix::unistd::geteuid().is_root() {
+        eprintln!("skipped: mounting a small tmpfs needs root");
+        return;
+    }
+    let mount = tempfile::tempdir().unwrap();
+    let mounted = std::process::Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=2m,mode=0700", "loopd-test"])
+        .arg(mount.path())
+        .status();
+    if !mounted.is_ok_and(|s| s.success()) {
+        eprintln!("skipped: cannot mount a tmpfs here");
+        return;
+    }
+    struct Unmount(std::path::PathBuf);
+    impl Drop for Unmount {
+        fn drop(&mut self) {
+            let _ = std::process::Command::new("umount").arg(&self.0).status();
+        }
+    }
+    let _unmount = Unmount(mount.path().to_owned());
+    // The project on the small filesystem; the agent's signal file outside it.
+    let signals = tempfile::tempdir().unwrap();
+    let agent = WAITING_AGENT
+        .replace(
+            "touch waiting",
+            &format!("touch {}/waiting", signals.path().display()),
+        )
+        .replace(
+            "[ ! -f go ]",
+            &format!("[ ! -f {}/go ]", signals.path().display()),
+        );
+    let root = mount.path().join("project");
+    std::fs::create_dir_all(root.join(".loop")).unwrap();
+    std::fs::create_dir_all(root.join("bin")).unwrap();
+    std::fs::write(root.join(".loop/config.toml"), TEST_CONFIG).unwrap();
+    std::fs::write(root.join("bin/agent.sh"), format!("#!/bin/sh\n{agent}")).unwrap();
+    let loopd = || {
+        let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_loopd"));
+        cmd.arg("--root").arg(&root).env("HOME", signals.path());
+        cmd
+    };
+    let out = loopd().args(["create", "--title", "t"]).output().unwrap();
+    let id = String::from_utf8(out.stdout).unwrap().trim().to_owned();
+    let mut child = loopd()
+        .args(["run", &id])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // The daemon's log, read as it comes: while the disk is full it is the only place it can say so.
+    let log = Arc::new(std::sync::Mutex::new(String::new()));
+    let reader = {
+        let (log, stderr) = (log.clone(), child.stderr.take().unwrap());
+        std::thread::spawn(move || {
+            use std::io::BufRead as _;
+            for line in std::io::BufReader::new(stderr)
+                .lines()
+                .map_while(Result::ok)
+            {
+                log.lock().unwrap().push_str(&line);
+                log.lock().unwrap().push('\n');
+            }
+        })
+    };
+    wait_for("develop to wait", || {
+        signals.path().join("waiting").exists()
+    });
+    // Fill the filesystem, then let develop finish: its result cannot be written yet.
+    let filler = mount.path().join("filler");
+    let _ = std::process::Command::new("dd")
+        .args(["if=/dev/zero", "bs=64k"])
+        .arg(format!("of={}", filler.display()))
+        .stderr(std::process::Stdio::null())
+        .status();
+    std::fs::write(signals.path().join("go"), "").unwrap();
+    let state_path = root.join(format!(".loop/{id}.json"));
+    wait_for("the daemon to wait for space", || {
+        log.lock().unwrap().contains("retrying until it goes away")
+    });
+    std::fs::remove_file(&filler).unwrap();
+    let status = wait_output(child, DEADLINE).status;
+    reader.join().unwrap();
+    let log = log.lock().unwrap().clone();
+    assert_eq!(status.code(), Some(0), "{log}");
+    assert_eq!(
+        log.matches("retrying until it goes away").count(),
+        1,
+        "said once: {log}"
+    );
+    let state: Value = serde_json::from_slice(&std::fs::read(&state_path).unwrap()).unwrap();
+    assert_eq!(state["status"], "completed");
+    assert_eq!(
+        state["skill_state"]["develop"]["tasks"][0]["status"],
+        "completed"
+    );
+    assert_eq!(state["skill_state"]["error_count"], 0);
+}

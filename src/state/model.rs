@@ -30,6 +30,14 @@ pub const TEST_RESULTS_WINDOW: usize = 50;
 pub const FAILED_TESTS_WINDOW: usize = 50;
 /// How many paths a task's `files_changed` keeps.
 pub const FILES_CHANGED_WINDOW: usize = 50;
+/// How many tasks `skill_state.develop.tasks` holds at most. A new task beyond it takes the place
+/// of the oldest completed one; with none completed, it is refused.
+pub const MAX_TASKS: usize = 200;
+/// The longest task description (and loop description), in bytes: the state file stays within
+/// its size limit, and `LOOPD_TASK` within the kernel's limit for one variable.
+pub const MAX_DESCRIPTION: usize = 32 << 10;
+/// The longest loop title, in bytes.
+pub const MAX_TITLE: usize = 1 << 10;
 
 /// The loop's status, as the CCW API writes it. Unknown values are kept as they were written.
 #[derive(Clone, Debug, PartialEq, Eq, Default)]
@@ -582,6 +590,25 @@ impl DevelopState {
             .iter()
             .map(|t| format!("- [{}] {}: {}\n", t.status.mark(), t.id, t.description))
             .collect()
+    }
+
+    /// Adds a task within [`MAX_TASKS`]: at the limit the oldest completed task makes room;
+    /// returns `false` (and adds nothing) when none can.
+    pub fn add_task(&mut self, task: DevelopTask) -> bool {
+        if self.tasks.len() >= MAX_TASKS {
+            match self
+                .tasks
+                .iter()
+                .position(|t| t.status == TaskStatus::Completed)
+            {
+                Some(done) => {
+                    self.tasks.remove(done);
+                }
+                None => return false,
+            }
+        }
+        self.tasks.push(task);
+        true
     }
 
     pub fn task_mut(&mut self, id: &str) -> Option<&mut DevelopTask> {

@@ -35,7 +35,9 @@ use std::time::{Duration, Instant, SystemTime};
 
 use serde_json::{Map, Value};
 
-use super::model::{Control, DevelopTask, LoopState, Status, TaskStatus, now_rfc3339};
+use super::model::{
+    Control, DevelopTask, LoopState, MAX_DESCRIPTION, MAX_TASKS, Status, TaskStatus, now_rfc3339,
+};
 use crate::safe_fs::{self, Dir, TEMP_SUFFIX};
 
 /// Top-level fields the daemon owns and writes back from its own copy.
@@ -1155,15 +1157,31 @@ pub fn parse_tasks(path: &Path, text: &str) -> (Vec<DevelopTask>, Vec<String>) {
             ));
             continue;
         }
+        let description = text_field("description")
+            .or_else(|| text_field("title"))
+            .unwrap_or_default();
+        if description.len() > MAX_DESCRIPTION {
+            warnings.push(format!(
+                "{}:{lineno}: the description of task {id:?} is {} bytes, over the limit of {MAX_DESCRIPTION}; this record is skipped",
+                path.display(),
+                description.len()
+            ));
+            continue;
+        }
+        if tasks.len() == MAX_TASKS {
+            warnings.push(format!(
+                "{}:{lineno}: over the limit of {MAX_TASKS} tasks; this record and the rest are skipped",
+                path.display()
+            ));
+            break;
+        }
         let mut extra = Map::new();
         if let Some(order) = map.get("order") {
             extra.insert("order".into(), order.clone());
         }
         tasks.push(DevelopTask {
             id,
-            description: text_field("description")
-                .or_else(|| text_field("title"))
-                .unwrap_or_default(),
+            description,
             tool: text_field("tool"),
             mode: text_field("mode"),
             created_at: Some(text_field("created_at").unwrap_or_else(|| now.clone())),

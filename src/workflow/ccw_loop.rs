@@ -11,7 +11,8 @@ use super::{Decision, Dispatch, Finish, Inputs, Limits, LoopEnd, Outcome, Workfl
 use crate::protocol::ActionResult;
 use crate::state::model::{
     DevelopTask, FAILED_TESTS_WINDOW, FILES_CHANGED_WINDOW, HYPOTHESES_WINDOW, Hypothesis,
-    LoopState, SkillState, TEST_RESULTS_WINDOW, TaskStatus, TestResult, trim_window,
+    LoopState, MAX_DESCRIPTION, MAX_TASKS, SkillState, TEST_RESULTS_WINDOW, TaskStatus, TestResult,
+    trim_window,
 };
 
 pub struct CcwLoop;
@@ -183,6 +184,12 @@ impl Workflow for CcwLoop {
                     let Value::Array(tasks) = tasks else {
                         return Err("state_updates.tasks must be an array".into());
                     };
+                    if tasks.len() > MAX_TASKS {
+                        return Err(format!(
+                            "state_updates.tasks has {} tasks, over the limit of {MAX_TASKS}",
+                            tasks.len()
+                        ));
+                    }
                     for (i, task) in tasks.iter().enumerate() {
                         task_spec(task).map_err(|e| format!("state_updates.tasks[{i}]: {e}"))?;
                     }
@@ -199,6 +206,12 @@ impl Workflow for CcwLoop {
                     let Value::Array(fix) = fix else {
                         return Err("state_updates.fix_tasks must be an array".into());
                     };
+                    if fix.len() > MAX_TASKS {
+                        return Err(format!(
+                            "state_updates.fix_tasks has {} tasks, over the limit of {MAX_TASKS}",
+                            fix.len()
+                        ));
+                    }
                     for (i, task) in fix.iter().enumerate() {
                         task_spec(task)
                             .map_err(|e| format!("state_updates.fix_tasks[{i}]: {e}"))?;
@@ -337,7 +350,9 @@ impl Workflow for CcwLoop {
                     for spec in fixes.unwrap_or_default() {
                         if let Ok((desc, tool, mode)) = task_spec(&spec) {
                             let task = new_task(&skill.develop.tasks, &[], desc, tool, mode, now);
-                            skill.develop.tasks.push(task);
+                            if !skill.develop.add_task(task) {
+                                break; // the list is full of open tasks
+                            }
                         }
                     }
                     skill.develop.recount();
@@ -394,10 +409,13 @@ impl Workflow for CcwLoop {
         let mut joined = 0;
         for task in listed {
             if skill.develop.task(&task.id).is_none() {
-                skill.develop.tasks.push(DevelopTask {
+                let task = DevelopTask {
                     status: TaskStatus::Pending,
                     ..task.clone()
-                });
+                };
+                if !skill.develop.add_task(task) {
+                    break; // the list is full of open tasks
+                }
                 joined += 1;
             }
         }
@@ -414,6 +432,12 @@ fn task_spec(spec: &Value) -> Result<(&str, Option<&str>, Option<&str>), String>
         return Err(format!("a task must be an object, not {spec}"));
     };
     let description = match opt_str(map, "description")? {
+        Some(d) if d.len() > MAX_DESCRIPTION => {
+            return Err(format!(
+                "a task description of {} bytes is over the limit of {MAX_DESCRIPTION}",
+                d.len()
+            ));
+        }
         Some(d) if !d.trim().is_empty() => d,
         _ => return Err("a task needs a non-empty description".into()),
     };
