@@ -6,7 +6,7 @@
 //! so a typo fails the start of a loop, not its fifth iteration.
 
 use std::collections::BTreeMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
@@ -88,6 +88,8 @@ pub struct ActionDef {
     /// Where it came from: "built-in" or a path.
     pub source: String,
     pub front: FrontMatter,
+    /// The project's file as it was read, for a project override: it needs `loopd trust`.
+    pub project_file: Option<crate::trust::ProjectFile>,
     template: String,
 }
 
@@ -143,6 +145,7 @@ impl ActionDef {
             name: name.to_owned(),
             source: source.to_owned(),
             front,
+            project_file: None,
             template,
         })
     }
@@ -180,20 +183,28 @@ fn placeholders(template: &str) -> impl Iterator<Item = Result<&str, String>> {
     })
 }
 
+/// Where a project overrides an action: `<root>/.loop/actions/WORKFLOW/ACTION.md`, next to the
+/// project config wherever `state_dir` points.
+pub fn project_file(root: &Path, workflow: &str, action: &str) -> PathBuf {
+    root.join(".loop/actions")
+        .join(workflow)
+        .join(format!("{action}.md"))
+}
+
 /// Loads every action of a workflow: the project's override where there is one, else the built-in.
 pub fn load(
     workflow: &str,
     actions: &[&str],
-    state_dir: &Path,
+    root: &Path,
 ) -> Result<BTreeMap<String, ActionDef>, ActionError> {
     let mut defs = BTreeMap::new();
     for action in actions {
-        let path = state_dir
-            .join("actions")
-            .join(workflow)
-            .join(format!("{action}.md"));
+        let path = project_file(root, workflow, action);
         let def = match crate::safe_fs::read_text(&path) {
-            Ok(text) => ActionDef::parse(action, &path.display().to_string(), &text)?,
+            Ok(text) => ActionDef {
+                project_file: Some(crate::trust::ProjectFile::new(&path, &text)),
+                ..ActionDef::parse(action, &path.display().to_string(), &text)?
+            },
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
                 let text = BUILTIN
                     .iter()
@@ -250,7 +261,7 @@ mod tests {
     #[test]
     fn project_override_wins() {
         let dir = tempfile::tempdir().unwrap();
-        let over = dir.path().join("actions/ccw-loop");
+        let over = dir.path().join(".loop/actions/ccw-loop");
         std::fs::create_dir_all(&over).unwrap();
         std::fs::write(
             over.join("init.md"),
@@ -262,5 +273,8 @@ mod tests {
         let vars = BTreeMap::from([("title", "X".to_owned())]);
         assert_eq!(defs["init"].render(&vars), "plan X\n");
         assert!(defs["develop"].source.starts_with("built-in"));
+        // The override is the project's own file, to be trusted; the built-in is not.
+        assert!(defs["init"].project_file.is_some());
+        assert!(defs["develop"].project_file.is_none());
     }
 }

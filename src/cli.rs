@@ -54,6 +54,7 @@ pub fn exit_code_of(e: &anyhow::Error) -> i32 {
         cause.is::<UsageError>()
             || cause.is::<crate::config::ConfigError>()
             || cause.is::<crate::actions::ActionError>()
+            || cause.is::<crate::trust::Untrusted>()
             || cause
                 .downcast_ref::<crate::state::store::StoreError>()
                 .is_some_and(|s| s.is_bad_input())
@@ -157,6 +158,17 @@ pub enum Command {
         #[arg(long, value_name = "NAME")]
         executor: Option<String>,
     },
+    /// Let this project's .loop/config.toml and action files set what loopd runs
+    ///
+    /// A project's own config and action files can set any command, and they arrive with a cloned
+    /// repository: `run`, `start` and `resume` refuse them until they are trusted. This records a
+    /// SHA-256 digest of each in the user's config dir (~/.config/loopd/trusted/); a file changed
+    /// afterwards must be trusted again.
+    Trust {
+        /// Forget the trust given to this project
+        #[arg(long)]
+        revoke: bool,
+    },
     /// Run a complete example loop in a temporary project
     Demo,
     /// The demo's scripted executor (used by `demo`)
@@ -259,9 +271,37 @@ pub fn run(cli: Cli) -> Result<i32> {
         Command::List { json } => list(&project()?, json),
         Command::Logs { id, follow, json } => logs(&project()?, &id, follow, json),
         Command::Doctor { executor } => crate::doctor::run(&project()?, executor),
+        Command::Trust { revoke } => trust(&project()?, revoke),
         Command::Demo => crate::demo::run(),
         Command::DemoAgent => crate::demo::agent(),
     }
+}
+
+/// `loopd trust`: records the project's files as trusted, or forgets them.
+fn trust(p: &Project, revoke: bool) -> Result<i32> {
+    let root = p.root.display();
+    if revoke {
+        let had = crate::trust::revoke(&p.root).context("cannot remove the trust record")?;
+        if had {
+            crate::outln!("no longer trusted: {root}")?;
+        } else {
+            crate::outln!("{root} was not trusted")?;
+        }
+        return Ok(0);
+    }
+    let files = crate::trust::project_files(&p.root)?;
+    if files.is_empty() {
+        crate::outln!(
+            "nothing to trust in {root}: no .loop/config.toml and no action files; the built-in \
+             and your own config need no trust"
+        )?;
+        return Ok(0);
+    }
+    crate::trust::allow(&p.root, &files).context("cannot write the trust record")?;
+    for file in &files {
+        crate::outln!("trusted {}", file.path.display())?;
+    }
+    Ok(0)
 }
 
 /// What `create` asks for.
@@ -419,7 +459,7 @@ fn control(p: &Project, id: &str, what: Control) -> Result<i32> {
         Err(e) if matches!(what, Control::Stop) => return stop_unloadable(p, id, e),
         Err(e) => return Err(e),
     };
-    let status = state.status;
+    let status = state.status.clone();
     let allowed: &[Status] = match what {
         Control::Pause => &[Status::Running, Status::Created],
         Control::Resume => &[
@@ -447,6 +487,12 @@ fn control(p: &Project, id: &str, what: Control) -> Result<i32> {
     }
     if !resumable(&status) || (matches!(what, Control::Resume) && status == Status::Completed) {
         return Err(usage(format!("cannot {verb} loop {id}: it is {status}")));
+    }
+    let executor = state.skill_state.as_ref().and_then(|s| s.executor.clone());
+    let start_daemon =
+        matches!(what, Control::Resume) && crate::daemon::daemon_pid(&p.store, id).is_none();
+    if start_daemon {
+        crate::daemon::check_runnable(p, &state, executor.as_deref())?;
     }
     let mut refused = None;
     p.store.update(id, true, |raw, current| {
@@ -476,8 +522,7 @@ fn control(p: &Project, id: &str, what: Control) -> Result<i32> {
         )));
     }
     eprintln!("loop {id}: {status} → {target}");
-    if matches!(what, Control::Resume) && crate::daemon::daemon_pid(&p.store, id).is_none() {
-        let executor = state.skill_state.as_ref().and_then(|s| s.executor.clone());
+    if start_daemon && crate::daemon::daemon_pid(&p.store, id).is_none() {
         let pid = crate::daemon::start(p, id, executor.as_deref())?;
         eprintln!("started daemon pid {pid}");
         crate::outln!("{pid}")?;

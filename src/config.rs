@@ -1,4 +1,5 @@
-//! Layered configuration: the built-in `config.toml`, then `~/.config/loopd/config.toml`, then
+//! Layered configuration: the built-in `config.toml`, then the user's `config.toml` (in
+//! `$XDG_CONFIG_HOME/loopd/`, else `~/.config/loopd/`), then
 //! `<root>/.loop/config.toml`, then `$LOOPD_CONFIG` or `--config FILE`, key by key.
 //!
 //! Each layer is parsed on its own first, so a type error or an unknown key is reported against the
@@ -42,6 +43,9 @@ pub struct Config {
     pub executor_defaults: ExecutorDefaults,
     pub executors: BTreeMap<String, ExecutorConfig>,
     pub actions: BTreeMap<String, ActionConfig>,
+    /// The project layer as it was read, when there is one: it needs `loopd trust`.
+    #[serde(skip)]
+    pub project_file: Option<crate::trust::ProjectFile>,
 }
 
 #[derive(Clone, Debug, Default, Deserialize)]
@@ -141,6 +145,22 @@ pub struct Supervision {
     pub final_grace: Duration,
 }
 
+/// The user's own loopd directory: `$XDG_CONFIG_HOME/loopd`, else `~/.config/loopd`.
+pub fn user_dir() -> Option<PathBuf> {
+    let absolute = |var| {
+        std::env::var_os(var)
+            .map(PathBuf::from)
+            .filter(|p| p.is_absolute())
+    };
+    absolute("XDG_CONFIG_HOME")
+        .map(|c| c.join("loopd"))
+        .or_else(|| absolute("HOME").map(|h| h.join(".config/loopd")))
+}
+
+fn same_file(a: &Path, b: &Path) -> bool {
+    matches!((a.canonicalize(), b.canonicalize()), (Ok(a), Ok(b)) if a == b)
+}
+
 struct Layer {
     name: String,
     table: toml::Table,
@@ -150,9 +170,19 @@ impl Config {
     /// Loads every layer for a project root; `explicit` is `--config` (else `$LOOPD_CONFIG`).
     pub fn load(root: &Path, explicit: Option<&Path>) -> Result<Config, ConfigError> {
         let mut layers = vec![parse_layer("built-in config.toml", DEFAULT_CONFIG)?];
+        let project = Self::project_file(root);
+        let mut project_file = None;
         for (file, required) in Self::layer_files(root, explicit) {
             match crate::safe_fs::read_text(&file) {
-                Ok(text) => layers.push(parse_layer(&file.display().to_string(), &text)?),
+                Ok(text) => {
+                    layers.push(parse_layer(&file.display().to_string(), &text)?);
+                    if required && same_file(&file, &project) {
+                        // Named by `--config`: the user's own choice.
+                        project_file = None;
+                    } else if file == project {
+                        project_file = Some(crate::trust::ProjectFile::new(&file, &text));
+                    }
+                }
                 Err(e) if required || e.kind() != std::io::ErrorKind::NotFound => {
                     return Err(ConfigError {
                         file: file.display().to_string(),
@@ -163,18 +193,24 @@ impl Config {
                 Err(_) => {}
             }
         }
-        Self::from_layers(&layers)
+        let mut config = Self::from_layers(&layers)?;
+        config.project_file = project_file;
+        Ok(config)
+    }
+
+    /// The project's own layer, `<root>/.loop/config.toml`; `state_dir` cannot move it.
+    pub fn project_file(root: &Path) -> PathBuf {
+        root.join(".loop/config.toml")
     }
 
     /// The config files layered over the built-in defaults, in order, and whether each must
     /// exist (`--config` / `$LOOPD_CONFIG` must; the others are optional).
     pub fn layer_files(root: &Path, explicit: Option<&Path>) -> Vec<(PathBuf, bool)> {
         let mut files = Vec::new();
-        if let Some(home) = std::env::var_os("HOME") {
-            files.push((Path::new(&home).join(".config/loopd/config.toml"), false));
+        if let Some(user) = user_dir() {
+            files.push((user.join("config.toml"), false));
         }
-        // The project layer lives in the default state dir; `state_dir` cannot move it.
-        files.push((root.join(".loop/config.toml"), false));
+        files.push((Self::project_file(root), false));
         let explicit = explicit
             .map(Path::to_owned)
             .or_else(|| std::env::var_os("LOOPD_CONFIG").map(PathBuf::from));

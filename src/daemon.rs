@@ -15,7 +15,7 @@ use tokio::sync::watch;
 use crate::cli::{Project, loop_workflow};
 use crate::executor::Subprocess;
 use crate::orchestrator::{Daemon, Exit};
-use crate::state::model::Status;
+use crate::state::model::{LoopState, Status};
 use crate::state::store::Store;
 
 /// `loopd run`: drives a loop until it ends; returns the exit code.
@@ -57,8 +57,8 @@ pub fn drive(p: &Project, id: &str, executor: Option<String>, exit_on_pause: boo
             .executor_named(name)
             .map_err(|reason| crate::cli::UsageError(format!("--executor: {reason}")))?;
     }
-    let daemon = build(p, workflow, executor, exit_on_pause)?;
-    let mut daemon = daemon;
+    let mut daemon = build(p, workflow, executor, exit_on_pause)?;
+    crate::trust::check(&p.root, &daemon.project_files())?;
     daemon.restored = restored;
     let _lock = DaemonLock::acquire(&p.store, id)?;
     crate::executor::procs::become_subreaper();
@@ -187,6 +187,19 @@ impl DaemonLock {
     }
 }
 
+/// Refuses now, where the user sees it, what a daemon would refuse at its start: a bad action
+/// file or executor, or project files that are not trusted.
+pub fn check_runnable(p: &Project, state: &LoopState, executor: Option<&str>) -> Result<()> {
+    let daemon = build(
+        p,
+        loop_workflow(p, state)?,
+        executor.map(str::to_owned),
+        false,
+    )?;
+    crate::trust::check(&p.root, &daemon.project_files())?;
+    Ok(())
+}
+
 /// Starts a detached daemon for a loop; returns its pid once it holds the loop's daemon lock.
 pub fn start(p: &Project, id: &str, executor: Option<&str>) -> Result<u32> {
     let state = p.load(id)?;
@@ -200,6 +213,7 @@ pub fn start(p: &Project, id: &str, executor: Option<&str>) -> Result<u32> {
             "loop {id} is completed; nothing to start"
         )));
     }
+    check_runnable(p, &state, executor)?;
     let progress = p.store.progress(id)?;
     let log_path = progress.join("daemon.log");
     let log = progress.append("daemon.log")?;

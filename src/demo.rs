@@ -45,7 +45,8 @@ pub fn run() -> Result<i32> {
         .prefix("loopd-demo-")
         .tempdir()
         .context("cannot create the demo's temporary directory")?
-        .keep();
+        .keep()
+        .canonicalize()?;
     std::fs::write(dir.join("calc.sh"), CALC)?;
     std::fs::write(dir.join("test.sh"), TESTS)?;
     let exe = std::env::current_exe().context("cannot find the loopd binary")?;
@@ -58,6 +59,9 @@ pub fn run() -> Result<i32> {
     );
     std::fs::create_dir_all(dir.join(".loop"))?;
     std::fs::write(dir.join(".loop/config.toml"), &config_text)?;
+    // loopd wrote this file itself: `loopd status` and `loopd run` may use it afterwards.
+    crate::trust::allow(&dir, &crate::trust::project_files(&dir)?)
+        .context("cannot record the demo project as trusted")?;
     // The built-in defaults and the demo's layer only: the user's own config does not apply here.
     let config = Config::builtin_with(&config_text)?;
     let project = Project {

@@ -12,7 +12,8 @@ use crate::cli::Project;
 /// How long `--version` may take.
 const VERSION_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// Prints the report; exit code 0 when every executor the actions use is installed, else 1.
+/// Prints the report; exit code 0 when every executor the actions use is installed and the
+/// project's files are trusted, else 1.
 pub fn run(p: &Project, executor: Option<String>) -> Result<i32> {
     let workflow = crate::workflow::by_name(&p.config.workflow)
         .ok_or_else(|| anyhow::anyhow!("unknown workflow {}", p.config.workflow))?;
@@ -28,6 +29,27 @@ pub fn run(p: &Project, executor: Option<String>) -> Result<i32> {
         let _ = writeln!(out, "             {}{present}", file.display());
     }
     let _ = writeln!(out, "  workflow   {}", workflow.name());
+    let untrusted = match crate::trust::verdict(&p.root, &daemon.project_files()) {
+        crate::trust::Verdict::NothingToTrust => {
+            let _ = writeln!(
+                out,
+                "  trust      nothing to trust (no project config or action files)"
+            );
+            None
+        }
+        crate::trust::Verdict::Trusted(n) => {
+            let _ = writeln!(
+                out,
+                "  trust      trusted ({n} project file{})",
+                if n == 1 { "" } else { "s" }
+            );
+            None
+        }
+        crate::trust::Verdict::Untrusted(u) => {
+            let _ = writeln!(out, "  trust      {u}");
+            Some(u)
+        }
+    };
 
     let _ = writeln!(out, "\nexecutors");
     let width = p
@@ -80,13 +102,25 @@ pub fn run(p: &Project, executor: Option<String>) -> Result<i32> {
              IS_SANDBOX=1 is in its environment ([executors.claude.env])"
         );
     }
-    if missing.is_empty() {
+    if let Some(u) = &untrusted {
+        let _ = writeln!(
+            out,
+            "\nnot ready: {} is not trusted; run `{}`",
+            u.file.display(),
+            crate::trust::trust_command(&p.root)
+        );
+    } else if missing.is_empty() {
         let _ = writeln!(out, "\nready: every action's executor is installed");
-    } else {
+    }
+    if !missing.is_empty() {
         let _ = writeln!(out, "\nnot ready: missing {}", missing.join(", "));
     }
     crate::out!("{out}")?;
-    Ok(if missing.is_empty() { 0 } else { 1 })
+    Ok(if missing.is_empty() && untrusted.is_none() {
+        0
+    } else {
+        1
+    })
 }
 
 /// Where `program` is: itself if it has a slash, else the first executable on PATH.

@@ -17,5 +17,6 @@ pub mod orchestrator;
 pub mod protocol;
 pub mod safe_fs;
 pub mod state;
+pub mod trust;
 pub mod watch;
 pub mod workflow;

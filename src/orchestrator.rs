@@ -125,9 +125,7 @@ impl Daemon {
         executor_override: Option<String>,
         exit_on_pause: bool,
     ) -> Result<Daemon> {
-        // Project overrides live next to the project config, wherever `state_dir` points.
-        let actions =
-            crate::actions::load(workflow.name(), workflow.actions(), &root.join(".loop"))?;
+        let actions = crate::actions::load(workflow.name(), workflow.actions(), &root)?;
         let mut plans = BTreeMap::new();
         for (name, def) in &actions {
             plans.insert(
@@ -152,6 +150,19 @@ impl Daemon {
     /// How each action would run, by action.
     pub fn plans(&self) -> &BTreeMap<String, Plan> {
         &self.plans
+    }
+
+    /// The project's own files this daemon loaded, which need `loopd trust` (see [`crate::trust`]).
+    pub fn project_files(&self) -> Vec<&crate::trust::ProjectFile> {
+        self.config
+            .project_file
+            .iter()
+            .chain(
+                self.actions
+                    .values()
+                    .filter_map(|a| a.project_file.as_ref()),
+            )
+            .collect()
     }
 
     /// Where each action's definition comes from, by action.

@@ -317,9 +317,8 @@ fn doctor_shows_what_would_run_and_what_is_missing() {
         "{text}"
     );
     // A project's action file and --executor show up in the plan.
-    let actions = p.root.join(".loop/actions/ccw-loop");
-    std::fs::create_dir_all(&actions).unwrap();
-    std::fs::write(actions.join("develop.md"), "develop {{task_description}}\n").unwrap();
+    let develop = p.action_file("develop", "develop {{task_description}}\n");
+    let actions = develop.parent().unwrap();
     let text = stdout(&loopd_with_agents(&p, &["doctor", "--executor", "bash"]));
     assert!(
         text.contains(&actions.join("develop.md").display().to_string()),

@@ -700,9 +700,13 @@ fn a_full_disk_is_waited_out_and_nothing_is_lost() {
     std::fs::write(root.join("bin/agent.sh"), format!("#!/bin/sh\n{agent}")).unwrap();
     let loopd = || {
         let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_loopd"));
-        cmd.arg("--root").arg(&root).env("HOME", signals.path());
+        cmd.arg("--root")
+            .arg(&root)
+            .env("HOME", signals.path())
+            .env_remove("XDG_CONFIG_HOME");
         cmd
     };
+    assert!(loopd().arg("trust").output().unwrap().status.success());
     let out = loopd().args(["create", "--title", "t"]).output().unwrap();
     let id = String::from_utf8(out.stdout).unwrap().trim().to_owned();
     let mut child = loopd()

@@ -493,11 +493,9 @@ fn bad_input_exits_2_with_one_line_and_changes_nothing() {
     refused(&p, &["status", &id], "format");
     // An unknown placeholder in a project's action file.
     p.config(TEST_CONFIG);
-    let actions = p.root.join(".loop/actions/ccw-loop");
-    std::fs::create_dir_all(&actions).unwrap();
-    std::fs::write(actions.join("develop.md"), "do {{taks}}\n").unwrap();
+    let develop = p.action_file("develop", "do {{taks}}\n");
     refused(&p, &["run", &id], "{{taks}}");
-    std::fs::remove_file(actions.join("develop.md")).unwrap();
+    std::fs::remove_file(develop).unwrap();
     assert_eq!(code(&p.run(&id, &[])), 0);
 }
 

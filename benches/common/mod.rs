@@ -39,7 +39,10 @@ impl Project {
         if let Some(agent) = agent {
             std::fs::write(root.join("bin/agent.sh"), agent).expect("write agent");
         }
-        Project { _dir: dir, root }
+        let p = Project { _dir: dir, root };
+        let trusted = p.loopd().arg("trust").output().expect("run loopd trust");
+        assert!(trusted.status.success(), "loopd trust failed");
+        p
     }
 
     /// `loopd --root ROOT`, isolated from the user's environment and config.
@@ -49,6 +52,7 @@ impl Project {
             .arg(&self.root)
             .current_dir(&self.root)
             .env("HOME", &self.root)
+            .env_remove("XDG_CONFIG_HOME")
             .env_remove("LOOPD_CONFIG")
             .env_remove("LOOPD_ROOT")
             .env_remove("LOOPD_LOG")

@@ -176,6 +176,11 @@ pub trait Workflow: Send + Sync {
 }
 
 /// Every workflow by name.
+/// Every workflow loopd knows.
+pub fn all() -> impl Iterator<Item = &'static dyn Workflow> {
+    ["ccw-loop"].into_iter().filter_map(by_name)
+}
+
 pub fn by_name(name: &str) -> Option<&'static dyn Workflow> {
     match name {
         "ccw-loop" => Some(&ccw_loop::CcwLoop),

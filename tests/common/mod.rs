@@ -55,8 +55,26 @@ impl Project {
         p
     }
 
+    /// Writes `.loop/config.toml` and trusts it, as its author would (a config that does not load
+    /// cannot be trusted; the commands under test then report why).
     pub fn config(&self, toml: &str) {
         std::fs::write(self.root.join(".loop/config.toml"), toml).expect("write config");
+        self.trust();
+    }
+
+    /// Writes the project's action file `.loop/actions/ccw-loop/NAME.md` and trusts it.
+    pub fn action_file(&self, name: &str, text: &str) -> PathBuf {
+        let dir = self.root.join(".loop/actions/ccw-loop");
+        std::fs::create_dir_all(&dir).expect("mkdir actions");
+        let path = dir.join(format!("{name}.md"));
+        std::fs::write(&path, text).expect("write action file");
+        self.trust();
+        path
+    }
+
+    /// `loopd trust`; returns whether it succeeded.
+    pub fn trust(&self) -> bool {
+        self.output(&["trust"]).status.success()
     }
 
     pub fn agent(&self, body: &str) {
@@ -79,6 +97,7 @@ impl Project {
             .arg(&self.root)
             .current_dir(&self.root)
             .env("HOME", &self.root)
+            .env_remove("XDG_CONFIG_HOME")
             .env_remove("LOOPD_CONFIG")
             .env_remove("LOOPD_ROOT")
             .env_remove("LOOPD_LOG")
