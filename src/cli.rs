@@ -1,7 +1,5 @@
 //! The command line (CONTRACT §7): clap definitions and the small commands.
 
-use std::fs::File;
-use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -10,7 +8,7 @@ use clap::{Parser, Subcommand, ValueEnum};
 use serde_json::{Value, json};
 
 use crate::config::Config;
-use crate::events::render;
+use crate::events::{printable, render};
 use crate::state::model::{LoopState, Mode, SkillState, Status, TaskStatus, now_rfc3339};
 use crate::state::store::{Store, new_id, validate_id};
 
@@ -625,8 +623,11 @@ fn status(p: &Project, id: &str, as_json: bool) -> Result<i32> {
     let max_iter = s.max_iterations_or(p.config.max_iterations);
     let max_err = s.max_errors_or(p.config.max_errors);
     let mut out = String::new();
-    let row = |out: &mut String, k: &str, v: String| out.push_str(&format!("  {k:<10} {v}\n"));
-    out.push_str(&format!("{}  {}\n", s.loop_id, s.title));
+    // Values come from the state file and executors: shown with their control characters escaped.
+    let row = |out: &mut String, k: &str, v: String| {
+        out.push_str(&format!("  {k:<10} {}\n", printable(&v)));
+    };
+    out.push_str(&format!("{}  {}\n", s.loop_id, printable(&s.title)));
     row(&mut out, "status", format!("{} ({daemon})", s.status));
     row(
         &mut out,
@@ -688,8 +689,8 @@ fn status(p: &Project, id: &str, as_json: bool) -> Result<i32> {
         out.push_str(&format!(
             "             [{}] {}  {}\n",
             t.status.mark(),
-            t.id,
-            t.description
+            printable(&t.id),
+            printable(&t.description)
         ));
     }
     let v = &skill.validate;
@@ -765,14 +766,18 @@ fn list(p: &Project, as_json: bool) -> Result<i32> {
                         s.max_iterations_or(p.config.max_iterations)
                     ),
                     format!("{done}/{}", skill.develop.tasks.len()),
-                    s.title
+                    printable(&s.title)
                 )?;
             }
             Err(e) => {
                 if as_json {
                     rows.push(json!({"loop_id": id, "error": e.to_string()}));
                 } else {
-                    crate::outln!("{id:<34} {:<10} {e}", "unreadable")?;
+                    crate::outln!(
+                        "{id:<34} {:<10} {}",
+                        "unreadable",
+                        printable(&e.to_string())
+                    )?;
                 }
             }
         }
@@ -787,28 +792,14 @@ fn list(p: &Project, as_json: bool) -> Result<i32> {
 
 fn logs(p: &Project, id: &str, follow: bool, as_json: bool) -> Result<i32> {
     p.load(id)?;
-    let path = p.store.progress_dir(id).join("events.jsonl");
-    let mut offset = 0u64;
-    // Bytes of a line not yet complete (the daemon may be writing it).
-    let mut pending: Vec<u8> = Vec::new();
+    let mut tail = crate::events::EventTail::new(&p.store, id);
     let mut idle_polls = 0;
     loop {
-        if let Ok(mut file) = File::open(&path) {
-            file.seek(SeekFrom::Start(offset))?;
-            let n = file.read_to_end(&mut pending)?;
-            offset += n as u64;
-            while let Some(nl) = pending.iter().position(|b| *b == b'\n') {
-                let line: Vec<u8> = pending.drain(..=nl).collect();
-                let line = String::from_utf8_lossy(&line);
-                let line = line.trim_end();
-                if line.is_empty() {
-                    continue;
-                }
-                match serde_json::from_str::<Value>(line) {
-                    Ok(event) if !as_json => crate::outln!("{}", render(&event))?,
-                    Err(_) if !as_json => crate::outln!("(unreadable event) {line}")?,
-                    _ => crate::outln!("{line}")?,
-                }
+        for line in tail.read_lines()? {
+            match serde_json::from_str::<Value>(&line) {
+                Ok(_) if as_json => crate::outln!("{line}")?,
+                Ok(event) => crate::outln!("{}", render(&event))?,
+                Err(_) => crate::outln!("(unreadable event) {}", printable(&line))?,
             }
         }
         if !follow {

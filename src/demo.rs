@@ -105,7 +105,10 @@ pub fn run() -> Result<i32> {
     let progress = project.store.progress_dir(&id);
     crate::outln!("\nfiles:")?;
     crate::outln!("  state     {}", project.store.state_path(&id).display())?;
-    crate::outln!("  events    {}", progress.join("events.jsonl").display())?;
+    crate::outln!(
+        "  events    {}",
+        progress.join(crate::events::EVENTS).display()
+    )?;
     crate::outln!("  summary   {}", progress.join("summary.md").display())?;
     crate::outln!("  progress  {}", progress.display())?;
     crate::outln!("\nlook around:")?;

@@ -48,6 +48,11 @@ pub mod name {
 /// before) and a new one starts.
 pub const EVENT_LOG_ROTATE: u64 = 16 << 20;
 
+/// The event log, in the progress directory.
+pub const EVENTS: &str = "events.jsonl";
+/// The event log's previous part, after a rotation.
+pub const ROTATED: &str = "events.1.jsonl";
+
 /// Actions whose attempt files `actions/` keeps (the oldest go).
 pub const KEEP_ACTIONS: u64 = 200;
 
@@ -137,7 +142,7 @@ impl Event {
 
 impl EventLog {
     pub fn open(loop_id: &str, dir: &ProgressDir) -> std::io::Result<EventLog> {
-        let file = dir.with(|d| d.append("events.jsonl"))?;
+        let file = dir.with(|d| d.append(EVENTS))?;
         let size = file.metadata()?.len();
         Ok(EventLog {
             loop_id: loop_id.to_owned(),
@@ -148,7 +153,7 @@ impl EventLog {
     }
 
     fn path(&self) -> PathBuf {
-        self.dir.path().join("events.jsonl")
+        self.dir.path().join(EVENTS)
     }
 
     pub fn emit(&mut self, event: Event) {
@@ -167,7 +172,7 @@ impl EventLog {
         text.push('\n');
         // A log removed meanwhile (with its directory) is opened anew, once.
         if self.file.as_ref().is_none_or(removed) {
-            self.file = self.dir.with(|d| d.append("events.jsonl")).ok();
+            self.file = self.dir.with(|d| d.append(EVENTS)).ok();
             self.size = self
                 .file
                 .as_ref()
@@ -197,8 +202,8 @@ fn removed(file: &File) -> bool {
 impl EventLog {
     fn rotate(&mut self) {
         let reopened = self.dir.with(|d| {
-            d.rename("events.jsonl", "events.1.jsonl")?;
-            d.append("events.jsonl")
+            d.rename(EVENTS, ROTATED)?;
+            d.append(EVENTS)
         });
         match reopened {
             Ok(file) => {
@@ -210,6 +215,94 @@ impl EventLog {
             }
         }
     }
+}
+
+/// Reads a loop's event log from its start and then as it grows, across rotations: once the
+/// name `events.jsonl` moves to a new file, the rest of the old one (now `events.1.jsonl`) is read
+/// before the new one, so a follower misses nothing.
+pub struct EventTail {
+    store: Store,
+    id: String,
+    /// The file being read and its inode.
+    file: Option<(File, u64)>,
+    /// Bytes of a line not yet complete (the daemon may be writing it).
+    pending: Vec<u8>,
+}
+
+impl EventTail {
+    pub fn new(store: &Store, id: &str) -> EventTail {
+        EventTail {
+            store: store.clone(),
+            id: id.to_owned(),
+            file: None,
+            pending: Vec::new(),
+        }
+    }
+
+    /// The complete lines written since the last call (none while there is no log yet).
+    pub fn read_lines(&mut self) -> Result<Vec<String>, StoreError> {
+        let Some(dir) = self.store.existing_progress(&self.id)? else {
+            return Ok(Vec::new());
+        };
+        let io_err = |e: io::Error| StoreError::Io {
+            path: dir.join(EVENTS),
+            source: e,
+        };
+        let mut bytes = Vec::new();
+        let first = self.file.is_none();
+        loop {
+            if let Some((file, _)) = &mut self.file {
+                io::Read::read_to_end(file, &mut bytes).map_err(io_err)?;
+            }
+            let now = dir.stat(EVENTS).map_err(io_err)?.map(|s| s.st_ino);
+            if now.is_none() || now == self.file.as_ref().map(|(_, ino)| *ino) {
+                break;
+            }
+            // A new file under the name: the old one was read to its end just now (its writer
+            // moved on before renaming it), so switch.
+            let file = dir.open_read(EVENTS).map_err(io_err)?;
+            let ino = nix::sys::stat::fstat(&file)
+                .map_err(|e| io_err(e.into()))?
+                .st_ino;
+            if first && self.file.is_none() {
+                // From the start: what rotated away comes first, unless it is this very file.
+                if let Ok(old) = dir.open_read(ROTATED)
+                    && nix::sys::stat::fstat(&old).is_ok_and(|s| s.st_ino != ino)
+                {
+                    io::Read::read_to_end(&mut &old, &mut bytes).map_err(io_err)?;
+                }
+            }
+            self.file = Some((file, ino));
+        }
+        self.pending.extend_from_slice(&bytes);
+        let complete = match self.pending.iter().rposition(|b| *b == b'\n') {
+            Some(nl) => self.pending.drain(..=nl).collect::<Vec<u8>>(),
+            None => return Ok(Vec::new()),
+        };
+        Ok(String::from_utf8_lossy(&complete)
+            .lines()
+            .map(str::trim_end)
+            .filter(|l| !l.is_empty())
+            .map(str::to_owned)
+            .collect())
+    }
+}
+
+/// Text from executors and state files made safe to show on a terminal: every control character
+/// (escape sequences, carriage returns, newlines, C1 controls) is shown escaped, as `\u{1b}`.
+pub fn printable(text: &str) -> std::borrow::Cow<'_, str> {
+    if !text.chars().any(char::is_control) {
+        return text.into();
+    }
+    let mut shown = String::with_capacity(text.len() + 8);
+    for c in text.chars() {
+        if c.is_control() {
+            shown.extend(c.escape_debug());
+        } else {
+            shown.push(c);
+        }
+    }
+    shown.into()
 }
 
 /// One event for people: `HH:MM:SS.mmm  #iter  action  what  details`.
@@ -252,13 +345,12 @@ pub fn render(event: &Value) -> String {
         details.push(s("message").to_owned());
     }
     let what = s("event").replace('_', " ");
-    format!(
+    let line = format!(
         "{time}  {iteration:>4}  {:<9} {what:<19} {}",
         s("action"),
         details.join("  ")
-    )
-    .trim_end()
-    .to_owned()
+    );
+    printable(line.trim_end()).into_owned()
 }
 
 /// The Markdown and NDJSON files of `{id}.progress/` written for people.

@@ -132,7 +132,19 @@ pub fn allow(root: &Path, files: &[ProjectFile]) -> io::Result<PathBuf> {
     let dir = records_dir(true)?;
     let name = record_name(root);
     dir.write_atomic(&name, text.as_bytes(), true)?;
+    forget_gone(&dir);
     Ok(dir.join(&name))
+}
+
+/// Forgets projects that no longer exist (the demo's temporary directories, say).
+fn forget_gone(dir: &Dir) {
+    for name in dir.entries().unwrap_or_default() {
+        let gone =
+            name.ends_with(".toml") && parse_record(dir, &name).is_some_and(|r| !r.root.exists());
+        if gone {
+            let _ = dir.remove(&name);
+        }
+    }
 }
 
 /// Removes the project's record; returns whether there was one.
@@ -162,13 +174,14 @@ pub fn trust_command(root: &Path) -> String {
 }
 
 fn read_record(root: &Path) -> Option<Record> {
-    let dir = records_dir(false).ok()?;
-    let bytes = dir
-        .read(&record_name(root), crate::safe_fs::USER_FILE_CAP)
-        .ok()?;
-    let record: Record = toml::from_str(std::str::from_utf8(&bytes).ok()?).ok()?;
-    // A record is for one root; a name clash would need a SHA-256 collision, but say so anyway.
+    let record = parse_record(&records_dir(false).ok()?, &record_name(root))?;
+    // A record names its root: a clash of names would take a SHA-256 collision, but check anyway.
     (record.root == root).then_some(record)
+}
+
+fn parse_record(dir: &Dir, name: &str) -> Option<Record> {
+    let bytes = dir.read(name, crate::safe_fs::USER_FILE_CAP).ok()?;
+    toml::from_str(std::str::from_utf8(&bytes).ok()?).ok()
 }
 
 /// `~/.config/loopd/trusted`, private, created when `create` is set.

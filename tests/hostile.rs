@@ -238,3 +238,161 @@ fn a_symlinked_progress_dir_or_file_is_refused_and_nothing_outside_changes() {
         }
     }
 }
+
+#[test]
+fn escape_sequences_from_executors_and_state_reach_no_terminal() {
+    // An executor whose summary and error carry terminal escapes, a carriage return and a newline.
+    let p = project(
+        "json",
+        r#"printf '{"status":"failed","summary":"\\u001b]0;pwned\\u0007 \\u001b[2J\\rgone\\nfake line"}' > "$LOOPD_RESULT_FILE""#,
+    );
+    let id = p.create(&["--title", "title \u{1b}[31mred\u{9b}2J"]);
+    assert_eq!(code(&p.run(&id, &[])), 4);
+    for args in [
+        vec!["logs", id.as_str()],
+        vec!["status", id.as_str()],
+        vec!["list"],
+    ] {
+        let out = p.output(&args);
+        assert_eq!(code(&out), 0, "{args:?}: {}", stderr(&out));
+        let text = stdout(&out);
+        assert!(
+            !text.chars().any(|c| c.is_control() && c != '\n'),
+            "{args:?} printed a control character: {text:?}"
+        );
+        assert!(
+            text.contains("\\u{1b}"),
+            "{args:?} shows the escape: {text}"
+        );
+    }
+    let logs = stdout(&p.output(&["logs", &id]));
+    assert!(logs.contains("\\rgone / fake line"), "{logs}");
+    // The machine-readable forms keep the text as it was.
+    let json = stdout(&p.output(&["logs", &id, "--json"]));
+    assert!(json.contains(r"\u001b[2J\rgone / fake line"), "{json}");
+}
+
+#[test]
+fn oversized_inputs_are_refused_at_the_door_and_the_state_stays_small() {
+    let p = Project::new(GOOD_AGENT);
+    let refused = |args: &[&str], needle: &str| {
+        let out = p.output(args);
+        let err = stderr(&out);
+        assert_eq!(code(&out), 2, "{err}");
+        assert_eq!(err.trim().lines().count(), 1, "one line: {err}");
+        assert!(err.contains(needle), "{needle}: {err}");
+    };
+    // Under the kernel's 128 KiB limit on one argument, over loopd's 32 KiB on a description.
+    let long = "d".repeat(100_000);
+    refused(&["create", "--title", "t", "--description", &long], "limit");
+    refused(&["create", "--title", "t", "--task", &long], "limit");
+    let mut many = vec!["create", "--title", "t"];
+    many.extend(std::iter::repeat_n(["--task", "x"], 201).flatten());
+    refused(&many, "201 tasks");
+    assert!(
+        std::fs::read_dir(p.root.join(".loop")).unwrap().all(|e| !e
+            .unwrap()
+            .file_name()
+            .to_string_lossy()
+            .ends_with(".json")),
+        "no loop was written"
+    );
+
+    // An init result of 100k tasks (under the result file's cap) is an invalid result.
+    let q = project(
+        "json",
+        r#"echo '{"status":"success"}' > "$LOOPD_RESULT_FILE""#,
+    );
+    q.agent(
+        r#"cat > /dev/null
+if [ "$LOOPD_ACTION" = init ]; then
+  { printf '{"status":"success","state_updates":{"tasks":['
+    i=0; while [ $i -lt 100000 ]; do printf '{"description":"t"},'; i=$((i+1)); done
+    printf '{"description":"last"}]}}'; } > "$LOOPD_RESULT_FILE"
+else echo '{"status":"success","state_updates":{"passed":true}}' > "$LOOPD_RESULT_FILE"; fi
+"#,
+    );
+    let id = q.create(&["--title", "t", "--max-errors", "1"]);
+    assert_eq!(code(&q.run(&id, &[])), 4);
+    let failed = q
+        .events(&id)
+        .into_iter()
+        .find(|e| e["event"] == "action_failed" && e["action"] == "init")
+        .expect("the init attempt failed");
+    assert!(
+        failed["error"]
+            .as_str()
+            .unwrap()
+            .contains("over the limit of 200"),
+        "{failed}"
+    );
+    assert!(std::fs::metadata(q.state_path(&id)).unwrap().len() < 64 << 10);
+
+    // A task list of 100k lines: the first 200 tasks are taken, the rest skipped with a warning.
+    let r = Project::new(GOOD_AGENT);
+    let id = r.create(&["--title", "t", "--max-iterations", "2"]);
+    // The first line's description is 200 KB: over the limit, so skipped.
+    let lines: String = std::iter::once(format!(
+        "{{\"id\":\"huge\",\"description\":\"{}\"}}\n",
+        "h".repeat(200_000)
+    ))
+    .chain(
+        (0..100_000).map(|i| format!("{{\"id\":\"task-{i:06}\",\"description\":\"task {i}\"}}\n")),
+    )
+    .collect();
+    std::fs::write(r.root.join(format!(".loop/{id}.tasks.jsonl")), lines).unwrap();
+    let out = r.run(&id, &[]);
+    assert_eq!(code(&out), 3, "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("over the limit of 200 tasks"),
+        "{}",
+        stderr(&out)
+    );
+    assert!(
+        stderr(&out).contains("\"huge\" is 200000 bytes"),
+        "{}",
+        stderr(&out)
+    );
+    let state = r.state(&id);
+    assert_eq!(
+        state["skill_state"]["develop"]["tasks"]
+            .as_array()
+            .unwrap()
+            .len(),
+        200
+    );
+    assert!(std::fs::metadata(r.state_path(&id)).unwrap().len() < 1 << 20);
+}
+
+#[test]
+fn stop_works_on_a_state_too_big_or_broken() {
+    let p = Project::new(&format!(
+        "[ \"$LOOPD_ACTION\" = develop ] && {{ touch waiting; sleep 600; }}\n{GOOD_AGENT}"
+    ));
+    // A running loop whose state file and backup are both spoilt: stop ends its daemon.
+    let id = p.create(&["--title", "t"]);
+    let out = p.output(&["start", &id]);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    let daemon: u32 = stdout(&out).trim().parse().unwrap();
+    wait_for("the develop to start", || p.root.join("waiting").exists());
+    let junk = vec![b'{'; 17 << 20];
+    let backup = p.root.join(format!(".loop/{id}.json.bak"));
+    std::fs::write(&backup, &junk).unwrap();
+    std::fs::write(p.state_path(&id), &junk).unwrap();
+    let out = p.output(&["stop", &id]);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    wait_for("the daemon to end", || !alive(daemon));
+
+    // Without a daemon, a state over the size limit with a good backup is restored and stopped.
+    let id = p.create(&["--title", "big"]);
+    let good = std::fs::read(p.state_path(&id)).unwrap();
+    std::fs::write(p.root.join(format!(".loop/{id}.json.bak")), &good).unwrap();
+    let mut big: serde_json::Map<String, Value> = serde_json::from_slice(&good).unwrap();
+    big.insert("notes".into(), Value::String("n".repeat(17 << 20)));
+    std::fs::write(p.state_path(&id), serde_json::to_vec(&big).unwrap()).unwrap();
+    let out = p.output(&["stop", &id]);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    assert!(stderr(&out).contains("restored"), "{}", stderr(&out));
+    assert_eq!(p.state(&id)["status"], "failed");
+    assert_eq!(p.state(&id)["failure_reason"], "Manually stopped by user");
+}

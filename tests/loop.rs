@@ -500,6 +500,49 @@ fn bad_input_exits_2_with_one_line_and_changes_nothing() {
 }
 
 #[test]
+fn logs_follow_reads_across_a_rotation_of_the_event_log() {
+    let p = Project::new(&format!(
+        "[ \"$LOOPD_ACTION\" = develop ] && [ ! -f go ] && {{ touch waiting; while [ ! -f go ]; do sleep 0.01; done; }}\n{GOOD_AGENT}"
+    ));
+    let id = p.create(&["--title", "t"]);
+    // An event log a few events short of its rotation size (16 MiB).
+    let progress = p.progress(&id);
+    std::fs::create_dir_all(&progress).unwrap();
+    let filler = format!(
+        "{{\"event\":\"filler\",\"message\":\"{}\"}}\n",
+        "x".repeat((16 << 20) - 3000)
+    );
+    std::fs::write(progress.join("events.jsonl"), &filler).unwrap();
+    let out = p.output(&["start", &id]);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    wait_for("the develop to start", || p.root.join("waiting").exists());
+    let follow = p
+        .loopd()
+        .args(["logs", &id, "--follow", "--json"])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::fs::write(p.root.join("go"), "").unwrap();
+    let out = wait_output(follow, DEADLINE);
+    assert!(progress.join("events.1.jsonl").exists(), "the log rotated");
+
+    let events = |text: &str| -> Vec<String> {
+        text.lines()
+            .filter(|l| !l.contains("\"filler\""))
+            .map(str::to_owned)
+            .collect()
+    };
+    let written = [
+        std::fs::read_to_string(progress.join("events.1.jsonl")).unwrap(),
+        std::fs::read_to_string(progress.join("events.jsonl")).unwrap(),
+    ]
+    .concat();
+    let shown = events(&stdout(&out));
+    assert_eq!(shown, events(&written), "every event, once, in order");
+    assert!(shown.last().unwrap().contains("daemon_exited"), "{shown:?}");
+}
+
+#[test]
 fn start_detaches_one_daemon_per_loop_and_logs_follow_returns_at_the_end() {
     let p = Project::new(&format!(
         "[ \"$LOOPD_ACTION\" = develop ] && [ ! -f go ] && {{ touch waiting; while [ ! -f go ]; do sleep 0.01; done; }}\n{GOOD_AGENT}"

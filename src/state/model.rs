@@ -648,6 +648,34 @@ mod tests {
     use super::*;
 
     #[test]
+    fn the_task_list_is_bounded_by_evicting_the_oldest_completed_task() {
+        let task = |id: usize, status| DevelopTask {
+            id: format!("task-{id:03}"),
+            status,
+            ..Default::default()
+        };
+        let mut develop = DevelopState::default();
+        for i in 0..MAX_TASKS {
+            let status = if i % 2 == 1 {
+                TaskStatus::Completed
+            } else {
+                TaskStatus::Pending
+            };
+            assert!(develop.add_task(task(i, status)));
+        }
+        // Full: the oldest completed task (task-001) makes room; pending ones are never dropped.
+        assert!(develop.add_task(task(MAX_TASKS, TaskStatus::Pending)));
+        assert_eq!(develop.tasks.len(), MAX_TASKS);
+        assert!(develop.task("task-001").is_none());
+        assert!(develop.task("task-000").is_some());
+        for t in &mut develop.tasks {
+            t.status = TaskStatus::Pending;
+        }
+        assert!(!develop.add_task(task(MAX_TASKS + 1, TaskStatus::Pending)));
+        assert_eq!(develop.tasks.len(), MAX_TASKS);
+    }
+
+    #[test]
     fn unknown_fields_survive_at_every_level() {
         let text = r#"{
             "loop_id": "l", "status": "running",

@@ -327,6 +327,19 @@ impl Store {
         self.path.join(state_name(id))
     }
 
+    /// Opens a loop's progress directory if it exists, creating nothing.
+    pub fn existing_progress(&self, id: &str) -> Result<Option<Dir>, StoreError> {
+        validate_id(id)?;
+        let Some(dir) = self.existing_dir()? else {
+            return Ok(None);
+        };
+        match dir.subdir(&progress_name(id), false) {
+            Ok(progress) => Ok(Some(progress)),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(io_err(&self.progress_dir(id))(e)),
+        }
+    }
+
     pub fn progress_dir(&self, id: &str) -> PathBuf {
         self.path.join(progress_name(id))
     }
