@@ -8,10 +8,6 @@ use std::process::{Command, Stdio};
 use common::*;
 use serde_json::{Value, json};
 
-fn code(out: &std::process::Output) -> i32 {
-    out.status.code().unwrap_or(-1)
-}
-
 /// `loopd` without `--root`, run from `dir`, with the user's environment isolated.
 fn loopd_in(dir: &std::path::Path, home: &std::path::Path) -> Command {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_loopd"));

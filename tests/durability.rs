@@ -10,10 +10,6 @@ use std::time::{Duration, Instant};
 use common::*;
 use serde_json::{Value, json};
 
-fn code(out: &std::process::Output) -> i32 {
-    out.status.code().unwrap_or(-1)
-}
-
 /// A small deterministic pseudo-random sequence (xorshift), seeded from the clock and printed so
 /// that a failure can be replayed with `LOOPD_TEST_SEED`.
 struct Rng(u64);

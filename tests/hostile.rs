@@ -6,10 +6,6 @@ mod common;
 use common::*;
 use serde_json::Value;
 
-fn code(out: &std::process::Output) -> i32 {
-    out.status.code().unwrap_or(-1)
-}
-
 /// One attempt, no retry, one error fails the loop: each case ends quickly.
 fn project(format: &str, develop: &str) -> Project {
     let p = Project::new(&format!(

@@ -8,10 +8,6 @@ use std::path::Path;
 use common::*;
 use serde_json::{Value, json};
 
-fn code(out: &std::process::Output) -> i32 {
-    out.status.code().unwrap_or(-1)
-}
-
 #[test]
 fn a_good_agent_completes_the_loop_with_exit_0() {
     let p = Project::new(&format!("env | grep '^LOOPD_' >> env.log\n{GOOD_AGENT}"));

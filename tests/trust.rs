@@ -7,10 +7,6 @@ use std::os::unix::fs::PermissionsExt as _;
 
 use common::*;
 
-fn code(out: &std::process::Output) -> i32 {
-    out.status.code().unwrap_or(-1)
-}
-
 /// The one line a refused command prints, checked for the file and the hint.
 fn assert_untrusted(out: &std::process::Output, file: &str, why: &str) {
     let err = stderr(out);

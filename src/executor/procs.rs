@@ -8,7 +8,9 @@
 //! is therefore a child subreaper, so such a child, once its parent exits, is reparented to the
 //! daemon rather than to init; an attempt's processes are its group, their descendants, and the
 //! daemon's descendants ([`attempt_processes`]). A daemon that died leaves its executors to init;
-//! the next one finds them by the `LOOPD_STATE_FILE` in their environment ([`with_env`]).
+//! the next one finds them by the marker every executor inherits ([`with_marker`]), which
+//! `setsid env -i` keeps, or by the `LOOPD_STATE_FILE` in their environment ([`with_env`]), never
+//! by a pid the state file names.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};

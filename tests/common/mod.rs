@@ -185,6 +185,11 @@ impl Project {
     }
 }
 
+/// The exit code, or -1 for a death by signal.
+pub fn code(out: &Output) -> i32 {
+    out.status.code().unwrap_or(-1)
+}
+
 pub fn stderr(out: &Output) -> String {
     String::from_utf8_lossy(&out.stderr).into_owned()
 }
