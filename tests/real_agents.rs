@@ -1,0 +1,254 @@
+//! The real agent CLIs (Claude Code, Codex, Gemini CLI, Qwen Code), installed from npm by `.ci/run`
+//! (pinned in `tests/agents/package-lock.json`), each driven by loopd with its default invocation
+//! against a scripted model server on 127.0.0.1 (`tests/agents/model_server.py`).
+//!
+//! Where the CLIs are not installed the tests say so and pass, except in CI (`CI=true`), where
+//! they must run. `LOOPD_AGENTS_DIR` is where `.ci/run` installs them
+//! (default `~/.cache/loopd/agents`).
+
+mod common;
+
+use std::io::BufRead as _;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+
+use common::*;
+use serde_json::Value;
+
+/// The four CLIs, by loopd's executor name.
+const CLIS: [&str; 4] = ["claude", "codex", "gemini", "qwen"];
+
+/// The directory holding the installed CLIs' programs, or `None` (with a message) where they are
+/// not installed outside CI.
+fn agents_bin() -> Option<PathBuf> {
+    let dir = std::env::var_os("LOOPD_AGENTS_DIR")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| Path::new(&h).join(".cache/loopd/agents")))?;
+    let bin = dir.join("node_modules/.bin");
+    let missing: Vec<_> = CLIS.iter().filter(|c| !bin.join(c).exists()).collect();
+    if missing.is_empty() {
+        return Some(bin);
+    }
+    assert!(
+        std::env::var("CI").as_deref() != Ok("true"),
+        "the agent CLIs {missing:?} are not installed in {}: .ci/run installs them",
+        bin.display()
+    );
+    eprintln!(
+        "skipped: the agent CLIs {missing:?} are not installed in {} (run .ci/run, or npm ci in \
+         tests/agents/ with LOOPD_AGENTS_DIR pointing there)",
+        bin.display()
+    );
+    None
+}
+
+/// A scripted model server for one test, ended when dropped.
+struct ModelServer {
+    child: Child,
+    port: u16,
+    log: PathBuf,
+}
+
+impl ModelServer {
+    fn start(root: &Path, dir: &Path, fault: &str) -> ModelServer {
+        let log = dir.join("requests.jsonl");
+        let mut child = Command::new("python3")
+            .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/agents/model_server.py"))
+            .arg("--root")
+            .arg(root)
+            .arg("--log")
+            .arg(&log)
+            .args(["--fault", fault])
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("python3 runs the model server");
+        let mut line = String::new();
+        std::io::BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .expect("the server prints its port");
+        let port = line.trim().parse().expect("a port number");
+        ModelServer { child, port, log }
+    }
+
+    /// The requests it answered, one JSON object each.
+    fn requests(&self) -> Vec<Value> {
+        std::fs::read_to_string(&self.log)
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| serde_json::from_str(l).ok())
+            .collect()
+    }
+}
+
+impl Drop for ModelServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A project whose loops use the real `cli` against a scripted server, with the CLI's own files
+/// (login state, settings, sessions) in a home of its own.
+struct AgentProject {
+    project: Project,
+    server: ModelServer,
+    bin: PathBuf,
+    _home: tempfile::TempDir,
+}
+
+impl AgentProject {
+    fn new(cli: &str, bin: &Path, fault: &str, extra_config: &str) -> AgentProject {
+        let project = Project::new("");
+        let home = tempfile::tempdir().unwrap();
+        let server = ModelServer::start(&project.root, home.path(), fault);
+        let url = format!("http://127.0.0.1:{}", server.port);
+        let home_path = home.path().display().to_string();
+        // Each CLI's documented way to another endpoint, as environment or its own config file.
+        let env: Vec<(&str, String)> = match cli {
+            "claude" => vec![
+                ("ANTHROPIC_BASE_URL", url),
+                ("ANTHROPIC_API_KEY", "sk-scripted".into()),
+                // Claude Code refuses --dangerously-skip-permissions as root without it.
+                ("IS_SANDBOX", "1".into()),
+                ("CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC", "1".into()),
+                ("CLAUDE_CODE_MAX_RETRIES", "1".into()),
+            ],
+            "codex" => {
+                let codex = home.path().join(".codex");
+                std::fs::create_dir_all(&codex).unwrap();
+                std::fs::write(
+                    codex.join("config.toml"),
+                    format!(
+                        "model = \"scripted\"\nmodel_provider = \"scripted\"\n\n\
+                         [model_providers.scripted]\nname = \"scripted\"\nbase_url = \"{url}/v1\"\n\
+                         wire_api = \"responses\"\nenv_key = \"SCRIPTED_API_KEY\"\n\
+                         request_max_retries = 0\nstream_max_retries = 0\n"
+                    ),
+                )
+                .unwrap();
+                vec![("SCRIPTED_API_KEY", "sk-scripted".into())]
+            }
+            "gemini" => {
+                // GOOGLE_GEMINI_BASE_URL alone selects the "gateway" auth type, which gemini-cli
+                // 0.61 then rejects as invalid: choose the API key type in its settings.
+                let gemini = home.path().join(".gemini");
+                std::fs::create_dir_all(&gemini).unwrap();
+                std::fs::write(
+                    gemini.join("settings.json"),
+                    r#"{"security":{"auth":{"selectedType":"gemini-api-key"}}}"#,
+                )
+                .unwrap();
+                vec![
+                    ("GOOGLE_GEMINI_BASE_URL", url),
+                    ("GEMINI_API_KEY", "sk-scripted".into()),
+                ]
+            }
+            "qwen" => vec![
+                ("OPENAI_BASE_URL", format!("{url}/v1")),
+                ("OPENAI_API_KEY", "sk-scripted".into()),
+                ("OPENAI_MODEL", "scripted".into()),
+            ],
+            other => panic!("unknown CLI {other}"),
+        };
+        let env: String = std::iter::once(("HOME", home_path))
+            .chain(env)
+            .map(|(k, v)| format!("{k} = {}\n", toml_string(&v)))
+            .collect();
+        project.config(&format!(
+            "executor = \"{cli}\"\nretry_backoff = 0.1\n{extra_config}\n\
+             [executor_defaults]\nkill_grace = 1.0\n\n[executors.{cli}.env]\n{env}"
+        ));
+        AgentProject {
+            project,
+            server,
+            bin: bin.to_owned(),
+            _home: home,
+        }
+    }
+
+    /// `loopd` with the installed CLIs first on PATH: the built-in command lines run as they are.
+    fn loopd(&self) -> Command {
+        let mut cmd = self.project.loopd();
+        let path = std::env::var_os("PATH").unwrap_or_default();
+        let mut dirs = vec![self.bin.clone()];
+        dirs.extend(std::env::split_paths(&path));
+        cmd.env("PATH", std::env::join_paths(dirs).unwrap());
+        cmd
+    }
+
+    fn run(&self, id: &str) -> std::process::Output {
+        let child = self
+            .loopd()
+            .args(["run", id])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        wait_output(child, std::time::Duration::from_secs(180))
+    }
+}
+
+fn toml_string(s: &str) -> String {
+    toml::Value::String(s.to_owned()).to_string()
+}
+
+/// Runs `scenario` for every CLI, one after the other (each CLI is a few node processes).
+fn for_each_cli(scenario: impl Fn(&str, &Path)) {
+    let Some(bin) = agents_bin() else { return };
+    for cli in CLIS {
+        eprintln!("--- {cli}");
+        scenario(cli, &bin);
+    }
+}
+
+#[test]
+fn each_real_cli_runs_a_whole_loop_against_its_scripted_server() {
+    for_each_cli(|cli, bin| {
+        let a = AgentProject::new(cli, bin, "none", "");
+        let p = &a.project;
+        let id = p.create(&["--title", "write two files"]);
+        let out = a.run(&id);
+        assert_eq!(code(&out), 0, "{cli}: {}", stderr(&out));
+        // The agents' own tool calls wrote the files.
+        for task in ["task-001", "task-002"] {
+            let text = std::fs::read_to_string(p.root.join(format!("{task}.txt")))
+                .unwrap_or_else(|e| panic!("{cli}: {task}.txt: {e}"));
+            assert_eq!(text, format!("written by the agent for {task}\n"), "{cli}");
+        }
+        let state = p.state(&id);
+        assert_eq!(state["status"], "completed", "{cli}");
+        assert_eq!(state["skill_state"]["outcome"], "passed", "{cli}");
+        let actions: Vec<String> = p
+            .events(&id)
+            .iter()
+            .filter(|e| e["event"] == "action_finished")
+            .map(|e| e["action"].as_str().unwrap().to_owned())
+            .collect();
+        assert_eq!(
+            actions,
+            ["init", "develop", "develop", "validate", "complete"],
+            "{cli}"
+        );
+        // Every attempt's tokens, as the server reported them, add up in the state.
+        let usage = &state["skill_state"]["usage"];
+        assert!(
+            usage["input_tokens"].as_u64().unwrap() >= 5 * 1000,
+            "{cli}: {usage}"
+        );
+        assert!(
+            usage["output_tokens"].as_u64().unwrap() >= 5 * 50,
+            "{cli}: {usage}"
+        );
+        assert!(
+            a.server
+                .requests()
+                .iter()
+                .filter(|r| r["main"] == true)
+                .count()
+                >= 7,
+            "{cli}: every action asked the model"
+        );
+    });
+}
