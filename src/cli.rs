@@ -647,6 +647,16 @@ fn status(p: &Project, id: &str, as_json: bool) -> Result<i32> {
     if let Some(reason) = &s.failure_reason {
         row(&mut out, "reason", reason.clone());
     }
+    if let Some(b) = &skill.blocked {
+        row(
+            &mut out,
+            "blocked",
+            format!(
+                "{}: {} — fix it, then `loopd resume {id}`",
+                b.executor, b.reason
+            ),
+        );
+    }
     if let Some(f) = &skill.in_flight {
         let task = f
             .task_id

@@ -40,6 +40,9 @@ pub mod name {
     pub const RECOVERED: &str = "recovered";
     /// loopd's: the agent hit its provider's rate limit; the loop waits `until`, then retries.
     pub const RATE_LIMITED: &str = "rate_limited";
+    /// loopd's: the executor cannot run here (no login, no key, a missing program); the loop is
+    /// paused until a person fixes it and resumes it.
+    pub const BLOCKED: &str = "blocked";
     /// loopd's: something worth a person's attention that changes nothing.
     pub const WARNING: &str = "warning";
 }

@@ -724,6 +724,7 @@ impl Turn<'_> {
         wf.begin(&mut state, dispatch, &now);
         let skill = state.skill();
         skill.awaiting_choice = None;
+        skill.blocked = None;
         // How a previous run of the loop ended no longer holds.
         skill.outcome = None;
         let attempts = daemon.config.action_retries + 1;
@@ -783,6 +784,9 @@ impl Turn<'_> {
                             Some(Interrupt::Control) => return Ok(None),
                         }
                     }
+                    Verdict::Blocked { message } => {
+                        return self.block(state, dispatch, plan, message);
+                    }
                     Verdict::Interrupted => unreachable!("handled as Attempted::Interrupted"),
                 },
                 Attempted::Interrupted(Interrupt::Shutdown(sig)) => {
@@ -801,6 +805,41 @@ impl Turn<'_> {
             }
         }
         self.finish(state, dispatch, iteration, Finish::Failed(last_error))
+    }
+
+    /// The executor cannot run here: pause the loop (from `running` only) with the reason in
+    /// `skill_state.blocked`, say once what to do, and let the main loop wait for a person. The
+    /// attempt used no retry, counted no error and no iteration; it runs again on resume.
+    fn block(
+        &mut self,
+        mut state: LoopState,
+        dispatch: &Dispatch,
+        plan: &Plan,
+        reason: String,
+    ) -> Result<Option<Exit>> {
+        let hint = format!(
+            "{}: {reason} — fix it, then `loopd resume {}`",
+            plan.executor, self.id
+        );
+        state.skill().blocked = Some(crate::state::model::Blocked {
+            since: now_rfc3339(),
+            action: dispatch.action.clone(),
+            executor: plan.executor.clone(),
+            reason,
+        });
+        let pause = Transition {
+            from: &[Status::Running],
+            to: Status::Paused,
+            failure_reason: None,
+            completed_at: false,
+        };
+        self.commit(&state, Some(&pause), None, true)?;
+        self.events.emit(
+            Event::new(name::BLOCKED)
+                .with("action", dispatch.action.clone())
+                .with("message", hint),
+        );
+        Ok(None)
     }
 
     /// How long to wait for a rate limit to reset: until the time the agent gave, else the
@@ -1032,9 +1071,9 @@ impl Turn<'_> {
                 });
             }
             Err(e) => {
-                // The executor could not even start: a failed attempt like any other.
-                let v = Verdict::Failed {
-                    outcome: AttemptOutcome::AgentError,
+                // The executor could not even start (a missing program, a working directory
+                // gone): the environment's fault, not the task's.
+                let v = Verdict::Blocked {
                     message: e.to_string(),
                 };
                 self.record(state, &done, &v, None)?;
@@ -1061,7 +1100,9 @@ impl Turn<'_> {
             .event(match &v {
                 Verdict::Success(_) => name::ACTION_FINISHED,
                 Verdict::Interrupted => name::ACTION_INTERRUPTED,
-                Verdict::Failed { .. } | Verdict::RateLimited { .. } => name::ACTION_FAILED,
+                Verdict::Failed { .. } | Verdict::RateLimited { .. } | Verdict::Blocked { .. } => {
+                    name::ACTION_FAILED
+                }
             })
             .with("pid", run.spawned.pid)
             .with("duration_ms", run.duration.as_millis() as u64)
@@ -1083,9 +1124,9 @@ impl Turn<'_> {
                 "summary",
                 (!result.summary.is_empty()).then(|| result.summary.clone()),
             ),
-            Verdict::Failed { message, .. } | Verdict::RateLimited { message, .. } => {
-                event.with("error", message.clone())
-            }
+            Verdict::Failed { message, .. }
+            | Verdict::RateLimited { message, .. }
+            | Verdict::Blocked { message } => event.with("error", message.clone()),
             Verdict::Interrupted => event.with(
                 "message",
                 match interrupt {
@@ -1117,9 +1158,9 @@ impl Turn<'_> {
         }
         let (summary, error) = match v {
             Verdict::Success(r) => ((!r.summary.is_empty()).then(|| r.summary.clone()), None),
-            Verdict::Failed { message, .. } | Verdict::RateLimited { message, .. } => {
-                (None, Some(message.clone()))
-            }
+            Verdict::Failed { message, .. }
+            | Verdict::RateLimited { message, .. }
+            | Verdict::Blocked { message } => (None, Some(message.clone())),
             Verdict::Interrupted => (None, None),
         };
         workflow::record_attempt(
@@ -1139,7 +1180,7 @@ impl Turn<'_> {
         );
         match v {
             Verdict::Success(_) => {}
-            Verdict::Interrupted => {
+            Verdict::Interrupted | Verdict::Blocked { .. } => {
                 // The attempt did not happen, as far as the workflow is concerned.
                 state.skill().current_action = None;
                 self.commit(state, None, None, true)?;

@@ -153,7 +153,6 @@ fn every_failure_is_classified_and_recorded() {
             1,
             "transient_api_error",
         ),
-        ("gemini", "gemini-error.json", "stderr", 144, "agent_error"),
         ("gemini", "gemini-max-turns.json", "stderr", 53, "max_turns"),
         ("qwen", "qwen-error.jsonl", "stdout", 1, "agent_error"),
         ("claude", "README.md", "stdout", 0, "no_result"),
@@ -181,6 +180,36 @@ fn every_failure_is_classified_and_recorded() {
             "{case}"
         );
     }
+}
+
+#[test]
+fn a_rejected_api_key_blocks_the_loop_instead_of_failing_it() {
+    // Gemini CLI's answer to a bad key: the environment's fault, not the task's.
+    let p = stand_in("gemini", "gemini-error.json", "stderr", 144, "");
+    p.config(&format!("action_retries = 2\n{AGENT_CONFIG}"));
+    let id = p.create(&["--title", "t", "--max-errors", "1"]);
+    let out = loopd_with_agents(&p, &["run", &id, "--executor", "gemini", "--exit-on-pause"]);
+    assert_eq!(out.status.code(), Some(6), "paused: {}", stderr(&out));
+    let state = p.state(&id);
+    assert_eq!(state["status"], "paused");
+    assert_eq!(state["skill_state"]["error_count"], 0);
+    assert_eq!(state["current_iteration"], 0);
+    assert_eq!(events_named(&p, &id, "action_started").len(), 1, "no retry");
+    let blocked = &state["skill_state"]["blocked"];
+    assert_eq!(blocked["action"], "init");
+    assert_eq!(
+        blocked["reason"], "API key not valid. Please pass a valid API key.",
+        "the API's own message, unwrapped: {blocked}"
+    );
+    let history = &state["skill_state"]["action_history"][0];
+    assert_eq!(history["outcome"], "environment_error");
+    let hint = &events_named(&p, &id, "blocked")[0]["message"];
+    assert_eq!(
+        hint.as_str().unwrap(),
+        format!(
+            "gemini: API key not valid. Please pass a valid API key. — fix it, then `loopd resume {id}`"
+        )
+    );
 }
 
 #[test]

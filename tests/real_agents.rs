@@ -100,6 +100,11 @@ struct AgentProject {
 
 impl AgentProject {
     fn new(cli: &str, bin: &Path, fault: &str, extra_config: &str) -> AgentProject {
+        AgentProject::with_key(cli, bin, fault, extra_config, true)
+    }
+
+    /// As [`AgentProject::new`]; without `key`, the CLI is given no API key at all.
+    fn with_key(cli: &str, bin: &Path, fault: &str, extra_config: &str, key: bool) -> AgentProject {
         let project = Project::new("");
         let home = tempfile::tempdir().unwrap();
         let server = ModelServer::start(&project.root, home.path(), fault);
@@ -154,6 +159,7 @@ impl AgentProject {
         };
         let env: String = std::iter::once(("HOME", home_path))
             .chain(env)
+            .filter(|(k, _)| key || !k.ends_with("_API_KEY"))
             .map(|(k, v)| format!("{k} = {}\n", toml_string(&v)))
             .collect();
         project.config(&format!(
@@ -250,5 +256,62 @@ fn each_real_cli_runs_a_whole_loop_against_its_scripted_server() {
                 >= 7,
             "{cli}: every action asked the model"
         );
+    });
+}
+
+/// Waits until the loop is paused by an environment fault; returns the state.
+fn wait_blocked(a: &AgentProject, id: &str) -> Value {
+    let mut state = Value::Null;
+    wait_for("the loop to be blocked", || {
+        state = a.project.state(id);
+        state["status"] == "paused" && !state["skill_state"]["blocked"].is_null()
+    });
+    state
+}
+
+#[test]
+fn no_key_or_a_rejected_key_blocks_the_loop_without_using_it_up() {
+    for_each_cli(|cli, bin| {
+        for (what, fault, key) in [("no key", "none", false), ("a rejected key", "401", true)] {
+            let a = AgentProject::with_key(cli, bin, fault, "", key);
+            let p = &a.project;
+            let id = p.create(&["--title", "t"]);
+            let mut daemon = a
+                .loopd()
+                .args(["run", &id])
+                .stdout(Stdio::null())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap();
+            let state = wait_blocked(&a, &id);
+            // No retry, no error, no iteration, no task touched.
+            let started = p
+                .events(&id)
+                .iter()
+                .filter(|e| e["event"] == "action_started")
+                .count();
+            assert_eq!(started, 1, "{cli}, {what}: one attempt, no retries");
+            assert_eq!(state["skill_state"]["error_count"], 0, "{cli}, {what}");
+            assert_eq!(state["current_iteration"], 0, "{cli}, {what}");
+            let blocked = &state["skill_state"]["blocked"];
+            assert_eq!(blocked["executor"], cli, "{cli}, {what}: {blocked}");
+            // One line, from status and from logs, says what and what to do.
+            let status = stdout(&p.output(&["status", &id]));
+            let line = status
+                .lines()
+                .find(|l| l.trim_start().starts_with("blocked"))
+                .unwrap_or_else(|| panic!("{cli}, {what}: {status}"));
+            assert!(line.contains(&format!("{cli}: ")), "{line}");
+            assert!(line.contains(&format!("loopd resume {id}")), "{line}");
+            let logs = stdout(&p.output(&["logs", &id]));
+            assert!(
+                logs.lines()
+                    .any(|l| l.contains("blocked") && l.contains("loopd resume")),
+                "{cli}, {what}: {logs}"
+            );
+            eprintln!("{cli}, {what}: {}", blocked["reason"]);
+            let _ = daemon.kill();
+            let _ = daemon.wait();
+        }
     });
 }

@@ -35,6 +35,10 @@ pub enum AttemptOutcome {
     Killed,
     /// The agent finished without a final message or result.
     NoResult,
+    /// The environment cannot run the agent at all: not logged in, no or a wrong API key, an
+    /// unknown model, a missing program, a rejected flag, an untrusted folder. Not the task's
+    /// fault: no retry, no error counted; the loop waits for a person.
+    EnvironmentError,
 }
 
 impl AttemptOutcome {
@@ -49,6 +53,7 @@ impl AttemptOutcome {
             AttemptOutcome::Timeout => "timeout",
             AttemptOutcome::Killed => "killed",
             AttemptOutcome::NoResult => "no_result",
+            AttemptOutcome::EnvironmentError => "environment_error",
         }
     }
 }
@@ -117,6 +122,9 @@ pub struct AgentStream {
     error: Option<String>,
     /// When a rate limit resets, if the agent said.
     pub reset_at: Option<DateTime<Utc>>,
+    /// The kind of API error the agent's stream named, if any (Claude Code's
+    /// `"error": "authentication_failed"`).
+    error_kind: Option<String>,
 }
 
 impl AgentStream {
@@ -136,6 +144,7 @@ impl AgentStream {
             final_event: None,
             error: None,
             reset_at: None,
+            error_kind: None,
         })
     }
 
@@ -223,6 +232,11 @@ impl AgentStream {
                 }
             }
             Some("assistant") => {
+                // An API failure comes as a synthetic assistant message with an `error` kind
+                // ("authentication_failed", "rate_limit", ...) before the result.
+                if let Some(kind) = event["error"].as_str() {
+                    self.error_kind = Some(kind.to_owned());
+                }
                 let message = &event["message"];
                 if let Some(text) = text_blocks(&message["content"]) {
                     self.last_message = Some(text);
@@ -257,13 +271,16 @@ impl AgentStream {
                 let is_error = event["is_error"].as_bool().unwrap_or(false)
                     || subtype != "success"
                     || text.as_deref().is_some_and(|t| t.starts_with("[API Error"));
-                let outcome = match (subtype, event["api_error_status"].as_i64()) {
+                let status = event["api_error_status"].as_i64();
+                let outcome = match (subtype, status) {
                     ("error_max_turns", _) => AttemptOutcome::MaxTurns,
                     _ if event["terminal_reason"] == "max_turns" => AttemptOutcome::MaxTurns,
                     (s, _) if s.contains("budget") => AttemptOutcome::BudgetExceeded,
                     _ if !is_error => AttemptOutcome::Success,
-                    (_, Some(429)) => AttemptOutcome::RateLimited,
-                    (_, Some(500..=599)) => AttemptOutcome::TransientApiError,
+                    (_, Some(code)) => classify_status(code, text.as_deref().unwrap_or(subtype)),
+                    _ if self.error_kind.as_deref() == Some("authentication_failed") => {
+                        AttemptOutcome::EnvironmentError
+                    }
                     _ => classify_error_text(text.as_deref().unwrap_or(subtype)),
                 };
                 if outcome == AttemptOutcome::Success {
@@ -418,11 +435,11 @@ impl AgentStream {
             },
             Some(error) => {
                 self.note_reset(&error, &v["error"]);
-                let code = v["error"]["code"].as_i64();
-                let outcome = match code {
-                    Some(429) => AttemptOutcome::RateLimited,
-                    Some(500..=599) => AttemptOutcome::TransientApiError,
+                let outcome = match v["error"]["code"].as_i64() {
+                    // Gemini CLI's exit codes: 41 authentication, 53 turn limit.
+                    Some(41) => AttemptOutcome::EnvironmentError,
                     Some(53) => AttemptOutcome::MaxTurns,
+                    Some(code @ 400..=599) => classify_status(code, &error),
                     _ => classify_error_text(&error),
                 };
                 FinalEvent {
@@ -440,8 +457,13 @@ impl AgentStream {
     }
 
     /// The attempt's outcome and, if it failed, why: from the final event, else a structured
-    /// error, else the exit code (`None` when a signal ended the agent).
-    pub fn classify(&self, exit_code: Option<i32>) -> (AttemptOutcome, Option<String>) {
+    /// error, else the exit code (`None` when a signal ended the agent) with the last meaningful
+    /// line of its output (`output`: the end of stdout and stderr together).
+    pub fn classify(
+        &self,
+        exit_code: Option<i32>,
+        output: &[u8],
+    ) -> (AttemptOutcome, Option<String>) {
         if let Some(f) = &self.final_event {
             return (f.outcome, f.error.clone());
         }
@@ -451,24 +473,38 @@ impl AgentStream {
         {
             return (classify_error_text(error), Some(error.clone()));
         }
+        let said = last_meaningful_line(output);
+        let because = |what: String| match &said {
+            Some(line) => format!("{what}: {line}"),
+            None => what,
+        };
         match exit_code {
             Some(0) => (
                 AttemptOutcome::NoResult,
                 Some("the agent exited without a final message".into()),
             ),
-            // Gemini CLI and Qwen Code: turn limit, session budget.
+            // Gemini CLI: authentication; and the shell's "command not found".
+            Some(41 | 127) => (
+                AttemptOutcome::EnvironmentError,
+                Some(because(format!("exit code {}", exit_code.unwrap_or(0)))),
+            ),
+            // Gemini CLI and Qwen Code: turn limit.
             Some(53) => (
                 AttemptOutcome::MaxTurns,
-                Some("turn limit reached (exit 53)".into()),
+                Some(because("turn limit reached (exit 53)".into())),
             ),
-            Some(55) => (
-                AttemptOutcome::BudgetExceeded,
-                Some("budget exhausted (exit 55)".into()),
-            ),
-            Some(code) => (
-                AttemptOutcome::AgentError,
-                Some(format!("exit code {code}")),
-            ),
+            Some(code) => {
+                let outcome = match (&said, code) {
+                    (Some(line), _) if classify_error_text(line) != AttemptOutcome::AgentError => {
+                        classify_error_text(line)
+                    }
+                    // Exit 55: Qwen Code's session budget (Gemini CLI 0.61 uses it for an
+                    // untrusted folder, which its message says and the line above catches).
+                    (_, 55) => AttemptOutcome::BudgetExceeded,
+                    _ => AttemptOutcome::AgentError,
+                };
+                (outcome, Some(because(format!("exit code {code}"))))
+            }
             None => (AttemptOutcome::Killed, Some("ended by a signal".into())),
         }
     }
@@ -537,8 +573,15 @@ fn gemini_usage(stats: &Value) -> Option<Usage> {
 /// An error's message, whether it is a string or `{"message": ...}`.
 fn error_text(v: &Value) -> Option<String> {
     match v {
+        // An API error body passed on as a string (Gemini CLI does): its message.
+        Value::String(s) if s.trim_start().starts_with('{') => {
+            match serde_json::from_str::<Value>(s) {
+                Ok(inner @ Value::Object(_)) => error_text(&inner).or_else(|| Some(s.clone())),
+                _ => Some(s.clone()),
+            }
+        }
         Value::String(s) => Some(s.clone()),
-        Value::Object(_) => v["message"].as_str().map(str::to_owned).or_else(|| {
+        Value::Object(_) => error_text(&v["message"]).or_else(|| {
             (!v["error"].is_null())
                 .then(|| error_text(&v["error"]))
                 .flatten()
@@ -547,17 +590,24 @@ fn error_text(v: &Value) -> Option<String> {
     }
 }
 
-/// Classifies an error by its text: rate or usage limits, transient API trouble, or the agent's
-/// own error.
+/// Classifies an error by its text: the environment's fault, rate or usage limits, transient API
+/// trouble, or the agent's own error. Numbers count only as HTTP statuses in their usual places
+/// ("HTTP 429", "status 503", "(401)", "API Error: 500"), never as any digits in the text: a port
+/// or a byte count is not a status.
 pub fn classify_error_text(text: &str) -> AttemptOutcome {
     let t = text.to_ascii_lowercase();
     let has = |needles: &[&str]| needles.iter().any(|n| t.contains(n));
+    if has(ENVIRONMENT_PHRASES) {
+        return AttemptOutcome::EnvironmentError;
+    }
+    if let Some(code) = http_status(&t) {
+        return classify_status(i64::from(code), text);
+    }
     if has(&[
         "rate limit",
         "rate_limit",
         "ratelimit",
         "usage limit",
-        "429",
         "resource_exhausted",
         "quota",
         "too many requests",
@@ -577,25 +627,149 @@ pub fn classify_error_text(text: &str) -> AttemptOutcome {
         AttemptOutcome::BudgetExceeded
     } else if has(&[
         "overloaded",
-        "529",
-        "500",
-        "502",
-        "503",
-        "504",
         "internal server error",
         "service unavailable",
         "bad gateway",
         "timed out",
         "timeout",
         "econnreset",
+        "econnrefused",
         "connection reset",
+        "connection refused",
         "network error",
         "unavailable",
+        "high demand",
+        "stream disconnected",
     ]) {
         AttemptOutcome::TransientApiError
     } else {
         AttemptOutcome::AgentError
     }
+}
+
+/// Phrases by which the agent CLIs say they cannot work here at all.
+const ENVIRONMENT_PHRASES: &[&str] = &[
+    // Logins and keys.
+    "not logged in",
+    "please run /login",
+    "authentication_failed",
+    "authentication_error",
+    "invalid api key",
+    "invalid x-api-key",
+    "incorrect api key",
+    "invalid_api_key",
+    "api key not valid",
+    "no api key",
+    "missing api key",
+    "missing environment variable",
+    "no auth type is selected",
+    "please set an auth method",
+    "invalid auth method",
+    "must specify the gemini_api_key",
+    "unauthenticated",
+    "unauthorized",
+    // Models.
+    "model_not_found",
+    "model not found",
+    "unknown model",
+    // Programs, flags, folders.
+    "command not found",
+    "no such file or directory",
+    "cannot be used with root",
+    "unknown option",
+    "unknown argument",
+    "unexpected argument",
+    "unrecognized option",
+    "not running in a trusted directory",
+];
+
+/// The outcome of an HTTP status an agent reported.
+fn classify_status(code: i64, text: &str) -> AttemptOutcome {
+    match code {
+        401 | 403 => AttemptOutcome::EnvironmentError,
+        404 if text.to_ascii_lowercase().contains("model") => AttemptOutcome::EnvironmentError,
+        429 => AttemptOutcome::RateLimited,
+        500..=599 => AttemptOutcome::TransientApiError,
+        _ => classify_error_text_without_status(text),
+    }
+}
+
+/// [`classify_error_text`] for a text whose status was already read.
+fn classify_error_text_without_status(text: &str) -> AttemptOutcome {
+    let t = text.to_ascii_lowercase();
+    if ENVIRONMENT_PHRASES.iter().any(|n| t.contains(n)) {
+        AttemptOutcome::EnvironmentError
+    } else {
+        AttemptOutcome::AgentError
+    }
+}
+
+/// An HTTP status (400–599) in a lowercased text, where texts put one: right after "http",
+/// "status", "status code", "code", "error" (with an optional colon), or in parentheses or
+/// brackets. A number inside a longer one, an address or a path is none.
+fn http_status(t: &str) -> Option<u16> {
+    let bytes = t.as_bytes();
+    let mut i = 0;
+    while i + 3 <= bytes.len() {
+        let number = &bytes[i..i + 3];
+        let standalone = number.iter().all(u8::is_ascii_digit)
+            && (i == 0 || !matches!(bytes[i - 1], b'0'..=b'9' | b'.' | b':' | b'/' | b'-'))
+            && bytes
+                .get(i + 3)
+                .is_none_or(|b| !matches!(b, b'0'..=b'9' | b'.' | b'/'));
+        if standalone {
+            let before = t[..i].trim_end();
+            let anchored = before.ends_with('(')
+                || before.ends_with('[')
+                || ["http", "status", "status code", "code", "error"]
+                    .iter()
+                    .any(|w| before.trim_end_matches(':').trim_end().ends_with(w));
+            let code: u16 = t[i..i + 3].parse().unwrap_or(0);
+            if anchored && (400..600).contains(&code) {
+                return Some(code);
+            }
+        }
+        i += 1;
+    }
+    None
+}
+
+/// The last line of an agent's output worth showing as the reason it failed: not blank, not a
+/// piece of JSON, without terminal colours.
+pub fn last_meaningful_line(output: &[u8]) -> Option<String> {
+    let text = String::from_utf8_lossy(output);
+    text.lines()
+        .rev()
+        .map(|l| strip_ansi(l.trim()))
+        .map(|l| l.trim().to_owned())
+        .find(|l| !l.is_empty() && !l.starts_with(['{', '}', '[', ']', '"']))
+        .map(|l| match l.char_indices().nth(MAX_REASON_CHARS) {
+            Some((cut, _)) => format!("{}…", &l[..cut]),
+            None => l,
+        })
+}
+
+/// The longest line of output quoted as a reason.
+const MAX_REASON_CHARS: usize = 200;
+
+/// A line without its ANSI escape sequences (`ESC [ ... letter`).
+fn strip_ansi(line: &str) -> String {
+    let mut out = String::with_capacity(line.len());
+    let mut chars = line.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            if chars.next() == Some('[') {
+                for c in chars.by_ref() {
+                    if c.is_ascii_alphabetic() {
+                        break;
+                    }
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
 }
 
 /// When a rate limit resets: an epoch after a `|` (Claude's `usage limit reached|1700000000`),
@@ -706,6 +880,72 @@ fn find_number(v: &Value, key: &str) -> Option<f64> {
 mod tests {
     use super::*;
 
+    #[test]
+    fn numbers_count_as_statuses_only_where_statuses_stand() {
+        use AttemptOutcome as O;
+        for (text, outcome) in [
+            // Codex's 401 against a server on port 14290: a wrong key, not a rate limit.
+            (
+                "unexpected status 401 Unauthorized: invalid key, url: http://127.0.0.1:14290/v1/responses",
+                O::EnvironmentError,
+            ),
+            (
+                "request failed, url http://127.0.0.1:14290/x",
+                O::AgentError,
+            ),
+            ("wrote 429 bytes to out.txt", O::AgentError),
+            ("HTTP 429 Too Many Requests", O::RateLimited),
+            ("request failed (429)", O::RateLimited),
+            ("status: 503", O::TransientApiError),
+            ("API Error: 500 status code (no body)", O::TransientApiError),
+            ("API Error: 529 Overloaded", O::TransientApiError),
+            ("[API Error: 401 invalid x-api-key]", O::EnvironmentError),
+            (
+                "error code 404: model gpt-9 does not exist",
+                O::EnvironmentError,
+            ),
+            ("Not logged in · Please run /login", O::EnvironmentError),
+            (
+                "No auth type is selected. Please configure an auth type",
+                O::EnvironmentError,
+            ),
+            (
+                "error: unexpected argument '--skip-trust' found",
+                O::EnvironmentError,
+            ),
+            (
+                "We're currently experiencing high demand, which may cause temporary errors.",
+                O::TransientApiError,
+            ),
+            ("You've hit your usage limit", O::RateLimited),
+        ] {
+            assert_eq!(classify_error_text(text), outcome, "{text}");
+        }
+    }
+
+    #[test]
+    fn without_a_final_event_the_reason_is_the_last_line_the_agent_printed() {
+        let s = AgentStream::for_format(Format::ClaudeStreamJson).unwrap();
+        let output = b"some progress\n--dangerously-skip-permissions cannot be used with root/sudo privileges for security reasons\n\n";
+        let (outcome, message) = s.classify(Some(1), output);
+        assert_eq!(outcome, AttemptOutcome::EnvironmentError);
+        assert_eq!(
+            message.unwrap(),
+            "exit code 1: --dangerously-skip-permissions cannot be used with root/sudo privileges for security reasons"
+        );
+        // Gemini CLI 0.61's exit 55 is an untrusted folder, in red, not a budget.
+        let g = AgentStream::for_format(Format::GeminiJson).unwrap();
+        let output = b"\x1b[31mGemini CLI is not running in a trusted directory. To proceed, use `--skip-trust`\x1b[0m\n";
+        let (outcome, message) = g.classify(Some(55), output);
+        assert_eq!(outcome, AttemptOutcome::EnvironmentError);
+        assert!(
+            message
+                .unwrap()
+                .starts_with("exit code 55: Gemini CLI is not running")
+        );
+        assert_eq!(g.classify(Some(55), b"").0, AttemptOutcome::BudgetExceeded);
+    }
+
     fn stream(format: Format, text: &str) -> AgentStream {
         let mut s = AgentStream::for_format(format).unwrap();
         // Fed in awkward pieces, as a pipe delivers them.
@@ -729,7 +969,7 @@ mod tests {
                 "\n"
             ),
         );
-        assert_eq!(s.classify(Some(0)).0, AttemptOutcome::Success);
+        assert_eq!(s.classify(Some(0), b"").0, AttemptOutcome::Success);
         assert_eq!(s.usage.total(), 100);
         assert_eq!(s.cost_usd, Some(0.25));
         assert!(s.last_message.unwrap().contains("\"status\""));
@@ -740,7 +980,7 @@ mod tests {
         let result = |subtype: &str, is_error: bool, text: &str| {
             let line = serde_json::json!({"type": "result", "subtype": subtype, "is_error": is_error, "result": text});
             stream(Format::ClaudeStreamJson, &format!("{line}\n"))
-                .classify(Some(0))
+                .classify(Some(0), b"")
                 .0
         };
         assert_eq!(
@@ -778,7 +1018,7 @@ mod tests {
                 "\n"
             ),
         );
-        assert_eq!(s.classify(Some(0)).0, AttemptOutcome::Success);
+        assert_eq!(s.classify(Some(0), b"").0, AttemptOutcome::Success);
         assert_eq!(
             s.usage,
             Usage {
@@ -798,7 +1038,7 @@ mod tests {
             Format::CodexJsonl,
             "{\"type\":\"turn.failed\",\"error\":{\"message\":\"stream error: 429 Too Many Requests; try again in 2 minutes\"}}\n",
         );
-        assert_eq!(s.classify(Some(1)).0, AttemptOutcome::RateLimited);
+        assert_eq!(s.classify(Some(1), b"").0, AttemptOutcome::RateLimited);
         assert!(s.reset_at.is_some());
     }
 
@@ -809,25 +1049,28 @@ mod tests {
   "stats": {"models": {"gemini-2.5-pro": {"tokens": {"prompt": 50, "candidates": 5, "total": 60, "cached": 10, "thoughts": 5}}}}
 }"#;
         let s = stream(Format::GeminiJson, text);
-        assert_eq!(s.classify(Some(0)).0, AttemptOutcome::Success);
+        assert_eq!(s.classify(Some(0), b"").0, AttemptOutcome::Success);
         assert_eq!(s.usage.total(), 60);
         let err = r#"{"error": {"type": "ApiError", "message": "Quota exceeded. Please retry in 23.5s.", "code": 429}}"#;
         let s = stream(Format::GeminiJson, err);
-        assert_eq!(s.classify(Some(1)).0, AttemptOutcome::RateLimited);
+        assert_eq!(s.classify(Some(1), b"").0, AttemptOutcome::RateLimited);
         assert!(s.reset_at.is_some());
     }
 
     #[test]
     fn no_final_event_falls_back_to_errors_then_the_exit_code() {
         let s = stream(Format::ClaudeStreamJson, "garbage\n{\"type\":\"system\"}\n");
-        assert_eq!(s.classify(Some(0)).0, AttemptOutcome::NoResult);
-        assert_eq!(s.classify(Some(2)).0, AttemptOutcome::AgentError);
-        assert_eq!(s.classify(None).0, AttemptOutcome::Killed);
+        assert_eq!(s.classify(Some(0), b"").0, AttemptOutcome::NoResult);
+        assert_eq!(s.classify(Some(2), b"").0, AttemptOutcome::AgentError);
+        assert_eq!(s.classify(None, b"").0, AttemptOutcome::Killed);
         let s = stream(
             Format::CodexJsonl,
             "{\"type\":\"error\",\"message\":\"503 Service Unavailable\"}\n",
         );
-        assert_eq!(s.classify(Some(1)).0, AttemptOutcome::TransientApiError);
+        assert_eq!(
+            s.classify(Some(1), b"").0,
+            AttemptOutcome::TransientApiError
+        );
     }
 
     #[test]

@@ -29,6 +29,11 @@ pub enum Verdict {
     },
     /// Ended from outside (pause, stop, shutdown): neither a success nor an error.
     Interrupted,
+    /// The environment cannot run the executor (see [`AttemptOutcome::EnvironmentError`]):
+    /// neither a success nor an error of the task; the loop waits for a person to fix it.
+    Blocked {
+        message: String,
+    },
 }
 
 impl Verdict {
@@ -39,6 +44,7 @@ impl Verdict {
             Verdict::Failed { outcome, .. } => outcome.as_str(),
             Verdict::RateLimited { .. } => AttemptOutcome::RateLimited.as_str(),
             Verdict::Interrupted => "interrupted",
+            Verdict::Blocked { .. } => AttemptOutcome::EnvironmentError.as_str(),
         }
     }
 }
@@ -69,6 +75,9 @@ pub fn verdict(format: Format, reported: Reported, run: &Run) -> Verdict {
             message: one_line(&message),
         },
         Verdict::Interrupted => Verdict::Interrupted,
+        Verdict::Blocked { message } => Verdict::Blocked {
+            message: one_line(&message),
+        },
     }
 }
 
@@ -107,7 +116,7 @@ fn classify(format: Format, reported: Reported, run: &Run) -> Verdict {
     }
     let exit_code = run.status.and_then(|s| s.code());
     if let Some(agent) = &run.agent {
-        return match agent.classify(exit_code) {
+        return match agent.classify(exit_code, &run.output_tail) {
             (O::Success, _) => match reported {
                 Some(reported) => judge(reported, None),
                 // The result in the agent's final message, else a success with no updates.
@@ -127,14 +136,27 @@ fn classify(format: Format, reported: Reported, run: &Run) -> Verdict {
                 until: agent.reset_at,
                 message: message.unwrap_or_else(|| "rate limited".into()),
             },
+            (O::EnvironmentError, message) => Verdict::Blocked {
+                message: message.unwrap_or_else(|| "the agent cannot run here".into()),
+            },
             (outcome, message) => {
                 failed(outcome, message.unwrap_or_else(|| outcome.as_str().into()))
             }
         };
     }
+    let said = |what: String| match super::agent::last_meaningful_line(&run.output_tail) {
+        Some(line) => format!("{what}: {line}"),
+        None => what,
+    };
     let exit_failure = match (exit_code, run.status) {
         (Some(0), _) => None,
-        (Some(code), _) => Some((O::AgentError, format!("exit code {code}"))),
+        // The shell's "command not found": nothing the task can fix.
+        (Some(127), _) => {
+            return Verdict::Blocked {
+                message: said("exit code 127".into()),
+            };
+        }
+        (Some(code), _) => Some((O::AgentError, said(format!("exit code {code}")))),
         (None, Some(status)) => {
             use std::os::unix::process::ExitStatusExt;
             Some(match status.signal() {

@@ -244,6 +244,10 @@ pub struct SkillState {
     /// Tokens and cost the agents reported, over every attempt.
     #[serde(default)]
     pub usage: UsageTotals,
+    /// Set while the loop is paused because its executor cannot run here (not logged in, no
+    /// key, a missing program): why, and what to do. Cleared when an action starts.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub blocked: Option<Blocked>,
     #[serde(flatten)]
     pub extra: Extra,
 }
@@ -299,6 +303,15 @@ impl UsageTotals {
 pub struct Finished {
     pub seq: u64,
     pub ok: bool,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Blocked {
+    pub since: String,
+    pub action: String,
+    pub executor: String,
+    /// The executor's own words, one line.
+    pub reason: String,
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
