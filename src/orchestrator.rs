@@ -28,7 +28,7 @@ use crate::config::{Config, ExecutorConfig, Format, PromptMode, Supervision};
 use crate::events::{Event, EventLog, Progress, ProgressDir, name};
 use crate::executor::agent::{AgentStream, AttemptOutcome};
 use crate::executor::result::{Verdict, verdict};
-use crate::executor::{Budget, Executor, Spawned, Spec, procs};
+use crate::executor::{Budget, Executor, Report, Spec, procs};
 use crate::state::model::{
     AwaitingChoice, HistoryEntry, InFlight, LoopState, Status, format_ts, now_rfc3339,
 };
@@ -987,7 +987,24 @@ impl Turn<'_> {
         let run = {
             let events = &mut self.events;
             let consumed = consumed_choice.as_deref();
-            let mut on_spawn = |spawned: Spawned| {
+            let mut on_report = |report: Report| {
+                let spawned = match report {
+                    Report::Spawned(spawned) => spawned,
+                    Report::Retrying(retry) => {
+                        events.emit(
+                            Event::new(name::AGENT_RETRYING)
+                                .with("iteration", iteration)
+                                .with("action", dispatch.action.clone())
+                                .with("attempt", attempt)
+                                .with("retry", retry.attempt)
+                                .with("max_retries", retry.max_retries)
+                                .with("status", retry.status)
+                                .with("delay_ms", retry.delay_ms)
+                                .with("error", retry.error),
+                        );
+                        return;
+                    }
+                };
                 state.skill().in_flight = Some(InFlight {
                     action: dispatch.action.clone(),
                     iteration,
@@ -1013,7 +1030,7 @@ impl Turn<'_> {
                         .with("pid", spawned.pid),
                 );
             };
-            let exec = daemon.executor.run(spec, cancel.clone(), &mut on_spawn);
+            let exec = daemon.executor.run(spec, cancel.clone(), &mut on_report);
             tokio::pin!(exec);
             let mut interrupt = None;
             let shutdown = &mut self.shutdown;

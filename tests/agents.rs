@@ -359,3 +359,94 @@ fn doctor_shows_what_would_run_and_what_is_missing() {
     let out = loopd_with_agents(&p, &["doctor"]);
     assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
 }
+
+/// A project whose `bin/NAME` replays a transcript captured from the real CLI
+/// (`tests/fixtures/agents/real/STEM.{stdout,stderr,exit}`, see `capture_fixtures_from_the_real_clis`
+/// in tests/real_agents.rs): stdout and stderr as they were, then its exit code.
+fn replay(name: &str, stem: &str) -> Project {
+    let p = Project::new("");
+    p.config(&format!("action_retries = 0\n{AGENT_CONFIG}"));
+    let file = |ext: &str| fixture(&format!("real/{stem}.{ext}"));
+    let exit = std::fs::read_to_string(file("exit")).unwrap();
+    p.script(
+        name,
+        &format!(
+            "cat > /dev/null\ncat '{}'\ncat '{}' >&2\nexit {}\n",
+            file("stdout"),
+            file("stderr"),
+            exit.trim()
+        ),
+    );
+    p
+}
+
+#[test]
+fn transcripts_of_the_real_clis_are_read_as_they_happened() {
+    for (agent, stem, outcome) in [
+        ("claude", "claude-2.1.197-success", "success"),
+        ("claude", "claude-2.1.197-no-key", "environment_error"),
+        ("claude", "claude-2.1.197-rejected-key", "environment_error"),
+        ("claude", "claude-2.1.197-rate-limit", "rate_limited"),
+        ("codex", "codex-0.169.0-success", "success"),
+        ("codex", "codex-0.169.0-no-key", "environment_error"),
+        ("codex", "codex-0.169.0-rejected-key", "environment_error"),
+        ("codex", "codex-0.169.0-rate-limit", "rate_limited"),
+        ("gemini", "gemini-0.61.0-success", "success"),
+        ("gemini", "gemini-0.61.0-no-key", "environment_error"),
+        ("gemini", "gemini-0.61.0-rejected-key", "environment_error"),
+        ("qwen", "qwen-0.15.10-success", "success"),
+        ("qwen", "qwen-0.15.10-no-key", "environment_error"),
+        ("qwen", "qwen-0.15.10-rejected-key", "environment_error"),
+    ] {
+        let p = replay(agent, stem);
+        let id = p.create(&["--title", "t", "--max-errors", "1"]);
+        // The transcripts are of a develop; here each plays the init, and only that attempt
+        // matters: the daemon is ended once it is over.
+        let path = format!(
+            "{}:{}",
+            p.root.join("bin").display(),
+            std::env::var("PATH").unwrap_or_default()
+        );
+        let mut daemon = p
+            .loopd()
+            .env("PATH", path)
+            .args(["run", &id, "--executor", agent, "--exit-on-pause"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let ended = |e: &Value| e["event"] == "action_finished" || e["event"] == "action_failed";
+        wait_for("the first attempt to end", || {
+            p.events(&id).iter().any(ended)
+        });
+        let first = p.events(&id).into_iter().find(ended).unwrap();
+        assert_eq!(first["outcome"], outcome, "{stem}: {first}");
+        match outcome {
+            "success" => {
+                assert_eq!(first["summary"], "wrote task-001.txt", "{stem}: {first}");
+                assert!(
+                    first["tokens_in"].as_u64().unwrap() >= 1000,
+                    "{stem}: {first}"
+                );
+                assert!(
+                    first["tokens_out"].as_u64().unwrap() >= 50,
+                    "{stem}: {first}"
+                );
+            }
+            "environment_error" => {
+                let status = daemon.wait().unwrap();
+                assert_eq!(status.code(), Some(6), "{stem}: paused, blocked");
+                assert_eq!(p.state(&id)["skill_state"]["error_count"], 0, "{stem}");
+            }
+            _ => {}
+        }
+        if stem == "claude-2.1.197-rate-limit" {
+            // Claude Code's own retry of the 429, which it would otherwise make in silence.
+            let retry = events_named(&p, &id, "agent_retrying");
+            assert_eq!(retry[0]["status"], 429, "{stem}: {retry:?}");
+            assert_eq!(retry[0]["delay_ms"], 1000, "{stem}: {retry:?}");
+        }
+        let _ = daemon.kill();
+        let _ = daemon.wait();
+    }
+}

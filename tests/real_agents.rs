@@ -50,15 +50,19 @@ struct ModelServer {
 }
 
 impl ModelServer {
-    fn start(root: &Path, dir: &Path, fault: &str) -> ModelServer {
+    fn start(root: &Path, dir: &Path, fault: &Fault) -> ModelServer {
         let log = dir.join("requests.jsonl");
-        let mut child = Command::new("python3")
-            .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/agents/model_server.py"))
+        let mut cmd = Command::new("python3");
+        cmd.arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/agents/model_server.py"))
             .arg("--root")
             .arg(root)
             .arg("--log")
             .arg(&log)
-            .args(["--fault", fault])
+            .args(["--fault", fault.kind]);
+        if let Some(secs) = fault.for_secs {
+            cmd.args(["--fault-for", &secs.to_string()]);
+        }
+        let mut child = cmd
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
@@ -89,6 +93,26 @@ impl Drop for ModelServer {
     }
 }
 
+/// How the scripted server misbehaves: `kind` is `none`, `401`, `429`, `529`, `500` or `hang`;
+/// with `for_secs`, only for that long after the first request.
+#[derive(Clone, Copy)]
+struct Fault {
+    kind: &'static str,
+    for_secs: Option<f64>,
+}
+
+const NO_FAULT: Fault = Fault {
+    kind: "none",
+    for_secs: None,
+};
+
+fn fault(kind: &'static str) -> Fault {
+    Fault {
+        kind,
+        for_secs: None,
+    }
+}
+
 /// A project whose loops use the real `cli` against a scripted server, with the CLI's own files
 /// (login state, settings, sessions) in a home of its own.
 struct AgentProject {
@@ -99,71 +123,28 @@ struct AgentProject {
 }
 
 impl AgentProject {
-    fn new(cli: &str, bin: &Path, fault: &str, extra_config: &str) -> AgentProject {
+    fn new(cli: &str, bin: &Path, fault: Fault, extra_config: &str) -> AgentProject {
         AgentProject::with_key(cli, bin, fault, extra_config, true)
     }
 
     /// As [`AgentProject::new`]; without `key`, the CLI is given no API key at all.
-    fn with_key(cli: &str, bin: &Path, fault: &str, extra_config: &str, key: bool) -> AgentProject {
+    fn with_key(
+        cli: &str,
+        bin: &Path,
+        fault: Fault,
+        extra_config: &str,
+        key: bool,
+    ) -> AgentProject {
         let project = Project::new("");
         let home = tempfile::tempdir().unwrap();
-        let server = ModelServer::start(&project.root, home.path(), fault);
-        let url = format!("http://127.0.0.1:{}", server.port);
-        let home_path = home.path().display().to_string();
-        // Each CLI's documented way to another endpoint, as environment or its own config file.
-        let env: Vec<(&str, String)> = match cli {
-            "claude" => vec![
-                ("ANTHROPIC_BASE_URL", url),
-                ("ANTHROPIC_API_KEY", "sk-scripted".into()),
-                // Claude Code refuses --dangerously-skip-permissions as root without it.
-                ("IS_SANDBOX", "1".into()),
-                ("CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC", "1".into()),
-                ("CLAUDE_CODE_MAX_RETRIES", "1".into()),
-            ],
-            "codex" => {
-                let codex = home.path().join(".codex");
-                std::fs::create_dir_all(&codex).unwrap();
-                std::fs::write(
-                    codex.join("config.toml"),
-                    format!(
-                        "model = \"scripted\"\nmodel_provider = \"scripted\"\n\n\
-                         [model_providers.scripted]\nname = \"scripted\"\nbase_url = \"{url}/v1\"\n\
-                         wire_api = \"responses\"\nenv_key = \"SCRIPTED_API_KEY\"\n\
-                         request_max_retries = 0\nstream_max_retries = 0\n"
-                    ),
-                )
-                .unwrap();
-                vec![("SCRIPTED_API_KEY", "sk-scripted".into())]
-            }
-            "gemini" => {
-                // GOOGLE_GEMINI_BASE_URL alone selects the "gateway" auth type, which gemini-cli
-                // 0.61 then rejects as invalid: choose the API key type in its settings.
-                let gemini = home.path().join(".gemini");
-                std::fs::create_dir_all(&gemini).unwrap();
-                std::fs::write(
-                    gemini.join("settings.json"),
-                    r#"{"security":{"auth":{"selectedType":"gemini-api-key"}}}"#,
-                )
-                .unwrap();
-                vec![
-                    ("GOOGLE_GEMINI_BASE_URL", url),
-                    ("GEMINI_API_KEY", "sk-scripted".into()),
-                ]
-            }
-            "qwen" => vec![
-                ("OPENAI_BASE_URL", format!("{url}/v1")),
-                ("OPENAI_API_KEY", "sk-scripted".into()),
-                ("OPENAI_MODEL", "scripted".into()),
-            ],
-            other => panic!("unknown CLI {other}"),
-        };
-        let env: String = std::iter::once(("HOME", home_path))
-            .chain(env)
-            .filter(|(k, _)| key || !k.ends_with("_API_KEY"))
-            .map(|(k, v)| format!("{k} = {}\n", toml_string(&v)))
+        let server = ModelServer::start(&project.root, home.path(), &fault);
+        let env = cli_env(cli, server.port, home.path(), key);
+        let env: String = env
+            .iter()
+            .map(|(k, v)| format!("{k} = {}\n", toml_string(v)))
             .collect();
         project.config(&format!(
-            "executor = \"{cli}\"\nretry_backoff = 0.1\n{extra_config}\n\
+            "executor = \"{cli}\"\n{extra_config}\n\
              [executor_defaults]\nkill_grace = 1.0\n\n[executors.{cli}.env]\n{env}"
         ));
         AgentProject {
@@ -196,6 +177,63 @@ impl AgentProject {
     }
 }
 
+/// The environment that points `cli` at the scripted server on `port`, with its own files in
+/// `home` (where its config file, if it needs one, is written); without `key`, no API key.
+fn cli_env(cli: &str, port: u16, home: &Path, key: bool) -> Vec<(&'static str, String)> {
+    let url = format!("http://127.0.0.1:{port}");
+    // Each CLI's documented way to another endpoint, as environment or its own config file.
+    let env: Vec<(&str, String)> = match cli {
+        "claude" => vec![
+            ("ANTHROPIC_BASE_URL", url),
+            ("ANTHROPIC_API_KEY", "sk-scripted".into()),
+            // Claude Code refuses --dangerously-skip-permissions as root without it.
+            ("IS_SANDBOX", "1".into()),
+            ("CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC", "1".into()),
+            ("CLAUDE_CODE_MAX_RETRIES", "1".into()),
+        ],
+        "codex" => {
+            let codex = home.join(".codex");
+            std::fs::create_dir_all(&codex).unwrap();
+            std::fs::write(
+                codex.join("config.toml"),
+                format!(
+                    "model = \"scripted\"\nmodel_provider = \"scripted\"\n\n\
+                     [model_providers.scripted]\nname = \"scripted\"\nbase_url = \"{url}/v1\"\n\
+                     wire_api = \"responses\"\nenv_key = \"SCRIPTED_API_KEY\"\n\
+                     request_max_retries = 0\nstream_max_retries = 0\n"
+                ),
+            )
+            .unwrap();
+            vec![("SCRIPTED_API_KEY", "sk-scripted".into())]
+        }
+        "gemini" => {
+            // GOOGLE_GEMINI_BASE_URL alone selects the "gateway" auth type, which gemini-cli
+            // 0.61 then rejects as invalid: choose the API key type in its settings.
+            let gemini = home.join(".gemini");
+            std::fs::create_dir_all(&gemini).unwrap();
+            std::fs::write(
+                gemini.join("settings.json"),
+                r#"{"security":{"auth":{"selectedType":"gemini-api-key"}}}"#,
+            )
+            .unwrap();
+            vec![
+                ("GOOGLE_GEMINI_BASE_URL", url),
+                ("GEMINI_API_KEY", "sk-scripted".into()),
+            ]
+        }
+        "qwen" => vec![
+            ("OPENAI_BASE_URL", format!("{url}/v1")),
+            ("OPENAI_API_KEY", "sk-scripted".into()),
+            ("OPENAI_MODEL", "scripted".into()),
+        ],
+        other => panic!("unknown CLI {other}"),
+    };
+    std::iter::once(("HOME", home.display().to_string()))
+        .chain(env)
+        .filter(|(k, _)| key || !k.ends_with("_API_KEY"))
+        .collect()
+}
+
 fn toml_string(s: &str) -> String {
     toml::Value::String(s.to_owned()).to_string()
 }
@@ -212,7 +250,7 @@ fn for_each_cli(scenario: impl Fn(&str, &Path)) {
 #[test]
 fn each_real_cli_runs_a_whole_loop_against_its_scripted_server() {
     for_each_cli(|cli, bin| {
-        let a = AgentProject::new(cli, bin, "none", "");
+        let a = AgentProject::new(cli, bin, NO_FAULT, "");
         let p = &a.project;
         let id = p.create(&["--title", "write two files"]);
         let out = a.run(&id);
@@ -272,7 +310,10 @@ fn wait_blocked(a: &AgentProject, id: &str) -> Value {
 #[test]
 fn no_key_or_a_rejected_key_blocks_the_loop_without_using_it_up() {
     for_each_cli(|cli, bin| {
-        for (what, fault, key) in [("no key", "none", false), ("a rejected key", "401", true)] {
+        for (what, fault, key) in [
+            ("no key", NO_FAULT, false),
+            ("a rejected key", fault("401"), true),
+        ] {
             let a = AgentProject::with_key(cli, bin, fault, "", key);
             let p = &a.project;
             let id = p.create(&["--title", "t"]);
@@ -314,4 +355,210 @@ fn no_key_or_a_rejected_key_blocks_the_loop_without_using_it_up() {
             let _ = daemon.wait();
         }
     });
+}
+
+/// The live processes whose environment has `LOOPD_STATE_FILE=state`: an executor of that loop
+/// and whatever it started.
+fn processes_of(state: &Path) -> Vec<u32> {
+    let needle = format!("LOOPD_STATE_FILE={}", state.display());
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            std::fs::read(format!("/proc/{pid}/environ"))
+                .is_ok_and(|env| env.split(|b| *b == 0).any(|v| v == needle.as_bytes()))
+        })
+        .filter(|pid| alive(*pid))
+        .collect()
+}
+
+#[test]
+fn a_stop_mid_request_ends_every_process_of_the_cli() {
+    for_each_cli(|cli, bin| {
+        let a = AgentProject::new(cli, bin, fault("hang"), "");
+        let p = &a.project;
+        let id = p.create(&["--title", "t"]);
+        let mut daemon = a
+            .loopd()
+            .args(["run", &id])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        wait_for("the CLI to wait for the model", || {
+            a.server.requests().iter().any(|r| r["main"] == true)
+        });
+        let pids = processes_of(&p.state_path(&id));
+        assert!(!pids.is_empty(), "{cli}: the CLI's processes are found");
+        let started = std::time::Instant::now();
+        let out = p.output(&["stop", &id]);
+        assert_eq!(code(&out), 0, "{cli}: {}", stderr(&out));
+        wait_for("every process of the CLI to end", || {
+            pids.iter().all(|pid| !alive(*pid))
+        });
+        eprintln!(
+            "{cli}: {} processes gone {} ms after `loopd stop` started",
+            pids.len(),
+            started.elapsed().as_millis()
+        );
+        assert!(
+            processes_of(&p.state_path(&id)).is_empty(),
+            "{cli}: nothing left behind"
+        );
+        let status = daemon.wait().unwrap();
+        assert_eq!(status.code(), Some(5), "{cli}: stopped by a user");
+    });
+}
+
+#[test]
+fn rate_limits_and_overloads_end_in_their_outcome_and_the_loop_goes_on() {
+    for_each_cli(|cli, bin| {
+        for (kind, outcome) in [("429", "rate_limited"), ("529", "transient_api_error")] {
+            let refusing = Fault {
+                kind,
+                for_secs: Some(3.0),
+            };
+            let a = AgentProject::new(
+                cli,
+                bin,
+                refusing,
+                "rate_limit_wait = 1.0\naction_retries = 5",
+            );
+            let p = &a.project;
+            let id = p.create(&["--title", "t"]);
+            let started = std::time::Instant::now();
+            let out = a.run(&id);
+            assert_eq!(code(&out), 0, "{cli}, {kind}: {}", stderr(&out));
+            let events = p.events(&id);
+            let failed: Vec<_> = events
+                .iter()
+                .filter(|e| e["event"] == "action_failed")
+                .map(|e| e["outcome"].as_str().unwrap().to_owned())
+                .collect();
+            let retried = events
+                .iter()
+                .filter(|e| e["event"] == "agent_retrying")
+                .count();
+            eprintln!(
+                "{cli}, {kind}: completed in {:.1}s; attempts failed as {failed:?}; the agent's own retries shown: {retried}",
+                started.elapsed().as_secs_f64()
+            );
+            assert!(
+                failed.iter().all(|o| o == outcome),
+                "{cli}, {kind}: every failed attempt is {outcome}: {failed:?}"
+            );
+            assert_eq!(
+                p.state(&id)["skill_state"]["error_count"],
+                0,
+                "{cli}, {kind}"
+            );
+        }
+    });
+}
+
+#[test]
+fn a_model_that_stops_answering_ends_in_the_idle_timeout_with_the_whole_tree() {
+    for_each_cli(|cli, bin| {
+        let a = AgentProject::new(
+            cli,
+            bin,
+            fault("hang"),
+            &format!("action_retries = 0\n[executors.{cli}]\nidle_timeout = 3.0\n"),
+        );
+        let p = &a.project;
+        let id = p.create(&["--title", "t", "--max-errors", "1"]);
+        let out = a.run(&id);
+        assert_eq!(code(&out), 4, "{cli}: {}", stderr(&out));
+        let failed: Vec<_> = p
+            .events(&id)
+            .into_iter()
+            .filter(|e| e["event"] == "action_failed")
+            .collect();
+        assert_eq!(failed.len(), 1, "{cli}: {failed:?}");
+        assert_eq!(failed[0]["outcome"], "timeout", "{cli}: {}", failed[0]);
+        assert_eq!(failed[0]["error"], "no output for 3s", "{cli}");
+        assert!(
+            processes_of(&p.state_path(&id)).is_empty(),
+            "{cli}: nothing left behind"
+        );
+    });
+}
+
+/// The default command line of `cli`, from the built-in config.
+fn default_argv(cli: &str) -> Vec<String> {
+    let config: toml::Table = toml::from_str(include_str!("../config.toml")).unwrap();
+    config["executors"][cli]["command"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_str().unwrap().to_owned())
+        .collect()
+}
+
+/// Captures what each real CLI prints, run as loopd runs it, for `tests/fixtures/agents/real/`:
+/// `LOOPD_CAPTURE=1 cargo test --test real_agents capture -- --ignored`. Each case is the
+/// transcript (stdout and stderr as they came, one file each) and its exit code.
+#[test]
+#[ignore = "writes fixtures; run by hand after a CLI upgrade"]
+fn capture_fixtures_from_the_real_clis() {
+    let Some(bin) = agents_bin() else { return };
+    let out_dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/agents/real");
+    std::fs::create_dir_all(&out_dir).unwrap();
+    let versions: serde_json::Map<String, Value> =
+        serde_json::from_str::<Value>(include_str!("agents/package.json")).unwrap()["dependencies"]
+            .as_object()
+            .unwrap()
+            .clone();
+    for cli in CLIS {
+        let package = match cli {
+            "claude" => "@anthropic-ai/claude-code",
+            "codex" => "@openai/codex",
+            "gemini" => "@google/gemini-cli",
+            _ => "@qwen-code/qwen-code",
+        };
+        let version = versions[package].as_str().unwrap();
+        for (case, kind, key) in [
+            ("success", "none", true),
+            ("no-key", "none", false),
+            ("rejected-key", "401", true),
+            ("rate-limit", "429", true),
+        ] {
+            // Gemini CLI and Qwen Code retry a rate limit on their own for minutes, saying
+            // nothing: there is no transcript of it to capture.
+            if case == "rate-limit" && matches!(cli, "gemini" | "qwen") {
+                continue;
+            }
+            let root = tempfile::tempdir().unwrap();
+            let home = tempfile::tempdir().unwrap();
+            let server = ModelServer::start(root.path(), home.path(), &fault(kind));
+            let mut argv = default_argv(cli);
+            argv[0] = bin.join(cli).display().to_string();
+            let mut child = Command::new(&argv[0])
+                .args(&argv[1..])
+                .current_dir(root.path())
+                .env_clear()
+                .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+                .envs(cli_env(cli, server.port, home.path(), key))
+                .stdin(Stdio::piped())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap();
+            use std::io::Write as _;
+            child
+                .stdin
+                .take()
+                .unwrap()
+                .write_all(b"You are the develop step of an autonomous development loop run by loopd.\n# Your task now: task-001\n")
+                .unwrap();
+            let out = wait_output(child, std::time::Duration::from_secs(120));
+            let file = |ext: &str| out_dir.join(format!("{cli}-{version}-{case}.{ext}"));
+            std::fs::write(file("stdout"), &out.stdout).unwrap();
+            std::fs::write(file("stderr"), &out.stderr).unwrap();
+            let exit = out.status.code().unwrap_or(-1);
+            std::fs::write(file("exit"), format!("{exit}\n")).unwrap();
+            eprintln!("{cli} {case}: exit {:?}", out.status.code());
+            drop(server);
+        }
+    }
 }

@@ -87,12 +87,36 @@ impl Usage {
     }
 }
 
-/// What a line of output told the executor.
+/// What a chunk of output told the executor.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Signal {
     Continue,
     /// The agent's final event: it has nothing more to say.
     Final,
+    /// Nothing but the agent saying it retries or reconnects: no progress, so the idle timer
+    /// keeps running (Codex reconnects without end when its model is unreachable).
+    Noise,
+}
+
+impl Signal {
+    /// Progress wins over noise.
+    fn max_progress(self) -> Signal {
+        match self {
+            Signal::Noise => Signal::Continue,
+            other => other,
+        }
+    }
+}
+
+/// An API request the agent retries on its own, as it announced it.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Retry {
+    pub attempt: Option<u64>,
+    pub max_retries: Option<u64>,
+    /// The HTTP status that failed, when the agent says.
+    pub status: Option<i64>,
+    pub delay_ms: Option<u64>,
+    pub error: Option<String>,
 }
 
 /// The final event, reduced.
@@ -125,6 +149,11 @@ pub struct AgentStream {
     /// The kind of API error the agent's stream named, if any (Claude Code's
     /// `"error": "authentication_failed"`).
     error_kind: Option<String>,
+    /// Retries announced since the executor last took them.
+    retries: Vec<Retry>,
+    /// The delay of the agent's last retry of a rate limit: the server's `retry-after`, which
+    /// stands for the reset time when the agent gives up without one.
+    retry_after: Option<chrono::TimeDelta>,
 }
 
 impl AgentStream {
@@ -145,22 +174,33 @@ impl AgentStream {
             error: None,
             reset_at: None,
             error_kind: None,
+            retries: Vec::new(),
+            retry_after: None,
         })
     }
 
-    /// Feeds a chunk of stdout; returns [`Signal::Final`] once the final event has been read.
+    /// Feeds a chunk of stdout; returns [`Signal::Final`] once the final event has been read,
+    /// [`Signal::Noise`] for a chunk of nothing but retry notices.
     pub fn feed(&mut self, mut chunk: &[u8]) -> Signal {
-        let mut signal = Signal::Continue;
+        let mut signal = Signal::Noise;
         while let Some(nl) = chunk.iter().position(|b| *b == b'\n') {
             if !self.skipping_long_line {
                 self.line.extend_from_slice(&chunk[..nl]);
                 let line = std::mem::take(&mut self.line);
-                if self.line_done(&line) == Signal::Final {
-                    signal = Signal::Final;
-                }
+                signal = match (self.line_done(&line), signal) {
+                    (Signal::Final, _) | (_, Signal::Final) => Signal::Final,
+                    (Signal::Noise, Signal::Noise) => Signal::Noise,
+                    _ => Signal::Continue,
+                };
+            } else {
+                signal = signal.max_progress();
             }
             self.skipping_long_line = false;
             chunk = &chunk[nl + 1..];
+        }
+        if !chunk.is_empty() {
+            // A line still being written counts as progress.
+            signal = signal.max_progress();
         }
         if !self.skipping_long_line {
             self.line.extend_from_slice(chunk);
@@ -170,6 +210,11 @@ impl AgentStream {
             }
         }
         signal
+    }
+
+    /// The retries the agent announced since the last call.
+    pub fn take_retries(&mut self) -> Vec<Retry> {
+        std::mem::take(&mut self.retries)
     }
 
     /// Reads what is left once the agent's output has ended. `stdout` is the end of its stdout and
@@ -201,22 +246,46 @@ impl AgentStream {
             return Signal::Continue;
         };
         let was_final = self.final_event.is_some();
-        match self.format {
+        let noise = match self.format {
             Format::ClaudeStreamJson => self.claude_event(&event),
             Format::CodexJsonl => self.codex_event(&event),
-            Format::GeminiJson => self.gemini_event(&event),
-            _ => {}
-        }
+            Format::GeminiJson => {
+                self.gemini_event(&event);
+                false
+            }
+            _ => false,
+        };
         if !was_final && self.final_event.is_some() {
             Signal::Final
+        } else if noise {
+            Signal::Noise
         } else {
             Signal::Continue
         }
     }
 
     /// Claude Code (and Qwen Code) `stream-json`: `system`, `assistant`, `user`, then `result`.
-    fn claude_event(&mut self, event: &Value) {
+    /// Returns whether the event is only a retry notice.
+    fn claude_event(&mut self, event: &Value) -> bool {
         match event["type"].as_str() {
+            Some("system") if event["subtype"] == "api_retry" => {
+                let status = event["error_status"].as_i64();
+                let delay_ms = event["retry_delay_ms"].as_u64();
+                if status == Some(429)
+                    && let Some(ms) = delay_ms
+                {
+                    self.retry_after =
+                        chrono::TimeDelta::try_milliseconds(i64::try_from(ms).unwrap_or(i64::MAX));
+                }
+                self.retries.push(Retry {
+                    attempt: event["attempt"].as_u64(),
+                    max_retries: event["max_retries"].as_u64(),
+                    status,
+                    delay_ms,
+                    error: event["error"].as_str().map(str::to_owned),
+                });
+                return true;
+            }
             Some("rate_limit_event") => {
                 let info = &event["rate_limit_info"];
                 if info["status"] == "rejected"
@@ -249,6 +318,13 @@ impl AgentStream {
             Some("result") => {
                 if let Some(usage) = claude_usage(&event["usage"]) {
                     self.usage = usage;
+                }
+                // `usage` leaves out side requests (titles, summaries) that `modelUsage`, like
+                // `total_cost_usd`, includes: a budget sees the larger, true figure.
+                if let Some(all) = claude_model_usage(&event["modelUsage"])
+                    && all.total() > self.usage.total()
+                {
+                    self.usage = all;
                 }
                 self.cost_usd = event["total_cost_usd"]
                     .as_f64()
@@ -296,6 +372,10 @@ impl AgentStream {
                         .filter(|t| !t.is_empty())
                         .unwrap_or_else(|| subtype.to_owned());
                     self.note_reset(&error, event);
+                    if outcome == AttemptOutcome::RateLimited && self.reset_at.is_none() {
+                        // The server's retry-after, as the agent's last retry honoured it.
+                        self.reset_at = self.retry_after.map(|d| Utc::now() + d);
+                    }
                     self.final_event = Some(FinalEvent {
                         outcome,
                         error: Some(error),
@@ -304,11 +384,13 @@ impl AgentStream {
             }
             _ => {}
         }
+        false
     }
 
     /// Codex `exec --json`: `thread.started`, `turn.started`, `item.*`, then `turn.completed` or
     /// `turn.failed`; `error` events on the way. Also the older `{"msg": {...}}` events.
-    fn codex_event(&mut self, event: &Value) {
+    /// Returns whether the event is only a reconnect notice.
+    fn codex_event(&mut self, event: &Value) -> bool {
         let msg = &event["msg"];
         let (kind, body) = match event["type"].as_str() {
             Some(kind) => (kind, event),
@@ -363,13 +445,34 @@ impl AgentStream {
                 });
             }
             "error" | "stream_error" => {
-                if let Some(error) = error_text(body) {
-                    self.note_reset(&error, body);
+                let Some(error) = error_text(body) else {
+                    return false;
+                };
+                // "Reconnecting... 2/5 (stream disconnected before completion: ...)": Codex
+                // retrying on its own, which says nothing new about the attempt.
+                if let Some(rest) = error.strip_prefix("Reconnecting...") {
+                    let (attempt, max_retries) = rest
+                        .trim_start()
+                        .split_once(' ')
+                        .map_or(rest.trim(), |(n, _)| n)
+                        .split_once('/')
+                        .map_or((None, None), |(a, m)| (a.parse().ok(), m.parse().ok()));
+                    self.retries.push(Retry {
+                        attempt,
+                        max_retries,
+                        status: http_status(&error.to_ascii_lowercase()).map(i64::from),
+                        delay_ms: None,
+                        error: Some(error.clone()),
+                    });
                     self.error = Some(error);
+                    return true;
                 }
+                self.note_reset(&error, body);
+                self.error = Some(error);
             }
             _ => {}
         }
+        false
     }
 
     /// Gemini CLI: one JSON object at the end (`--output-format json`); `stream-json` events
@@ -530,6 +633,23 @@ fn claude_usage(u: &Value) -> Option<Usage> {
     })
 }
 
+/// Claude Code's `modelUsage`: `{model: {inputTokens, outputTokens, cacheReadInputTokens,
+/// cacheCreationInputTokens, ...}}`, summed over models.
+fn claude_model_usage(models: &Value) -> Option<Usage> {
+    let models = models.as_object().filter(|m| !m.is_empty())?;
+    let mut usage = Usage::default();
+    for m in models.values() {
+        let n = |k: &str| m[k].as_u64().unwrap_or(0);
+        usage.add(&Usage {
+            input_tokens: n("inputTokens"),
+            output_tokens: n("outputTokens"),
+            cache_read_tokens: n("cacheReadInputTokens"),
+            cache_write_tokens: n("cacheCreationInputTokens"),
+        });
+    }
+    Some(usage)
+}
+
 fn codex_usage(u: &Value) -> Option<Usage> {
     if !u.is_object() || u.get("input_tokens").is_none() {
         return None;
@@ -541,10 +661,8 @@ fn codex_usage(u: &Value) -> Option<Usage> {
             .as_u64()
             .unwrap_or(0)
             .saturating_sub(cached),
-        output_tokens: u["output_tokens"]
-            .as_u64()
-            .unwrap_or(0)
-            .saturating_add(u["reasoning_output_tokens"].as_u64().unwrap_or(0)),
+        // Output tokens already include `reasoning_output_tokens`.
+        output_tokens: u["output_tokens"].as_u64().unwrap_or(0),
         cache_read_tokens: cached,
         cache_write_tokens: 0,
     })
@@ -879,6 +997,48 @@ fn find_number(v: &Value, key: &str) -> Option<f64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn reconnect_notices_are_noise_and_retries_are_reported() {
+        let mut codex = AgentStream::for_format(Format::CodexJsonl).unwrap();
+        let line = b"{\"type\":\"error\",\"message\":\"Reconnecting... 2/5 (stream disconnected before completion: error sending request)\"}\n";
+        assert_eq!(codex.feed(line), Signal::Noise);
+        let retry = codex.take_retries().remove(0);
+        assert_eq!((retry.attempt, retry.max_retries), (Some(2), Some(5)));
+        assert!(codex.take_retries().is_empty());
+        // Anything else is progress, even in the same chunk.
+        let mixed = [&line[..], b"{\"type\":\"turn.started\"}\n"].concat();
+        assert_eq!(codex.feed(&mixed), Signal::Continue);
+        // Given up: the network error, not a timeout.
+        assert_eq!(
+            codex.classify(Some(1), b"").0,
+            AttemptOutcome::TransientApiError
+        );
+
+        // Claude Code 2.1.197's announcement of its own retry (captured).
+        let mut claude = AgentStream::for_format(Format::ClaudeStreamJson).unwrap();
+        let line = b"{\"type\":\"system\",\"subtype\":\"api_retry\",\"attempt\":1,\"max_retries\":1,\"retry_delay_ms\":1000,\"error_status\":429,\"error\":\"rate_limit\"}\n";
+        assert_eq!(claude.feed(line), Signal::Noise);
+        assert_eq!(
+            claude.take_retries(),
+            vec![Retry {
+                attempt: Some(1),
+                max_retries: Some(1),
+                status: Some(429),
+                delay_ms: Some(1000),
+                error: Some("rate_limit".into()),
+            }]
+        );
+        // When it gives up, the retry's delay stands for the reset time.
+        let result = b"{\"type\":\"result\",\"subtype\":\"success\",\"is_error\":true,\"api_error_status\":429,\"result\":\"API Error: Request rejected (429)\"}\n";
+        claude.feed(result);
+        assert_eq!(claude.classify(Some(1), b"").0, AttemptOutcome::RateLimited);
+        let wait = claude.reset_at.unwrap() - Utc::now();
+        assert!(
+            wait <= chrono::TimeDelta::seconds(1) && wait > chrono::TimeDelta::zero(),
+            "{wait}"
+        );
+    }
 
     #[test]
     fn numbers_count_as_statuses_only_where_statuses_stand() {

@@ -115,14 +115,24 @@ pub struct Run {
     pub agent: Option<agent::AgentStream>,
 }
 
+/// What an executor tells the daemon while an attempt runs.
+#[derive(Clone, Debug)]
+pub enum Report {
+    /// The process exists; no output has been read yet.
+    Spawned(Spawned),
+    /// The agent is retrying a failed API request on its own.
+    Retrying(agent::Retry),
+}
+
 #[async_trait::async_trait]
 pub trait Executor: Send + Sync {
-    /// Runs one attempt. `on_spawn` is called once the process exists, before any output is read.
+    /// Runs one attempt. `report` hears [`Report::Spawned`] once the process exists, before any
+    /// output is read, then what the agent says on the way.
     async fn run(
         &self,
         spec: Spec,
         cancel: CancellationToken,
-        on_spawn: &mut (dyn FnMut(Spawned) + Send),
+        report: &mut (dyn FnMut(Report) + Send),
     ) -> io::Result<Run>;
 }
 
@@ -135,16 +145,16 @@ impl Executor for Subprocess {
         &self,
         spec: Spec,
         cancel: CancellationToken,
-        on_spawn: &mut (dyn FnMut(Spawned) + Send),
+        report: &mut (dyn FnMut(Report) + Send),
     ) -> io::Result<Run> {
-        run_subprocess(spec, cancel, on_spawn).await
+        run_subprocess(spec, cancel, report).await
     }
 }
 
 async fn run_subprocess(
     spec: Spec,
     cancel: CancellationToken,
-    on_spawn: &mut (dyn FnMut(Spawned) + Send),
+    report: &mut (dyn FnMut(Report) + Send),
 ) -> io::Result<Run> {
     let started = Instant::now();
     let Some((program, args)) = spec.argv.split_first() else {
@@ -191,7 +201,7 @@ async fn run_subprocess(
         proc_start: procs::ProcStat::read(pid).map(|s| s.start),
     };
     procs::set_current_group(spawned.pgid);
-    on_spawn(spawned);
+    report(Report::Spawned(spawned));
 
     // Feed the prompt on its own task, so a child that never reads stdin cannot block us; dropping
     // the pipe closes it.
@@ -233,10 +243,17 @@ async fn run_subprocess(
                     log.write(&out_buf[..n]);
                     stdout_tail.push(&out_buf[..n]);
                     output_tail.push(&out_buf[..n]);
-                    idle.as_mut().reset(tokio::time::Instant::now() + sup.idle_timeout);
+                    let signal = agent.as_mut().map(|stream| stream.feed(&out_buf[..n]));
+                    // An agent that only says it is reconnecting is not making progress.
+                    if signal != Some(agent::Signal::Noise) {
+                        idle.as_mut().reset(tokio::time::Instant::now() + sup.idle_timeout);
+                    }
                     if let Some(stream) = &mut agent {
-                        if stream.feed(&out_buf[..n]) == agent::Signal::Final && linger_until.is_none() {
+                        if signal == Some(agent::Signal::Final) && linger_until.is_none() {
                             linger_until = Some(tokio::time::Instant::now() + sup.final_grace);
+                        }
+                        for retry in stream.take_retries() {
+                            report(Report::Retrying(retry));
                         }
                         if budget.crossed(stream) {
                             cut = Some(Cut::Budget);

@@ -13,7 +13,8 @@ the CLI's file-writing tool to create TASK_ID.txt in the project, then, once the
 comes back, ends with loopd's JSON result; every other action answers with its JSON result at once.
 
 --fault makes every main request fail instead: 401 (bad key), 429 (with retry-after), 529
-(overloaded), 500, or hang (accept the request, never answer). Requests are appended, one JSON
+(overloaded), 500, or hang (accept the request, never answer); with --fault-for SECONDS, only
+those that arrive within that long of the first main request. Requests are appended, one JSON
 line each, to --log. The first line on stdout is the port.
 """
 
@@ -113,6 +114,12 @@ class Handler(BaseHTTPRequestHandler):
         """Answers with the configured fault; returns whether it did."""
         fault = self.server.args.fault
         if fault == "none":
+            return False
+        with self.server.log_lock:
+            if self.server.first_main is None:
+                self.server.first_main = time.monotonic()
+            elapsed = time.monotonic() - self.server.first_main
+        if self.server.args.fault_for is not None and elapsed > self.server.args.fault_for:
             return False
         if fault == "hang":
             # Hold the connection open without a byte, until the client goes away.
@@ -320,6 +327,15 @@ class Handler(BaseHTTPRequestHandler):
         self.sse(answer)
 
 
+class Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request, client_address):
+        # A client that gave up mid-answer (a CLI being stopped) is expected; anything else not.
+        if not isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError)):
+            super().handle_error(request, client_address)
+
+
 def tool_named(tools, wanted, name_of):
     """The first of `wanted` that the request offers (else the first wanted name)."""
     offered = [name_of(t) for t in tools or []]
@@ -343,14 +359,15 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--root", required=True, help="the project the agent works in")
     parser.add_argument("--log", required=True, help="where requests are logged, a JSON line each")
+    parser.add_argument("--fault-for", type=float, metavar="SECONDS", help="fault only this long")
     parser.add_argument("--bodies", action="store_true", help="log each request's body too")
     parser.add_argument("--fault", default="none", choices=["none", "401", "429", "529", "500", "hang"])
     args = parser.parse_args()
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    server.daemon_threads = True
+    server = Server(("127.0.0.1", 0), Handler)
     server.args = args
     server.log_lock = threading.Lock()
     server.stopping = threading.Event()
+    server.first_main = None
     print(server.server_address[1], flush=True)
     try:
         server.serve_forever()
