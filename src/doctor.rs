@@ -9,8 +9,8 @@ use anyhow::Result;
 
 use crate::cli::Project;
 
-/// How long `--version` may take.
-const VERSION_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long `--version` may take (gemini-cli takes about 7 s on 2 cores).
+const VERSION_TIMEOUT: Duration = Duration::from_secs(15);
 
 /// Prints the report; exit code 0 when every executor the actions use is installed and the
 /// project's files are trusted, else 1.
@@ -59,13 +59,32 @@ pub fn run(p: &Project, executor: Option<String>) -> Result<i32> {
         .map(String::len)
         .max()
         .unwrap_or(0);
-    for (name, e) in &p.config.executors {
+    // `--version` of every installed executor at once: some CLIs take seconds to answer.
+    let found: Vec<Option<PathBuf>> = p
+        .config
+        .executors
+        .values()
+        .map(|e| find_program(&e.command[0]))
+        .collect();
+    let versions = versions(found.iter().flatten());
+    let mut versions = versions.into_iter();
+    for ((name, e), path) in p.config.executors.iter().zip(&found) {
         let program = &e.command[0];
-        let line = match find_program(program) {
-            Some(path) => format!("{}  {}", path.display(), version(&path)),
+        let line = match path {
+            Some(path) => format!(
+                "{}  {}",
+                path.display(),
+                versions.next().unwrap_or_default()
+            ),
             None => format!("{program}: not found on PATH"),
         };
         let _ = writeln!(out, "  {name:<width$}  {line}");
+        let _ = writeln!(out, "  {:<width$}  runs {}", "", e.command.join(" "));
+        if path.is_some()
+            && let Some(login) = login(e)
+        {
+            let _ = writeln!(out, "  {:<width$}  login: {login}", "");
+        }
     }
 
     let _ = writeln!(out, "\nactions");
@@ -140,37 +159,121 @@ pub fn find_program(program: &str) -> Option<PathBuf> {
         .find(|p| executable(p))
 }
 
-/// The first line `PROGRAM --version` prints, within [`VERSION_TIMEOUT`].
-fn version(program: &Path) -> String {
-    let child = Command::new(program)
-        .arg("--version")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn();
-    let Ok(mut child) = child else {
-        return "(cannot run it)".into();
-    };
+/// The first line `PROGRAM --version` prints, for each program, all run at once within
+/// [`VERSION_TIMEOUT`].
+fn versions<'a>(programs: impl Iterator<Item = &'a PathBuf>) -> Vec<String> {
+    let children: Vec<_> = programs
+        .map(|program| {
+            Command::new(program)
+                .arg("--version")
+                .stdin(Stdio::null())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::null())
+                .spawn()
+        })
+        .collect();
     let deadline = Instant::now() + VERSION_TIMEOUT;
-    loop {
-        match child.try_wait() {
-            Ok(Some(_)) => break,
-            Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(10)),
-            _ => {
-                let _ = child.kill();
-                let _ = child.wait();
-                return "(no answer to --version)".into();
+    children
+        .into_iter()
+        .map(|child| {
+            let Ok(mut child) = child else {
+                return "(cannot run it)".to_owned();
+            };
+            loop {
+                match child.try_wait() {
+                    Ok(Some(_)) => break,
+                    Ok(None) if Instant::now() < deadline => {
+                        std::thread::sleep(Duration::from_millis(10));
+                    }
+                    _ => {
+                        let _ = child.kill();
+                        let _ = child.wait();
+                        return "(no answer to --version)".to_owned();
+                    }
+                }
             }
-        }
+            let output = child
+                .wait_with_output()
+                .map(|o| o.stdout)
+                .unwrap_or_default();
+            String::from_utf8_lossy(&output)
+                .lines()
+                .next()
+                .unwrap_or("")
+                .trim()
+                .to_owned()
+        })
+        .collect()
+}
+
+/// The variable that holds the key of Codex's chosen model provider (`model_provider` and its
+/// `env_key` in `CODEX_HOME/config.toml`), if it names one.
+fn codex_provider_key(codex_home: &Path) -> Option<String> {
+    let text = crate::safe_fs::read_text(&codex_home.join("config.toml")).ok()?;
+    let config: toml::Table = toml::from_str(&text).ok()?;
+    let provider = config.get("model_provider")?.as_str()?;
+    let key = config.get("model_providers")?.get(provider)?.get("env_key")?;
+    key.as_str().map(str::to_owned)
+}
+
+/// Whether an agent CLI has a login or a key, as far as loopd can tell without asking it (and
+/// without printing a secret): a key in its environment (the daemon's, then the executor's
+/// `env`), else its login file under its home. `None` for an executor that is no agent CLI.
+fn login(e: &crate::config::ExecutorConfig) -> Option<String> {
+    let program = Path::new(&e.command[0]).file_name()?.to_str()?;
+    let var = |k: &str| {
+        e.env
+            .get(k)
+            .cloned()
+            .or_else(|| std::env::var(k).ok())
+            .filter(|v| !v.is_empty())
+    };
+    let home = PathBuf::from(var("HOME").unwrap_or_default());
+    let codex_home = var("CODEX_HOME").map_or_else(|| home.join(".codex"), PathBuf::from);
+    let codex_key = codex_provider_key(&codex_home);
+    let codex_keys: Vec<&str> = codex_key
+        .as_deref()
+        .into_iter()
+        .chain(["OPENAI_API_KEY", "CODEX_API_KEY"])
+        .collect();
+    let (keys, files, how): (&[&str], Vec<PathBuf>, &str) = match program {
+        "claude" => (
+            &[
+                "ANTHROPIC_API_KEY",
+                "ANTHROPIC_AUTH_TOKEN",
+                "CLAUDE_CODE_OAUTH_TOKEN",
+            ],
+            vec![home.join(".claude/.credentials.json")],
+            "run `claude` once and /login, or set ANTHROPIC_API_KEY in [executors.claude.env]",
+        ),
+        "codex" => (
+            &codex_keys,
+            vec![codex_home.join("auth.json")],
+            "run `codex login`, or set OPENAI_API_KEY in [executors.codex.env]",
+        ),
+        "gemini" => (
+            &[
+                "GEMINI_API_KEY",
+                "GOOGLE_API_KEY",
+                "GOOGLE_GENAI_USE_VERTEXAI",
+                "GOOGLE_GENAI_USE_GCA",
+            ],
+            vec![home.join(".gemini/oauth_creds.json")],
+            "run `gemini` once to log in, or set GEMINI_API_KEY in [executors.gemini.env]",
+        ),
+        "qwen" => (
+            &["OPENAI_API_KEY", "DASHSCOPE_API_KEY"],
+            vec![home.join(".qwen/oauth_creds.json")],
+            "run `qwen` once to log in, or set OPENAI_API_KEY, OPENAI_BASE_URL and OPENAI_MODEL \
+             in [executors.qwen.env]",
+        ),
+        _ => return None,
+    };
+    if let Some(key) = keys.iter().find(|k| var(k).is_some()) {
+        return Some(format!("{key} is set"));
     }
-    let output = child
-        .wait_with_output()
-        .map(|o| o.stdout)
-        .unwrap_or_default();
-    String::from_utf8_lossy(&output)
-        .lines()
-        .next()
-        .unwrap_or("")
-        .trim()
-        .to_owned()
+    if let Some(file) = files.iter().find(|f| f.is_file()) {
+        return Some(format!("logged in ({})", file.display()));
+    }
+    Some(format!("none found: {how}"))
 }

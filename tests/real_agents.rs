@@ -562,3 +562,41 @@ fn capture_fixtures_from_the_real_clis() {
         }
     }
 }
+
+#[test]
+fn doctor_shows_each_real_cli_its_version_flags_and_login() {
+    for_each_cli(|cli, bin| {
+        for key in [true, false] {
+            let a = AgentProject::with_key(cli, bin, NO_FAULT, "", key);
+            let out = a.loopd().arg("doctor").output().unwrap();
+            let text = stdout(&out);
+            assert_eq!(code(&out), 0, "{cli}: {text}{}", stderr(&out));
+            let lines: Vec<&str> = text.lines().collect();
+            let at = lines
+                .iter()
+                .position(|l| l.trim_start().starts_with(&format!("{cli} ")))
+                .unwrap_or_else(|| panic!("{cli}: {text}"));
+            let version = match cli {
+                "claude" => "2.1.197",
+                "codex" => "0.169.0",
+                "gemini" => "0.61.0",
+                _ => "0.15.10",
+            };
+            assert!(lines[at].contains(version), "{cli}: {}", lines[at]);
+            assert!(
+                lines[at + 1].contains(&default_argv(cli)[1..].join(" ")),
+                "{text}"
+            );
+            let login = lines[at + 2];
+            if key {
+                assert!(login.contains("_API_KEY is set"), "{cli}: {login}");
+            } else {
+                assert!(login.contains("login: none found"), "{cli}: {login}");
+            }
+            assert!(
+                !text.contains("sk-scripted"),
+                "{cli}: a secret printed: {text}"
+            );
+        }
+    });
+}
