@@ -212,7 +212,10 @@ fn codex_provider_key(codex_home: &Path) -> Option<String> {
     let text = crate::safe_fs::read_text(&codex_home.join("config.toml")).ok()?;
     let config: toml::Table = toml::from_str(&text).ok()?;
     let provider = config.get("model_provider")?.as_str()?;
-    let key = config.get("model_providers")?.get(provider)?.get("env_key")?;
+    let key = config
+        .get("model_providers")?
+        .get(provider)?
+        .get("env_key")?;
     key.as_str().map(str::to_owned)
 }
 

@@ -294,6 +294,9 @@ fn each_real_cli_runs_a_whole_loop_against_its_scripted_server() {
                 >= 7,
             "{cli}: every action asked the model"
         );
+        // Only Claude Code reports a cost (from its own price list).
+        let cost = usage["cost_usd"].as_f64().unwrap_or(0.0);
+        assert_eq!(cost > 0.0, cli == "claude", "{cli}: cost {cost}");
     });
 }
 
