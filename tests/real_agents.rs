@@ -35,8 +35,8 @@ fn agents_bin() -> Option<PathBuf> {
         bin.display()
     );
     eprintln!(
-        "skipped: the agent CLIs {missing:?} are not installed in {} (run .ci/run, or npm ci in \
-         tests/agents/ with LOOPD_AGENTS_DIR pointing there)",
+        "skipped: the agent CLIs {missing:?} are not installed in {} (.ci/run installs them; \
+         by hand: README, Development, \"The real agent CLIs\")",
         bin.display()
     );
     None
