@@ -157,6 +157,17 @@ pub fn user_dir() -> Option<PathBuf> {
         .or_else(|| absolute("HOME").map(|h| h.join(".config/loopd")))
 }
 
+/// `; did you mean "X"?` for the known name closest to `name`, when one is close.
+pub fn did_you_mean(name: &str, known: &[&str]) -> String {
+    known
+        .iter()
+        .map(|k| (strsim::jaro_winkler(name, k), k))
+        .filter(|(score, _)| *score > 0.8)
+        .max_by(|a, b| a.0.total_cmp(&b.0))
+        .map(|(_, k)| format!("; did you mean {k:?}?"))
+        .unwrap_or_default()
+}
+
 fn same_file(a: &Path, b: &Path) -> bool {
     matches!((a.canonicalize(), b.canonicalize()), (Ok(a), Ok(b)) if a == b)
 }
@@ -275,6 +286,21 @@ impl Config {
                     crate::workflow::WORKFLOWS.join(", ")
                 ),
             ));
+        }
+        for name in self.actions.keys() {
+            let known: Vec<&str> = crate::workflow::all()
+                .flat_map(|w| w.actions().iter().copied())
+                .collect();
+            if !known.contains(&name.as_str()) {
+                return Err((
+                    format!("actions.{name}"),
+                    format!(
+                        "unknown action {name:?}{} (known: {})",
+                        did_you_mean(name, &known),
+                        known.join(", ")
+                    ),
+                ));
+            }
         }
         if self.max_iterations == 0 {
             return Err(("max_iterations".into(), "must be at least 1".into()));

@@ -58,7 +58,7 @@ pub fn drive(p: &Project, id: &str, executor: Option<String>, exit_on_pause: boo
             .map_err(|reason| crate::cli::UsageError(format!("--executor: {reason}")))?;
     }
     let mut daemon = build(p, workflow, executor, exit_on_pause)?;
-    crate::trust::check(&p.root, &daemon.project_files())?;
+    preflight(p, id, &daemon)?;
     daemon.restored = restored;
     let _lock = DaemonLock::acquire(&p.store, id)?;
     crate::executor::procs::become_subreaper();
@@ -188,7 +188,7 @@ impl DaemonLock {
 }
 
 /// Refuses now, where the user sees it, what a daemon would refuse at its start: a bad action
-/// file or executor, or project files that are not trusted.
+/// file or executor, project files that are not trusted, programs that are not installed.
 pub fn check_runnable(p: &Project, state: &LoopState, executor: Option<&str>) -> Result<()> {
     let daemon = build(
         p,
@@ -196,8 +196,21 @@ pub fn check_runnable(p: &Project, state: &LoopState, executor: Option<&str>) ->
         executor.map(str::to_owned),
         false,
     )?;
+    preflight(p, &state.loop_id, &daemon)
+}
+
+/// The checks before a daemon starts: the project's files are trusted, and every program the
+/// loop's actions run is there. A failure changes nothing: exit 2, one line per problem.
+fn preflight(p: &Project, id: &str, daemon: &crate::orchestrator::Daemon) -> Result<()> {
     crate::trust::check(&p.root, &daemon.project_files())?;
-    Ok(())
+    let problems = daemon.preflight();
+    if problems.is_empty() {
+        return Ok(());
+    }
+    Err(crate::cli::usage(format!(
+        "loop {id} cannot run here:\n  {}",
+        problems.join("\n  ")
+    )))
 }
 
 /// Starts a detached daemon for a loop; returns its pid once it holds the loop's daemon lock.

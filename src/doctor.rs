@@ -144,18 +144,26 @@ pub fn run(p: &Project, executor: Option<String>) -> Result<i32> {
 
 /// Where `program` is: itself if it has a slash, else the first executable on PATH.
 pub fn find_program(program: &str) -> Option<PathBuf> {
+    find_program_in(program, Path::new("."), std::env::var_os("PATH").as_deref())
+}
+
+/// Where `program` is, as a process started in `cwd` with `path` as its PATH finds it.
+pub fn find_program_in(
+    program: &str,
+    cwd: &Path,
+    path: Option<&std::ffi::OsStr>,
+) -> Option<PathBuf> {
     use std::os::unix::fs::PermissionsExt;
     let executable = |p: &Path| {
         p.metadata()
             .is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
     };
     if program.contains('/') {
-        let p = PathBuf::from(program);
+        let p = cwd.join(program);
         return executable(&p).then_some(p);
     }
-    let path = std::env::var_os("PATH")?;
-    std::env::split_paths(&path)
-        .map(|dir| dir.join(program))
+    std::env::split_paths(path?)
+        .map(|dir| cwd.join(dir).join(program))
         .find(|p| executable(p))
 }
 

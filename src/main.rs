@@ -8,15 +8,17 @@ fn main() -> ExitCode {
         Ok(cli) => cli,
         // Help and version go to stdout as clap prints them.
         Err(e) if !e.use_stderr() => e.exit(),
-        // A usage error in one line: clap's first, without its usage block.
+        // A usage error in one line: clap's, with its tip ("a similar subcommand exists"),
+        // without its usage block.
         Err(e) => {
             let text = e.to_string();
             let first: Vec<&str> = text
                 .lines()
-                .take_while(|l| !l.trim().is_empty())
+                .take_while(|l| !l.starts_with("Usage:") && !l.starts_with("For more information"))
                 .map(str::trim)
+                .filter(|l| !l.is_empty())
                 .collect();
-            let line = first.join(" ");
+            let line = first.join("; ");
             eprintln!(
                 "loopd: {} (see loopd --help)",
                 line.trim_start_matches("error: ")

@@ -152,6 +152,56 @@ impl Daemon {
         &self.plans
     }
 
+    /// What would stop the loop's actions from running at all, one line each: an executor
+    /// program that is not installed, an action command whose program is not found. An action
+    /// left to the config's default executor says so.
+    pub fn preflight(&self) -> Vec<String> {
+        let mut problems = Vec::new();
+        for action in self.workflow.actions() {
+            let Some(plan) = self.plans.get(*action) else {
+                continue;
+            };
+            let Some(program) = plan_program(plan) else {
+                continue;
+            };
+            let path = plan
+                .env
+                .iter()
+                .find(|(k, _)| k == "PATH")
+                .map(|(_, v)| v.clone())
+                .or_else(|| std::env::var_os("PATH"));
+            if crate::doctor::find_program_in(&program, &self.root, path.as_deref()).is_some() {
+                continue;
+            }
+            let what = match plan.executor.strip_prefix("command: ") {
+                Some(command) => format!(
+                    "{action}: `{program}` (of `{command}`) is not found; check [actions.{action}] command"
+                ),
+                None => {
+                    let default = self.executor_override.is_none()
+                        && self
+                            .config
+                            .actions
+                            .get(*action)
+                            .is_none_or(|a| a.executor.is_none())
+                        && self.actions[*action].front.executor.is_none();
+                    format!(
+                        "{action}: executor {} needs `{program}`, which is not installed (not on PATH){}",
+                        plan.executor,
+                        if default {
+                            "; it is the default executor: set `executor` in .loop/config.toml, \
+                             or pass --executor"
+                        } else {
+                            ""
+                        }
+                    )
+                }
+            };
+            problems.push(what);
+        }
+        problems
+    }
+
     /// The project's own files this daemon loaded, which need `loopd trust` (see [`crate::trust`]).
     pub fn project_files(&self) -> Vec<&crate::trust::ProjectFile> {
         self.config
@@ -215,6 +265,25 @@ impl Daemon {
 
 /// Resolves the executor of an action: `--executor`, else `[actions.NAME]` (its `executor`, or
 /// its own shell `command`), else the action file's front matter, else the config's `executor`.
+/// The program a plan runs, for a check that it exists: the executor's program, or the first
+/// word of an action's shell command when that is a plain program name (not a builtin, a
+/// keyword, an assignment or anything the shell must interpret first).
+fn plan_program(plan: &Plan) -> Option<String> {
+    let Some(command) = plan.executor.strip_prefix("command: ") else {
+        return plan.argv.first().cloned();
+    };
+    let word = command.split_whitespace().next()?;
+    const SHELL_OWN: &[&str] = &[
+        "cd", "exec", "if", "for", "while", "until", "case", "{", "(", "!", "[", "[[", "test",
+        "true", "false", "echo", "printf", "set", "export", "unset", ".", "source", ":", "eval",
+        "exit", "read", "command", "time", "env",
+    ];
+    let plain = word
+        .chars()
+        .all(|c| c.is_ascii_alphanumeric() || "._-+/".contains(c));
+    (plain && !SHELL_OWN.contains(&word)).then(|| word.to_owned())
+}
+
 fn plan(config: &Config, def: &ActionDef, override_: Option<&str>) -> Result<Plan> {
     let action_config = config.actions.get(&def.name);
     let shell = ExecutorConfig::default();

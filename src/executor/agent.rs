@@ -586,8 +586,8 @@ impl AgentStream {
                 AttemptOutcome::NoResult,
                 Some("the agent exited without a final message".into()),
             ),
-            // Gemini CLI: authentication; and the shell's "command not found".
-            Some(41 | 127) => (
+            // Gemini CLI: authentication; and the shell's "not executable", "command not found".
+            Some(41 | 126 | 127) => (
                 AttemptOutcome::EnvironmentError,
                 Some(because(format!("exit code {}", exit_code.unwrap_or(0)))),
             ),

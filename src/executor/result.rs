@@ -150,10 +150,11 @@ fn classify(format: Format, reported: Reported, run: &Run) -> Verdict {
     };
     let exit_failure = match (exit_code, run.status) {
         (Some(0), _) => None,
-        // The shell's "command not found": nothing the task can fix.
-        (Some(127), _) => {
+        // The shell's "not executable" and "command not found": nothing the task can fix, and
+        // never "tests failed".
+        (Some(code @ (126 | 127)), _) => {
             return Verdict::Blocked {
-                message: said("exit code 127".into()),
+                message: said(format!("exit code {code}")),
             };
         }
         (Some(code), _) => Some((O::AgentError, said(format!("exit code {code}")))),

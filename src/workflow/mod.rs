@@ -178,7 +178,7 @@ pub trait Workflow: Send + Sync {
 /// Every workflow by name.
 /// Every workflow loopd knows.
 pub fn all() -> impl Iterator<Item = &'static dyn Workflow> {
-    ["ccw-loop"].into_iter().filter_map(by_name)
+    WORKFLOWS.iter().filter_map(|name| by_name(name))
 }
 
 pub fn by_name(name: &str) -> Option<&'static dyn Workflow> {
