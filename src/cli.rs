@@ -616,9 +616,12 @@ fn status(p: &Project, id: &str, as_json: bool) -> Result<i32> {
     }
     let s = &loaded.state;
     let skill = s.skill_state.clone().unwrap_or_default();
-    let daemon = match crate::daemon::daemon_pid(&p.store, id) {
-        Some(pid) => format!("daemon pid {pid}"),
-        None => "no daemon".to_owned(),
+    let daemon_pid = crate::daemon::daemon_pid(&p.store, id);
+    let standing = standing(s, daemon_pid);
+    let daemon = match daemon_pid {
+        Some(pid) => format!(" (daemon pid {pid})"),
+        None if standing.ends_with("(no daemon)") => String::new(),
+        None => " (no daemon)".to_owned(),
     };
     let max_iter = s.max_iterations_or(p.config.max_iterations);
     let max_err = s.max_errors_or(p.config.max_errors);
@@ -628,7 +631,7 @@ fn status(p: &Project, id: &str, as_json: bool) -> Result<i32> {
         out.push_str(&format!("  {k:<10} {}\n", printable(&v)));
     };
     out.push_str(&format!("{}  {}\n", s.loop_id, printable(&s.title)));
-    row(&mut out, "status", format!("{} ({daemon})", s.status));
+    row(&mut out, "status", format!("{standing}{daemon}"));
     row(
         &mut out,
         "iteration",
@@ -734,6 +737,9 @@ fn status(p: &Project, id: &str, as_json: bool) -> Result<i32> {
         "files",
         p.store.progress_dir(id).display().to_string(),
     );
+    if let Some(next) = next_step(s, daemon_pid) {
+        row(&mut out, "next", next);
+    }
     crate::out!("{out}")?;
     Ok(0)
 }
@@ -750,14 +756,23 @@ fn bar(n: u64, max: u64) -> String {
 
 fn list(p: &Project, as_json: bool) -> Result<i32> {
     let ids = p.store.list_ids()?;
+    if ids.is_empty() && !as_json {
+        eprintln!("no loops in {}", p.store.dir().display());
+        return Ok(0);
+    }
     let mut rows = Vec::new();
+    let mut table = vec![[
+        "LOOP".to_owned(),
+        "STATUS".to_owned(),
+        "ITER".to_owned(),
+        "TASKS".to_owned(),
+        "ACTION".to_owned(),
+        "TITLE".to_owned(),
+    ]];
     for id in &ids {
         match p.store.load(id) {
+            Ok(loaded) if as_json => rows.push(Value::Object(loaded.raw)),
             Ok(loaded) => {
-                if as_json {
-                    rows.push(Value::Object(loaded.raw));
-                    continue;
-                }
                 let s = loaded.state;
                 let skill = s.skill_state.clone().unwrap_or_default();
                 let done = skill
@@ -766,38 +781,117 @@ fn list(p: &Project, as_json: bool) -> Result<i32> {
                     .iter()
                     .filter(|t| t.status == TaskStatus::Completed)
                     .count();
-                crate::outln!(
-                    "{:<34} {:<10} {:>7} {:>7}  {}",
-                    s.loop_id,
-                    s.status.as_str(),
+                let daemon = crate::daemon::daemon_pid(&p.store, id);
+                let action = skill.in_flight.as_ref().map_or_else(String::new, |f| {
+                    let age = crate::state::model::parse_ts(&f.started_at)
+                        .map(|t| format!(" {}", age(chrono::Utc::now() - t)))
+                        .unwrap_or_default();
+                    format!("{}{age}", f.action)
+                });
+                table.push([
+                    s.loop_id.clone(),
+                    standing(&s, daemon),
                     format!(
                         "{}/{}",
                         s.current_iteration,
                         s.max_iterations_or(p.config.max_iterations)
                     ),
                     format!("{done}/{}", skill.develop.tasks.len()),
-                    printable(&s.title)
-                )?;
+                    action,
+                    s.title.clone(),
+                ]);
             }
-            Err(e) => {
-                if as_json {
-                    rows.push(json!({"loop_id": id, "error": e.to_string()}));
-                } else {
-                    crate::outln!(
-                        "{id:<34} {:<10} {}",
-                        "unreadable",
-                        printable(&e.to_string())
-                    )?;
-                }
-            }
+            Err(e) if as_json => rows.push(json!({"loop_id": id, "error": e.to_string()})),
+            Err(e) => table.push([
+                id.clone(),
+                "unreadable".to_owned(),
+                String::new(),
+                String::new(),
+                String::new(),
+                e.to_string(),
+            ]),
         }
     }
     if as_json {
         crate::outln!("{}", serde_json::to_string_pretty(&rows)?)?;
-    } else if ids.is_empty() {
-        eprintln!("no loops in {}", p.store.dir().display());
+        return Ok(0);
+    }
+    // Columns as wide as their widest cell; the title (last) as it is.
+    let cells: Vec<[String; 6]> = table
+        .into_iter()
+        .map(|row| row.map(|c| printable(&c).into_owned()))
+        .collect();
+    let widths: Vec<usize> = (0..5)
+        .map(|i| {
+            cells
+                .iter()
+                .map(|r| r[i].chars().count())
+                .max()
+                .unwrap_or(0)
+        })
+        .collect();
+    for row in &cells {
+        let mut line = String::new();
+        for (cell, width) in row.iter().zip(&widths) {
+            line.push_str(&format!("{cell:<width$}  "));
+        }
+        line.push_str(&row[5]);
+        crate::outln!("{}", line.trim_end())?;
     }
     Ok(0)
+}
+
+/// What to do next with a loop, when there is something to do.
+fn next_step(s: &LoopState, daemon: Option<u32>) -> Option<String> {
+    let id = &s.loop_id;
+    let skill = s.skill_state.as_ref();
+    Some(match &s.status {
+        Status::Created => format!("`loopd start {id}` (or `loopd run {id}` in this terminal)"),
+        Status::Running if daemon.is_none() => {
+            format!("nothing drives it: `loopd start {id}` picks it up where it was")
+        }
+        Status::Running => match skill.and_then(|k| k.awaiting_choice.as_ref()) {
+            Some(_) => format!("choose with `loopd next {id} ACTION`"),
+            None => format!("watch it with `loopd logs {id} --follow`"),
+        },
+        Status::Paused if skill.is_some_and(|k| k.blocked.is_some()) => {
+            format!("fix what blocks it, then `loopd resume {id}`")
+        }
+        Status::Paused | Status::UserExit => format!("`loopd resume {id}`"),
+        Status::Failed => format!("`loopd resume {id}` runs it again"),
+        Status::Completed | Status::Other(_) => return None,
+    })
+}
+
+/// How a loop stands, in a few words: its status, what ended it, whether anything drives it.
+pub fn standing(s: &LoopState, daemon: Option<u32>) -> String {
+    let skill = s.skill_state.as_ref();
+    let outcome = skill.and_then(|k| k.outcome.as_deref());
+    match &s.status {
+        Status::Running if daemon.is_none() => "running (no daemon)".to_owned(),
+        Status::Paused if skill.is_some_and(|k| k.blocked.is_some()) => "blocked".to_owned(),
+        Status::Completed => match outcome {
+            Some("iteration_limit") => "iteration limit".to_owned(),
+            Some("incomplete") => "incomplete".to_owned(),
+            _ => "passed".to_owned(),
+        },
+        Status::Failed if outcome == Some("failed") => format!(
+            "failed: {}",
+            s.failure_reason.as_deref().unwrap_or("no reason given")
+        ),
+        Status::Failed | Status::UserExit => "stopped".to_owned(),
+        other => other.as_str().to_owned(),
+    }
+}
+
+/// A duration as people read it: `42s`, `3m05s`, `2h10m`.
+fn age(d: chrono::TimeDelta) -> String {
+    let secs = d.num_seconds().max(0);
+    match secs {
+        0..60 => format!("{secs}s"),
+        60..3600 => format!("{}m{:02}s", secs / 60, secs % 60),
+        _ => format!("{}h{:02}m", secs / 3600, secs % 3600 / 60),
+    }
 }
 
 fn logs(p: &Project, id: &str, follow: bool, as_json: bool) -> Result<i32> {

@@ -104,3 +104,86 @@ fn a_mistyped_command_gets_a_suggestion_in_one_line() {
     assert_eq!(err.trim().lines().count(), 1, "{err}");
     assert!(err.contains("'status'"), "{err}");
 }
+
+#[test]
+fn list_has_a_header_and_tells_the_ways_loops_end_and_status_the_next_step() {
+    let p = Project::new(&format!(
+        "if [ \"$LOOPD_ACTION\" = develop ] && grep -q HANGS-HERE \"$LOOPD_STATE_FILE\"; then\n\
+           touch waiting; while [ ! -f go ]; do sleep 0.05; done\n\
+         fi\n{GOOD_AGENT}"
+    ));
+    let passed = p.create(&["--title", "passes"]);
+    assert_eq!(code(&p.run(&passed, &[])), 0);
+    let limited = p.create(&["--title", "limited", "--max-iterations", "1"]);
+    assert_eq!(code(&p.run(&limited, &[])), 3);
+    let stopped = p.create(&["--title", "stopped"]);
+    assert_eq!(code(&p.output(&["stop", &stopped])), 0);
+    let fresh = p.create(&["--title", "fresh"]);
+    // A loop whose daemon was killed in the middle of a develop.
+    let orphan = p.create(&["--title", "HANGS-HERE"]);
+    let out = p.output(&["start", &orphan]);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    let pid: u32 = stdout(&out).trim().parse().unwrap();
+    wait_for("the develop to start", || p.root.join("waiting").exists());
+    let listing = stdout(&p.output(&["list"]));
+    let row = |id: &str| {
+        listing
+            .lines()
+            .find(|l| l.starts_with(id))
+            .unwrap_or_else(|| panic!("{id}: {listing}"))
+            .to_owned()
+    };
+    assert!(
+        listing.lines().next().unwrap().starts_with("LOOP"),
+        "{listing}"
+    );
+    assert!(
+        row(&orphan).contains("develop "),
+        "the action in flight: {listing}"
+    );
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid as i32),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    wait_for("the daemon to die", || !alive(pid));
+    // The kernel lets go of the dead daemon's lock a moment after the process is gone.
+    wait_for("the loop to show no daemon", || {
+        stdout(&p.output(&["list"])).contains("running (no daemon)")
+    });
+    let listing = stdout(&p.output(&["list"]));
+    let row = |id: &str| {
+        listing
+            .lines()
+            .find(|l| l.starts_with(id))
+            .unwrap_or_else(|| panic!("{id}: {listing}"))
+            .to_owned()
+    };
+    assert!(row(&passed).contains("passed"), "{listing}");
+    assert!(row(&limited).contains("iteration limit"), "{listing}");
+    assert!(row(&stopped).contains("stopped"), "{listing}");
+    assert!(row(&fresh).contains("created"), "{listing}");
+    assert!(row(&orphan).contains("running (no daemon)"), "{listing}");
+
+    let next = |id: &str| {
+        let status = stdout(&p.output(&["status", id]));
+        status
+            .lines()
+            .find(|l| l.trim_start().starts_with("next"))
+            .map(str::to_owned)
+    };
+    assert!(
+        next(&fresh)
+            .unwrap()
+            .contains(&format!("`loopd start {fresh}`"))
+    );
+    assert!(next(&orphan).unwrap().contains("nothing drives it"));
+    assert!(
+        next(&stopped)
+            .unwrap()
+            .contains(&format!("`loopd resume {stopped}`"))
+    );
+    assert_eq!(next(&passed), None, "nothing to do for a passed loop");
+    // The killed daemon's executor is still waiting: let it end.
+    std::fs::write(p.root.join("go"), "").unwrap();
+}
