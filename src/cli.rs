@@ -127,6 +127,17 @@ pub enum Command {
     Stop { id: String },
     /// Choose the next action of a loop waiting in interactive mode
     Next { id: String, action: String },
+    /// Run a failed or stopped loop again: its error count reset, its failed tasks pending
+    Retry { id: String },
+    /// Change a loop's limits and budgets (a running daemon takes them at its next step)
+    Set {
+        id: String,
+        #[command(flatten)]
+        limits: crate::recovery::Limits,
+    },
+    /// Add to a loop's tasks
+    #[command(subcommand)]
+    Task(TaskCommand),
     /// Show one loop
     Status {
         id: String,
@@ -172,6 +183,16 @@ pub enum Command {
     /// The demo's scripted executor (used by `demo`)
     #[command(hide = true)]
     DemoAgent,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum TaskCommand {
+    /// Append a develop task; prints its id
+    Add {
+        id: String,
+        /// What the task is, for the agent that will do it
+        text: String,
+    },
 }
 
 /// The project root: `--root`, `$LOOPD_ROOT`, the git top level, or the working directory.
@@ -265,6 +286,11 @@ pub fn run(cli: Cli) -> Result<i32> {
         Command::Resume { id } => control(&project()?, &id, Control::Resume),
         Command::Stop { id } => control(&project()?, &id, Control::Stop),
         Command::Next { id, action } => next(&project()?, &id, &action),
+        Command::Retry { id } => crate::recovery::retry(&project()?, &id),
+        Command::Set { id, limits } => crate::recovery::set(&project()?, &id, &limits),
+        Command::Task(TaskCommand::Add { id, text }) => {
+            crate::recovery::task_add(&project()?, &id, &text)
+        }
         Command::Status { id, json } => status(&project()?, &id, json),
         Command::List { json } => list(&project()?, json),
         Command::Logs { id, follow, json } => logs(&project()?, &id, follow, json),
@@ -483,8 +509,43 @@ fn control(p: &Project, id: &str, what: Control) -> Result<i32> {
         eprintln!("loop {id} is already {status}");
         return Ok(0);
     }
-    if !resumable(&status) || (matches!(what, Control::Resume) && status == Status::Completed) {
-        return Err(usage(format!("cannot {verb} loop {id}: it is {status}")));
+    // A loop completed without meeting its goal goes on once there is room: a raised
+    // iteration limit, or tasks added to one that had nothing left to try.
+    let outcome = state
+        .skill_state
+        .as_ref()
+        .and_then(|s| s.outcome.as_deref());
+    let room = match outcome {
+        Some("iteration_limit") => {
+            state.current_iteration < state.max_iterations_or(p.config.max_iterations)
+        }
+        Some("incomplete") => true,
+        _ => false,
+    };
+    let goes_on = matches!(what, Control::Resume) && status == Status::Completed && room;
+    if !goes_on
+        && (!resumable(&status) || (matches!(what, Control::Resume) && status == Status::Completed))
+    {
+        let hint = match (&what, outcome) {
+            (Control::Resume, Some("iteration_limit")) => format!(
+                "; to go on, raise its limit with `loopd set {id} --max-iterations N`, then resume"
+            ),
+            _ => String::new(),
+        };
+        return Err(usage(format!(
+            "cannot {verb} loop {id}: it is {}{hint}",
+            standing(&state, None)
+        )));
+    }
+    // A loop the daemon failed at its error limit would fail again at once.
+    let errors = state.skill_state.as_ref().map_or(0, |s| s.error_count);
+    let max_errors = state.max_errors_or(p.config.max_errors);
+    if matches!(what, Control::Resume) && status == Status::Failed && errors >= max_errors {
+        return Err(usage(format!(
+            "cannot resume loop {id}: it failed at its error limit ({errors} of {max_errors}) and \
+             would fail again at once; `loopd retry {id}` resets the count, or raise the limit \
+             with `loopd set {id} --max-errors N`"
+        )));
     }
     let executor = state.skill_state.as_ref().and_then(|s| s.executor.clone());
     let start_daemon =

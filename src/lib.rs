@@ -15,6 +15,7 @@ pub mod events;
 pub mod executor;
 pub mod orchestrator;
 pub mod protocol;
+pub mod recovery;
 pub mod safe_fs;
 pub mod state;
 pub mod trust;

@@ -187,3 +187,105 @@ fn list_has_a_header_and_tells_the_ways_loops_end_and_status_the_next_step() {
     // The killed daemon's executor is still waiting: let it end.
     std::fs::write(p.root.join("go"), "").unwrap();
 }
+
+#[test]
+fn a_loop_failed_at_its_error_limit_is_recovered_with_retry() {
+    // Develop fails until the problem is fixed (the file `fixed`).
+    let p = Project::new(&format!(
+        "if [ \"$LOOPD_ACTION\" = develop ] && [ ! -f fixed ]; then cat > /dev/null; \
+         echo '{{\"status\":\"failed\",\"summary\":\"no compiler\"}}' > \"$LOOPD_RESULT_FILE\"; exit 0; fi\n{GOOD_AGENT}"
+    ));
+    let id = p.create(&["--title", "t", "--max-errors", "1"]);
+    assert_eq!(code(&p.run(&id, &[])), 4);
+    // Resume alone would fail again at once: refused, with the ways out.
+    let out = p.output(&["resume", &id]);
+    let err = stderr(&out);
+    assert_eq!(code(&out), 2, "{err}");
+    assert!(err.contains(&format!("`loopd retry {id}`")), "{err}");
+    assert!(err.contains("--max-errors"), "{err}");
+    assert_eq!(p.state(&id)["status"], "failed");
+    assert_eq!(
+        p.state(&id)["skill_state"]["develop"]["tasks"][0]["status"],
+        "failed"
+    );
+    // Retry is refused where it makes no sense.
+    let fresh = p.create(&["--title", "fresh"]);
+    let out = p.output(&["retry", &fresh]);
+    assert_eq!(code(&out), 2);
+    assert!(
+        stderr(&out).contains("retry is for a failed or stopped loop"),
+        "{}",
+        stderr(&out)
+    );
+
+    std::fs::write(p.root.join("fixed"), "").unwrap();
+    let out = p.output(&["retry", &id]);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("1 failed task(s) pending again"),
+        "{}",
+        stderr(&out)
+    );
+    let pid: u32 = stdout(&out).trim().parse().unwrap();
+    wait_for("the retried loop to complete", || {
+        p.state(&id)["status"] == "completed"
+    });
+    wait_for("its daemon to exit", || !alive(pid));
+    let state = p.state(&id);
+    assert_eq!(state["skill_state"]["outcome"], "passed");
+    assert_eq!(state["skill_state"]["error_count"], 0);
+}
+
+#[test]
+fn set_raises_a_limit_and_task_add_gives_a_loop_more_work() {
+    let p = Project::new(GOOD_AGENT);
+    let id = p.create(&["--title", "t", "--max-iterations", "1"]);
+    assert_eq!(code(&p.run(&id, &[])), 3);
+    let out = p.output(&["resume", &id]);
+    assert_eq!(code(&out), 2);
+    assert!(
+        stderr(&out).contains(&format!("loopd set {id} --max-iterations N")),
+        "{}",
+        stderr(&out)
+    );
+    for bad in [vec!["set", &id], vec!["set", &id, "--max-errors", "0"]] {
+        let out = p.output(&bad);
+        assert_eq!(code(&out), 2, "{bad:?}: {}", stderr(&out));
+        assert_eq!(stderr(&out).trim().lines().count(), 1, "{}", stderr(&out));
+    }
+    let out = p.output(&[
+        "set",
+        &id,
+        "--max-iterations",
+        "10",
+        "--max-cost-usd",
+        "2.5",
+    ]);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    let state = p.state(&id);
+    assert_eq!(state["max_iterations"], 10);
+    assert_eq!(state["max_cost_usd"], 2.5);
+    // One more task before going on: the loop develops it too.
+    let out = p.output(&["task", "add", &id, "write the docs"]);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    assert_eq!(stdout(&out).trim(), "task-003");
+    let out = p.output(&["resume", &id]);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    wait_for("the loop to complete", || {
+        let s = p.state(&id);
+        s["status"] == "completed" && s["skill_state"]["outcome"] == "passed"
+    });
+    let tasks = &p.state(&id)["skill_state"]["develop"]["tasks"];
+    let added = tasks
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|t| t["id"] == "task-003")
+        .expect("the added task joined");
+    assert_eq!(added["status"], "completed");
+    assert_eq!(added["description"], "write the docs");
+    // A passed loop takes no more tasks.
+    let out = p.output(&["task", "add", &id, "more"]);
+    assert_eq!(code(&out), 2);
+    assert!(stderr(&out).contains("would never run"), "{}", stderr(&out));
+}

@@ -1,0 +1,190 @@
+//! Ways back for a loop that stopped short: `retry` (a failed loop, its error count and failed
+//! tasks reset), `set` (its limits and budgets), `task add` (one more task).
+//!
+//! Each writes the state file as `pause` does: read-modify-write under the loop's lock, only the
+//! fields it means to change, refused with one line where it makes no sense.
+
+use anyhow::Result;
+use serde_json::{Value, json};
+
+use crate::cli::{Project, standing, usage};
+use crate::state::model::{MAX_DESCRIPTION, Status, now_rfc3339};
+
+/// What `set` may change; `None` leaves a field as it is.
+#[derive(Debug, Default, clap::Args)]
+pub struct Limits {
+    /// Complete the loop after this many develop/debug/validate actions
+    #[arg(long, value_name = "N")]
+    pub max_iterations: Option<u64>,
+    /// Fail the loop after this many failed actions
+    #[arg(long, value_name = "N")]
+    pub max_errors: Option<u64>,
+    /// Fail the loop once its agents have cost this many dollars
+    #[arg(long, value_name = "USD")]
+    pub max_cost_usd: Option<f64>,
+    /// Fail the loop once its agents have used this many tokens
+    #[arg(long, value_name = "N")]
+    pub max_tokens: Option<u64>,
+}
+
+/// `loopd retry ID`: a failed or stopped loop goes on, with its error count at 0 and its failed
+/// tasks pending again; a daemon is started for it.
+pub fn retry(p: &Project, id: &str) -> Result<i32> {
+    let state = p.load(id)?;
+    if let Some(pid) = crate::daemon::daemon_pid(&p.store, id) {
+        return Err(usage(format!(
+            "loop {id} is driven by a daemon (pid {pid}); retry is for a loop that has ended"
+        )));
+    }
+    if !matches!(state.status, Status::Failed | Status::UserExit) {
+        return Err(usage(format!(
+            "cannot retry loop {id}: it is {}; retry is for a failed or stopped loop",
+            standing(&state, None)
+        )));
+    }
+    let executor = state.skill_state.as_ref().and_then(|s| s.executor.clone());
+    crate::daemon::check_runnable(p, &state, executor.as_deref())?;
+    let mut reset_tasks = 0;
+    let mut moved_on = None;
+    p.store.update(id, true, |raw, current| {
+        reset_tasks = 0;
+        moved_on = None;
+        if !matches!(current.status, Status::Failed | Status::UserExit) {
+            moved_on = Some(current.status.clone());
+            return;
+        }
+        raw.insert("status".into(), json!(Status::Running.as_str()));
+        raw.remove("failure_reason");
+        raw.remove("completed_at");
+        if let Some(Value::Object(skill)) = raw.get_mut("skill_state") {
+            skill.insert("error_count".into(), json!(0));
+            skill.remove("outcome");
+            let tasks = skill
+                .get_mut("develop")
+                .and_then(|d| d.get_mut("tasks"))
+                .and_then(Value::as_array_mut);
+            for task in tasks.into_iter().flatten() {
+                if task.get("status") == Some(&json!("failed")) {
+                    task["status"] = json!("pending");
+                    reset_tasks += 1;
+                }
+            }
+        }
+    })?;
+    if let Some(now) = moved_on {
+        return Err(usage(format!(
+            "cannot retry loop {id}: it became {now} meanwhile"
+        )));
+    }
+    eprintln!(
+        "loop {id}: {} → running; error count reset, {reset_tasks} failed task(s) pending again",
+        state.status
+    );
+    let pid = crate::daemon::start(p, id, executor.as_deref())?;
+    eprintln!("started daemon pid {pid}");
+    crate::outln!("{pid}")?;
+    Ok(0)
+}
+
+/// `loopd set ID --max-iterations N ...`: changes a loop's limits and budgets. A daemon driving
+/// the loop takes them at its next selection.
+pub fn set(p: &Project, id: &str, limits: &Limits) -> Result<i32> {
+    let state = p.load(id)?;
+    let mut changes: Vec<(&str, Value)> = Vec::new();
+    for (key, value) in [
+        ("max_iterations", limits.max_iterations),
+        ("max_errors", limits.max_errors),
+        ("max_tokens", limits.max_tokens),
+    ] {
+        match value {
+            Some(0) => return Err(usage(format!("--{}: must be at least 1", flag(key)))),
+            Some(n) => changes.push((key, json!(n))),
+            None => {}
+        }
+    }
+    if let Some(usd) = limits.max_cost_usd {
+        if !(usd.is_finite() && usd > 0.0) {
+            return Err(usage(
+                "--max-cost-usd: must be a positive number of dollars",
+            ));
+        }
+        changes.push(("max_cost_usd", json!(usd)));
+    }
+    if changes.is_empty() {
+        return Err(usage(
+            "nothing to set: give --max-iterations, --max-errors, --max-cost-usd or --max-tokens",
+        ));
+    }
+    p.store.update(id, true, |raw, _| {
+        for (key, value) in &changes {
+            raw.insert((*key).to_owned(), value.clone());
+        }
+    })?;
+    let said: Vec<String> = changes.iter().map(|(k, v)| format!("{k} = {v}")).collect();
+    eprintln!(
+        "loop {id} ({}): {}",
+        standing(&state, None),
+        said.join(", ")
+    );
+    Ok(0)
+}
+
+/// `--max-iterations` for `max_iterations`.
+fn flag(key: &str) -> String {
+    key.replace('_', "-")
+}
+
+/// `loopd task add ID TEXT`: appends a task to the loop's task list, where a daemon driving the
+/// loop picks it up before its next selection (event `tasks_added`); prints the task's id.
+pub fn task_add(p: &Project, id: &str, text: &str) -> Result<i32> {
+    let state = p.load(id)?;
+    // A loop that met its goal is done; one that stopped short can be resumed with more work.
+    let passed = state.status == Status::Completed
+        && !matches!(
+            state
+                .skill_state
+                .as_ref()
+                .and_then(|s| s.outcome.as_deref()),
+            Some("iteration_limit" | "incomplete")
+        );
+    if passed {
+        return Err(usage(format!(
+            "loop {id} has met its goal; a new task would never run (create a new loop)"
+        )));
+    }
+    let text = text.trim();
+    if text.is_empty() {
+        return Err(usage("the task's text is empty"));
+    }
+    if text.len() > MAX_DESCRIPTION {
+        return Err(usage(format!(
+            "the task is {} bytes, over the limit of {MAX_DESCRIPTION}",
+            text.len()
+        )));
+    }
+    // A number no task of the loop or its task list has had yet.
+    let (listed, _) = p.store.read_tasks(id)?;
+    let known = state
+        .skill_state
+        .iter()
+        .flat_map(|s| s.develop.tasks.iter())
+        .chain(listed.iter());
+    let next = known
+        .filter_map(|t| t.id.strip_prefix("task-")?.parse::<u64>().ok())
+        .max()
+        .unwrap_or(0)
+        + 1;
+    let task_id = format!("task-{next:03}");
+    p.store.append_tasks(
+        id,
+        &[json!({
+            "task_id": task_id,
+            "description": text,
+            "order": listed.len() + 1,
+            "status": "pending",
+            "created_at": now_rfc3339(),
+        })],
+    )?;
+    crate::outln!("{task_id}")?;
+    Ok(0)
+}
