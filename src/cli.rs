@@ -153,12 +153,19 @@ pub enum Command {
     /// Show a loop's events
     Logs {
         id: String,
-        /// Keep printing new events until the loop ends
+        /// Keep printing new events, and the output of the action in flight, until the loop ends
+        /// (waiting for a loop that has not started yet)
         #[arg(long, short)]
         follow: bool,
         /// Raw NDJSON
         #[arg(long)]
         json: bool,
+        /// With --follow, events only: not the output of the action in flight
+        #[arg(long)]
+        events_only: bool,
+        /// Times in UTC, not the local time
+        #[arg(long)]
+        utc: bool,
     },
     /// Show which agent CLIs are installed, whether the config and action files load, and what a
     /// loop would run for each action; exit 1 if an executor the actions use is missing
@@ -293,7 +300,26 @@ pub fn run(cli: Cli) -> Result<i32> {
         }
         Command::Status { id, json } => status(&project()?, &id, json),
         Command::List { json } => list(&project()?, json),
-        Command::Logs { id, follow, json } => logs(&project()?, &id, follow, json),
+        Command::Logs {
+            id,
+            follow,
+            json,
+            events_only,
+            utc,
+        } => {
+            let clock = if utc {
+                crate::events::Clock::Utc
+            } else {
+                crate::events::Clock::Local
+            };
+            let shown = LogsShown {
+                follow,
+                as_json: json,
+                output: follow && !events_only && !json,
+                clock,
+            };
+            logs(&project()?, &id, &shown)
+        }
         Command::Doctor { executor } => crate::doctor::run(&project()?, executor),
         Command::Trust { revoke } => trust(&project()?, revoke),
         Command::Demo => crate::demo::run(),
@@ -955,23 +981,117 @@ fn age(d: chrono::TimeDelta) -> String {
     }
 }
 
-fn logs(p: &Project, id: &str, follow: bool, as_json: bool) -> Result<i32> {
+/// What `logs` shows, and how.
+pub struct LogsShown {
+    pub follow: bool,
+    pub as_json: bool,
+    /// The output of the action in flight, as it is written.
+    pub output: bool,
+    pub clock: crate::events::Clock,
+}
+
+/// How long the action in flight may be silent before `logs --follow` says it still runs.
+const QUIET: Duration = Duration::from_secs(10);
+
+fn logs(p: &Project, id: &str, shown: &LogsShown) -> Result<i32> {
+    use anstyle::{AnsiColor, Style};
+    use std::io::Write as _;
     p.load(id)?;
+    // Colour only on a terminal, and never with NO_COLOR (anstream decides).
+    let mut out = anstream::stdout();
+    let dim = Style::new().dimmed();
     let mut tail = crate::events::EventTail::new(&p.store, id);
+    // The attempt in flight: its output, what it is, when it started and last spoke.
+    let mut attempt: Option<(crate::events::OutputTail, String, std::time::Instant)> = None;
+    let mut last_spoke = std::time::Instant::now();
     let mut idle_polls = 0;
     loop {
         for line in tail.read_lines()? {
-            match serde_json::from_str::<Value>(&line) {
-                Ok(_) if as_json => crate::outln!("{line}")?,
-                Ok(event) => crate::outln!("{}", render(&event))?,
-                Err(_) => crate::outln!("(unreadable event) {}", printable(&line))?,
+            let event = match serde_json::from_str::<Value>(&line) {
+                Ok(_) if shown.as_json => {
+                    writeln!(out, "{line}")?;
+                    continue;
+                }
+                Ok(event) => event,
+                Err(_) => {
+                    writeln!(out, "(unreadable event) {}", printable(&line))?;
+                    continue;
+                }
+            };
+            let kind = event["event"].as_str().unwrap_or("");
+            let ends_attempt = matches!(
+                kind,
+                crate::events::name::ACTION_FINISHED
+                    | crate::events::name::ACTION_FAILED
+                    | crate::events::name::ACTION_INTERRUPTED
+            );
+            if ends_attempt && let Some((mut output, ..)) = attempt.take() {
+                for l in output.read_lines(true) {
+                    writeln!(out, "{dim}  │ {}{dim:#}", printable(&l))?;
+                }
+            }
+            let colour = match kind {
+                crate::events::name::ACTION_FAILED | crate::events::name::FAILED => {
+                    Some(AnsiColor::Red)
+                }
+                crate::events::name::ACTION_FINISHED | crate::events::name::COMPLETED => {
+                    Some(AnsiColor::Green)
+                }
+                crate::events::name::WARNING
+                | crate::events::name::BLOCKED
+                | crate::events::name::RATE_LIMITED
+                | crate::events::name::AGENT_RETRYING => Some(AnsiColor::Yellow),
+                _ => None,
+            };
+            let style = Style::new().fg_color(colour.map(Into::into));
+            writeln!(out, "{style}{}{style:#}", render(&event, shown.clock))?;
+            if shown.output
+                && kind == crate::events::name::ACTION_STARTED
+                && let Some(log) = event["log"].as_str()
+            {
+                let what = [event["action"].as_str(), event["task_id"].as_str()]
+                    .into_iter()
+                    .flatten()
+                    .collect::<Vec<_>>()
+                    .join(" ");
+                let output = crate::events::OutputTail::new(&p.store, id, log);
+                attempt = Some((output, what, std::time::Instant::now()));
+                last_spoke = std::time::Instant::now();
             }
         }
-        if !follow {
+        if let Some((output, what, started)) = &mut attempt {
+            let lines = output.read_lines(false);
+            if !lines.is_empty() {
+                last_spoke = std::time::Instant::now();
+            }
+            for l in lines {
+                writeln!(out, "{dim}  │ {}{dim:#}", printable(&l))?;
+            }
+            if last_spoke.elapsed() >= QUIET {
+                last_spoke = std::time::Instant::now();
+                let secs = started.elapsed().as_secs();
+                writeln!(
+                    out,
+                    "{dim}  … {what} running for {}{dim:#}",
+                    age(chrono::TimeDelta::seconds(secs as i64))
+                )?;
+            }
+        }
+        out.flush()?;
+        if !shown.follow {
             return Ok(0);
         }
-        // Done once no daemon drives the loop (twice in a row: a daemon may be starting).
-        idle_polls = if finished(p, id) { idle_polls + 1 } else { 0 };
+        // Done once no daemon drives the loop (twice in a row: a daemon may be starting), unless
+        // it has not started yet: then it is waited for.
+        let not_started = p
+            .store
+            .read_control(id)
+            .is_some_and(|c| c.status == Status::Created);
+        idle_polls = if finished(p, id) && !not_started {
+            idle_polls + 1
+        } else {
+            0
+        };
         if idle_polls >= 2 {
             return Ok(0);
         }

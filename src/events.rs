@@ -170,9 +170,9 @@ impl EventLog {
         let value = Value::Object(line);
         let is_warning = value["event"] == name::WARNING;
         if is_warning {
-            tracing::warn!("{}", render(&value));
+            tracing::warn!("{}", render(&value, Clock::Local));
         } else {
-            tracing::info!("{}", render(&value));
+            tracing::info!("{}", render(&value, Clock::Local));
         }
         let mut text = value.to_string();
         text.push('\n');
@@ -294,6 +294,63 @@ impl EventTail {
     }
 }
 
+/// The output of one attempt (its log in `actions/`), read as it is written, line by line.
+pub struct OutputTail {
+    store: Store,
+    id: String,
+    name: String,
+    file: Option<File>,
+    pending: Vec<u8>,
+}
+
+/// The longest output line shown whole.
+const MAX_SHOWN_LINE: usize = 1000;
+
+impl OutputTail {
+    /// The attempt whose log is `log` (a path in the loop's `actions/`).
+    pub fn new(store: &Store, id: &str, log: &str) -> OutputTail {
+        OutputTail {
+            store: store.clone(),
+            id: id.to_owned(),
+            name: std::path::Path::new(log)
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default(),
+            file: None,
+            pending: Vec::new(),
+        }
+    }
+
+    /// The complete lines written since the last call, and with `to_end` the last one too.
+    pub fn read_lines(&mut self, to_end: bool) -> Vec<String> {
+        if self.file.is_none() {
+            self.file = self
+                .store
+                .existing_progress(&self.id)
+                .ok()
+                .flatten()
+                .and_then(|d| d.subdir("actions", false).ok())
+                .and_then(|d| d.open_read(&self.name).ok());
+        }
+        if let Some(file) = &mut self.file {
+            let _ = io::Read::read_to_end(file, &mut self.pending);
+        }
+        let cut = match self.pending.iter().rposition(|b| *b == b'\n') {
+            _ if to_end => self.pending.len(),
+            Some(nl) => nl + 1,
+            None => return Vec::new(),
+        };
+        let complete: Vec<u8> = self.pending.drain(..cut).collect();
+        String::from_utf8_lossy(&complete)
+            .lines()
+            .map(|l| match l.char_indices().nth(MAX_SHOWN_LINE) {
+                Some((at, _)) => format!("{}…", &l[..at]),
+                None => l.to_owned(),
+            })
+            .collect()
+    }
+}
+
 /// Text from executors and state files made safe to show on a terminal: every control character
 /// (escape sequences, carriage returns, newlines, C1 controls) is shown escaped, as `\u{1b}`.
 pub fn printable(text: &str) -> std::borrow::Cow<'_, str> {
@@ -311,10 +368,36 @@ pub fn printable(text: &str) -> std::borrow::Cow<'_, str> {
     shown.into()
 }
 
-/// One event for people: `HH:MM:SS.mmm  #iter  action  what  details`.
-pub fn render(event: &Value) -> String {
+/// How times are shown to people.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Clock {
+    /// The machine's local time with its offset: `2026-11-23 12:52:08.123 +01:00`.
+    #[default]
+    Local,
+    /// UTC: `2026-11-23 11:52:08.123Z`.
+    Utc,
+}
+
+impl Clock {
+    /// An RFC 3339 timestamp as this clock shows it (as it was, if it does not parse).
+    pub fn show(self, ts: &str) -> String {
+        let Some(t) = crate::state::model::parse_ts(ts) else {
+            return ts.to_owned();
+        };
+        match self {
+            Clock::Local => t
+                .with_timezone(&chrono::Local)
+                .format("%Y-%m-%d %H:%M:%S%.3f %:z")
+                .to_string(),
+            Clock::Utc => t.format("%Y-%m-%d %H:%M:%S%.3fZ").to_string(),
+        }
+    }
+}
+
+/// One event for people: `DATE TIME ZONE  #iter  action  what  details`.
+pub fn render(event: &Value, clock: Clock) -> String {
     let s = |k: &str| event.get(k).and_then(Value::as_str).unwrap_or("");
-    let time = s("ts").get(11..23).unwrap_or(s("ts"));
+    let time = clock.show(s("ts"));
     let iteration = event
         .get("iteration")
         .and_then(Value::as_u64)

@@ -1096,7 +1096,8 @@ impl Turn<'_> {
                         .with("attempt", attempt)
                         .with("task_id", dispatch.task_id.clone())
                         .with("executor", plan.executor.clone())
-                        .with("pid", spawned.pid),
+                        .with("pid", spawned.pid)
+                        .with("log", log_path.display().to_string()),
                 );
             };
             let exec = daemon.executor.run(spec, cancel.clone(), &mut on_report);

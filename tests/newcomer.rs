@@ -289,3 +289,83 @@ fn set_raises_a_limit_and_task_add_gives_a_loop_more_work() {
     assert_eq!(code(&out), 2);
     assert!(stderr(&out).contains("would never run"), "{}", stderr(&out));
 }
+
+#[test]
+fn logs_follow_shows_the_output_of_the_action_in_flight_and_waits_for_a_loop_to_start() {
+    let p = Project::new(&format!(
+        "if [ \"$LOOPD_ACTION\" = develop ]; then echo \"building $LOOPD_TASK_ID\"; echo 'warning: on stderr' >&2; fi\n{GOOD_AGENT}"
+    ));
+    let id = p.create(&["--title", "t"]);
+    // Started before the loop: it waits for it rather than returning at once.
+    let follow = p
+        .loopd()
+        .args(["logs", &id, "--follow", "--utc"])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let quiet = p
+        .loopd()
+        .args(["logs", &id, "--follow", "--events-only"])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Each keeps polling (its read count grows) rather than returning, as it did before a loop
+    // had started.
+    let reads = |pid: u32| -> u64 {
+        std::fs::read_to_string(format!("/proc/{pid}/io"))
+            .ok()
+            .and_then(|io| {
+                io.lines()
+                    .find_map(|l| l.strip_prefix("syscr: ")?.parse().ok())
+            })
+            .unwrap_or(0)
+    };
+    for pid in [follow.id(), quiet.id()] {
+        let before = reads(pid);
+        wait_for("a follower to poll a few times", || {
+            reads(pid) > before + 20 || !alive(pid)
+        });
+        assert!(
+            alive(pid),
+            "the follower of a loop not yet started waits for it"
+        );
+    }
+    assert_eq!(code(&p.run(&id, &[])), 0);
+    let text = stdout(&wait_output(follow, DEADLINE));
+    let lines: Vec<&str> = text.lines().collect();
+    // The develop's own output, between its start and its end.
+    let started = lines
+        .iter()
+        .position(|l| {
+            l.contains("develop") && l.contains("action started") && l.contains("task-001")
+        })
+        .unwrap_or_else(|| panic!("{text}"));
+    let shown = lines
+        .iter()
+        .position(|l| *l == "  │ building task-001")
+        .unwrap_or_else(|| panic!("{text}"));
+    let finished = lines
+        .iter()
+        .position(|l| {
+            l.contains("develop") && l.contains("action finished") && l.contains("task-001")
+        })
+        .unwrap_or_else(|| panic!("{text}"));
+    assert!(started < shown && shown < finished, "{text}");
+    assert!(text.contains("  │ warning: on stderr"), "{text}");
+    assert!(text.contains("completed"), "{text}");
+    // Full timestamps, here in UTC: 2026-11-23 11:52:08.123Z.
+    let first = lines[0];
+    assert_eq!(&first[4..5], "-", "{first}");
+    assert_eq!(&first[10..11], " ", "{first}");
+    assert_eq!(&first[23..24], "Z", "{first}");
+    let quiet = stdout(&wait_output(quiet, DEADLINE));
+    assert!(quiet.contains("completed"), "{quiet}");
+    assert!(!quiet.contains("│"), "--events-only: {quiet}");
+    // Local time by default, with its offset.
+    let local = stdout(&p.output(&["logs", &id]));
+    let first = local.lines().next().unwrap();
+    assert!(
+        first[24..30].starts_with('+') || first[24..30].starts_with('-'),
+        "{first}"
+    );
+}
