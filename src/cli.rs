@@ -77,8 +77,11 @@ pub(crate) fn usage(msg: impl Into<String>) -> anyhow::Error {
         (init, develop, debug, validate, complete), runs it as an executor subprocess, applies its \
         result and repeats, until the goal is met or a limit stops it. Pause, resume and stop \
         written by anyone to the state file take effect at once.\n\n\
-        Exit codes of run: 0 completed, 1 internal error, 2 bad input, 3 iteration limit, \
-        4 failed, 5 stopped by a user, 6 paused (--exit-on-pause)."
+        Exit codes, for every command: 0 done, 1 internal error, 2 bad input or a refusal \
+        (usage, config, an unknown or unusable loop, untrusted project files, programs that \
+        are not installed), and for doctor 1 when not ready. run (and a detached daemon) also: \
+        3 iteration limit, 4 failed, 5 stopped by a user, 6 paused (--exit-on-pause), \
+        130/143 ended by SIGINT/SIGTERM with the loop left running."
 )]
 pub struct Cli {
     /// The project root [default: $LOOPD_ROOT, else the git top level, else the current directory]
@@ -185,6 +188,15 @@ pub enum Command {
         #[arg(long)]
         revoke: bool,
     },
+    /// Print a shell completion script (bash, zsh, fish, elvish, powershell)
+    ///
+    /// For bash: `loopd completions bash > ~/.local/share/bash-completion/completions/loopd`.
+    Completions {
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
+    /// Print the manual page (roff): `loopd man | man -l -`
+    Man,
     /// Run a complete example loop in a temporary project
     Demo,
     /// The demo's scripted executor (used by `demo`)
@@ -257,6 +269,27 @@ impl Project {
         })
     }
 
+    /// A project for a command that runs nothing (`status`, `list`, `logs`, `pause`, `stop`): a
+    /// config that does not load is reported in one warning line and the built-in defaults are
+    /// used instead, so a broken config never keeps anyone from looking at or stopping a loop.
+    pub fn open_for_inspection(root: Option<&Path>, config: Option<&Path>) -> Result<Project> {
+        match Project::open(root, config) {
+            Err(e) if e.is::<crate::config::ConfigError>() => {
+                eprintln!("loopd: warning: {e:#}; using the built-in defaults for this command");
+                let root = resolve_root(root)?;
+                let config = Config::builtin_with("")?;
+                let store = Store::new(&root, &config.state_dir);
+                Ok(Project {
+                    root,
+                    config,
+                    store,
+                    config_flag: None,
+                })
+            }
+            other => other,
+        }
+    }
+
     /// Loads a loop, validating the id first.
     pub fn load(&self, id: &str) -> Result<LoopState> {
         validate_id(id)?;
@@ -272,6 +305,8 @@ pub fn run(cli: Cli) -> Result<i32> {
         command,
     } = cli;
     let project = || Project::open(root.as_deref(), config.as_deref());
+    // Commands that run nothing work on a config that does not load: they need no executor.
+    let inspect = || Project::open_for_inspection(root.as_deref(), config.as_deref());
     match command {
         Command::Create(args) => {
             let id = create_loop(&project()?, &args)?;
@@ -289,17 +324,17 @@ pub fn run(cli: Cli) -> Result<i32> {
             crate::outln!("{pid}")?;
             Ok(0)
         }
-        Command::Pause { id } => control(&project()?, &id, Control::Pause),
+        Command::Pause { id } => control(&inspect()?, &id, Control::Pause),
         Command::Resume { id } => control(&project()?, &id, Control::Resume),
-        Command::Stop { id } => control(&project()?, &id, Control::Stop),
+        Command::Stop { id } => control(&inspect()?, &id, Control::Stop),
         Command::Next { id, action } => next(&project()?, &id, &action),
         Command::Retry { id } => crate::recovery::retry(&project()?, &id),
         Command::Set { id, limits } => crate::recovery::set(&project()?, &id, &limits),
         Command::Task(TaskCommand::Add { id, text }) => {
             crate::recovery::task_add(&project()?, &id, &text)
         }
-        Command::Status { id, json } => status(&project()?, &id, json),
-        Command::List { json } => list(&project()?, json),
+        Command::Status { id, json } => status(&inspect()?, &id, json),
+        Command::List { json } => list(&inspect()?, json),
         Command::Logs {
             id,
             follow,
@@ -318,10 +353,23 @@ pub fn run(cli: Cli) -> Result<i32> {
                 output: follow && !events_only && !json,
                 clock,
             };
-            logs(&project()?, &id, &shown)
+            logs(&inspect()?, &id, &shown)
         }
         Command::Doctor { executor } => crate::doctor::run(&project()?, executor),
         Command::Trust { revoke } => trust(&project()?, revoke),
+        Command::Completions { shell } => {
+            // Made whole first: clap_complete panics on a write error, such as a closed pipe.
+            let mut cmd = <Cli as clap::CommandFactory>::command();
+            let mut script = Vec::new();
+            clap_complete::generate(shell, &mut cmd, "loopd", &mut script);
+            crate::out!("{}", String::from_utf8_lossy(&script))?;
+            Ok(0)
+        }
+        Command::Man => {
+            let cmd = <Cli as clap::CommandFactory>::command();
+            clap_mangen::Man::new(cmd).render(&mut std::io::stdout())?;
+            Ok(0)
+        }
         Command::Demo => crate::demo::run(),
         Command::DemoAgent => crate::demo::agent(),
     }

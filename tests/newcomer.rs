@@ -369,3 +369,52 @@ fn logs_follow_shows_the_output_of_the_action_in_flight_and_waits_for_a_loop_to_
         "{first}"
     );
 }
+
+#[test]
+fn a_broken_config_never_keeps_anyone_from_looking_at_or_stopping_a_loop() {
+    let p = Project::new(GOOD_AGENT);
+    let id = p.create(&["--title", "t"]);
+    std::fs::write(p.root.join(".loop/config.toml"), "max_errors = \"three\"\n").unwrap();
+    for args in [
+        vec!["status", id.as_str()],
+        vec!["list"],
+        vec!["logs", id.as_str()],
+        vec!["pause", id.as_str()],
+        vec!["stop", id.as_str()],
+    ] {
+        let out = p.output(&args);
+        let err = stderr(&out);
+        assert_eq!(code(&out), 0, "{args:?}: {err}");
+        assert!(
+            err.starts_with("loopd: warning: bad config"),
+            "{args:?}: {err}"
+        );
+    }
+    assert_eq!(p.state(&id)["status"], "failed", "stopped");
+    // What runs something still refuses it.
+    let out = p.output(&["run", &id]);
+    assert_eq!(code(&out), 2);
+    assert!(stderr(&out).contains("max_errors"), "{}", stderr(&out));
+}
+
+#[test]
+fn completions_a_man_page_and_one_exit_code_table() {
+    let p = Project::new(GOOD_AGENT);
+    for shell in ["bash", "zsh", "fish"] {
+        let out = p.output(&["completions", shell]);
+        assert_eq!(code(&out), 0, "{shell}");
+        assert!(
+            stdout(&out).contains("retry"),
+            "{shell}: every command is there"
+        );
+    }
+    let man = p.output(&["man"]);
+    assert_eq!(code(&man), 0);
+    assert!(stdout(&man).starts_with(".ie"), "roff");
+    assert!(stdout(&man).contains("Exit codes, for every command"));
+    let help = stdout(&p.output(&["--help"]));
+    assert!(
+        help.contains("Exit codes, for every command: 0 done, 1 internal error, 2 bad input"),
+        "{help}"
+    );
+}
