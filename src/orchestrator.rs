@@ -263,8 +263,6 @@ impl Daemon {
     }
 }
 
-/// Resolves the executor of an action: `--executor`, else `[actions.NAME]` (its `executor`, or
-/// its own shell `command`), else the action file's front matter, else the config's `executor`.
 /// The program a plan runs, for a check that it exists: the executor's program, or the first
 /// word of an action's shell command when that is a plain program name (not a builtin, a
 /// keyword, an assignment or anything the shell must interpret first).
@@ -284,6 +282,8 @@ fn plan_program(plan: &Plan) -> Option<String> {
     (plain && !SHELL_OWN.contains(&word)).then(|| word.to_owned())
 }
 
+/// Resolves the executor of an action: `--executor`, else `[actions.NAME]` (its `executor`, or
+/// its own shell `command`), else the action file's front matter, else the config's `executor`.
 fn plan(config: &Config, def: &ActionDef, override_: Option<&str>) -> Result<Plan> {
     let action_config = config.actions.get(&def.name);
     let shell = ExecutorConfig::default();

@@ -577,10 +577,7 @@ impl AgentStream {
             return (classify_error_text(error), Some(error.clone()));
         }
         let said = last_meaningful_line(output);
-        let because = |what: String| match &said {
-            Some(line) => format!("{what}: {line}"),
-            None => what,
-        };
+        let because = |what: String| with_reason(what, said.as_deref());
         match exit_code {
             Some(0) => (
                 AttemptOutcome::NoResult,
@@ -850,6 +847,14 @@ fn http_status(t: &str) -> Option<u16> {
         i += 1;
     }
     None
+}
+
+/// `what` and, when there is one, the line that says why: `exit code 1: <line>`.
+pub fn with_reason(what: String, line: Option<&str>) -> String {
+    match line {
+        Some(line) => format!("{what}: {line}"),
+        None => what,
+    }
 }
 
 /// The last line of an agent's output worth showing as the reason it failed: not blank, not a

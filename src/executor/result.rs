@@ -144,10 +144,8 @@ fn classify(format: Format, reported: Reported, run: &Run) -> Verdict {
             }
         };
     }
-    let said = |what: String| match super::agent::last_meaningful_line(&run.output_tail) {
-        Some(line) => format!("{what}: {line}"),
-        None => what,
-    };
+    let last_line = super::agent::last_meaningful_line(&run.output_tail);
+    let said = |what: String| super::agent::with_reason(what, last_line.as_deref());
     let exit_failure = match (exit_code, run.status) {
         (Some(0), _) => None,
         // The shell's "not executable" and "command not found": nothing the task can fix, and
