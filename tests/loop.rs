@@ -486,7 +486,7 @@ fn bad_input_exits_2_with_one_line_and_changes_nothing() {
     p.config(&format!("{TEST_CONFIG}\nmax_errors = 0\n"));
     refused(&p, &["run", &id], "`max_errors`");
     p.config(&TEST_CONFIG.replace("format = \"json\"", "format = \"yaml\""));
-    refused(&p, &["status", &id], "format");
+    refused(&p, &["run", &id], "format");
     // An unknown placeholder in a project's action file.
     p.config(TEST_CONFIG);
     let develop = p.action_file("develop", "do {{taks}}\n");
