@@ -44,6 +44,7 @@ case "$LOOPD_ACTION" in
   init) echo '{"status":"success"}' > "$LOOPD_RESULT_FILE" ;;
   develop)
     sleep 1000 & echo $! >> pids
+    touch in-develop
     [ -f fast ] || sleep 0.05
     echo "{\"status\":\"success\",\"summary\":\"$LOOPD_TASK_ID\"}" > "$LOOPD_RESULT_FILE" ;;
   validate) echo '{"status":"success","state_updates":{"passed":true}}' > "$LOOPD_RESULT_FILE" ;;
@@ -68,8 +69,22 @@ fn sigkill_at_random_moments_loses_nothing_and_orphans_nothing() {
     let mut last_iteration = 0;
     let mut killed = 0;
     while killed < kills {
+        // Every fifth kill lands in the middle of a develop, whatever the machine's load: the
+        // next daemon then has an attempt (and its grandchild) to recover.
+        let mid_develop = killed % 5 == 4;
+        let _ = std::fs::remove_file(p.root.join("in-develop"));
         let mut child = p.spawn_run(&id, &[]);
-        std::thread::sleep(Duration::from_millis(3 + rng.below(40)));
+        if mid_develop {
+            wait_for("a develop to be under way", || {
+                p.root.join("in-develop").exists() || child.try_wait().unwrap().is_some()
+            });
+        }
+        let pause = if mid_develop {
+            rng.below(5)
+        } else {
+            3 + rng.below(40)
+        };
+        std::thread::sleep(Duration::from_millis(pause));
         if child.try_wait().unwrap().is_some() {
             let out = wait_output(child, DEADLINE);
             assert_eq!(code(&out), 0, "after {killed} kills: {}", stderr(&out));
