@@ -177,6 +177,8 @@ pub enum Command {
         #[arg(long, value_name = "NAME")]
         executor: Option<String>,
     },
+    /// Write .loop/config.toml for a first loop without an agent: every action a shell command
+    Init(crate::init::InitArgs),
     /// Let this project's .loop/config.toml and action files set what loopd runs
     ///
     /// A project's own config and action files can set any command, and they arrive with a cloned
@@ -357,6 +359,7 @@ pub fn run(cli: Cli) -> Result<i32> {
         }
         Command::Doctor { executor } => crate::doctor::run(&project()?, executor),
         Command::Trust { revoke } => trust(&project()?, revoke),
+        Command::Init(args) => crate::init::run(&inspect()?, &args),
         Command::Completions { shell } => {
             // Made whole first: clap_complete panics on a write error, such as a closed pipe.
             let mut cmd = <Cli as clap::CommandFactory>::command();

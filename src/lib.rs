@@ -13,6 +13,7 @@ pub mod demo;
 pub mod doctor;
 pub mod events;
 pub mod executor;
+pub mod init;
 pub mod orchestrator;
 pub mod protocol;
 pub mod recovery;

@@ -418,3 +418,56 @@ fn completions_a_man_page_and_one_exit_code_table() {
         "{help}"
     );
 }
+
+#[test]
+fn a_first_loop_without_any_agent_does_real_work_and_completes() {
+    // A project whose test needs one file per task; no agent anywhere.
+    let p = Project::new("");
+    std::fs::remove_file(p.root.join(".loop/config.toml")).unwrap();
+    std::fs::write(
+        p.root.join("fix.sh"),
+        "# Does the task named in the environment.\necho \"$LOOPD_TASK\" > \"$LOOPD_TASK_ID.done\"\n",
+    )
+    .unwrap();
+    std::fs::write(
+        p.root.join("test.sh"),
+        "for t in task-001 task-002; do [ -f $t.done ] && echo \"ok - $t\" || { echo \"not ok - $t\"; fail=1; }; done\nexit ${fail:-0}\n",
+    )
+    .unwrap();
+    let out = p.output(&[
+        "init",
+        "--shell",
+        "--develop",
+        "sh fix.sh",
+        "--validate",
+        "sh test.sh",
+    ]);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    assert!(stderr(&out).contains("(trusted)"), "{}", stderr(&out));
+    // Written once; again only with --force.
+    let again = p.output(&["init", "--shell", "--develop", "x", "--validate", "y"]);
+    assert_eq!(code(&again), 2);
+    assert!(stderr(&again).contains("--force"), "{}", stderr(&again));
+
+    let id = p.create(&[
+        "--title",
+        "one file per task",
+        "--task",
+        "first",
+        "--task",
+        "second",
+    ]);
+    let out = p.run(&id, &[]);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    assert_eq!(
+        std::fs::read_to_string(p.root.join("task-001.done")).unwrap(),
+        "first\n"
+    );
+    assert_eq!(
+        std::fs::read_to_string(p.root.join("task-002.done")).unwrap(),
+        "second\n"
+    );
+    let state = p.state(&id);
+    assert_eq!(state["skill_state"]["outcome"], "passed");
+    assert_eq!(state["skill_state"]["validate"]["pass_rate"], 100.0);
+}
