@@ -121,6 +121,9 @@ pub enum Command {
         /// Make every action use this executor
         #[arg(long, value_name = "NAME")]
         executor: Option<String>,
+        /// Print `{"loop_id": ..., "pid": ...}` rather than the bare pid
+        #[arg(long)]
+        json: bool,
     },
     /// Pause a loop: the action in flight is interrupted now
     Pause { id: String },
@@ -213,6 +216,9 @@ pub enum TaskCommand {
         id: String,
         /// What the task is, for the agent that will do it
         text: String,
+        /// Print `{"loop_id": ..., "task_id": ...}` rather than the bare task id
+        #[arg(long)]
+        json: bool,
     },
 }
 
@@ -312,7 +318,11 @@ pub fn run(cli: Cli) -> Result<i32> {
     match command {
         Command::Create(args) => {
             let id = create_loop(&project()?, &args)?;
-            crate::outln!("{id}")?;
+            if args.json {
+                crate::outln!("{}", json!({ "loop_id": id }))?;
+            } else {
+                crate::outln!("{id}")?;
+            }
             Ok(0)
         }
         Command::Run {
@@ -320,10 +330,14 @@ pub fn run(cli: Cli) -> Result<i32> {
             executor,
             exit_on_pause,
         } => crate::daemon::run_foreground(&project()?, &id, executor, exit_on_pause),
-        Command::Start { id, executor } => {
+        Command::Start { id, executor, json } => {
             let p = project()?;
             let pid = crate::daemon::start(&p, &id, executor.as_deref())?;
-            crate::outln!("{pid}")?;
+            if json {
+                crate::outln!("{}", json!({ "loop_id": id, "pid": pid }))?;
+            } else {
+                crate::outln!("{pid}")?;
+            }
             Ok(0)
         }
         Command::Pause { id } => control(&inspect()?, &id, Control::Pause),
@@ -332,8 +346,8 @@ pub fn run(cli: Cli) -> Result<i32> {
         Command::Next { id, action } => next(&project()?, &id, &action),
         Command::Retry { id } => crate::recovery::retry(&project()?, &id),
         Command::Set { id, limits } => crate::recovery::set(&project()?, &id, &limits),
-        Command::Task(TaskCommand::Add { id, text }) => {
-            crate::recovery::task_add(&project()?, &id, &text)
+        Command::Task(TaskCommand::Add { id, text, json }) => {
+            crate::recovery::task_add(&project()?, &id, &text, json)
         }
         Command::Status { id, json } => status(&inspect()?, &id, json),
         Command::List { json } => list(&inspect()?, json),
@@ -435,6 +449,9 @@ pub struct CreateArgs {
     /// A develop task (repeatable); written to the loop's task list
     #[arg(long = "task", value_name = "TEXT")]
     pub tasks: Vec<String>,
+    /// Print `{"loop_id": ...}` rather than the bare id
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// Writes a new loop (and its task list); returns its id.
@@ -449,6 +466,7 @@ pub fn create_loop(p: &Project, args: &CreateArgs) -> Result<String> {
         mode,
         workflow,
         tasks,
+        json: _,
     } = args;
     let (max_iterations, max_errors, max_cost_usd, max_tokens) =
         (*max_iterations, *max_errors, *max_cost_usd, *max_tokens);

@@ -136,7 +136,7 @@ fn flag(key: &str) -> String {
 
 /// `loopd task add ID TEXT`: appends a task to the loop's task list, where a daemon driving the
 /// loop picks it up before its next selection (event `tasks_added`); prints the task's id.
-pub fn task_add(p: &Project, id: &str, text: &str) -> Result<i32> {
+pub fn task_add(p: &Project, id: &str, text: &str, as_json: bool) -> Result<i32> {
     let state = p.load(id)?;
     // A loop that met its goal is done; one that stopped short can be resumed with more work.
     let passed = state.status == Status::Completed
@@ -185,6 +185,10 @@ pub fn task_add(p: &Project, id: &str, text: &str) -> Result<i32> {
             "created_at": now_rfc3339(),
         })],
     )?;
-    crate::outln!("{task_id}")?;
+    if as_json {
+        crate::outln!("{}", json!({ "loop_id": id, "task_id": task_id }))?;
+    } else {
+        crate::outln!("{task_id}")?;
+    }
     Ok(0)
 }

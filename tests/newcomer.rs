@@ -471,3 +471,24 @@ fn a_first_loop_without_any_agent_does_real_work_and_completes() {
     assert_eq!(state["skill_state"]["outcome"], "passed");
     assert_eq!(state["skill_state"]["validate"]["pass_rate"], 100.0);
 }
+
+#[test]
+fn commands_that_print_an_id_print_json_on_request() {
+    let p = Project::new(GOOD_AGENT);
+    let out = p.output(&["create", "--title", "t", "--json"]);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    let created: serde_json::Value = serde_json::from_str(&stdout(&out)).unwrap();
+    let id = created["loop_id"].as_str().unwrap().to_owned();
+    let out = p.output(&["task", "add", &id, "one more", "--json"]);
+    let added: serde_json::Value = serde_json::from_str(&stdout(&out)).unwrap();
+    assert_eq!(added["loop_id"], id.as_str());
+    assert_eq!(added["task_id"], "task-001");
+    let out = p.output(&["start", &id, "--json"]);
+    let started: serde_json::Value = serde_json::from_str(&stdout(&out)).unwrap();
+    assert_eq!(started["loop_id"], id.as_str());
+    let pid = started["pid"].as_u64().unwrap() as u32;
+    wait_for("the loop to complete", || {
+        p.state(&id)["status"] == "completed"
+    });
+    wait_for("its daemon to exit", || !alive(pid));
+}
