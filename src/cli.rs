@@ -428,18 +428,8 @@ pub struct CreateArgs {
     /// More about the goal; the agents see it in every prompt
     #[arg(long, default_value = "")]
     pub description: String,
-    /// Complete the loop after this many develop/debug/validate actions [default: config's]
-    #[arg(long, value_name = "N")]
-    pub max_iterations: Option<u64>,
-    /// Fail the loop after this many failed actions [default: config's]
-    #[arg(long, value_name = "N")]
-    pub max_errors: Option<u64>,
-    /// Fail the loop once its agents have cost this many dollars
-    #[arg(long, value_name = "USD")]
-    pub max_cost_usd: Option<f64>,
-    /// Fail the loop once its agents have used this many tokens
-    #[arg(long, value_name = "N")]
-    pub max_tokens: Option<u64>,
+    #[command(flatten)]
+    pub limits: crate::recovery::Limits,
     /// `interactive`: the loop waits for `loopd next` before each action
     #[arg(long, value_enum, default_value = "auto")]
     pub mode: ModeArg,
@@ -459,32 +449,22 @@ pub fn create_loop(p: &Project, args: &CreateArgs) -> Result<String> {
     let CreateArgs {
         title,
         description,
-        max_iterations,
-        max_errors,
-        max_cost_usd,
-        max_tokens,
+        limits,
         mode,
         workflow,
         tasks,
         json: _,
     } = args;
-    let (max_iterations, max_errors, max_cost_usd, max_tokens) =
-        (*max_iterations, *max_errors, *max_cost_usd, *max_tokens);
+    let crate::recovery::Limits {
+        max_iterations,
+        max_errors,
+        max_cost_usd,
+        max_tokens,
+    } = *limits;
     if title.trim().is_empty() {
         return Err(usage("--title must not be empty"));
     }
-    if max_iterations == Some(0) {
-        return Err(usage("--max-iterations must be at least 1"));
-    }
-    if max_errors == Some(0) {
-        return Err(usage("--max-errors must be at least 1"));
-    }
-    if max_cost_usd.is_some_and(|c| !(c.is_finite() && c > 0.0)) {
-        return Err(usage("--max-cost-usd must be a positive number"));
-    }
-    if max_tokens == Some(0) {
-        return Err(usage("--max-tokens must be at least 1"));
-    }
+    limits.check()?;
     if let Some(w) = &workflow
         && crate::workflow::by_name(w).is_none()
     {

@@ -10,13 +10,14 @@ use serde_json::{Value, json};
 use crate::cli::{Project, standing, usage};
 use crate::state::model::{MAX_DESCRIPTION, Status, now_rfc3339};
 
-/// What `set` may change; `None` leaves a field as it is.
-#[derive(Debug, Default, clap::Args)]
+/// A loop's limits and budgets, as `create` and `set` take them; `None` leaves one as it is (for
+/// a new loop: the config's).
+#[derive(Clone, Copy, Debug, Default, clap::Args)]
 pub struct Limits {
-    /// Complete the loop after this many develop/debug/validate actions
+    /// Complete the loop after this many develop/debug/validate actions [create: the config's]
     #[arg(long, value_name = "N")]
     pub max_iterations: Option<u64>,
-    /// Fail the loop after this many failed actions
+    /// Fail the loop after this many failed actions [create: the config's]
     #[arg(long, value_name = "N")]
     pub max_errors: Option<u64>,
     /// Fail the loop once its agents have cost this many dollars
@@ -25,6 +26,28 @@ pub struct Limits {
     /// Fail the loop once its agents have used this many tokens
     #[arg(long, value_name = "N")]
     pub max_tokens: Option<u64>,
+}
+
+impl Limits {
+    /// Refuses a limit of 0 and a budget that is not a positive number.
+    pub fn check(&self) -> Result<()> {
+        for (flag, value) in [
+            ("--max-iterations", self.max_iterations),
+            ("--max-errors", self.max_errors),
+            ("--max-tokens", self.max_tokens),
+        ] {
+            if value == Some(0) {
+                return Err(usage(format!("{flag} must be at least 1")));
+            }
+        }
+        if self
+            .max_cost_usd
+            .is_some_and(|c| !(c.is_finite() && c > 0.0))
+        {
+            return Err(usage("--max-cost-usd must be a positive number"));
+        }
+        Ok(())
+    }
 }
 
 /// `loopd retry ID`: a failed or stopped loop goes on, with its error count at 0 and its failed
@@ -90,26 +113,16 @@ pub fn retry(p: &Project, id: &str) -> Result<i32> {
 /// the loop takes them at its next selection.
 pub fn set(p: &Project, id: &str, limits: &Limits) -> Result<i32> {
     let state = p.load(id)?;
-    let mut changes: Vec<(&str, Value)> = Vec::new();
-    for (key, value) in [
-        ("max_iterations", limits.max_iterations),
-        ("max_errors", limits.max_errors),
-        ("max_tokens", limits.max_tokens),
-    ] {
-        match value {
-            Some(0) => return Err(usage(format!("--{}: must be at least 1", flag(key)))),
-            Some(n) => changes.push((key, json!(n))),
-            None => {}
-        }
-    }
-    if let Some(usd) = limits.max_cost_usd {
-        if !(usd.is_finite() && usd > 0.0) {
-            return Err(usage(
-                "--max-cost-usd: must be a positive number of dollars",
-            ));
-        }
-        changes.push(("max_cost_usd", json!(usd)));
-    }
+    limits.check()?;
+    let changes: Vec<(&str, Value)> = [
+        ("max_iterations", limits.max_iterations.map(|n| json!(n))),
+        ("max_errors", limits.max_errors.map(|n| json!(n))),
+        ("max_cost_usd", limits.max_cost_usd.map(|usd| json!(usd))),
+        ("max_tokens", limits.max_tokens.map(|n| json!(n))),
+    ]
+    .into_iter()
+    .filter_map(|(key, value)| Some((key, value?)))
+    .collect();
     if changes.is_empty() {
         return Err(usage(
             "nothing to set: give --max-iterations, --max-errors, --max-cost-usd or --max-tokens",
@@ -127,11 +140,6 @@ pub fn set(p: &Project, id: &str, limits: &Limits) -> Result<i32> {
         said.join(", ")
     );
     Ok(0)
-}
-
-/// `--max-iterations` for `max_iterations`.
-fn flag(key: &str) -> String {
-    key.replace('_', "-")
 }
 
 /// `loopd task add ID TEXT`: appends a task to the loop's task list, where a daemon driving the

@@ -105,6 +105,15 @@ fn a_mistyped_command_gets_a_suggestion_in_one_line() {
     assert!(err.contains("'status'"), "{err}");
 }
 
+/// The line of `list`'s output about loop `id`.
+fn row_of(listing: &str, id: &str) -> String {
+    listing
+        .lines()
+        .find(|l| l.starts_with(id))
+        .unwrap_or_else(|| panic!("{id}: {listing}"))
+        .to_owned()
+}
+
 #[test]
 fn list_has_a_header_and_tells_the_ways_loops_end_and_status_the_next_step() {
     let p = Project::new(&format!(
@@ -126,13 +135,7 @@ fn list_has_a_header_and_tells_the_ways_loops_end_and_status_the_next_step() {
     let pid: u32 = stdout(&out).trim().parse().unwrap();
     wait_for("the develop to start", || p.root.join("waiting").exists());
     let listing = stdout(&p.output(&["list"]));
-    let row = |id: &str| {
-        listing
-            .lines()
-            .find(|l| l.starts_with(id))
-            .unwrap_or_else(|| panic!("{id}: {listing}"))
-            .to_owned()
-    };
+    let row = |id: &str| row_of(&listing, id);
     assert!(
         listing.lines().next().unwrap().starts_with("LOOP"),
         "{listing}"
@@ -152,13 +155,7 @@ fn list_has_a_header_and_tells_the_ways_loops_end_and_status_the_next_step() {
         stdout(&p.output(&["list"])).contains("running (no daemon)")
     });
     let listing = stdout(&p.output(&["list"]));
-    let row = |id: &str| {
-        listing
-            .lines()
-            .find(|l| l.starts_with(id))
-            .unwrap_or_else(|| panic!("{id}: {listing}"))
-            .to_owned()
-    };
+    let row = |id: &str| row_of(&listing, id);
     assert!(row(&passed).contains("passed"), "{listing}");
     assert!(row(&limited).contains("iteration limit"), "{listing}");
     assert!(row(&stopped).contains("stopped"), "{listing}");

@@ -165,6 +165,16 @@ impl AgentProject {
         cmd
     }
 
+    /// `loopd run ID` in the background, its output dropped.
+    fn spawn_run(&self, id: &str) -> Child {
+        self.loopd()
+            .args(["run", id])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap()
+    }
+
     fn run(&self, id: &str) -> std::process::Output {
         let child = self
             .loopd()
@@ -320,13 +330,7 @@ fn no_key_or_a_rejected_key_blocks_the_loop_without_using_it_up() {
             let a = AgentProject::with_key(cli, bin, fault, "", key);
             let p = &a.project;
             let id = p.create(&["--title", "t"]);
-            let mut daemon = a
-                .loopd()
-                .args(["run", &id])
-                .stdout(Stdio::null())
-                .stderr(Stdio::piped())
-                .spawn()
-                .unwrap();
+            let mut daemon = a.spawn_run(&id);
             let state = wait_blocked(&a, &id);
             // No retry, no error, no iteration, no task touched.
             let started = p
@@ -381,13 +385,7 @@ fn a_stop_mid_request_ends_every_process_of_the_cli() {
         let a = AgentProject::new(cli, bin, fault("hang"), "");
         let p = &a.project;
         let id = p.create(&["--title", "t"]);
-        let mut daemon = a
-            .loopd()
-            .args(["run", &id])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
+        let mut daemon = a.spawn_run(&id);
         wait_for("the CLI to wait for the model", || {
             a.server.requests().iter().any(|r| r["main"] == true)
         });
