@@ -646,8 +646,7 @@ impl Store {
 
     /// Removes temporary files that an interrupted write left behind (under the loop's lock, so
     /// no write of another loopd is in progress), and replaced versions no living writer keeps.
-    /// Returns how
-    /// many were removed.
+    /// Returns how many were removed.
     pub fn sweep_temp_files(&self, id: &str) -> Result<usize, StoreError> {
         let dir = self.state_dir(false)?;
         let _lock = self.lock(id)?;
