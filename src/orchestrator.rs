@@ -701,10 +701,10 @@ impl Turn<'_> {
         Ok(())
     }
 
-    /// A daemon that died may have left an attempt in flight: end whatever is left of it (the
-    /// recorded process, if its pid was not recycled, and anything still carrying this loop's
-    /// state file in its environment, even outside the process group) and record the attempt as
-    /// interrupted.
+    /// A daemon that died may have left an attempt in flight: end whatever is left of it (every
+    /// process holding this loop's inherited marker or carrying its state file in its
+    /// environment, wherever it moved; never a pid on the file's word alone) and record the
+    /// attempt as interrupted.
     async fn recover(&mut self, state: &mut LoopState) -> Result<()> {
         let flight = state.skill_state.as_mut().and_then(|s| s.in_flight.take());
         // Only processes that prove they are this loop's executors are ended: by the marker every
