@@ -90,6 +90,9 @@ pub struct Cli {
     /// A config file layered over the others [default: $LOOPD_CONFIG]
     #[arg(long, global = true, value_name = "FILE")]
     pub config: Option<PathBuf>,
+    /// Print the result as JSON on stdout (one value; `logs` one event per line), for scripts
+    #[arg(long, global = true)]
+    pub json: bool,
     #[command(subcommand)]
     pub command: Command,
 }
@@ -121,9 +124,6 @@ pub enum Command {
         /// Make every action use this executor
         #[arg(long, value_name = "NAME")]
         executor: Option<String>,
-        /// Print `{"loop_id": ..., "pid": ...}` rather than the bare pid
-        #[arg(long)]
-        json: bool,
     },
     /// Pause a loop: the action in flight is interrupted now
     Pause { id: String },
@@ -144,18 +144,10 @@ pub enum Command {
     /// Add to a loop's tasks
     #[command(subcommand)]
     Task(TaskCommand),
-    /// Show one loop
-    Status {
-        id: String,
-        /// Print the state file's JSON
-        #[arg(long)]
-        json: bool,
-    },
+    /// Show one loop (with --json: its state file)
+    Status { id: String },
     /// List every loop of the project
-    List {
-        #[arg(long)]
-        json: bool,
-    },
+    List,
     /// Show a loop's events
     Logs {
         id: String,
@@ -163,9 +155,6 @@ pub enum Command {
         /// (waiting for a loop that has not started yet)
         #[arg(long, short)]
         follow: bool,
-        /// Raw NDJSON
-        #[arg(long)]
-        json: bool,
         /// With --follow, events only: not the output of the action in flight
         #[arg(long)]
         events_only: bool,
@@ -216,9 +205,6 @@ pub enum TaskCommand {
         id: String,
         /// What the task is, for the agent that will do it
         text: String,
-        /// Print `{"loop_id": ..., "task_id": ...}` rather than the bare task id
-        #[arg(long)]
-        json: bool,
     },
 }
 
@@ -310,6 +296,7 @@ pub fn run(cli: Cli) -> Result<i32> {
     let Cli {
         root,
         config,
+        json,
         command,
     } = cli;
     let project = || Project::open(root.as_deref(), config.as_deref());
@@ -318,43 +305,56 @@ pub fn run(cli: Cli) -> Result<i32> {
     match command {
         Command::Create(args) => {
             let id = create_loop(&project()?, &args)?;
-            if args.json {
-                crate::outln!("{}", json!({ "loop_id": id }))?;
-            } else {
-                crate::outln!("{id}")?;
-            }
+            print_result(json, &json!({ "loop_id": id }), &id)?;
             Ok(0)
         }
         Command::Run {
             id,
             executor,
             exit_on_pause,
-        } => crate::daemon::run_foreground(&project()?, &id, executor, exit_on_pause),
-        Command::Start { id, executor, json } => {
+        } => {
+            let p = project()?;
+            let code = crate::daemon::run_foreground(&p, &id, executor, exit_on_pause)?;
+            if json {
+                let state = p.load(&id)?;
+                let outcome = state.skill_state.as_ref().and_then(|s| s.outcome.clone());
+                crate::outln!(
+                    "{}",
+                    json!({
+                        "loop_id": id,
+                        "status": state.status.as_str(),
+                        "outcome": outcome,
+                        "failure_reason": state.failure_reason,
+                        "exit_code": code,
+                    })
+                )?;
+            }
+            Ok(code)
+        }
+        Command::Start { id, executor } => {
             let p = project()?;
             let pid = crate::daemon::start(&p, &id, executor.as_deref())?;
-            if json {
-                crate::outln!("{}", json!({ "loop_id": id, "pid": pid }))?;
-            } else {
-                crate::outln!("{pid}")?;
-            }
+            print_result(
+                json,
+                &json!({ "loop_id": id, "pid": pid }),
+                &pid.to_string(),
+            )?;
             Ok(0)
         }
-        Command::Pause { id } => control(&inspect()?, &id, Control::Pause),
-        Command::Resume { id } => control(&project()?, &id, Control::Resume),
-        Command::Stop { id } => control(&inspect()?, &id, Control::Stop),
-        Command::Next { id, action } => next(&project()?, &id, &action),
-        Command::Retry { id } => crate::recovery::retry(&project()?, &id),
-        Command::Set { id, limits } => crate::recovery::set(&project()?, &id, &limits),
-        Command::Task(TaskCommand::Add { id, text, json }) => {
+        Command::Pause { id } => control(&inspect()?, &id, Control::Pause, json),
+        Command::Resume { id } => control(&project()?, &id, Control::Resume, json),
+        Command::Stop { id } => control(&inspect()?, &id, Control::Stop, json),
+        Command::Next { id, action } => next(&project()?, &id, &action, json),
+        Command::Retry { id } => crate::recovery::retry(&project()?, &id, json),
+        Command::Set { id, limits } => crate::recovery::set(&project()?, &id, &limits, json),
+        Command::Task(TaskCommand::Add { id, text }) => {
             crate::recovery::task_add(&project()?, &id, &text, json)
         }
-        Command::Status { id, json } => status(&inspect()?, &id, json),
-        Command::List { json } => list(&inspect()?, json),
+        Command::Status { id } => status(&inspect()?, &id, json),
+        Command::List => list(&inspect()?, json),
         Command::Logs {
             id,
             follow,
-            json,
             events_only,
             utc,
         } => {
@@ -371,9 +371,12 @@ pub fn run(cli: Cli) -> Result<i32> {
             };
             logs(&inspect()?, &id, &shown)
         }
-        Command::Doctor { executor } => crate::doctor::run(&project()?, executor),
-        Command::Trust { revoke } => trust(&project()?, revoke),
-        Command::Init(args) => crate::init::run(&inspect()?, &args),
+        Command::Doctor { executor } => crate::doctor::run(&project()?, executor, json),
+        Command::Trust { revoke } => trust(&project()?, revoke, json),
+        Command::Init(args) => crate::init::run(&inspect()?, &args, json),
+        Command::Completions { .. } | Command::Man | Command::Demo if json => Err(usage(
+            "--json: completions, man and demo print text for people, not a result",
+        )),
         Command::Completions { shell } => {
             // Made whole first: clap_complete panics on a write error, such as a closed pipe.
             let mut cmd = <Cli as clap::CommandFactory>::command();
@@ -392,30 +395,50 @@ pub fn run(cli: Cli) -> Result<i32> {
     }
 }
 
+/// Prints a command's result on stdout: `value` with `--json`, else `text` (nothing when empty).
+pub(crate) fn print_result(as_json: bool, value: &Value, text: &str) -> Result<()> {
+    if as_json {
+        crate::outln!("{value}")?;
+    } else if !text.is_empty() {
+        crate::outln!("{text}")?;
+    }
+    Ok(())
+}
+
 /// `loopd trust`: records the project's files as trusted, or forgets them.
-fn trust(p: &Project, revoke: bool) -> Result<i32> {
+fn trust(p: &Project, revoke: bool, as_json: bool) -> Result<i32> {
     let root = p.root.display();
     if revoke {
         let had = crate::trust::revoke(&p.root).context("cannot remove the trust record")?;
-        if had {
-            crate::outln!("no longer trusted: {root}")?;
+        let text = if had {
+            format!("no longer trusted: {root}")
         } else {
-            crate::outln!("{root} was not trusted")?;
-        }
+            format!("{root} was not trusted")
+        };
+        let value = json!({ "root": p.root, "revoked": had });
+        print_result(as_json, &value, &text)?;
         return Ok(0);
     }
     let files = crate::trust::project_files(&p.root)?;
-    if files.is_empty() {
-        crate::outln!(
+    let text = if files.is_empty() {
+        format!(
             "nothing to trust in {root}: no .loop/config.toml and no action files; the built-in \
              and your own config need no trust"
-        )?;
-        return Ok(0);
-    }
-    crate::trust::allow(&p.root, &files).context("cannot write the trust record")?;
-    for file in &files {
-        crate::outln!("trusted {}", file.path.display())?;
-    }
+        )
+    } else {
+        crate::trust::allow(&p.root, &files).context("cannot write the trust record")?;
+        let lines: Vec<String> = files
+            .iter()
+            .map(|f| format!("trusted {}", f.path.display()))
+            .collect();
+        lines.join("\n")
+    };
+    let trusted: Vec<&Path> = files.iter().map(|f| f.path.as_path()).collect();
+    print_result(
+        as_json,
+        &json!({ "root": p.root, "trusted": trusted }),
+        &text,
+    )?;
     Ok(0)
 }
 
@@ -439,9 +462,6 @@ pub struct CreateArgs {
     /// A develop task (repeatable); written to the loop's task list
     #[arg(long = "task", value_name = "TEXT")]
     pub tasks: Vec<String>,
-    /// Print `{"loop_id": ...}` rather than the bare id
-    #[arg(long)]
-    pub json: bool,
 }
 
 /// Writes a new loop (and its task list); returns its id.
@@ -453,7 +473,6 @@ pub fn create_loop(p: &Project, args: &CreateArgs) -> Result<String> {
         mode,
         workflow,
         tasks,
-        json: _,
     } = args;
     let crate::recovery::Limits {
         max_iterations,
@@ -552,10 +571,10 @@ enum Control {
 }
 
 /// pause / resume / stop: write the status the way the CCW dashboard API does.
-fn control(p: &Project, id: &str, what: Control) -> Result<i32> {
+fn control(p: &Project, id: &str, what: Control, as_json: bool) -> Result<i32> {
     let state = match p.load(id) {
         Ok(state) => state,
-        Err(e) if matches!(what, Control::Stop) => return stop_unloadable(p, id, e),
+        Err(e) if matches!(what, Control::Stop) => return stop_unloadable(p, id, e, as_json),
         Err(e) => return Err(e),
     };
     let status = state.status.clone();
@@ -580,8 +599,19 @@ fn control(p: &Project, id: &str, what: Control) -> Result<i32> {
         Control::Stop => Status::Failed,
     };
     let resumable = |s: &Status| allowed.contains(s) || matches!(what, Control::Resume);
+    let report = |pid: Option<u32>| {
+        let value = json!({
+            "loop_id": id, "from": status.as_str(), "status": target.as_str(), "pid": pid
+        });
+        print_result(
+            as_json,
+            &value,
+            &pid.map(|p| p.to_string()).unwrap_or_default(),
+        )
+    };
     if status == target && !matches!(what, Control::Resume) {
         eprintln!("loop {id} is already {status}");
+        report(None)?;
         return Ok(0);
     }
     // A loop completed without meeting its goal goes on once there is room: a raised
@@ -656,18 +686,20 @@ fn control(p: &Project, id: &str, what: Control) -> Result<i32> {
         )));
     }
     eprintln!("loop {id}: {status} → {target}");
+    let mut started = None;
     if start_daemon && crate::daemon::daemon_pid(&p.store, id).is_none() {
         let pid = crate::daemon::start(p, id, executor.as_deref())?;
         eprintln!("started daemon pid {pid}");
-        crate::outln!("{pid}")?;
+        started = Some(pid);
     }
+    report(started)?;
     Ok(0)
 }
 
 /// `stop` on a loop whose state file does not load: restored from its backup (or rebuilt) it is
 /// stopped as usual; else its daemon, if one drives it, is told to end (SIGTERM: the attempt in
 /// flight is ended and recorded). A stop never depends on the state being loadable.
-fn stop_unloadable(p: &Project, id: &str, error: anyhow::Error) -> Result<i32> {
+fn stop_unloadable(p: &Project, id: &str, error: anyhow::Error, as_json: bool) -> Result<i32> {
     let corrupt = error
         .downcast_ref::<crate::state::store::StoreError>()
         .is_some_and(|e| matches!(e, crate::state::store::StoreError::Corrupt { .. }));
@@ -676,7 +708,7 @@ fn stop_unloadable(p: &Project, id: &str, error: anyhow::Error) -> Result<i32> {
     }
     if let Ok(Some((reason, from))) = p.store.restore(id) {
         eprintln!("loop {id}: the state file was unusable ({reason}); restored from {from}");
-        return control(p, id, Control::Stop);
+        return control(p, id, Control::Stop, as_json);
     }
     let Some(pid) = crate::daemon::daemon_pid(&p.store, id).filter(|pid| *pid > 1) else {
         return Err(error);
@@ -689,10 +721,12 @@ fn stop_unloadable(p: &Project, id: &str, error: anyhow::Error) -> Result<i32> {
     eprintln!(
         "loop {id}: the state file cannot be read ({error:#}); its daemon (pid {pid}) was told to end; repair or remove the file"
     );
+    let value = json!({ "loop_id": id, "from": null, "status": null, "signalled_pid": pid });
+    print_result(as_json, &value, "")?;
     Ok(0)
 }
 
-fn next(p: &Project, id: &str, action: &str) -> Result<i32> {
+fn next(p: &Project, id: &str, action: &str, as_json: bool) -> Result<i32> {
     let state = p.load(id)?;
     let workflow = loop_workflow(p, &state)?;
     if state.mode() != Mode::Interactive {
@@ -718,6 +752,11 @@ fn next(p: &Project, id: &str, action: &str) -> Result<i32> {
         raw.insert("next_action".into(), json!(action));
     })?;
     eprintln!("loop {id}: next action {action}");
+    print_result(
+        as_json,
+        &json!({ "loop_id": id, "next_action": action }),
+        "",
+    )?;
     Ok(0)
 }
 

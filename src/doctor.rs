@@ -12,53 +12,97 @@ use crate::cli::Project;
 /// How long `--version` may take (gemini-cli takes about 7 s on 2 cores).
 const VERSION_TIMEOUT: Duration = Duration::from_secs(15);
 
+/// What `doctor` found: rendered as text, or printed as it is with `--json`.
+#[derive(Debug, serde::Serialize)]
+struct Report {
+    version: &'static str,
+    root: PathBuf,
+    state_dir: PathBuf,
+    /// The config layers over the built-in one, each with whether it exists.
+    config_files: Vec<ConfigFile>,
+    workflow: &'static str,
+    /// `nothing to trust`, `trusted (N project files)`, or why a file is not trusted.
+    trust: String,
+    executors: Vec<ExecutorReport>,
+    actions: Vec<ActionReport>,
+    /// What keeps a loop from running; empty when ready.
+    problems: Vec<String>,
+    /// Notes that keep nothing from running.
+    notes: Vec<String>,
+    ready: bool,
+}
+
+#[derive(Debug, serde::Serialize)]
+struct ConfigFile {
+    path: PathBuf,
+    present: bool,
+}
+
+#[derive(Debug, serde::Serialize)]
+struct ExecutorReport {
+    name: String,
+    command: Vec<String>,
+    /// Where the program is; `None` when it is not on PATH.
+    path: Option<PathBuf>,
+    version: Option<String>,
+    login: Option<String>,
+}
+
+#[derive(Debug, serde::Serialize)]
+struct ActionReport {
+    action: &'static str,
+    executor: String,
+    argv: Vec<String>,
+    format: &'static str,
+    timeout_secs: f64,
+    idle_timeout_secs: f64,
+    prompt_from: String,
+}
+
 /// Prints the report; exit code 0 when every executor the actions use is installed and the
 /// project's files are trusted, else 1.
-pub fn run(p: &Project, executor: Option<String>) -> Result<i32> {
+pub fn run(p: &Project, executor: Option<String>, as_json: bool) -> Result<i32> {
+    let report = examine(p, executor)?;
+    if as_json {
+        crate::outln!("{}", serde_json::to_string_pretty(&report)?)?;
+    } else {
+        crate::out!("{}", render(&report))?;
+    }
+    Ok(if report.ready { 0 } else { 1 })
+}
+
+fn examine(p: &Project, executor: Option<String>) -> Result<Report> {
     let workflow = crate::workflow::by_name(&p.config.workflow)
         .ok_or_else(|| anyhow::anyhow!("unknown workflow {}", p.config.workflow))?;
     let daemon = crate::daemon::build(p, workflow, executor, false)?;
-
-    let mut out = String::new();
-    let _ = writeln!(out, "loopd {}", env!("CARGO_PKG_VERSION"));
-    let _ = writeln!(out, "  root       {}", p.root.display());
-    let _ = writeln!(out, "  state dir  {}", p.store.dir().display());
-    let _ = writeln!(out, "  config     built-in config.toml");
-    for (file, _) in crate::config::Config::layer_files(&p.root, p.config_flag.as_deref()) {
-        let present = if file.exists() { "" } else { " (absent)" };
-        let _ = writeln!(out, "             {}{present}", file.display());
-    }
-    let _ = writeln!(out, "  workflow   {}", workflow.name());
-    let untrusted = match crate::trust::verdict(&p.root, &daemon.project_files()) {
+    let config_files = crate::config::Config::layer_files(&p.root, p.config_flag.as_deref())
+        .into_iter()
+        .map(|(path, _)| ConfigFile {
+            present: path.exists(),
+            path,
+        })
+        .collect();
+    let mut problems = Vec::new();
+    let trust = match crate::trust::verdict(&p.root, &daemon.project_files()) {
         crate::trust::Verdict::NothingToTrust => {
-            let _ = writeln!(
-                out,
-                "  trust      nothing to trust (no project config or action files)"
-            );
-            None
+            "nothing to trust (no project config or action files)".to_owned()
         }
         crate::trust::Verdict::Trusted(n) => {
-            let _ = writeln!(
-                out,
-                "  trust      trusted ({n} project file{})",
+            format!(
+                "trusted ({n} project file{})",
                 if n == 1 { "" } else { "s" }
-            );
-            None
+            )
         }
         crate::trust::Verdict::Untrusted(u) => {
-            let _ = writeln!(out, "  trust      {u}");
-            Some(u)
+            problems.push(format!(
+                "{} is not trusted; run `{}`",
+                u.file.display(),
+                crate::trust::trust_command(&p.root)
+            ));
+            u.to_string()
         }
     };
 
-    let _ = writeln!(out, "\nexecutors");
-    let width = p
-        .config
-        .executors
-        .keys()
-        .map(String::len)
-        .max()
-        .unwrap_or(0);
     // `--version` of every installed executor at once: some CLIs take seconds to answer.
     let found: Vec<Option<PathBuf>> = p
         .config
@@ -66,48 +110,46 @@ pub fn run(p: &Project, executor: Option<String>) -> Result<i32> {
         .values()
         .map(|e| find_program(&e.command[0]))
         .collect();
-    let versions = versions(found.iter().flatten());
-    let mut versions = versions.into_iter();
-    for ((name, e), path) in p.config.executors.iter().zip(&found) {
-        let program = &e.command[0];
-        let line = match path {
-            Some(path) => format!(
-                "{}  {}",
-                path.display(),
-                versions.next().unwrap_or_default()
-            ),
-            None => format!("{program}: not found on PATH"),
-        };
-        let _ = writeln!(out, "  {name:<width$}  {line}");
-        let _ = writeln!(out, "  {:<width$}  runs {}", "", e.command.join(" "));
-        if path.is_some()
-            && let Some(login) = login(e)
-        {
-            let _ = writeln!(out, "  {:<width$}  login: {login}", "");
-        }
-    }
+    let mut versions = versions(found.iter().flatten()).into_iter();
+    let executors = p
+        .config
+        .executors
+        .iter()
+        .zip(found)
+        .map(|((name, e), path)| ExecutorReport {
+            name: name.clone(),
+            command: e.command.clone(),
+            version: path.as_ref().and_then(|_| versions.next()),
+            login: path.as_ref().and_then(|_| login(e)),
+            path,
+        })
+        .collect();
 
-    let _ = writeln!(out, "\nactions");
     let mut missing = Vec::new();
     let sources: std::collections::BTreeMap<&str, &str> = daemon.action_sources().collect();
+    let mut actions = Vec::new();
     for action in workflow.actions() {
         let (Some(plan), Some(source)) = (daemon.plans().get(*action), sources.get(action)) else {
             continue;
         };
         let sup = &plan.supervision;
-        let _ = writeln!(
-            out,
-            "  {action:<9} {:<8} {}\n            format {}, timeout {}s, idle {}s; prompt from {source}",
-            plan.executor,
-            plan.argv.join(" "),
-            plan.format.name(),
-            sup.timeout.as_secs_f64(),
-            sup.idle_timeout.as_secs_f64()
-        );
+        actions.push(ActionReport {
+            action,
+            executor: plan.executor.clone(),
+            argv: plan.argv.clone(),
+            format: plan.format.name(),
+            timeout_secs: sup.timeout.as_secs_f64(),
+            idle_timeout_secs: sup.idle_timeout.as_secs_f64(),
+            prompt_from: (*source).to_owned(),
+        });
         if find_program(&plan.argv[0]).is_none() && !missing.contains(&plan.argv[0]) {
             missing.push(plan.argv[0].clone());
         }
     }
+    if !missing.is_empty() {
+        problems.push(format!("missing {}", missing.join(", ")));
+    }
+    let mut notes = Vec::new();
     if nix::unistd::geteuid().is_root()
         && daemon.plans().values().any(|plan| {
             plan.argv
@@ -115,31 +157,83 @@ pub fn run(p: &Project, executor: Option<String>) -> Result<i32> {
                 .any(|a| a == "--dangerously-skip-permissions")
         })
     {
-        let _ = writeln!(
-            out,
-            "\nnote: running as root, Claude Code refuses --dangerously-skip-permissions unless \
+        notes.push(
+            "running as root, Claude Code refuses --dangerously-skip-permissions unless \
              IS_SANDBOX=1 is in its environment ([executors.claude.env])"
+                .to_owned(),
         );
     }
-    if let Some(u) = &untrusted {
+    Ok(Report {
+        version: env!("CARGO_PKG_VERSION"),
+        root: p.root.clone(),
+        state_dir: p.store.dir().to_owned(),
+        config_files,
+        workflow: workflow.name(),
+        trust,
+        executors,
+        actions,
+        ready: problems.is_empty(),
+        problems,
+        notes,
+    })
+}
+
+/// The report as people read it.
+fn render(r: &Report) -> String {
+    let mut out = String::new();
+    let _ = writeln!(out, "loopd {}", r.version);
+    let _ = writeln!(out, "  root       {}", r.root.display());
+    let _ = writeln!(out, "  state dir  {}", r.state_dir.display());
+    let _ = writeln!(out, "  config     built-in config.toml");
+    for file in &r.config_files {
+        let present = if file.present { "" } else { " (absent)" };
+        let _ = writeln!(out, "             {}{present}", file.path.display());
+    }
+    let _ = writeln!(out, "  workflow   {}", r.workflow);
+    let _ = writeln!(out, "  trust      {}", r.trust);
+
+    let _ = writeln!(out, "\nexecutors");
+    let width = r.executors.iter().map(|e| e.name.len()).max().unwrap_or(0);
+    for e in &r.executors {
+        let line = match &e.path {
+            Some(path) => format!(
+                "{}  {}",
+                path.display(),
+                e.version.as_deref().unwrap_or_default()
+            ),
+            None => format!("{}: not found on PATH", e.command[0]),
+        };
+        let _ = writeln!(out, "  {:<width$}  {line}", e.name);
+        let _ = writeln!(out, "  {:<width$}  runs {}", "", e.command.join(" "));
+        if let Some(login) = &e.login {
+            let _ = writeln!(out, "  {:<width$}  login: {login}", "");
+        }
+    }
+
+    let _ = writeln!(out, "\nactions");
+    for a in &r.actions {
         let _ = writeln!(
             out,
-            "\nnot ready: {} is not trusted; run `{}`",
-            u.file.display(),
-            crate::trust::trust_command(&p.root)
+            "  {:<9} {:<8} {}\n            format {}, timeout {}s, idle {}s; prompt from {}",
+            a.action,
+            a.executor,
+            a.argv.join(" "),
+            a.format,
+            a.timeout_secs,
+            a.idle_timeout_secs,
+            a.prompt_from
         );
-    } else if missing.is_empty() {
+    }
+    for note in &r.notes {
+        let _ = writeln!(out, "\nnote: {note}");
+    }
+    if r.ready {
         let _ = writeln!(out, "\nready: every action's executor is installed");
     }
-    if !missing.is_empty() {
-        let _ = writeln!(out, "\nnot ready: missing {}", missing.join(", "));
+    for problem in &r.problems {
+        let _ = writeln!(out, "\nnot ready: {problem}");
     }
-    crate::out!("{out}")?;
-    Ok(if missing.is_empty() && untrusted.is_none() {
-        0
-    } else {
-        1
-    })
+    out
 }
 
 /// Where `program` is: itself if it has a slash, else the first executable on PATH.

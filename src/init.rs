@@ -26,7 +26,7 @@ pub struct InitArgs {
 }
 
 /// Writes `.loop/config.toml` for an all-shell loop and trusts it; prints its path.
-pub fn run(p: &Project, args: &InitArgs) -> Result<i32> {
+pub fn run(p: &Project, args: &InitArgs, as_json: bool) -> Result<i32> {
     if !args.shell {
         return Err(usage(
             "only `loopd init --shell` exists so far; for an agent, see `loopd doctor`",
@@ -58,7 +58,8 @@ pub fn run(p: &Project, args: &InitArgs) -> Result<i32> {
         "wrote {} (trusted); next: `loopd create --title ... --task ...`, then `loopd run ID`",
         path.display()
     );
-    crate::outln!("{}", path.display())?;
+    let value = serde_json::json!({ "config": path, "trusted": true });
+    crate::cli::print_result(as_json, &value, &path.display().to_string())?;
     Ok(0)
 }
 

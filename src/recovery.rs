@@ -7,7 +7,7 @@
 use anyhow::Result;
 use serde_json::{Value, json};
 
-use crate::cli::{Project, standing, usage};
+use crate::cli::{Project, print_result, standing, usage};
 use crate::state::model::{MAX_DESCRIPTION, Status, now_rfc3339};
 
 /// A loop's limits and budgets, as `create` and `set` take them; `None` leaves one as it is (for
@@ -52,7 +52,7 @@ impl Limits {
 
 /// `loopd retry ID`: a failed or stopped loop goes on, with its error count at 0 and its failed
 /// tasks pending again; a daemon is started for it.
-pub fn retry(p: &Project, id: &str) -> Result<i32> {
+pub fn retry(p: &Project, id: &str, as_json: bool) -> Result<i32> {
     let state = p.load(id)?;
     if let Some(pid) = crate::daemon::daemon_pid(&p.store, id) {
         return Err(usage(format!(
@@ -105,13 +105,20 @@ pub fn retry(p: &Project, id: &str) -> Result<i32> {
     );
     let pid = crate::daemon::start(p, id, executor.as_deref())?;
     eprintln!("started daemon pid {pid}");
-    crate::outln!("{pid}")?;
+    let value = json!({
+        "loop_id": id,
+        "from": state.status.as_str(),
+        "status": Status::Running.as_str(),
+        "tasks_reset": reset_tasks,
+        "pid": pid,
+    });
+    print_result(as_json, &value, &pid.to_string())?;
     Ok(0)
 }
 
 /// `loopd set ID --max-iterations N ...`: changes a loop's limits and budgets. A daemon driving
 /// the loop takes them at its next selection.
-pub fn set(p: &Project, id: &str, limits: &Limits) -> Result<i32> {
+pub fn set(p: &Project, id: &str, limits: &Limits, as_json: bool) -> Result<i32> {
     let state = p.load(id)?;
     limits.check()?;
     let changes: Vec<(&str, Value)> = [
@@ -139,6 +146,11 @@ pub fn set(p: &Project, id: &str, limits: &Limits) -> Result<i32> {
         standing(&state, None),
         said.join(", ")
     );
+    let set: serde_json::Map<String, Value> = changes
+        .into_iter()
+        .map(|(key, value)| (key.to_owned(), value))
+        .collect();
+    print_result(as_json, &json!({ "loop_id": id, "set": set }), "")?;
     Ok(0)
 }
 
@@ -193,10 +205,7 @@ pub fn task_add(p: &Project, id: &str, text: &str, as_json: bool) -> Result<i32>
             "created_at": now_rfc3339(),
         })],
     )?;
-    if as_json {
-        crate::outln!("{}", json!({ "loop_id": id, "task_id": task_id }))?;
-    } else {
-        crate::outln!("{task_id}")?;
-    }
+    let value = json!({ "loop_id": id, "task_id": task_id });
+    print_result(as_json, &value, &task_id)?;
     Ok(0)
 }

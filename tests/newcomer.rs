@@ -4,6 +4,7 @@
 mod common;
 
 use common::*;
+use serde_json::json;
 
 #[test]
 fn a_loop_whose_programs_are_missing_is_refused_before_it_starts() {
@@ -469,23 +470,119 @@ fn a_first_loop_without_any_agent_does_real_work_and_completes() {
     assert_eq!(state["skill_state"]["validate"]["pass_rate"], 100.0);
 }
 
+/// The one JSON value a command printed on stdout, after checking it succeeded.
+fn json_of(p: &Project, args: &[&str]) -> serde_json::Value {
+    let out = p.output(args);
+    assert_eq!(code(&out), 0, "{args:?}: {}", stderr(&out));
+    serde_json::from_str(&stdout(&out)).unwrap_or_else(|e| {
+        panic!(
+            "{args:?} printed no single JSON value ({e}): {}",
+            stdout(&out)
+        )
+    })
+}
+
 #[test]
-fn commands_that_print_an_id_print_json_on_request() {
+fn every_command_that_prints_a_result_prints_json_on_request() {
     let p = Project::new(GOOD_AGENT);
-    let out = p.output(&["create", "--title", "t", "--json"]);
-    assert_eq!(code(&out), 0, "{}", stderr(&out));
-    let created: serde_json::Value = serde_json::from_str(&stdout(&out)).unwrap();
-    let id = created["loop_id"].as_str().unwrap().to_owned();
-    let out = p.output(&["task", "add", &id, "one more", "--json"]);
-    let added: serde_json::Value = serde_json::from_str(&stdout(&out)).unwrap();
-    assert_eq!(added["loop_id"], id.as_str());
-    assert_eq!(added["task_id"], "task-001");
-    let out = p.output(&["start", &id, "--json"]);
-    let started: serde_json::Value = serde_json::from_str(&stdout(&out)).unwrap();
-    assert_eq!(started["loop_id"], id.as_str());
-    let pid = started["pid"].as_u64().unwrap() as u32;
+    let doctor = json_of(&p, &["doctor", "--json"]);
+    assert_eq!(doctor["ready"], true, "{doctor}");
+    assert_eq!(doctor["actions"].as_array().unwrap().len(), 5, "{doctor}");
+    assert!(
+        doctor["problems"].as_array().unwrap().is_empty(),
+        "{doctor}"
+    );
+    let trusted = json_of(&p, &["trust", "--json"]);
+    assert!(
+        !trusted["trusted"].as_array().unwrap().is_empty(),
+        "{trusted}"
+    );
+
+    let id = json_of(&p, &["create", "--title", "t", "--json"])["loop_id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let added = json_of(&p, &["task", "add", &id, "one more", "--json"]);
+    assert_eq!(
+        (&added["loop_id"], &added["task_id"]),
+        (&json!(id), &json!("task-001"))
+    );
+    let set = json_of(&p, &["--json", "set", &id, "--max-iterations", "9"]);
+    assert_eq!(set["set"]["max_iterations"], 9);
+    let paused = json_of(&p, &["pause", &id, "--json"]);
+    assert_eq!(
+        (&paused["from"], &paused["status"]),
+        (&json!("created"), &json!("paused"))
+    );
+    let resumed = json_of(&p, &["resume", &id, "--json"]);
+    assert_eq!(resumed["status"], "running");
+    let pid = resumed["pid"].as_u64().expect("resume started a daemon") as u32;
     wait_for("the loop to complete", || {
         p.state(&id)["status"] == "completed"
     });
     wait_for("its daemon to exit", || !alive(pid));
+    assert_eq!(
+        json_of(&p, &["status", &id, "--json"])["loop_id"],
+        id.as_str()
+    );
+    let listed = json_of(&p, &["list", "--json"]);
+    assert_eq!(listed[0]["loop_id"], id.as_str());
+    // logs: one event per line.
+    let out = p.output(&["logs", &id, "--json"]);
+    assert!(stdout(&out).lines().count() > 3);
+    for line in stdout(&out).lines() {
+        serde_json::from_str::<serde_json::Value>(line).unwrap();
+    }
+
+    let other = json_of(&p, &["create", "--title", "u", "--json"])["loop_id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let stopped = json_of(&p, &["stop", &other, "--json"]);
+    assert_eq!(stopped["status"], "failed");
+    let retried = json_of(&p, &["retry", &other, "--json"]);
+    assert_eq!(
+        (&retried["from"], &retried["tasks_reset"]),
+        (&json!("failed"), &json!(0))
+    );
+    let pid = retried["pid"].as_u64().unwrap() as u32;
+    wait_for("the retried loop to complete", || {
+        p.state(&other)["status"] == "completed"
+    });
+    wait_for("its daemon to exit", || !alive(pid));
+
+    let third = p.create(&["--title", "v"]);
+    let ran = json_of(&p, &["run", &third, "--json"]);
+    assert_eq!(
+        (&ran["status"], &ran["outcome"], &ran["exit_code"]),
+        (&json!("completed"), &json!("passed"), &json!(0))
+    );
+
+    let fresh = Project::new("");
+    std::fs::remove_file(fresh.root.join(".loop/config.toml")).unwrap();
+    let init = json_of(
+        &fresh,
+        &[
+            "init",
+            "--shell",
+            "--develop",
+            "true",
+            "--validate",
+            "true",
+            "--json",
+        ],
+    );
+    assert!(
+        init["config"]
+            .as_str()
+            .unwrap()
+            .ends_with(".loop/config.toml"),
+        "{init}"
+    );
+    // What prints text for people refuses --json in one line.
+    for args in [&["man", "--json"][..], &["completions", "bash", "--json"]] {
+        let out = p.output(args);
+        assert_eq!(code(&out), 2, "{args:?}");
+        assert_eq!(stderr(&out).trim().lines().count(), 1, "{}", stderr(&out));
+    }
 }
