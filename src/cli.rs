@@ -462,6 +462,10 @@ pub struct CreateArgs {
     /// A develop task (repeatable); written to the loop's task list
     #[arg(long = "task", value_name = "TEXT")]
     pub tasks: Vec<String>,
+    /// Give the loop a git worktree of its own (branch `loopd/<id>` from HEAD, in the state
+    /// dir's worktrees/), so that it can run beside the project's other loops
+    #[arg(long)]
+    pub worktree: bool,
 }
 
 /// Writes a new loop (and its task list); returns its id.
@@ -473,6 +477,7 @@ pub fn create_loop(p: &Project, args: &CreateArgs) -> Result<String> {
         mode,
         workflow,
         tasks,
+        worktree,
     } = args;
     let crate::recovery::Limits {
         max_iterations,
@@ -519,6 +524,10 @@ pub fn create_loop(p: &Project, args: &CreateArgs) -> Result<String> {
     }
     let now = now_rfc3339();
     let id = new_id();
+    let worktree = match worktree {
+        true => Some(crate::worktree::create(&p.root, &p.store, &id)?),
+        false => None,
+    };
     let state = LoopState {
         loop_id: id.clone(),
         title: title.to_owned(),
@@ -540,11 +549,17 @@ pub fn create_loop(p: &Project, args: &CreateArgs) -> Result<String> {
                     .clone()
                     .unwrap_or_else(|| p.config.workflow.clone()),
             ),
+            worktree: worktree.clone(),
             ..SkillState::default()
         }),
         ..LoopState::default()
     };
-    p.store.create(&state)?;
+    if let Err(e) = p.store.create(&state) {
+        if let Some(w) = &worktree {
+            crate::worktree::remove(&p.root, w);
+        }
+        return Err(e.into());
+    }
     if !tasks.is_empty() {
         let lines: Vec<Value> = tasks
             .iter()
@@ -824,6 +839,13 @@ fn status(p: &Project, id: &str, as_json: bool) -> Result<i32> {
     );
     if let Some(reason) = &s.failure_reason {
         row(&mut out, "reason", reason.clone());
+    }
+    if let Some(w) = &skill.worktree {
+        row(
+            &mut out,
+            "worktree",
+            format!("{} (branch {})", w.path.display(), w.branch),
+        );
     }
     if let Some(b) = &skill.blocked {
         row(

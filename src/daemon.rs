@@ -4,6 +4,7 @@
 use std::fs::File;
 use std::io::{Read as _, Seek as _, SeekFrom, Write as _};
 use std::os::unix::process::CommandExt as _;
+use std::path::Path;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
@@ -51,16 +52,19 @@ pub fn drive(p: &Project, id: &str, executor: Option<String>, exit_on_pause: boo
         message
     });
     let state = p.load(id)?;
-    let workflow = loop_workflow(p, &state)?;
     if let Some(name) = &executor {
         p.config
             .executor_named(name)
             .map_err(|reason| crate::cli::UsageError(format!("--executor: {reason}")))?;
     }
-    let mut daemon = build(p, workflow, executor, exit_on_pause)?;
+    let (mut daemon, work_tree) = build_for(p, &state, executor, exit_on_pause)?;
     preflight(p, id, &daemon)?;
     daemon.restored = restored;
-    let _lock = DaemonLock::acquire(&p.store, id)?;
+    let _lock = Held::daemon(&p.store, id)?;
+    let _shared_work_tree = match work_tree.own {
+        true => None,
+        false => Some(Held::work_tree(&p.store, id, &p.root)?),
+    };
     crate::executor::procs::become_subreaper();
     // The loop runs on this thread; signals and the watcher's re-check on a worker of their own,
     // so that a wait for a full disk or a held lock still sees a signal.
@@ -144,59 +148,146 @@ async fn forward_signals(tx: watch::Sender<Option<i32>>) {
     }
 }
 
-/// Who holds a loop's daemon lock, if anyone: the pid written in it.
-pub fn daemon_pid(store: &Store, id: &str) -> Option<u32> {
-    let file = store.existing_daemon_lock(id)?;
+/// Who holds a lock file of the state dir, if anyone: what the holder wrote in it.
+fn holder(store: &Store, name: &str) -> Option<String> {
+    let file = store.existing_lock(name)?;
     match file.try_lock_shared() {
         Ok(()) => None,
         Err(_) => {
             let mut text = String::new();
             (&file).read_to_string(&mut text).ok()?;
-            Some(text.trim().parse().unwrap_or(0))
+            Some(text.trim().to_owned())
         }
     }
 }
 
-/// The lock that says "a daemon drives this loop", held for the daemon's lifetime.
-pub struct DaemonLock {
+/// The process a lock's holder text names (its first word), or 0 when it names none.
+fn holder_pid(text: &str) -> u32 {
+    text.split_whitespace()
+        .next()
+        .and_then(|pid| pid.parse().ok())
+        .unwrap_or(0)
+}
+
+/// Who holds a loop's daemon lock, if anyone: the pid written in it.
+pub fn daemon_pid(store: &Store, id: &str) -> Option<u32> {
+    crate::state::store::validate_id(id).ok()?;
+    holder(store, &format!("{id}.daemon")).map(|text| holder_pid(&text))
+}
+
+/// An exclusive lock on a file of the state dir, held until it is dropped.
+pub struct Held {
     _file: File,
 }
 
-impl DaemonLock {
-    pub fn acquire(store: &Store, id: &str) -> Result<DaemonLock> {
-        let mut file = store.open_daemon_lock(id)?;
-        // A holder whose recorded daemon is gone is passing through: `status` or `resume`
-        // probing the lock, or a dead daemon's executor between fork and exec. Wait it out.
+impl Held {
+    /// Takes the lock and writes `me` in it (`PID`, or `PID LOOP`), or returns `busy(holder)`
+    /// with what its holder wrote. A holder whose process is gone is passing through: `status`
+    /// or `resume` probing the lock, or a dead daemon's executor between fork and exec. It is
+    /// waited out for up to 2 s.
+    fn take(
+        store: &Store,
+        name: &str,
+        me: &str,
+        busy: impl Fn(&str) -> anyhow::Error,
+    ) -> Result<Held> {
+        let mut file = store.open_lock(name)?;
         let deadline = Instant::now() + Duration::from_secs(2);
         while file.try_lock().is_err() {
-            let pid = daemon_pid(store, id).unwrap_or(0);
+            let text = holder(store, name).unwrap_or_default();
+            let pid = holder_pid(&text);
             let alive = pid > 0
                 && crate::executor::procs::ProcStat::read(pid).is_some_and(|p| p.is_alive());
             if alive || Instant::now() > deadline {
-                return Err(crate::cli::usage(format!(
-                    "loop {id} is already driven by a daemon (pid {pid})"
-                )));
+                return Err(busy(&text));
             }
             std::thread::sleep(Duration::from_millis(5));
         }
         file.set_len(0)?;
         file.seek(SeekFrom::Start(0))?;
-        write!(file, "{}", std::process::id())?;
+        write!(file, "{me}")?;
         file.flush()?;
-        Ok(DaemonLock { _file: file })
+        Ok(Held { _file: file })
+    }
+
+    /// The lock that says "a daemon drives this loop", held for the daemon's lifetime.
+    pub fn daemon(store: &Store, id: &str) -> Result<Held> {
+        crate::state::store::validate_id(id)?;
+        Held::take(
+            store,
+            &format!("{id}.daemon"),
+            &std::process::id().to_string(),
+            |holder| {
+                let pid = holder_pid(holder);
+                crate::cli::usage(format!(
+                    "loop {id} is already driven by a daemon (pid {pid})"
+                ))
+            },
+        )
+    }
+
+    /// The lock that says "a loop runs in the project root", held for the daemon's lifetime by
+    /// a loop without a worktree of its own: two loops never edit one work tree at once.
+    pub fn work_tree(store: &Store, id: &str, root: &Path) -> Result<Held> {
+        Held::take(
+            store,
+            WORK_TREE_LOCK,
+            &format!("{} {id}", std::process::id()),
+            |holder| work_tree_busy(id, root, holder),
+        )
+    }
+}
+
+/// The lock file of the loop running in the project root.
+const WORK_TREE_LOCK: &str = "worktree.lock";
+
+/// The refusal of a loop whose work tree another loop's daemon holds.
+fn work_tree_busy(id: &str, root: &Path, holder: &str) -> anyhow::Error {
+    let pid = holder_pid(holder);
+    let other = holder.split_whitespace().nth(1).unwrap_or("another loop");
+    crate::cli::usage(format!(
+        "loop {id} cannot run in {}: loop {other} runs there (daemon pid {pid}); wait for it or \
+         stop it, or give a loop a work tree of its own with `loopd create --worktree`",
+        root.display()
+    ))
+}
+
+/// Refuses a loop that would run in the project root while another loop runs there.
+fn check_work_tree_free(p: &Project, state: &LoopState) -> Result<()> {
+    if crate::worktree::of(p, state)?.own {
+        return Ok(());
+    }
+    match holder(&p.store, WORK_TREE_LOCK) {
+        Some(text) if text.split_whitespace().nth(1) != Some(state.loop_id.as_str()) => {
+            let pid = holder_pid(&text);
+            if crate::executor::procs::ProcStat::read(pid).is_some_and(|p| p.is_alive()) {
+                return Err(work_tree_busy(&state.loop_id, &p.root, &text));
+            }
+            Ok(())
+        }
+        _ => Ok(()),
     }
 }
 
 /// Refuses now, where the user sees it, what a daemon would refuse at its start: a bad action
 /// file or executor, project files that are not trusted, programs that are not installed.
 pub fn check_runnable(p: &Project, state: &LoopState, executor: Option<&str>) -> Result<()> {
-    let daemon = build(
-        p,
-        loop_workflow(p, state)?,
-        executor.map(str::to_owned),
-        false,
-    )?;
-    preflight(p, &state.loop_id, &daemon)
+    let (daemon, _) = build_for(p, state, executor.map(str::to_owned), false)?;
+    preflight(p, &state.loop_id, &daemon)?;
+    check_work_tree_free(p, state)
+}
+
+/// A daemon for one loop: its workflow's, running its actions in the loop's work tree.
+fn build_for(
+    p: &Project,
+    state: &LoopState,
+    executor: Option<String>,
+    exit_on_pause: bool,
+) -> Result<(Daemon, crate::worktree::WorkTree)> {
+    let work_tree = crate::worktree::of(p, state)?;
+    let mut daemon = build(p, loop_workflow(p, state)?, executor, exit_on_pause)?;
+    daemon.work_tree = work_tree.path.clone();
+    Ok((daemon, work_tree))
 }
 
 /// The checks before a daemon starts: the project's files are trusted, and every program the

@@ -22,3 +22,4 @@ pub mod state;
 pub mod trust;
 pub mod watch;
 pub mod workflow;
+pub mod worktree;

@@ -95,6 +95,8 @@ pub struct Plan {
 /// Everything a daemon needs to drive one loop.
 pub struct Daemon {
     pub root: PathBuf,
+    /// Where the loop's actions run: the project root, or the loop's own git worktree.
+    pub work_tree: PathBuf,
     pub store: Store,
     pub config: Config,
     pub workflow: &'static dyn Workflow,
@@ -134,6 +136,7 @@ impl Daemon {
             );
         }
         Ok(Daemon {
+            work_tree: root.clone(),
             root,
             store,
             config,
@@ -170,7 +173,8 @@ impl Daemon {
                 .find(|(k, _)| k == "PATH")
                 .map(|(_, v)| v.clone())
                 .or_else(|| std::env::var_os("PATH"));
-            if crate::doctor::find_program_in(&program, &self.root, path.as_deref()).is_some() {
+            if crate::doctor::find_program_in(&program, &self.work_tree, path.as_deref()).is_some()
+            {
                 continue;
             }
             let what = match plan.executor.strip_prefix("command: ") {
@@ -1011,7 +1015,7 @@ impl Turn<'_> {
             state,
             dispatch,
             state.max_iterations_or(daemon.config.max_iterations),
-            &self.daemon.root,
+            &self.daemon.work_tree,
             &store.state_path(id),
             &progress_dir,
             &result_path,
@@ -1024,7 +1028,7 @@ impl Turn<'_> {
             ("LOOPD_ACTION".into(), dispatch.action.clone().into()),
             ("LOOPD_ITERATION".into(), iteration.to_string().into()),
             ("LOOPD_ATTEMPT".into(), attempt.to_string().into()),
-            ("LOOPD_ROOT".into(), daemon.root.clone().into()),
+            ("LOOPD_ROOT".into(), daemon.work_tree.clone().into()),
             ("LOOPD_STATE_FILE".into(), store.state_path(id).into()),
             ("LOOPD_PROGRESS_DIR".into(), progress_dir.clone().into()),
             ("LOOPD_RESULT_FILE".into(), result_path.clone().into()),
@@ -1039,7 +1043,7 @@ impl Turn<'_> {
             prompt,
             prompt_mode: plan.prompt_mode,
             env,
-            cwd: daemon.root.clone(),
+            cwd: daemon.work_tree.clone(),
             supervision: plan.supervision,
             dir: actions.clone(),
             stem: stem.clone(),

@@ -586,3 +586,98 @@ fn every_command_that_prints_a_result_prints_json_on_request() {
         assert_eq!(stderr(&out).trim().lines().count(), 1, "{}", stderr(&out));
     }
 }
+
+/// `git` in `dir`, as a test's setup; panics when it fails.
+fn git(dir: &std::path::Path, args: &[&str]) -> String {
+    let out = std::process::Command::new("git")
+        .arg("-C")
+        .arg(dir)
+        .args([
+            "-c",
+            "user.name=t",
+            "-c",
+            "user.email=t@example.com",
+            "-c",
+            "commit.gpgsign=false",
+        ])
+        .args(args)
+        .output()
+        .expect("run git");
+    assert!(out.status.success(), "git {args:?}: {}", stderr(&out));
+    stdout(&out)
+}
+
+#[test]
+fn two_loops_never_edit_one_work_tree_at_once_unless_one_has_a_worktree_of_its_own() {
+    // Develop leaves a mark in the work tree it runs in, then waits for `go` in the project root.
+    let p = Project::new("");
+    let go = p.root.join("go");
+    p.agent(&format!(
+        "if [ \"$LOOPD_ACTION\" = develop ]; then touch \"mark-$LOOPD_LOOP_ID\"; \
+         while [ ! -f '{}' ]; do sleep 0.02; done; fi\n{GOOD_AGENT}",
+        go.display()
+    ));
+    git(&p.root, &["init", "-q"]);
+    git(&p.root, &["add", "bin"]);
+    git(&p.root, &["commit", "-q", "-m", "agent"]);
+    let head = git(&p.root, &["rev-parse", "HEAD"]);
+
+    let first = p.create(&["--title", "first"]);
+    let out = p.output(&["start", &first]);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    let first_pid: u32 = stdout(&out).trim().parse().unwrap();
+    wait_for("the first loop to develop", || {
+        p.root.join(format!("mark-{first}")).exists()
+    });
+
+    // A second loop of the same work tree is refused, in one line that names the first.
+    let second = p.create(&["--title", "second"]);
+    for args in [vec!["run", &second], vec!["start", &second]] {
+        let out = p.output(&args);
+        let err = stderr(&out);
+        assert_eq!(code(&out), 2, "{args:?}: {err}");
+        assert_eq!(err.trim().lines().count(), 1, "{err}");
+        assert!(err.contains(&first) && err.contains("--worktree"), "{err}");
+    }
+    assert_eq!(p.state(&second)["status"], "created");
+
+    // One with a worktree of its own runs beside it, there and not in the project root.
+    let third = p.create(&["--title", "third", "--worktree"]);
+    let worktree = p.root.join(".loop/worktrees").join(&third);
+    let out = p.output(&["status", &third]);
+    assert!(
+        stdout(&out).contains(&format!("{} (branch loopd/{third})", worktree.display())),
+        "{}",
+        stdout(&out)
+    );
+    let out = p.output(&["start", &third]);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    let third_pid: u32 = stdout(&out).trim().parse().unwrap();
+    wait_for("the third loop to develop in its worktree", || {
+        worktree.join(format!("mark-{third}")).exists()
+    });
+    assert!(!p.root.join(format!("mark-{third}")).exists());
+
+    std::fs::write(&go, "").unwrap();
+    for (id, pid) in [(&first, first_pid), (&third, third_pid)] {
+        wait_for("the loop to complete", || {
+            p.state(id)["status"] == "completed"
+        });
+        wait_for("its daemon to exit", || !alive(pid));
+    }
+    // The work tree is free again; the user's branch never moved.
+    assert_eq!(code(&p.run(&second, &[])), 0);
+    assert_eq!(git(&p.root, &["rev-parse", "HEAD"]), head);
+    assert!(git(&p.root, &["branch", "--list", "loopd/*"]).contains(&third));
+}
+
+#[test]
+fn a_worktree_needs_a_git_repository_and_leaves_nothing_when_refused() {
+    let p = Project::new(GOOD_AGENT);
+    let out = p.output(&["create", "--title", "t", "--worktree"]);
+    assert_eq!(code(&out), 2, "{}", stderr(&out));
+    assert_eq!(stderr(&out).trim().lines().count(), 1, "{}", stderr(&out));
+    assert!(stderr(&out).contains("git repository"), "{}", stderr(&out));
+    let out = p.output(&["list", "--json"]);
+    assert_eq!(stdout(&out).trim(), "[]");
+}

@@ -9,6 +9,7 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
+use std::path::PathBuf;
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use serde_json::{Map, Value};
@@ -248,6 +249,10 @@ pub struct SkillState {
     /// key, a missing program): why, and what to do. Cleared when an action starts.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub blocked: Option<Blocked>,
+    /// The loop's own git worktree (`loopd create --worktree`), where its actions run; absent
+    /// when they run in the project root.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub worktree: Option<Worktree>,
     #[serde(flatten)]
     pub extra: Extra,
 }
@@ -303,6 +308,13 @@ impl UsageTotals {
 pub struct Finished {
     pub seq: u64,
     pub ok: bool,
+}
+
+/// A loop's own git worktree.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Worktree {
+    pub path: PathBuf,
+    pub branch: String,
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]

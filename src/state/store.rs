@@ -344,22 +344,23 @@ impl Store {
         self.path.join(progress_name(id))
     }
 
-    /// Opens a loop's daemon lock file (`{id}.daemon`), creating it.
-    pub fn open_daemon_lock(&self, id: &str) -> Result<File, StoreError> {
-        validate_id(id)?;
-        let name = format!("{id}.daemon");
+    /// Opens a lock file of the state directory (a loop's `{id}.daemon`, `worktree.lock`),
+    /// creating it (0600).
+    pub fn open_lock(&self, name: &str) -> Result<File, StoreError> {
         self.state_dir(true)?
-            .open_rw(&name)
-            .map_err(io_err(&self.path.join(&name)))
+            .open_rw(name)
+            .map_err(io_err(&self.path.join(name)))
     }
 
-    /// Opens a loop's daemon lock file if it exists.
-    pub fn existing_daemon_lock(&self, id: &str) -> Option<File> {
-        validate_id(id).ok()?;
-        self.existing_dir()
-            .ok()??
-            .open_read(&format!("{id}.daemon"))
-            .ok()
+    /// Opens a lock file of the state directory if it exists.
+    pub fn existing_lock(&self, name: &str) -> Option<File> {
+        self.existing_dir().ok()??.open_read(name).ok()
+    }
+
+    /// Where a loop's own git worktree lives (`loopd create --worktree`): `worktrees/{id}` in the
+    /// state directory.
+    pub fn worktree_path(&self, id: &str) -> PathBuf {
+        self.path.join("worktrees").join(id)
     }
 
     /// The task list's name in the state directory: `{id}.tasks.jsonl`, else the CCW dashboard's
