@@ -52,11 +52,6 @@ pub fn drive(p: &Project, id: &str, executor: Option<String>, exit_on_pause: boo
         message
     });
     let state = p.load(id)?;
-    if let Some(name) = &executor {
-        p.config
-            .executor_named(name)
-            .map_err(|reason| crate::cli::UsageError(format!("--executor: {reason}")))?;
-    }
     let (mut daemon, work_tree) = build_for(p, &state, executor, exit_on_pause)?;
     preflight(p, id, &daemon)?;
     daemon.restored = restored;
@@ -148,16 +143,20 @@ async fn forward_signals(tx: watch::Sender<Option<i32>>) {
     }
 }
 
-/// Who holds a lock file of the state dir, if anyone: what the holder wrote in it.
+/// Who holds a lock file of the state dir, if anyone: what the holder wrote in it. A holder
+/// writes right after it takes the lock; an empty file is read again for up to 100 ms.
 fn holder(store: &Store, name: &str) -> Option<String> {
-    let file = store.existing_lock(name)?;
-    match file.try_lock_shared() {
-        Ok(()) => None,
-        Err(_) => {
-            let mut text = String::new();
-            (&file).read_to_string(&mut text).ok()?;
-            Some(text.trim().to_owned())
+    let mut file = store.existing_lock(name)?;
+    let deadline = Instant::now() + Duration::from_millis(100);
+    loop {
+        file.try_lock_shared().err()?;
+        let mut text = String::new();
+        file.seek(SeekFrom::Start(0)).ok()?;
+        file.read_to_string(&mut text).ok()?;
+        if !text.trim().is_empty() || Instant::now() > deadline {
+            return Some(text.trim().to_owned());
         }
+        std::thread::sleep(Duration::from_millis(2));
     }
 }
 
@@ -284,6 +283,11 @@ fn build_for(
     executor: Option<String>,
     exit_on_pause: bool,
 ) -> Result<(Daemon, crate::worktree::WorkTree)> {
+    if let Some(name) = &executor {
+        p.config
+            .executor_named(name)
+            .map_err(|reason| crate::cli::usage(format!("--executor: {reason}")))?;
+    }
     let work_tree = crate::worktree::of(p, state)?;
     let mut daemon = build(p, loop_workflow(p, state)?, executor, exit_on_pause)?;
     daemon.work_tree = work_tree.path.clone();
@@ -344,12 +348,23 @@ pub fn start(p: &Project, id: &str, executor: Option<&str>) -> Result<u32> {
             return Ok(pid);
         }
         if let Some(status) = child.try_wait()? {
+            // Another `start` won the race: the same refusal as when it had won before.
+            if let Some(other) = daemon_pid(&p.store, id) {
+                return Err(crate::cli::usage(format!(
+                    "loop {id} is already driven by a daemon (pid {other})"
+                )));
+            }
             let tail = std::fs::read_to_string(&log_path).unwrap_or_default();
             let last = tail.lines().last().unwrap_or("").to_owned();
-            bail!(
+            let message = format!(
                 "the daemon exited at once ({status}); {}: {last}",
                 log_path.display()
             );
+            // What the daemon refused as bad input is bad input here too.
+            return Err(match status.code() {
+                Some(2) => crate::cli::usage(message),
+                _ => anyhow::anyhow!(message),
+            });
         }
         if Instant::now() > deadline {
             bail!(

@@ -681,3 +681,58 @@ fn a_worktree_needs_a_git_repository_and_leaves_nothing_when_refused() {
     let out = p.output(&["list", "--json"]);
     assert_eq!(stdout(&out).trim(), "[]");
 }
+
+#[test]
+fn a_fault_gets_one_exit_code_and_one_line_whichever_command_meets_it() {
+    let p = Project::new("");
+    let go = p.root.join("go");
+    p.agent(&format!(
+        "while [ ! -f '{}' ]; do sleep 0.02; done\n{GOOD_AGENT}",
+        go.display()
+    ));
+    let id = p.create(&["--title", "t"]);
+    for cmd in ["run", "start"] {
+        let out = p.output(&[cmd, &id, "--executor", "nope"]);
+        let err = stderr(&out);
+        assert_eq!(code(&out), 2, "{cmd}: {err}");
+        assert_eq!(err.trim().lines().count(), 1, "{cmd}: {err}");
+        assert!(
+            err.contains("--executor: unknown executor \"nope\""),
+            "{err}"
+        );
+    }
+    // Two starts at once: one daemon; the other is refused as if it had come second.
+    let starts: Vec<_> = (0..2)
+        .map(|_| {
+            p.loopd()
+                .args(["start", &id])
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let outs: Vec<_> = starts
+        .into_iter()
+        .map(|c| wait_output(c, DEADLINE))
+        .collect();
+    let (won, lost): (Vec<_>, Vec<_>) = outs.iter().partition(|o| code(o) == 0);
+    assert_eq!(
+        (won.len(), lost.len()),
+        (1, 1),
+        "{:?}",
+        outs.iter().map(stderr).collect::<Vec<_>>()
+    );
+    let pid: u32 = stdout(won[0]).trim().parse().unwrap();
+    assert_eq!(code(lost[0]), 2, "{}", stderr(lost[0]));
+    assert!(
+        stderr(lost[0]).contains(&format!("already driven by a daemon (pid {pid})")),
+        "{}",
+        stderr(lost[0])
+    );
+    std::fs::write(&go, "").unwrap();
+    wait_for("the loop to complete", || {
+        p.state(&id)["status"] == "completed"
+    });
+    wait_for("its daemon to exit", || !alive(pid));
+}
