@@ -133,6 +133,12 @@ pub enum Command {
     Stop { id: String },
     /// Choose the next action of a loop waiting in interactive mode
     Next { id: String, action: String },
+    /// Answer the question a loop's executor asked; the loop goes on with the answer
+    Answer {
+        id: String,
+        /// The answer, for the agent that asked
+        text: String,
+    },
     /// Run a failed or stopped loop again: its error count reset, its failed tasks pending
     Retry { id: String },
     /// Change a loop's limits and budgets (a running daemon takes them at its next step)
@@ -346,6 +352,7 @@ pub fn run(cli: Cli) -> Result<i32> {
         Command::Stop { id } => control(&inspect()?, &id, Control::Stop, json),
         Command::Next { id, action } => next(&project()?, &id, &action, json),
         Command::Retry { id } => crate::recovery::retry(&project()?, &id, json),
+        Command::Answer { id, text } => crate::recovery::answer(&inspect()?, &id, &text, json),
         Command::Set { id, limits } => crate::recovery::set(&project()?, &id, &limits, json),
         Command::Task(TaskCommand::Add { id, text }) => {
             crate::recovery::task_add(&project()?, &id, &text, json)
@@ -847,6 +854,17 @@ fn status(p: &Project, id: &str, as_json: bool) -> Result<i32> {
             format!("{} (branch {})", w.path.display(), w.branch),
         );
     }
+    if let Some(q) = &skill.question {
+        let answer = match &q.answer {
+            Some(a) => format!(" — answered: {a}"),
+            None => String::new(),
+        };
+        row(
+            &mut out,
+            "question",
+            format!("{}: {}{answer}", q.action, q.text),
+        );
+    }
     if let Some(b) = &skill.blocked {
         row(
             &mut out,
@@ -1047,6 +1065,7 @@ fn next_step(s: &LoopState, daemon: Option<u32>) -> Option<String> {
         Status::Running if daemon.is_none() => {
             format!("nothing drives it: `loopd start {id}` picks it up where it was")
         }
+        Status::Running if waits_for_answer(s) => format!("answer with `loopd answer {id} TEXT`"),
         Status::Running => match skill.and_then(|k| k.awaiting_choice.as_ref()) {
             Some(_) => format!("choose with `loopd next {id} ACTION`"),
             None => format!("watch it with `loopd logs {id} --follow`"),
@@ -1066,6 +1085,7 @@ pub fn standing(s: &LoopState, daemon: Option<u32>) -> String {
     let outcome = skill.and_then(|k| k.outcome.as_deref());
     match &s.status {
         Status::Running if daemon.is_none() => "running (no daemon)".to_owned(),
+        Status::Running if waits_for_answer(s) => "waiting for an answer".to_owned(),
         Status::Paused if skill.is_some_and(|k| k.blocked.is_some()) => "blocked".to_owned(),
         Status::Completed => match outcome {
             Some("iteration_limit") => "iteration limit".to_owned(),
@@ -1079,6 +1099,14 @@ pub fn standing(s: &LoopState, daemon: Option<u32>) -> String {
         Status::Failed | Status::UserExit => "stopped".to_owned(),
         other => other.as_str().to_owned(),
     }
+}
+
+/// An executor of the loop asked a question that has no answer yet.
+fn waits_for_answer(s: &LoopState) -> bool {
+    s.skill_state
+        .as_ref()
+        .and_then(|k| k.question.as_ref())
+        .is_some_and(|q| q.waiting())
 }
 
 /// A duration as people read it: `42s`, `3m05s`, `2h10m`.

@@ -43,6 +43,8 @@ pub mod name {
     /// loopd's: the executor cannot run here (no login, no key, a missing program); the loop is
     /// paused until a person fixes it and resumes it.
     pub const BLOCKED: &str = "blocked";
+    pub const AWAITING_ANSWER: &str = "awaiting_answer";
+    pub const ANSWERED: &str = "answered";
     /// loopd's: the agent retries a failed API request on its own (`retry` of `max_retries`,
     /// after `delay_ms`, for `status`), which it would otherwise do in silence.
     pub const AGENT_RETRYING: &str = "agent_retrying";

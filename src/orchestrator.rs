@@ -566,6 +566,11 @@ impl Turn<'_> {
                         return Ok(Exit::Failed(reason));
                     }
                 }
+                Decision::AwaitAnswer => {
+                    if let Some(sig) = self.wait_for_change(&state).await {
+                        return Ok(Exit::Signalled(sig));
+                    }
+                }
                 Decision::Wait {
                     choices,
                     suggested,
@@ -629,7 +634,15 @@ impl Turn<'_> {
         // A change published between reading `seen` and subscribing is not waited for.
         let moved_on = rx.borrow_and_update().as_ref().is_some_and(|s| {
             let c = &s.control;
-            c.status != seen.status || c.next_action != seen.next_action || c.mode() != seen.mode()
+            let answer = seen
+                .skill_state
+                .as_ref()
+                .and_then(|k| k.question.as_ref())
+                .and_then(|q| q.answer.as_deref());
+            c.status != seen.status
+                || c.next_action != seen.next_action
+                || c.mode() != seen.mode()
+                || c.answer() != answer
         });
         if moved_on {
             return None;
@@ -795,6 +808,16 @@ impl Turn<'_> {
             .saturating_add(u64::from(wf.counts_iteration(&dispatch.action)));
         let now = now_rfc3339();
         wf.begin(&mut state, dispatch, &now);
+        if let Some(q) = state.skill_state.as_ref().and_then(|s| s.question.as_ref())
+            && let Some(answer) = &q.answer
+        {
+            self.events.emit(
+                Event::new(name::ANSWERED)
+                    .with("action", dispatch.action.clone())
+                    .with("question", q.text.clone())
+                    .with("answer", answer.clone()),
+            );
+        }
         let skill = state.skill();
         skill.awaiting_choice = None;
         skill.blocked = None;
@@ -860,6 +883,9 @@ impl Turn<'_> {
                     Verdict::Blocked { message } => {
                         return self.block(state, dispatch, plan, message);
                     }
+                    Verdict::NeedsInput { question } => {
+                        return self.ask(state, dispatch, question);
+                    }
                     Verdict::Interrupted => unreachable!("handled as Attempted::Interrupted"),
                 },
                 Attempted::Interrupted(Interrupt::Shutdown(sig)) => {
@@ -911,6 +937,35 @@ impl Turn<'_> {
             Event::new(name::BLOCKED)
                 .with("action", dispatch.action.clone())
                 .with("message", hint),
+        );
+        Ok(None)
+    }
+
+    /// The executor asks a person: keep the question in `skill_state.question`, say it once, and
+    /// let the main loop wait for the answer. Like a block, the attempt used no retry, counted no
+    /// error and no iteration; the action runs again once answered, its prompt with the answer.
+    fn ask(
+        &mut self,
+        mut state: LoopState,
+        dispatch: &Dispatch,
+        question: String,
+    ) -> Result<Option<Exit>> {
+        state.skill().question = Some(crate::state::model::Question {
+            since: now_rfc3339(),
+            action: dispatch.action.clone(),
+            text: question.clone(),
+            answer: None,
+            answered_at: None,
+        });
+        self.commit(&state, None, None, true)?;
+        self.events.emit(
+            Event::new(name::AWAITING_ANSWER)
+                .with("action", dispatch.action.clone())
+                .with(
+                    "message",
+                    format!("{question} (answer with `loopd answer {} TEXT`)", self.id),
+                )
+                .with("question", question),
         );
         Ok(None)
     }
@@ -1022,7 +1077,15 @@ impl Turn<'_> {
             iteration,
             attempt,
         );
-        let prompt = def.render(&vars);
+        let mut prompt = def.render(&vars);
+        if let Some(q) = state.skill_state.as_ref().and_then(|s| s.question.as_ref())
+            && let Some(answer) = &q.answer
+        {
+            prompt.push_str(&format!(
+                "\n\n## Your question, answered\n\nAn earlier {} asked:\n\n{}\n\nThe answer:\n\n{answer}\n",
+                q.action, q.text
+            ));
+        }
         let mut env: Vec<(String, OsString)> = vec![
             ("LOOPD_LOOP_ID".into(), id.into()),
             ("LOOPD_ACTION".into(), dispatch.action.clone().into()),
@@ -1190,7 +1253,7 @@ impl Turn<'_> {
         let mut event = done
             .event(match &v {
                 Verdict::Success(_) => name::ACTION_FINISHED,
-                Verdict::Interrupted => name::ACTION_INTERRUPTED,
+                Verdict::Interrupted | Verdict::NeedsInput { .. } => name::ACTION_INTERRUPTED,
                 Verdict::Failed { .. } | Verdict::RateLimited { .. } | Verdict::Blocked { .. } => {
                     name::ACTION_FAILED
                 }
@@ -1218,6 +1281,7 @@ impl Turn<'_> {
             Verdict::Failed { message, .. }
             | Verdict::RateLimited { message, .. }
             | Verdict::Blocked { message } => event.with("error", message.clone()),
+            Verdict::NeedsInput { question } => event.with("question", question.clone()),
             Verdict::Interrupted => event.with(
                 "message",
                 match interrupt {
@@ -1252,6 +1316,7 @@ impl Turn<'_> {
             Verdict::Failed { message, .. }
             | Verdict::RateLimited { message, .. }
             | Verdict::Blocked { message } => (None, Some(message.clone())),
+            Verdict::NeedsInput { question } => (Some(question.clone()), None),
             Verdict::Interrupted => (None, None),
         };
         workflow::record_attempt(
@@ -1271,7 +1336,7 @@ impl Turn<'_> {
         );
         match v {
             Verdict::Success(_) => {}
-            Verdict::Interrupted | Verdict::Blocked { .. } => {
+            Verdict::Interrupted | Verdict::Blocked { .. } | Verdict::NeedsInput { .. } => {
                 // The attempt did not happen, as far as the workflow is concerned.
                 state.skill().current_action = None;
                 self.commit(state, None, None, true)?;

@@ -22,6 +22,9 @@ pub struct ActionResult {
     pub state_updates: Map<String, Value>,
     #[serde(default)]
     pub files_changed: Vec<String>,
+    /// With `needs_input`: what the executor asks a person; the loop waits for the answer.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub question: Option<String>,
 }
 
 impl ActionResult {
@@ -32,6 +35,7 @@ impl ActionResult {
             summary: String::new(),
             state_updates: Map::new(),
             files_changed: Vec::new(),
+            question: None,
         }
     }
 

@@ -1,5 +1,6 @@
-//! Ways back for a loop that stopped short: `retry` (a failed loop, its error count and failed
-//! tasks reset), `set` (its limits and budgets), `task add` (one more task).
+//! Ways on for a loop that stopped short or waits: `retry` (a failed loop, its error count and
+//! failed tasks reset), `set` (its limits and budgets), `task add` (one more task), `answer` (to
+//! an executor's question).
 //!
 //! Each writes the state file as `pause` does: read-modify-write under the loop's lock, only the
 //! fields it means to change, refused with one line where it makes no sense.
@@ -207,5 +208,45 @@ pub fn task_add(p: &Project, id: &str, text: &str, as_json: bool) -> Result<i32>
     )?;
     let value = json!({ "loop_id": id, "task_id": task_id });
     print_result(as_json, &value, &task_id)?;
+    Ok(0)
+}
+
+/// `loopd answer ID TEXT`: answers the question an executor asked (`needs_input`); the daemon
+/// goes on, and the next prompt gets the question and the answer.
+pub fn answer(p: &Project, id: &str, text: &str, as_json: bool) -> Result<i32> {
+    p.load(id)?;
+    if text.trim().is_empty() {
+        return Err(usage("the answer is empty"));
+    }
+    if text.len() > MAX_DESCRIPTION {
+        return Err(usage(format!(
+            "the answer is {} bytes, over the limit of {MAX_DESCRIPTION}",
+            text.len()
+        )));
+    }
+    let mut question = None;
+    p.store.update(id, true, |raw, current| {
+        question = current
+            .skill_state
+            .as_ref()
+            .and_then(|s| s.question.clone())
+            .filter(|q| q.waiting());
+        if question.is_none() {
+            return;
+        }
+        if let Some(Value::Object(q)) = raw
+            .get_mut("skill_state")
+            .and_then(|s| s.get_mut("question"))
+        {
+            q.insert("answer".into(), json!(text));
+            q.insert("answered_at".into(), json!(now_rfc3339()));
+        }
+    })?;
+    let Some(question) = question else {
+        return Err(usage(format!("loop {id} is waiting for no answer")));
+    };
+    eprintln!("loop {id}: answered {}'s question", question.action);
+    let value = json!({ "loop_id": id, "question": question.text, "answer": text });
+    print_result(as_json, &value, "")?;
     Ok(0)
 }

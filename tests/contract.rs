@@ -170,25 +170,33 @@ executor = "file"
 }
 
 #[test]
-fn needs_input_and_multi_line_reports_are_failed_attempts_in_one_line() {
-    let p = Project::new(&GOOD_AGENT.replace(
-        "develop) echo",
-        "develop) printf '{\"status\":\"needs_input\",\"summary\":\"which database?\\\\nsql or not\"}' > \"$LOOPD_RESULT_FILE\"; exit 0; echo",
-    ));
-    p.config(&format!("action_retries = 0\n{TEST_CONFIG}"));
-    let id = p.create(&["--title", "t", "--max-errors", "1"]);
-    let out = p.run(&id, &[]);
-    assert_eq!(code(&out), 4, "{}", stderr(&out));
-    let state = p.state(&id);
-    let reason = state["failure_reason"].as_str().unwrap();
-    assert!(
-        reason.contains("needs input: which database? / sql or not"),
-        "{reason}"
-    );
-    assert!(!reason.contains('\n'));
-    // Run again: the loop the daemon failed is still a failure (4), not a user's stop (5).
-    let again = p.run(&id, &[]);
-    assert_eq!(code(&again), 4, "{}", stderr(&again));
+fn multi_line_reports_and_questions_without_a_question_are_failed_attempts_in_one_line() {
+    for (report, expected) in [
+        (
+            r#"{"status":"failed","summary":"which database?\\nsql or not"}"#,
+            "reported failure: which database? / sql or not",
+        ),
+        (
+            r#"{"status":"needs_input","summary":" "}"#,
+            "needs_input without a question",
+        ),
+    ] {
+        let p = Project::new(&GOOD_AGENT.replace(
+            "develop) echo",
+            &format!("develop) printf '{report}' > \"$LOOPD_RESULT_FILE\"; exit 0; echo"),
+        ));
+        p.config(&format!("action_retries = 0\n{TEST_CONFIG}"));
+        let id = p.create(&["--title", "t", "--max-errors", "1"]);
+        let out = p.run(&id, &[]);
+        assert_eq!(code(&out), 4, "{}", stderr(&out));
+        let state = p.state(&id);
+        let reason = state["failure_reason"].as_str().unwrap();
+        assert!(reason.contains(expected), "{reason}");
+        assert!(!reason.contains('\n'));
+        // Run again: the loop the daemon failed is still a failure (4), not a user's stop (5).
+        let again = p.run(&id, &[]);
+        assert_eq!(code(&again), 4, "{}", stderr(&again));
+    }
 }
 
 #[test]

@@ -662,3 +662,69 @@ fn timeout_signalling_process_and_group_leaves_the_attempt_recorded_as_interrupt
     let agent = read_pid(&p.root.join("agent.pid"));
     wait_for("the agent to be gone", || !alive(agent));
 }
+
+#[test]
+fn a_question_waits_for_its_answer_and_the_next_prompt_gets_it() {
+    // The first develop asks; given an answer, it keeps the prompt it got and succeeds.
+    let p = Project::new(&format!(
+        "prompt=$(cat)\n\
+         if [ \"$LOOPD_ACTION\" = develop ] && [ ! -f answered-prompt.txt ]; then case \"$prompt\" in\n\
+           *'The answer:'*) printf '%s' \"$prompt\" > answered-prompt.txt ;;\n\
+           *) echo '{{\"status\":\"needs_input\",\"summary\":\"a choice\",\"question\":\"Postgres or SQLite?\"}}' > \"$LOOPD_RESULT_FILE\"; exit 0 ;;\n\
+         esac; fi\n{GOOD_AGENT}"
+    ));
+    let id = p.create(&["--title", "t"]);
+    let other = p.create(&["--title", "asks nothing"]);
+    let out = p.output(&["start", &id]);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    let pid: u32 = stdout(&out).trim().parse().unwrap();
+    wait_for("the question", || {
+        p.state(&id)["skill_state"]["question"]["text"] == "Postgres or SQLite?"
+    });
+    // A question is no failure: nothing counted, nothing retried.
+    let state = p.state(&id);
+    assert_eq!(state["status"], "running");
+    assert_eq!(state["skill_state"]["error_count"], 0);
+    assert_eq!(state["current_iteration"], 0);
+    let shown = stdout(&p.output(&["status", &id]));
+    assert!(shown.contains("waiting for an answer"), "{shown}");
+    assert!(
+        shown.contains(&format!("`loopd answer {id} TEXT`")),
+        "{shown}"
+    );
+
+    let out = p.output(&["answer", &other, "sqlite"]);
+    assert_eq!(code(&out), 2);
+    assert!(
+        stderr(&out).contains("waiting for no answer"),
+        "{}",
+        stderr(&out)
+    );
+    let out = p.output(&["answer", &id, "SQLite, in data/app.db", "--json"]);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    let said: Value = serde_json::from_str(&stdout(&out)).unwrap();
+    assert_eq!(said["question"], "Postgres or SQLite?");
+
+    wait_for("the loop to complete", || {
+        p.state(&id)["status"] == "completed"
+    });
+    wait_for("its daemon to exit", || !alive(pid));
+    let prompt = std::fs::read_to_string(p.root.join("answered-prompt.txt")).unwrap();
+    assert!(
+        prompt.contains("Postgres or SQLite?") && prompt.contains("SQLite, in data/app.db"),
+        "{prompt}"
+    );
+    let state = p.state(&id);
+    assert!(state["skill_state"].get("question").is_none(), "{state}");
+    assert_eq!(state["skill_state"]["error_count"], 0);
+    let names = p.event_names(&id);
+    for event in ["awaiting_answer", "answered"] {
+        assert!(names.iter().any(|n| n == event), "{names:?}");
+    }
+    let asked = state["skill_state"]["action_history"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|h| h["outcome"] == "needs_input");
+    assert!(asked, "{state}");
+}

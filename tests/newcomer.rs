@@ -94,6 +94,17 @@ fn a_command_that_is_not_found_at_run_time_blocks_the_loop_rather_than_failing_t
         state["skill_state"]["validate"]["last_run_at"].is_null(),
         "no test run recorded"
     );
+    // Fixed and resumed, the loop completes, and the block is cleared from the state.
+    p.script("check.sh", "true\n");
+    let out = p.output(&["resume", &id]);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    let pid: u32 = stdout(&out).trim().parse().unwrap();
+    wait_for("the loop to complete", || {
+        p.state(&id)["status"] == "completed"
+    });
+    wait_for("its daemon to exit", || !alive(pid));
+    let state = p.state(&id);
+    assert!(state["skill_state"].get("blocked").is_none(), "{state}");
 }
 
 #[test]

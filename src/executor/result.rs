@@ -34,7 +34,15 @@ pub enum Verdict {
     Blocked {
         message: String,
     },
+    /// The executor asks a person `question`: neither a success nor an error; the loop waits
+    /// for the answer and the next prompt gets it.
+    NeedsInput {
+        question: String,
+    },
 }
+
+/// The longest question kept, in characters.
+const MAX_QUESTION: usize = 4000;
 
 impl Verdict {
     /// The attempt's outcome in the one taxonomy (`interrupted` aside).
@@ -45,6 +53,7 @@ impl Verdict {
             Verdict::RateLimited { .. } => AttemptOutcome::RateLimited.as_str(),
             Verdict::Interrupted => "interrupted",
             Verdict::Blocked { .. } => AttemptOutcome::EnvironmentError.as_str(),
+            Verdict::NeedsInput { .. } => "needs_input",
         }
     }
 }
@@ -77,6 +86,9 @@ pub fn verdict(format: Format, reported: Reported, run: &Run) -> Verdict {
         Verdict::Interrupted => Verdict::Interrupted,
         Verdict::Blocked { message } => Verdict::Blocked {
             message: one_line(&message),
+        },
+        Verdict::NeedsInput { question } => Verdict::NeedsInput {
+            question: question.trim().chars().take(MAX_QUESTION).collect(),
         },
     }
 }
@@ -202,7 +214,11 @@ fn judge(reported: Result<ActionResult, String>, exit_failure: Option<String>) -
             format!("reported failure: {}", result.summary),
         ),
         (ResultStatus::NeedsInput, _) => {
-            failed(O::AgentError, format!("needs input: {}", result.summary))
+            let question = result.question.filter(|q| !q.trim().is_empty());
+            match question.or_else(|| Some(result.summary).filter(|s| !s.trim().is_empty())) {
+                Some(question) => Verdict::NeedsInput { question },
+                None => failed(O::AgentError, "needs_input without a question"),
+            }
         }
     }
 }
@@ -344,7 +360,7 @@ pub fn test_result(passed: bool, output: &[u8]) -> ActionResult {
         status: ResultStatus::Success,
         summary,
         state_updates: updates,
-        files_changed: Vec::new(),
+        ..ActionResult::bare_success()
     }
 }
 

@@ -161,13 +161,22 @@ pub struct Control {
     #[serde(default)]
     pub max_errors: Option<u64>,
     #[serde(default)]
-    skill_state: Option<ModeOnly>,
+    skill_state: Option<SkillControl>,
+}
+
+/// What a controller can change in `skill_state`: the mode, and the answer to a question.
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+struct SkillControl {
+    #[serde(default)]
+    mode: Mode,
+    #[serde(default)]
+    question: Option<AnswerOnly>,
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Deserialize)]
-struct ModeOnly {
+struct AnswerOnly {
     #[serde(default)]
-    mode: Mode,
+    answer: Option<String>,
 }
 
 impl Control {
@@ -176,6 +185,16 @@ impl Control {
             .as_ref()
             .map(|s| s.mode)
             .unwrap_or_default()
+    }
+
+    /// The answer to the question an executor asked, once given.
+    pub fn answer(&self) -> Option<&str> {
+        self.skill_state
+            .as_ref()?
+            .question
+            .as_ref()?
+            .answer
+            .as_deref()
     }
 }
 
@@ -253,6 +272,11 @@ pub struct SkillState {
     /// when they run in the project root.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub worktree: Option<Worktree>,
+    /// What an executor asked a person (`needs_input`), and the answer once given (`loopd answer`
+    /// or anyone writing `answer`). The loop waits while it is unanswered; the next prompt gets
+    /// both; it is cleared when that action finishes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub question: Option<Question>,
     #[serde(flatten)]
     pub extra: Extra,
 }
@@ -308,6 +332,25 @@ impl UsageTotals {
 pub struct Finished {
     pub seq: u64,
     pub ok: bool,
+}
+
+/// A question an executor asked.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Question {
+    pub since: String,
+    pub action: String,
+    pub text: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub answer: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub answered_at: Option<String>,
+}
+
+impl Question {
+    /// Asked and not answered yet.
+    pub fn waiting(&self) -> bool {
+        self.answer.is_none()
+    }
 }
 
 /// A loop's own git worktree.

@@ -43,6 +43,10 @@ use crate::safe_fs::{self, Dir, TEMP_SUFFIX};
 /// Top-level fields the daemon owns and writes back from its own copy.
 pub const DAEMON_FIELDS: &[&str] = &["current_iteration", "skill_state"];
 
+/// Keys of `skill_state` the daemon writes only while they hold something: when the daemon's
+/// state lacks one, it was cleared, and it is removed rather than kept as another writer's.
+const CLEARABLE_SKILL_KEYS: &[&str] = &["blocked", "question"];
+
 /// How long a writer waits for the lock before giving up.
 const LOCK_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long a read retries a file that does not parse (another writer may be half-way).
@@ -984,6 +988,16 @@ impl Store {
                         let mut v = v.clone();
                         if let Some(theirs) = raw.get(*key) {
                             keep_unknown(theirs, &mut v);
+                        }
+                        if *key == "skill_state"
+                            && let (Some(ours), Value::Object(merged)) =
+                                (ours_value.get(*key), &mut v)
+                        {
+                            for clearable in CLEARABLE_SKILL_KEYS {
+                                if ours.get(*clearable).is_none() {
+                                    merged.remove(*clearable);
+                                }
+                            }
                         }
                         raw.insert((*key).to_owned(), v)
                     }

@@ -72,6 +72,8 @@ pub enum Decision {
     Run(Dispatch),
     /// Fail the loop with this reason.
     Abort(String),
+    /// An executor asked a question (`skill_state.question`): wait for the answer.
+    AwaitAnswer,
     /// Interactive mode: wait for a controller to choose one of `choices`.
     Wait {
         choices: Vec<String>,
@@ -199,6 +201,13 @@ pub fn decide(workflow: &dyn Workflow, state: &LoopState, limits: Limits) -> Dec
     if let Some(decision) = workflow.check(state, limits) {
         return decision;
     }
+    let skill = state.skill_state.as_ref();
+    if skill
+        .and_then(|s| s.question.as_ref())
+        .is_some_and(|q| q.waiting())
+    {
+        return Decision::AwaitAnswer;
+    }
     if state.mode() == Mode::Auto {
         return Decision::Run(workflow.select(state));
     }
@@ -245,6 +254,10 @@ pub fn record_finish(
     skill.current_action = None;
     skill.last_action = Some(dispatch.action.clone());
     skill.completed_actions.push(dispatch.action.clone());
+    // An answered question was given to this action's prompt.
+    if skill.question.as_ref().is_some_and(|q| !q.waiting()) {
+        skill.question = None;
+    }
     trim_window(&mut skill.completed_actions, COMPLETED_ACTIONS_WINDOW);
     if let Finish::Failed(message) = finish {
         skill.error_count = skill.error_count.saturating_add(1);
