@@ -9,7 +9,7 @@ use serde_json::{Value, json};
 
 use crate::config::Config;
 use crate::events::{printable, render};
-use crate::state::model::{LoopState, Mode, SkillState, Status, TaskStatus, now_rfc3339};
+use crate::state::model::{Bookkeeping, LoopState, Mode, SkillState, Status, now_rfc3339};
 use crate::state::store::{Store, new_id, validate_id};
 
 /// `println!` that returns an error instead of panicking when the reader of stdout has gone away
@@ -496,18 +496,18 @@ pub fn create_loop(p: &Project, args: &CreateArgs) -> Result<String> {
         return Err(usage("--title must not be empty"));
     }
     limits.check()?;
-    if let Some(w) = &workflow
-        && crate::workflow::by_name(w).is_none()
-    {
+    let name = workflow.as_deref().unwrap_or(&p.config.workflow);
+    let Some(workflow) = crate::workflow::by_name(name) else {
         return Err(usage(format!(
-            "unknown workflow {w:?} (known: {})",
+            "unknown workflow {name:?} (known: {})",
             crate::workflow::WORKFLOWS.join(", ")
         )));
-    }
+    };
     if tasks.iter().any(|t| t.trim().is_empty()) {
         return Err(usage("--task must not be empty"));
     }
-    use crate::state::model::{MAX_DESCRIPTION, MAX_TASKS, MAX_TITLE};
+    use crate::state::model::{MAX_DESCRIPTION, MAX_TITLE};
+    use crate::workflow::ccw_loop::state::MAX_TASKS;
     if tasks.len() > MAX_TASKS {
         return Err(usage(format!(
             "{} tasks are over the limit of {MAX_TASKS}",
@@ -547,20 +547,21 @@ pub fn create_loop(p: &Project, args: &CreateArgs) -> Result<String> {
         created_at: Some(now.clone()),
         updated_at: Some(now),
         skill_state: Some(SkillState {
-            mode: match mode {
-                ModeArg::Auto => Mode::Auto,
-                ModeArg::Interactive => Mode::Interactive,
+            book: Bookkeeping {
+                mode: match mode {
+                    ModeArg::Auto => Mode::Auto,
+                    ModeArg::Interactive => Mode::Interactive,
+                },
+                workflow: Some(workflow.name().to_owned()),
+                worktree: worktree.clone(),
+                ..Bookkeeping::default()
             },
-            workflow: Some(
-                workflow
-                    .clone()
-                    .unwrap_or_else(|| p.config.workflow.clone()),
-            ),
-            worktree: worktree.clone(),
-            ..SkillState::default()
+            part: Default::default(),
         }),
         ..LoopState::default()
     };
+    let mut state = state;
+    workflow.init_part(state.skill());
     if let Err(e) = p.store.create(&state) {
         if let Some(w) = &worktree {
             crate::worktree::remove(&p.root, w);
@@ -903,40 +904,14 @@ fn status(p: &Project, id: &str, as_json: bool) -> Result<i32> {
             ),
         );
     }
-    let tasks = &skill.develop.tasks;
-    let done = tasks
-        .iter()
-        .filter(|t| t.status == TaskStatus::Completed)
-        .count();
-    row(
-        &mut out,
-        "tasks",
-        format!("{done}/{} completed", tasks.len()),
-    );
-    for t in tasks {
-        out.push_str(&format!(
-            "             [{}] {}  {}\n",
-            t.status.mark(),
-            printable(&t.id),
-            printable(&t.description)
-        ));
-    }
-    let v = &skill.validate;
-    let validation = match &v.last_run_at {
-        None => "not run".to_owned(),
-        Some(at) => {
-            let mut text = format!(
-                "{} ({}% pass) at {at}",
-                if v.passed { "passed" } else { "not passed" },
-                v.pass_rate
-            );
-            if !v.failed_tests.is_empty() {
-                text.push_str(&format!("; failing: {}", v.failed_tests.join(", ")));
+    if let Ok(workflow) = loop_workflow(p, s) {
+        for r in workflow.view(s).rows {
+            row(&mut out, r.label, r.value);
+            for line in &r.lines {
+                out.push_str(&format!("             {}\n", printable(line)));
             }
-            text
         }
-    };
-    row(&mut out, "validate", validation);
+    }
     if let Some(outcome) = &skill.outcome {
         row(&mut out, "outcome", outcome.clone());
     }
@@ -980,7 +955,7 @@ fn list(p: &Project, as_json: bool) -> Result<i32> {
         "LOOP".to_owned(),
         "STATUS".to_owned(),
         "ITER".to_owned(),
-        "TASKS".to_owned(),
+        "PROGRESS".to_owned(),
         "ACTION".to_owned(),
         "TITLE".to_owned(),
     ]];
@@ -990,12 +965,9 @@ fn list(p: &Project, as_json: bool) -> Result<i32> {
             Ok(loaded) => {
                 let s = loaded.state;
                 let skill = s.skill_state.clone().unwrap_or_default();
-                let done = skill
-                    .develop
-                    .tasks
-                    .iter()
-                    .filter(|t| t.status == TaskStatus::Completed)
-                    .count();
+                let progress = loop_workflow(p, &s)
+                    .map(|w| w.view(&s).progress)
+                    .unwrap_or_default();
                 let daemon = crate::daemon::daemon_pid(&p.store, id);
                 let action = skill.in_flight.as_ref().map_or_else(String::new, |f| {
                     let age = crate::state::model::parse_ts(&f.started_at)
@@ -1011,7 +983,7 @@ fn list(p: &Project, as_json: bool) -> Result<i32> {
                         s.current_iteration,
                         s.max_iterations_or(p.config.max_iterations)
                     ),
-                    format!("{done}/{}", skill.develop.tasks.len()),
+                    progress,
                     action,
                     s.title.clone(),
                 ]);

@@ -15,8 +15,8 @@ use serde_json::{Value, json};
 use crate::cli::Project;
 use crate::config::Config;
 use crate::orchestrator::Exit;
-use crate::state::model::TaskStatus;
 use crate::state::store::Store;
+use crate::workflow::ccw_loop::state::TaskStatus;
 
 const CALC: &str = "# A tiny calculator: loopd's demo project.\nmul() { echo $(( $1 + $2 )); }\n";
 
@@ -94,7 +94,8 @@ pub fn run() -> Result<i32> {
         state.current_iteration,
         skill.outcome.as_deref().unwrap_or("-")
     )?;
-    for t in &skill.develop.tasks {
+    let ccw: crate::workflow::ccw_loop::state::CcwState = skill.part();
+    for t in &ccw.develop.tasks {
         let mark = if t.status == TaskStatus::Completed {
             "x"
         } else {

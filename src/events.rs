@@ -495,102 +495,17 @@ impl Progress {
         }
     }
 
-    /// After a develop: a section in `develop.md` and a line in `changes.log`.
-    pub fn develop(
-        &self,
-        state: &LoopState,
-        task_id: &str,
-        ok: bool,
-        summary: &str,
-        files: &[String],
-    ) {
-        let skill = state.skill_state.as_ref();
-        let task = skill.and_then(|s| s.develop.task(task_id));
-        let description = task.map(|t| t.description.as_str()).unwrap_or("");
-        let now = now_rfc3339();
-        let mut text = format!(
-            "\n## {task_id}: {description}\n\n- result: {}\n- iteration: {}\n- at: {now}\n",
-            if ok { "completed" } else { "failed" },
-            state.current_iteration
-        );
-        if !summary.is_empty() {
-            text.push_str(&format!("- summary: {summary}\n"));
+    /// Adds a workflow's note to its progress file.
+    pub fn write(&self, note: &crate::workflow::Note) {
+        if note.replace {
+            self.replace(note.file, &note.text);
+        } else {
+            self.append(note.file, &note.text);
         }
-        if !files.is_empty() {
-            text.push_str(&format!("- files: {}\n", files.join(", ")));
-        }
-        self.append("develop.md", &text);
-        let line = json!({
-            "timestamp": now,
-            "task_id": task_id,
-            "description": description,
-            "files_changed": files,
-            "result": if ok { "completed" } else { "failed" },
-        });
-        self.append("changes.log", &format!("{line}\n"));
     }
 
-    /// After a debug: a section in `debug.md`.
-    pub fn debug(&self, state: &LoopState, ok: bool, summary: &str) {
-        let Some(skill) = state.skill_state.as_ref() else {
-            return;
-        };
-        let d = &skill.debug;
-        let mut text = format!(
-            "\n## Debug round {} (iteration {})\n\n- result: {}\n",
-            d.iteration,
-            state.current_iteration,
-            if ok { "analysed" } else { "failed" }
-        );
-        if !summary.is_empty() {
-            text.push_str(&format!("- summary: {summary}\n"));
-        }
-        if let Some(bug) = &d.active_bug {
-            text.push_str(&format!("- active bug: {bug}\n"));
-        }
-        if let Some(h) = &d.confirmed_hypothesis {
-            text.push_str(&format!("- confirmed hypothesis: {h}\n"));
-        }
-        for h in d.hypotheses.iter().rev().take(5) {
-            text.push_str(&format!("- {} [{}]: {}\n", h.id, h.status, h.description));
-        }
-        self.append("debug.md", &text);
-    }
-
-    /// After a validate: `validate.md` is the report of the last run.
-    pub fn validate(&self, state: &LoopState, ok: bool, summary: &str) {
-        let Some(skill) = state.skill_state.as_ref() else {
-            return;
-        };
-        let v = &skill.validate;
-        let mut text = format!(
-            "# Validation report\n\n- run at: {}\n- iteration: {}\n- result: {}\n- pass rate: {}%\n- coverage: {}%\n",
-            v.last_run_at.as_deref().unwrap_or("-"),
-            state.current_iteration,
-            if !ok {
-                "the validate action failed"
-            } else if v.passed {
-                "passed"
-            } else {
-                "not passed"
-            },
-            v.pass_rate,
-            v.coverage
-        );
-        if !summary.is_empty() {
-            text.push_str(&format!("- summary: {summary}\n"));
-        }
-        if !v.failed_tests.is_empty() {
-            text.push_str("\n## Failed tests\n\n");
-            for t in &v.failed_tests {
-                text.push_str(&format!("- {t}\n"));
-            }
-        }
-        self.replace("validate.md", &text);
-    }
-
-    /// At completion: `summary.md`.
-    pub fn summary(&self, state: &LoopState) {
+    /// At completion: `summary.md`, with the workflow's summary line and sections.
+    pub fn summary(&self, state: &LoopState, line: Option<&str>, sections: &str) {
         let Some(skill) = state.skill_state.as_ref() else {
             return;
         };
@@ -603,21 +518,10 @@ impl Progress {
             skill.error_count,
             now_rfc3339()
         );
-        if let Some(t) = skill
-            .summary
-            .as_ref()
-            .and_then(|s| s.get("text"))
-            .and_then(Value::as_str)
-        {
-            text.push_str(&format!("\n{t}\n"));
+        if let Some(line) = line {
+            text.push_str(&format!("\n{line}\n"));
         }
-        text.push_str("\n## Tasks\n\n");
-        text.push_str(&skill.develop.checklist());
-        let v = &skill.validate;
-        text.push_str(&format!(
-            "\n## Validation\n\n- passed: {}\n- pass rate: {}%\n",
-            v.passed, v.pass_rate
-        ));
+        text.push_str(sections);
         self.replace("summary.md", &text);
     }
 }

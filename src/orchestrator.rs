@@ -479,6 +479,8 @@ impl Turn<'_> {
             ));
         }
         let mut state = self.store().load(self.id)?.state;
+        // A state a controller wrote may lack the workflow's fields: the first write adds them.
+        self.daemon.workflow.init_part(state.skill());
         self.ours = Some(state.clone());
         // Remembered, so that `loopd resume` restarts the loop with the same executor.
         let executor = &self.daemon.executor_override;
@@ -1062,11 +1064,8 @@ impl Turn<'_> {
         let log_path = actions.join(&format!("{stem}.log"));
         let result_path = actions.join(&result_name);
         let _ = actions.remove(&result_name);
-        let task = dispatch
-            .task_id
-            .as_deref()
-            .and_then(|t| state.skill_state.as_ref()?.develop.task(t).cloned());
-        let vars = template_vars(
+        let task = daemon.workflow.task(state, dispatch);
+        let mut vars = template_vars(
             state,
             dispatch,
             state.max_iterations_or(daemon.config.max_iterations),
@@ -1077,6 +1076,10 @@ impl Turn<'_> {
             iteration,
             attempt,
         );
+        let (task_id, task_description) = task.clone().unwrap_or_default();
+        vars.insert("task_id", task_id);
+        vars.insert("task_description", task_description);
+        vars.extend(daemon.workflow.prompt_vars(state, dispatch));
         let mut prompt = def.render(&vars);
         if let Some(q) = state.skill_state.as_ref().and_then(|s| s.question.as_ref())
             && let Some(answer) = &q.answer
@@ -1096,9 +1099,9 @@ impl Turn<'_> {
             ("LOOPD_PROGRESS_DIR".into(), progress_dir.clone().into()),
             ("LOOPD_RESULT_FILE".into(), result_path.clone().into()),
         ];
-        if let Some(task) = &task {
-            env.push(("LOOPD_TASK_ID".into(), task.id.clone().into()));
-            env.push(("LOOPD_TASK".into(), task.description.clone().into()));
+        if let Some((task_id, description)) = &task {
+            env.push(("LOOPD_TASK_ID".into(), task_id.into()));
+            env.push(("LOOPD_TASK".into(), description.into()));
         }
         env.extend(plan.env.iter().cloned());
         let spec = Spec {
@@ -1385,19 +1388,8 @@ impl Turn<'_> {
         if state.skill_state.as_ref().is_some_and(|s| s.seq % 50 == 0) {
             self.progress.prune_actions();
         }
-        let (ok, summary, files) = match &finish {
-            Finish::Success(r) => (true, r.summary.clone(), r.files_changed.clone()),
-            Finish::Failed(e) => (false, e.clone(), Vec::new()),
-        };
-        match dispatch.action.as_str() {
-            "develop" => {
-                if let Some(task) = &dispatch.task_id {
-                    self.progress.develop(&state, task, ok, &summary, &files);
-                }
-            }
-            "debug" => self.progress.debug(&state, ok, &summary),
-            "validate" => self.progress.validate(&state, ok, &summary),
-            _ => {}
+        for note in wf.notes(&state, dispatch, &finish, &now) {
+            self.progress.write(&note);
         }
         if dispatch.action == "init" {
             self.tasks_seen = self.store().tasks_stamp(self.id);
@@ -1421,14 +1413,8 @@ impl Turn<'_> {
         }
         match end {
             Some(LoopEnd::Completed(outcome)) if state.status == Status::Completed => {
-                self.progress.summary(&state);
-                let text = state
-                    .skill_state
-                    .as_ref()
-                    .and_then(|s| s.summary.as_ref())
-                    .and_then(|s| s.get("text"))
-                    .and_then(Value::as_str)
-                    .map(str::to_owned);
+                let (text, sections) = wf.report(&state);
+                self.progress.summary(&state, text.as_deref(), &sections);
                 self.events.emit(
                     Event::new(name::COMPLETED)
                         .with("iteration", state.current_iteration)
@@ -1485,39 +1471,6 @@ fn template_vars(
     attempt: u32,
 ) -> BTreeMap<&'static str, String> {
     let skill = state.skill_state.clone().unwrap_or_default();
-    let task = dispatch
-        .task_id
-        .as_deref()
-        .and_then(|id| skill.develop.task(id));
-    let tasks = if skill.develop.tasks.is_empty() {
-        "(none yet)".to_owned()
-    } else {
-        skill.develop.checklist().trim_end().to_owned()
-    };
-    let v = &skill.validate;
-    let validation = if v.last_run_at.is_none() {
-        "not run yet".to_owned()
-    } else {
-        let mut text = format!(
-            "{} (pass rate {}%, coverage {}%)",
-            if v.passed { "passed" } else { "NOT passed" },
-            v.pass_rate,
-            v.coverage
-        );
-        if !v.failed_tests.is_empty() {
-            text.push_str(&format!("; failed tests: {}", v.failed_tests.join(", ")));
-        }
-        text
-    };
-    let d = &skill.debug;
-    let mut debug = format!(
-        "active bug: {}; confirmed hypothesis: {}",
-        d.active_bug.as_deref().unwrap_or("none"),
-        d.confirmed_hypothesis.as_deref().unwrap_or("none")
-    );
-    for h in &d.hypotheses {
-        debug.push_str(&format!("\n- {} [{}]: {}", h.id, h.status, h.description));
-    }
     let errors = if skill.errors.is_empty() {
         "none".to_owned()
     } else {
@@ -1557,14 +1510,6 @@ fn template_vars(
         ("state_file", path(state_file)),
         ("progress_dir", path(progress_dir)),
         ("result_file", path(result_file)),
-        ("task_id", task.map(|t| t.id.clone()).unwrap_or_default()),
-        (
-            "task_description",
-            task.map(|t| t.description.clone()).unwrap_or_default(),
-        ),
-        ("tasks", tasks),
-        ("validation", validation),
-        ("debug", debug),
         ("errors", errors),
         ("previous", previous),
         (

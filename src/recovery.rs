@@ -9,7 +9,7 @@ use anyhow::Result;
 use serde_json::{Value, json};
 
 use crate::cli::{Project, print_result, standing, usage};
-use crate::state::model::{MAX_DESCRIPTION, Status, now_rfc3339};
+use crate::state::model::{MAX_DESCRIPTION, SkillState, Status, now_rfc3339};
 
 /// A loop's limits and budgets, as `create` and `set` take them; `None` leaves one as it is (for
 /// a new loop: the config's).
@@ -68,6 +68,7 @@ pub fn retry(p: &Project, id: &str, as_json: bool) -> Result<i32> {
     }
     let executor = state.skill_state.as_ref().and_then(|s| s.executor.clone());
     crate::daemon::check_runnable(p, &state, executor.as_deref())?;
+    let workflow = crate::cli::loop_workflow(p, &state)?;
     let mut reset_tasks = 0;
     let mut moved_on = None;
     p.store.update(id, true, |raw, current| {
@@ -80,19 +81,14 @@ pub fn retry(p: &Project, id: &str, as_json: bool) -> Result<i32> {
         raw.insert("status".into(), json!(Status::Running.as_str()));
         raw.remove("failure_reason");
         raw.remove("completed_at");
-        if let Some(Value::Object(skill)) = raw.get_mut("skill_state") {
+        if let (Some(mut typed), Some(Value::Object(skill))) =
+            (current.skill_state.clone(), raw.get_mut("skill_state"))
+        {
             skill.insert("error_count".into(), json!(0));
             skill.remove("outcome");
-            let tasks = skill
-                .get_mut("develop")
-                .and_then(|d| d.get_mut("tasks"))
-                .and_then(Value::as_array_mut);
-            for task in tasks.into_iter().flatten() {
-                if task.get("status") == Some(&json!("failed")) {
-                    task["status"] = json!("pending");
-                    reset_tasks += 1;
-                }
-            }
+            reset_tasks = workflow.reset_failed(&mut typed);
+            // The workflow's own fields, as it left them (the others are the file's, verbatim).
+            skill.extend(typed.part);
         }
     })?;
     if let Some(now) = moved_on {
@@ -159,6 +155,13 @@ pub fn set(p: &Project, id: &str, limits: &Limits, as_json: bool) -> Result<i32>
 /// loop picks it up before its next selection (event `tasks_added`); prints the task's id.
 pub fn task_add(p: &Project, id: &str, text: &str, as_json: bool) -> Result<i32> {
     let state = p.load(id)?;
+    let workflow = crate::cli::loop_workflow(p, &state)?;
+    if workflow.task_ids(&SkillState::default()).is_none() {
+        return Err(usage(format!(
+            "loop {id} runs the {} workflow, which takes no tasks",
+            workflow.name()
+        )));
+    }
     // A loop that met its goal is done; one that stopped short can be resumed with more work.
     let passed = state.status == Status::Completed
         && !matches!(
@@ -187,11 +190,13 @@ pub fn task_add(p: &Project, id: &str, text: &str, as_json: bool) -> Result<i32>
     let (listed, _) = p.store.read_tasks(id)?;
     let known = state
         .skill_state
-        .iter()
-        .flat_map(|s| s.develop.tasks.iter())
-        .chain(listed.iter());
+        .as_ref()
+        .and_then(|s| workflow.task_ids(s))
+        .unwrap_or_default()
+        .into_iter()
+        .chain(listed.iter().map(|t| t.id.clone()));
     let next = known
-        .filter_map(|t| t.id.strip_prefix("task-")?.parse::<u64>().ok())
+        .filter_map(|id| id.strip_prefix("task-")?.parse::<u64>().ok())
         .max()
         .unwrap_or(0)
         + 1;

@@ -450,7 +450,7 @@ pub fn parse_test_output(text: &str) -> Option<TestCounts> {
         return None;
     };
     failed_names.dedup();
-    failed_names.truncate(crate::state::model::FAILED_TESTS_WINDOW);
+    failed_names.truncate(crate::workflow::ccw_loop::state::FAILED_TESTS_WINDOW);
     counts.failed_tests = failed_names;
     Some(counts)
 }

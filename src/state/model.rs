@@ -23,17 +23,6 @@ pub const ACTION_HISTORY_WINDOW: usize = 10;
 pub const ERRORS_WINDOW: usize = 5;
 /// How many entries `skill_state.completed_actions` keeps.
 pub const COMPLETED_ACTIONS_WINDOW: usize = 20;
-/// How many hypotheses `skill_state.debug.hypotheses` keeps.
-pub const HYPOTHESES_WINDOW: usize = 20;
-/// How many test results `skill_state.validate.test_results` keeps.
-pub const TEST_RESULTS_WINDOW: usize = 50;
-/// How many names `skill_state.validate.failed_tests` keeps.
-pub const FAILED_TESTS_WINDOW: usize = 50;
-/// How many paths a task's `files_changed` keeps.
-pub const FILES_CHANGED_WINDOW: usize = 50;
-/// How many tasks `skill_state.develop.tasks` holds at most. A new task beyond it takes the place
-/// of the oldest completed one; with none completed, it is refused.
-pub const MAX_TASKS: usize = 200;
 /// The longest task description (and loop description), in bytes: the state file stays within
 /// its size limit, and `LOOPD_TASK` within the kernel's limit for one variable.
 pub const MAX_DESCRIPTION: usize = 32 << 10;
@@ -198,13 +187,123 @@ impl Control {
     }
 }
 
-/// `skill_state`: everything in it belongs to the daemon.
+/// `skill_state`: everything in it belongs to the daemon. It holds the engine's bookkeeping,
+/// the same for every workflow ([`Bookkeeping`], reached through `Deref`), and the workflow's own
+/// fields ([`SkillState::part`]), which only the workflow reads and writes, through a typed view
+/// of its own ([`WorkflowPart`]). Fields loopd does not know are kept with the workflow's.
 ///
 /// Below this level every known field is always written (`null` when empty), so that a key the
 /// daemon does not write is a key it does not know, which the store keeps (see
-/// [`super::store::keep_unknown`]).
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+/// [`super::store::keep_unknown`]). Keys are written in one order ([`SKILL_KEY_ORDER`]), so a
+/// ccw-loop file reads as it always did.
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
 pub struct SkillState {
+    #[serde(flatten)]
+    pub book: Bookkeeping,
+    /// The workflow's own fields, and fields loopd does not know, verbatim.
+    #[serde(flatten)]
+    pub part: Extra,
+}
+
+impl std::ops::Deref for SkillState {
+    type Target = Bookkeeping;
+    fn deref(&self) -> &Bookkeeping {
+        &self.book
+    }
+}
+
+impl std::ops::DerefMut for SkillState {
+    fn deref_mut(&mut self) -> &mut Bookkeeping {
+        &mut self.book
+    }
+}
+
+/// The order of `skill_state`'s keys in the file: the seed's and ccw-loop's fields where they
+/// always stood, loopd's additions after them; any other key follows, in the order it came.
+pub const SKILL_KEY_ORDER: &[&str] = &[
+    "current_action",
+    "last_action",
+    "completed_actions",
+    "mode",
+    "workflow",
+    "develop",
+    "debug",
+    "validate",
+    "errors",
+    "summary",
+    "error_count",
+    "action_history",
+    "in_flight",
+    "initialized_at",
+    "seq",
+    "finished",
+    "develop_failed_seq",
+    "executor",
+    "outcome",
+    "awaiting_choice",
+    "usage",
+    "blocked",
+    "worktree",
+    "question",
+];
+
+impl Serialize for SkillState {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::{Error as _, SerializeMap as _};
+        let Value::Object(mut book) = serde_json::to_value(&self.book).map_err(S::Error::custom)?
+        else {
+            return Err(S::Error::custom("the bookkeeping is not an object"));
+        };
+        let mut map = s.serialize_map(Some(book.len() + self.part.len()))?;
+        for key in SKILL_KEY_ORDER {
+            if let Some(v) = book.remove(*key).as_ref().or(self.part.get(*key)) {
+                map.serialize_entry(key, v)?;
+            }
+        }
+        for (key, v) in book.iter().chain(&self.part) {
+            if !SKILL_KEY_ORDER.contains(&key.as_str()) {
+                map.serialize_entry(key, v)?;
+            }
+        }
+        map.end()
+    }
+}
+
+/// A workflow's typed view of its own fields of `skill_state`.
+pub trait WorkflowPart: Serialize + serde::de::DeserializeOwned + Default {
+    /// The keys it owns.
+    const KEYS: &'static [&'static str];
+}
+
+impl SkillState {
+    /// The workflow's own fields as its typed view; why they do not fit it, if they do not.
+    pub fn try_part<P: WorkflowPart>(&self) -> Result<P, String> {
+        let mine: Map<String, Value> = P::KEYS
+            .iter()
+            .filter_map(|k| Some(((*k).to_owned(), self.part.get(*k)?.clone())))
+            .collect();
+        serde_json::from_value(Value::Object(mine)).map_err(|e| e.to_string())
+    }
+
+    /// The workflow's own fields as its typed view (its defaults, where they do not fit: a state
+    /// whose fields do not fit is refused when it is loaded, see [`LoopState::problems`]).
+    pub fn part<P: WorkflowPart>(&self) -> P {
+        self.try_part().unwrap_or_default()
+    }
+
+    /// Writes the workflow's typed view back, every key of it.
+    pub fn set_part<P: WorkflowPart>(&mut self, part: &P) {
+        if let Ok(Value::Object(fields)) = serde_json::to_value(part) {
+            for (key, value) in fields {
+                self.part.insert(key, value);
+            }
+        }
+    }
+}
+
+/// The engine's part of `skill_state`: the same for every workflow.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Bookkeeping {
     #[serde(default)]
     pub current_action: Option<String>,
     #[serde(default)]
@@ -217,17 +316,9 @@ pub struct SkillState {
     /// The workflow driving this loop (loopd's addition; absent means `ccw-loop`).
     #[serde(default)]
     pub workflow: Option<String>,
-    #[serde(default)]
-    pub develop: DevelopState,
-    #[serde(default)]
-    pub debug: DebugState,
-    #[serde(default)]
-    pub validate: ValidateState,
     /// The last [`ERRORS_WINDOW`] errors.
     #[serde(default)]
     pub errors: Vec<ErrorEntry>,
-    #[serde(default)]
-    pub summary: Option<Value>,
 
     // loopd's additions, documented in the README.
     /// Actions that failed after their last retry, ever (the `errors` window keeps only the last 5).
@@ -239,18 +330,12 @@ pub struct SkillState {
     /// The attempt running now, so that a restarted daemon can clean up after a crash.
     #[serde(default)]
     pub in_flight: Option<InFlight>,
-    /// When `init` finished ("planned"), even if it planned nothing.
-    #[serde(default)]
-    pub initialized_at: Option<String>,
     /// How many actions have finished; the clock of `finished`.
     #[serde(default)]
     pub seq: u64,
     /// For each action, when (`seq`) it last finished and whether it succeeded.
     #[serde(default)]
     pub finished: BTreeMap<String, Finished>,
-    /// `seq` of the last develop that left a task failed.
-    #[serde(default)]
-    pub develop_failed_seq: Option<u64>,
     /// The `--executor` the loop's daemon was last started with.
     #[serde(default)]
     pub executor: Option<String>,
@@ -277,8 +362,6 @@ pub struct SkillState {
     /// both; it is cleared when that action finishes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub question: Option<Question>,
-    #[serde(flatten)]
-    pub extra: Extra,
 }
 
 /// Tokens and cost spent by a loop's agents.
@@ -378,161 +461,6 @@ pub struct AwaitingChoice {
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
-pub struct DevelopState {
-    #[serde(default)]
-    pub total: u64,
-    #[serde(default)]
-    pub completed: u64,
-    #[serde(default)]
-    pub current_task: Option<String>,
-    #[serde(default)]
-    pub tasks: Vec<DevelopTask>,
-    #[serde(default)]
-    pub last_progress_at: Option<String>,
-    #[serde(flatten)]
-    pub extra: Extra,
-}
-
-/// The status of a develop task.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum TaskStatus {
-    #[default]
-    Pending,
-    InProgress,
-    Completed,
-    Failed,
-}
-
-impl TaskStatus {
-    /// The status as a checkbox mark: `x` completed, `!` failed, `>` in progress, ` ` pending.
-    pub fn mark(self) -> char {
-        match self {
-            TaskStatus::Completed => 'x',
-            TaskStatus::Failed => '!',
-            TaskStatus::InProgress => '>',
-            TaskStatus::Pending => ' ',
-        }
-    }
-}
-
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
-pub struct DevelopTask {
-    pub id: String,
-    #[serde(default)]
-    pub description: String,
-    #[serde(default)]
-    pub tool: Option<String>,
-    #[serde(default)]
-    pub mode: Option<String>,
-    #[serde(default)]
-    pub status: TaskStatus,
-    #[serde(default)]
-    pub files_changed: Vec<String>,
-    #[serde(default)]
-    pub created_at: Option<String>,
-    #[serde(default)]
-    pub completed_at: Option<String>,
-    #[serde(flatten)]
-    pub extra: Extra,
-}
-
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
-pub struct DebugState {
-    #[serde(default)]
-    pub active_bug: Option<String>,
-    #[serde(default)]
-    pub hypotheses_count: u64,
-    /// The last [`HYPOTHESES_WINDOW`] hypotheses.
-    #[serde(default)]
-    pub hypotheses: Vec<Hypothesis>,
-    #[serde(default)]
-    pub confirmed_hypothesis: Option<String>,
-    #[serde(default)]
-    pub iteration: u64,
-    #[serde(default)]
-    pub last_analysis_at: Option<String>,
-    #[serde(flatten)]
-    pub extra: Extra,
-}
-
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
-pub struct Hypothesis {
-    #[serde(default)]
-    pub id: String,
-    #[serde(default)]
-    pub description: String,
-    #[serde(default)]
-    pub testable_condition: String,
-    #[serde(default)]
-    pub logging_point: String,
-    #[serde(default)]
-    pub evidence_criteria: EvidenceCriteria,
-    #[serde(default)]
-    pub likelihood: u64,
-    #[serde(default = "default_hypothesis_status")]
-    pub status: String,
-    #[serde(default)]
-    pub evidence: Option<Value>,
-    #[serde(default)]
-    pub verdict_reason: Option<String>,
-    #[serde(flatten)]
-    pub extra: Extra,
-}
-
-fn default_hypothesis_status() -> String {
-    "pending".to_owned()
-}
-
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
-pub struct EvidenceCriteria {
-    #[serde(default)]
-    pub confirm: String,
-    #[serde(default)]
-    pub reject: String,
-    #[serde(flatten)]
-    pub extra: Extra,
-}
-
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
-pub struct ValidateState {
-    #[serde(default)]
-    pub pass_rate: f64,
-    #[serde(default)]
-    pub coverage: f64,
-    /// The last [`TEST_RESULTS_WINDOW`] results of the last run.
-    #[serde(default)]
-    pub test_results: Vec<TestResult>,
-    #[serde(default)]
-    pub passed: bool,
-    /// At most [`FAILED_TESTS_WINDOW`] names from the last run.
-    #[serde(default)]
-    pub failed_tests: Vec<String>,
-    #[serde(default)]
-    pub last_run_at: Option<String>,
-    #[serde(flatten)]
-    pub extra: Extra,
-}
-
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
-pub struct TestResult {
-    #[serde(default)]
-    pub test_name: String,
-    #[serde(default)]
-    pub suite: String,
-    #[serde(default)]
-    pub status: String,
-    #[serde(default)]
-    pub duration_ms: f64,
-    #[serde(default)]
-    pub error_message: Option<String>,
-    #[serde(default)]
-    pub stack_trace: Option<String>,
-    #[serde(flatten)]
-    pub extra: Extra,
-}
-
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct ErrorEntry {
     pub action: String,
     pub message: String,
@@ -620,16 +548,6 @@ impl LoopState {
                 problems.push(format!("{key} must be at least 1"));
             }
         }
-        if let Some(skill) = &self.skill_state {
-            let mut ids = std::collections::HashSet::new();
-            for task in &skill.develop.tasks {
-                if task.id.is_empty() {
-                    problems.push("a develop task has an empty id".to_owned());
-                } else if !ids.insert(task.id.as_str()) {
-                    problems.push(format!("develop task id {:?} appears twice", task.id));
-                }
-            }
-        }
         problems
     }
 
@@ -638,53 +556,6 @@ impl LoopState {
             .as_ref()
             .map(|s| s.mode)
             .unwrap_or_default()
-    }
-}
-
-impl DevelopState {
-    /// Recomputes `total` and `completed` from the task list.
-    pub fn recount(&mut self) {
-        self.total = self.tasks.len() as u64;
-        self.completed = self
-            .tasks
-            .iter()
-            .filter(|t| t.status == TaskStatus::Completed)
-            .count() as u64;
-    }
-
-    /// The tasks as a Markdown checklist, one line each: `- [x] task-001: description`.
-    pub fn checklist(&self) -> String {
-        self.tasks
-            .iter()
-            .map(|t| format!("- [{}] {}: {}\n", t.status.mark(), t.id, t.description))
-            .collect()
-    }
-
-    /// Adds a task within [`MAX_TASKS`]: at the limit the oldest completed task makes room;
-    /// returns `false` (and adds nothing) when none can.
-    pub fn add_task(&mut self, task: DevelopTask) -> bool {
-        if self.tasks.len() >= MAX_TASKS {
-            match self
-                .tasks
-                .iter()
-                .position(|t| t.status == TaskStatus::Completed)
-            {
-                Some(done) => {
-                    self.tasks.remove(done);
-                }
-                None => return false,
-            }
-        }
-        self.tasks.push(task);
-        true
-    }
-
-    pub fn task_mut(&mut self, id: &str) -> Option<&mut DevelopTask> {
-        self.tasks.iter_mut().find(|t| t.id == id)
-    }
-
-    pub fn task(&self, id: &str) -> Option<&DevelopTask> {
-        self.tasks.iter().find(|t| t.id == id)
     }
 }
 
@@ -714,34 +585,6 @@ pub fn parse_ts(s: &str) -> Option<chrono::DateTime<chrono::Utc>> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn the_task_list_is_bounded_by_evicting_the_oldest_completed_task() {
-        let task = |id: usize, status| DevelopTask {
-            id: format!("task-{id:03}"),
-            status,
-            ..Default::default()
-        };
-        let mut develop = DevelopState::default();
-        for i in 0..MAX_TASKS {
-            let status = if i % 2 == 1 {
-                TaskStatus::Completed
-            } else {
-                TaskStatus::Pending
-            };
-            assert!(develop.add_task(task(i, status)));
-        }
-        // Full: the oldest completed task (task-001) makes room; pending ones are never dropped.
-        assert!(develop.add_task(task(MAX_TASKS, TaskStatus::Pending)));
-        assert_eq!(develop.tasks.len(), MAX_TASKS);
-        assert!(develop.task("task-001").is_none());
-        assert!(develop.task("task-000").is_some());
-        for t in &mut develop.tasks {
-            t.status = TaskStatus::Pending;
-        }
-        assert!(!develop.add_task(task(MAX_TASKS + 1, TaskStatus::Pending)));
-        assert_eq!(develop.tasks.len(), MAX_TASKS);
-    }
 
     #[test]
     fn unknown_fields_survive_at_every_level() {

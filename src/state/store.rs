@@ -35,10 +35,9 @@ use std::time::{Duration, Instant, SystemTime};
 
 use serde_json::{Map, Value};
 
-use super::model::{
-    Control, DevelopTask, LoopState, MAX_DESCRIPTION, MAX_TASKS, Status, TaskStatus, now_rfc3339,
-};
+use super::model::{Control, LoopState, MAX_DESCRIPTION, Status, now_rfc3339};
 use crate::safe_fs::{self, Dir, TEMP_SUFFIX};
+use crate::workflow::ccw_loop::state::{CcwState, DevelopTask, MAX_TASKS, TaskStatus};
 
 /// Top-level fields the daemon owns and writes back from its own copy.
 pub const DAEMON_FIELDS: &[&str] = &["current_iteration", "skill_state"];
@@ -184,7 +183,7 @@ impl Loaded {
             .file_name()
             .and_then(|n| n.to_str())
             .and_then(|n| n.strip_suffix(".json"));
-        if let Some(problem) = state.problems(id).into_iter().next() {
+        if let Some(problem) = crate::workflow::problems(&state, id).into_iter().next() {
             return Err(problem);
         }
         Ok(Loaded { raw, state })
@@ -594,7 +593,10 @@ impl Store {
         raw.remove("skill_state");
         let mut state: LoopState = serde_json::from_value(Value::Object(raw.clone()))
             .map_err(|e| format!("its top-level fields are broken too ({e})"))?;
-        if let Some(problem) = state.problems(Some(id)).into_iter().next() {
+        if let Some(problem) = crate::workflow::problems(&state, Some(id))
+            .into_iter()
+            .next()
+        {
             return Err(problem);
         }
         let (mut tasks, _) = self.read_tasks(id).map_err(|e| e.to_string())?;
@@ -636,10 +638,15 @@ impl Store {
             }
         }
         let skill = state.skill();
-        skill.initialized_at = (!tasks.is_empty()).then(now_rfc3339);
-        skill.develop.tasks = tasks;
-        skill.develop.recount();
-        if let Some(problem) = state.problems(Some(id)).into_iter().next() {
+        let mut ccw: CcwState = skill.part();
+        ccw.initialized_at = (!tasks.is_empty()).then(now_rfc3339);
+        ccw.develop.tasks = tasks;
+        ccw.develop.recount();
+        skill.set_part(&ccw);
+        if let Some(problem) = crate::workflow::problems(&state, Some(id))
+            .into_iter()
+            .next()
+        {
             return Err(format!(
                 "the rebuilt state would be unusable too: {problem}"
             ));

@@ -13,9 +13,10 @@ use serde_json::Value;
 
 use crate::protocol::ActionResult;
 use crate::state::model::{
-    ACTION_HISTORY_WINDOW, COMPLETED_ACTIONS_WINDOW, DevelopTask, ERRORS_WINDOW, ErrorEntry,
-    Finished, HistoryEntry, LoopState, Mode, trim_window,
+    ACTION_HISTORY_WINDOW, COMPLETED_ACTIONS_WINDOW, ERRORS_WINDOW, ErrorEntry, Finished,
+    HistoryEntry, LoopState, Mode, SkillState, trim_window,
 };
+use ccw_loop::state::DevelopTask;
 
 /// Why a loop completed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -106,7 +107,11 @@ impl Limits {
 
     /// Why the loop's budget is spent, if it is.
     pub fn budget_spent(&self, state: &LoopState) -> Option<String> {
-        let spent = state.skill_state.clone().unwrap_or_default().usage;
+        let spent = state
+            .skill_state
+            .as_ref()
+            .map(|s| s.usage.clone())
+            .unwrap_or_default();
         if let Some(max) = state.max_cost_usd.or(self.max_cost_usd)
             && spent.cost_usd >= max
         {
@@ -148,6 +153,51 @@ pub struct Inputs {
     pub listed_tasks: Vec<DevelopTask>,
 }
 
+/// A line of `status` a workflow adds: a label, a value, and lines under it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Row {
+    pub label: &'static str,
+    pub value: String,
+    pub lines: Vec<String>,
+}
+
+/// What a workflow shows of its own fields, for `status`, `list` and the API.
+#[derive(Clone, Debug, PartialEq)]
+pub struct View {
+    /// One short measure of progress (`list`'s PROGRESS column): `2/3` tasks, a gate.
+    pub progress: String,
+    pub rows: Vec<Row>,
+}
+
+/// Text a finished action adds to a progress file of `{id}.progress/`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Note {
+    pub file: &'static str,
+    pub text: String,
+    /// The file is replaced with `text`, not appended to.
+    pub replace: bool,
+}
+
+impl Note {
+    pub fn append(file: &'static str, text: String) -> Note {
+        Note {
+            file,
+            text,
+            replace: false,
+        }
+    }
+
+    pub fn replace(file: &'static str, text: String) -> Note {
+        Note {
+            file,
+            text,
+            replace: true,
+        }
+    }
+}
+
+/// A workflow: its rules, its result validation, and what it shows of its own fields. No I/O:
+/// the engine reads and writes the files, runs the actions, and keeps the books.
 pub trait Workflow: Send + Sync {
     fn name(&self) -> &'static str;
     /// Every action this workflow can run (the choices of interactive mode).
@@ -175,6 +225,43 @@ pub trait Workflow: Send + Sync {
     ) -> Option<LoopEnd>;
     /// Adds tasks listed after the loop started as `pending`; returns how many joined.
     fn absorb_tasks(&self, state: &mut LoopState, listed: &[DevelopTask]) -> usize;
+    /// Writes the workflow's own fields of a new loop, or fills in those a state lacks.
+    fn init_part(&self, skill: &mut SkillState);
+    /// What makes the workflow's own fields unusable, one line each.
+    fn problems(&self, skill: &SkillState) -> Vec<String>;
+    /// The task a dispatch works on, `(id, description)`: the executor gets it as
+    /// `LOOPD_TASK_ID` and `LOOPD_TASK`, the prompt as `{{task_id}}` and `{{task_description}}`.
+    fn task(&self, state: &LoopState, dispatch: &Dispatch) -> Option<(String, String)>;
+    /// The values of the workflow's own prompt placeholders.
+    fn prompt_vars(&self, state: &LoopState, dispatch: &Dispatch) -> Vec<(&'static str, String)>;
+    /// What `status` and `list` show of the workflow's own fields.
+    fn view(&self, state: &LoopState) -> View;
+    /// What a finished action adds to the progress files.
+    fn notes(
+        &self,
+        state: &LoopState,
+        dispatch: &Dispatch,
+        finish: &Finish,
+        now: &str,
+    ) -> Vec<Note>;
+    /// At completion: the summary for the `completed` event, and the workflow's sections of
+    /// `summary.md`.
+    fn report(&self, state: &LoopState) -> (Option<String>, String);
+    /// `loopd retry`: failed work is pending again; returns how much.
+    fn reset_failed(&self, skill: &mut SkillState) -> usize;
+    /// The ids of the loop's tasks, for `loopd task add`; `None` for a workflow without tasks.
+    fn task_ids(&self, skill: &SkillState) -> Option<Vec<String>>;
+}
+
+/// What makes a loop's state unusable: the file's own problems, and its workflow's.
+pub fn problems(state: &LoopState, file_id: Option<&str>) -> Vec<String> {
+    let mut problems = state.problems(file_id);
+    if let Some(skill) = &state.skill_state
+        && let Some(workflow) = by_name(skill.workflow.as_deref().unwrap_or(ccw_loop::NAME))
+    {
+        problems.extend(workflow.problems(skill));
+    }
+    problems
 }
 
 /// Every workflow by name.
@@ -245,7 +332,7 @@ pub fn record_finish(
     if workflow.counts_iteration(&dispatch.action) {
         state.current_iteration = state.current_iteration.saturating_add(1);
     }
-    let skill = state.skill();
+    let skill = &mut state.skill().book;
     skill.seq = skill.seq.saturating_add(1);
     let ok = matches!(finish, Finish::Success(_));
     skill

@@ -7,15 +7,20 @@
 
 use serde_json::{Map, Value, json};
 
+pub mod state;
+mod view;
+
 use super::{Decision, Dispatch, Finish, Inputs, Limits, LoopEnd, Outcome, Workflow, opt_str};
 use crate::protocol::ActionResult;
-use crate::state::model::{
-    DevelopTask, FAILED_TESTS_WINDOW, FILES_CHANGED_WINDOW, HYPOTHESES_WINDOW, Hypothesis,
-    LoopState, MAX_DESCRIPTION, MAX_TASKS, SkillState, TEST_RESULTS_WINDOW, TaskStatus, TestResult,
-    trim_window,
+use crate::state::model::{LoopState, MAX_DESCRIPTION, SkillState, trim_window};
+use state::{
+    CcwState, DevelopTask, FAILED_TESTS_WINDOW, FILES_CHANGED_WINDOW, HYPOTHESES_WINDOW,
+    Hypothesis, MAX_TASKS, TEST_RESULTS_WINDOW, TaskStatus, TestResult,
 };
 
 pub struct CcwLoop;
+
+pub const NAME: &str = "ccw-loop";
 
 pub const ACTIONS: &[&str] = &["init", "develop", "debug", "validate", "complete"];
 
@@ -26,18 +31,18 @@ impl CcwLoop {
 
     /// Validation passed after the last develop and no task waits.
     fn goal_met(skill: &SkillState) -> bool {
+        let ccw: CcwState = skill.part();
         let validated_after_develop = match skill.finished.get("validate") {
             Some(v) => v.ok && Some(v.seq) > Self::seq_of(skill, "develop"),
             // A state prepared by the CCW skill itself, without loopd's clock.
             None => Self::seq_of(skill, "develop").is_none(),
         };
-        skill.validate.passed && validated_after_develop && first_open_task(skill).is_none()
+        ccw.validate.passed && validated_after_develop && first_open_task(&ccw).is_none()
     }
 }
 
-fn first_open_task(skill: &SkillState) -> Option<&DevelopTask> {
-    skill
-        .develop
+fn first_open_task(ccw: &CcwState) -> Option<&DevelopTask> {
+    ccw.develop
         .tasks
         .iter()
         .find(|t| matches!(t.status, TaskStatus::Pending | TaskStatus::InProgress))
@@ -52,7 +57,7 @@ fn complete(outcome: Outcome) -> Dispatch {
 
 impl Workflow for CcwLoop {
     fn name(&self) -> &'static str {
-        "ccw-loop"
+        NAME
     }
 
     fn actions(&self) -> &'static [&'static str] {
@@ -93,12 +98,13 @@ impl Workflow for CcwLoop {
         let Some(skill) = state.skill_state.as_ref() else {
             return Dispatch::new("init");
         };
+        let ccw: CcwState = skill.part();
         // 1. Not initialised.
-        if skill.initialized_at.is_none() && skill.develop.tasks.is_empty() {
+        if ccw.initialized_at.is_none() && ccw.develop.tasks.is_empty() {
             return Dispatch::new("init");
         }
         // 2. A task waits (pending, or in progress when an attempt was interrupted).
-        if let Some(task) = first_open_task(skill) {
+        if let Some(task) = first_open_task(&ccw) {
             return Dispatch {
                 task_id: Some(task.id.clone()),
                 ..Dispatch::new("develop")
@@ -106,7 +112,7 @@ impl Workflow for CcwLoop {
         }
         let debug_seq = Self::seq_of(skill, "debug");
         // 3. A develop failed a task and no debug ran since.
-        if skill.develop_failed_seq.is_some() && skill.develop_failed_seq > debug_seq {
+        if ccw.develop_failed_seq.is_some() && ccw.develop_failed_seq > debug_seq {
             return Dispatch::new("debug");
         }
         // 4. The last action was debug.
@@ -114,7 +120,7 @@ impl Workflow for CcwLoop {
             return Dispatch::new("validate");
         }
         // 5. Every task completed and no validate since the last develop.
-        let all_completed = skill
+        let all_completed = ccw
             .develop
             .tasks
             .iter()
@@ -126,8 +132,8 @@ impl Workflow for CcwLoop {
             return Dispatch::new("validate");
         }
         // 6. The last validate did not pass.
-        let validated = validate_seq.is_some() || skill.validate.last_run_at.is_some();
-        if validated && !skill.validate.passed {
+        let validated = validate_seq.is_some() || ccw.validate.last_run_at.is_some();
+        if validated && !ccw.validate.passed {
             return Dispatch::new("debug");
         }
         // 7. Nothing else to do.
@@ -140,13 +146,13 @@ impl Workflow for CcwLoop {
 
     fn choose(&self, state: &LoopState, action: &str) -> Result<Dispatch, String> {
         let skill = state.skill_state.as_ref();
-        let initialised =
-            skill.is_some_and(|s| s.initialized_at.is_some() || !s.develop.tasks.is_empty());
+        let ccw: CcwState = skill.map(SkillState::part).unwrap_or_default();
+        let initialised = ccw.initialized_at.is_some() || !ccw.develop.tasks.is_empty();
         match action {
             "init" if initialised => Err("the loop is planned already".into()),
             "init" => Ok(Dispatch::new("init")),
             _ if !initialised => Err("the loop is not planned yet: init first".into()),
-            "develop" => match skill.and_then(first_open_task) {
+            "develop" => match first_open_task(&ccw) {
                 Some(task) => Ok(Dispatch {
                     task_id: Some(task.id.clone()),
                     ..Dispatch::new("develop")
@@ -169,10 +175,12 @@ impl Workflow for CcwLoop {
         let skill = state.skill();
         skill.current_action = Some(dispatch.action.clone());
         if let Some(id) = &dispatch.task_id {
-            skill.develop.current_task = Some(id.clone());
-            if let Some(task) = skill.develop.task_mut(id) {
+            let mut ccw: CcwState = skill.part();
+            ccw.develop.current_task = Some(id.clone());
+            if let Some(task) = ccw.develop.task_mut(id) {
                 task.status = TaskStatus::InProgress;
             }
+            skill.set_part(&ccw);
         }
     }
 
@@ -259,12 +267,10 @@ impl Workflow for CcwLoop {
         finish: &Finish,
         inputs: &Inputs,
     ) -> Option<LoopEnd> {
-        let now = inputs.now.as_str();
         let result = match finish {
             Finish::Success(result) => Some(result),
             Finish::Failed(_) => None,
         };
-        let updates = result.map(|r| &r.state_updates);
         let description = if state.description.trim().is_empty() {
             state.title.clone()
         } else {
@@ -272,6 +278,136 @@ impl Workflow for CcwLoop {
         };
         let iterations = state.current_iteration;
         let skill = state.skill();
+        let mut ccw: CcwState = skill.part();
+        let end = self.apply_part(
+            &mut ccw,
+            skill,
+            dispatch,
+            result,
+            &description,
+            iterations,
+            inputs,
+        );
+        skill.set_part(&ccw);
+        end
+    }
+
+    fn absorb_tasks(&self, state: &mut LoopState, listed: &[DevelopTask]) -> usize {
+        let Some(skill) = state.skill_state.as_mut() else {
+            return 0;
+        };
+        let mut ccw: CcwState = skill.part();
+        if ccw.initialized_at.is_none() && ccw.develop.tasks.is_empty() {
+            return 0; // init takes the whole list
+        }
+        let mut joined = 0;
+        for task in listed {
+            if ccw.develop.task(&task.id).is_none() {
+                let task = DevelopTask {
+                    status: TaskStatus::Pending,
+                    ..task.clone()
+                };
+                if !ccw.develop.add_task(task) {
+                    break; // the list is full of open tasks
+                }
+                joined += 1;
+            }
+        }
+        if joined > 0 {
+            ccw.develop.recount();
+            skill.set_part(&ccw);
+        }
+        joined
+    }
+
+    fn task(&self, state: &LoopState, dispatch: &Dispatch) -> Option<(String, String)> {
+        view::task(state, dispatch)
+    }
+
+    fn prompt_vars(&self, state: &LoopState, _: &Dispatch) -> Vec<(&'static str, String)> {
+        view::prompt_vars(state)
+    }
+
+    fn view(&self, state: &LoopState) -> super::View {
+        view::view(state)
+    }
+
+    fn notes(
+        &self,
+        state: &LoopState,
+        dispatch: &Dispatch,
+        finish: &Finish,
+        now: &str,
+    ) -> Vec<super::Note> {
+        view::notes(state, dispatch, finish, now)
+    }
+
+    fn report(&self, state: &LoopState) -> (Option<String>, String) {
+        view::report(state)
+    }
+
+    fn reset_failed(&self, skill: &mut SkillState) -> usize {
+        let mut ccw: CcwState = skill.part();
+        let mut reset = 0;
+        for task in &mut ccw.develop.tasks {
+            if task.status == TaskStatus::Failed {
+                task.status = TaskStatus::Pending;
+                reset += 1;
+            }
+        }
+        if reset > 0 {
+            ccw.develop.recount();
+            skill.set_part(&ccw);
+        }
+        reset
+    }
+
+    fn task_ids(&self, skill: &SkillState) -> Option<Vec<String>> {
+        let ccw: CcwState = skill.part();
+        Some(ccw.develop.tasks.into_iter().map(|t| t.id).collect())
+    }
+
+    fn init_part(&self, skill: &mut SkillState) {
+        let ccw: CcwState = skill.part();
+        skill.set_part(&ccw);
+    }
+
+    fn problems(&self, skill: &SkillState) -> Vec<String> {
+        let ccw: CcwState = match skill.try_part() {
+            Ok(ccw) => ccw,
+            Err(e) => return vec![format!("skill_state: {e}")],
+        };
+        let mut problems = Vec::new();
+        let mut ids = std::collections::HashSet::new();
+        for task in &ccw.develop.tasks {
+            if task.id.is_empty() {
+                problems.push("a develop task has an empty id".to_owned());
+            } else if !ids.insert(task.id.as_str()) {
+                problems.push(format!("develop task id {:?} appears twice", task.id));
+            }
+        }
+        problems
+    }
+}
+
+impl CcwLoop {
+    /// [`Workflow::apply`] on the workflow's own fields.
+    #[expect(
+        clippy::too_many_arguments,
+        reason = "one call site, each argument a distinct fact"
+    )]
+    fn apply_part(
+        &self,
+        ccw: &mut CcwState,
+        skill: &mut SkillState,
+        dispatch: &Dispatch,
+        result: Option<&ActionResult>,
+        description: &str,
+        iterations: u64,
+        inputs: &Inputs,
+    ) -> Option<LoopEnd> {
+        let now = inputs.now.as_str();
+        let updates = result.map(|r| &r.state_updates);
         match dispatch.action.as_str() {
             "init" => {
                 let mut tasks = inputs.listed_tasks.clone();
@@ -283,30 +419,23 @@ impl Workflow for CcwLoop {
                         .unwrap_or_default();
                     for spec in &planned {
                         if let Ok((desc, tool, mode)) = task_spec(spec) {
-                            tasks.push(new_task(
-                                &skill.develop.tasks,
-                                &tasks,
-                                desc,
-                                tool,
-                                mode,
-                                now,
-                            ));
+                            tasks.push(new_task(&ccw.develop.tasks, &tasks, desc, tool, mode, now));
                         }
                     }
                 }
                 if tasks.is_empty() {
-                    tasks.push(new_task(&[], &[], &description, None, None, now));
+                    tasks.push(new_task(&[], &[], description, None, None, now));
                 }
-                skill.develop.tasks = tasks;
-                skill.develop.recount();
-                skill.initialized_at = Some(now.to_owned());
+                ccw.develop.tasks = tasks;
+                ccw.develop.recount();
+                ccw.initialized_at = Some(now.to_owned());
             }
             "develop" => {
                 let ok = result.is_some();
                 if let Some(task) = dispatch
                     .task_id
                     .as_deref()
-                    .and_then(|id| skill.develop.task_mut(id))
+                    .and_then(|id| ccw.develop.task_mut(id))
                 {
                     task.status = if ok {
                         TaskStatus::Completed
@@ -320,46 +449,44 @@ impl Workflow for CcwLoop {
                     }
                 }
                 if !ok {
-                    skill.develop_failed_seq = Some(skill.seq + 1);
+                    ccw.develop_failed_seq = Some(skill.seq + 1);
                 }
-                skill.develop.last_progress_at = Some(now.to_owned());
-                skill.develop.recount();
+                ccw.develop.last_progress_at = Some(now.to_owned());
+                ccw.develop.recount();
             }
             "debug" => {
-                skill.debug.iteration = skill.debug.iteration.saturating_add(1);
-                skill.debug.last_analysis_at = Some(now.to_owned());
+                ccw.debug.iteration = ccw.debug.iteration.saturating_add(1);
+                ccw.debug.last_analysis_at = Some(now.to_owned());
                 if let Some(u) = updates {
                     if let Ok(Some(bug)) = opt_str(u, "active_bug") {
-                        skill.debug.active_bug = Some(bug.to_owned());
+                        ccw.debug.active_bug = Some(bug.to_owned());
                     }
                     if let Ok(Some(h)) = opt_str(u, "confirmed_hypothesis") {
-                        skill.debug.confirmed_hypothesis = Some(h.to_owned());
+                        ccw.debug.confirmed_hypothesis = Some(h.to_owned());
                     }
                     if let Some(new) = u
                         .get("hypotheses")
                         .and_then(|h| serde_json::from_value::<Vec<Hypothesis>>(h.clone()).ok())
                     {
-                        skill.debug.hypotheses_count = skill
-                            .debug
-                            .hypotheses_count
-                            .saturating_add(new.len() as u64);
-                        skill.debug.hypotheses.extend(new);
-                        trim_window(&mut skill.debug.hypotheses, HYPOTHESES_WINDOW);
+                        ccw.debug.hypotheses_count =
+                            ccw.debug.hypotheses_count.saturating_add(new.len() as u64);
+                        ccw.debug.hypotheses.extend(new);
+                        trim_window(&mut ccw.debug.hypotheses, HYPOTHESES_WINDOW);
                     }
                     let fixes = u.get("fix_tasks").and_then(Value::as_array).cloned();
                     for spec in fixes.unwrap_or_default() {
                         if let Ok((desc, tool, mode)) = task_spec(&spec) {
-                            let task = new_task(&skill.develop.tasks, &[], desc, tool, mode, now);
-                            if !skill.develop.add_task(task) {
+                            let task = new_task(&ccw.develop.tasks, &[], desc, tool, mode, now);
+                            if !ccw.develop.add_task(task) {
                                 break; // the list is full of open tasks
                             }
                         }
                     }
-                    skill.develop.recount();
+                    ccw.develop.recount();
                 }
             }
             "validate" => {
-                let v = &mut skill.validate;
+                let v = &mut ccw.validate;
                 v.last_run_at = Some(now.to_owned());
                 match updates {
                     Some(u) => {
@@ -391,38 +518,12 @@ impl Workflow for CcwLoop {
                     .map(str::to_owned)
                     .or_else(|| result.map(|r| r.summary.clone()).filter(|s| !s.is_empty()));
                 skill.outcome = Some(outcome.as_str().to_owned());
-                skill.summary = Some(summary(skill, iterations, outcome, text));
+                ccw.summary = Some(summary(ccw, skill, iterations, outcome, text));
                 return Some(LoopEnd::Completed(outcome));
             }
             _ => {}
         }
         None
-    }
-
-    fn absorb_tasks(&self, state: &mut LoopState, listed: &[DevelopTask]) -> usize {
-        let Some(skill) = state.skill_state.as_mut() else {
-            return 0;
-        };
-        if skill.initialized_at.is_none() && skill.develop.tasks.is_empty() {
-            return 0; // init takes the whole list
-        }
-        let mut joined = 0;
-        for task in listed {
-            if skill.develop.task(&task.id).is_none() {
-                let task = DevelopTask {
-                    status: TaskStatus::Pending,
-                    ..task.clone()
-                };
-                if !skill.develop.add_task(task) {
-                    break; // the list is full of open tasks
-                }
-                joined += 1;
-            }
-        }
-        if joined > 0 {
-            skill.develop.recount();
-        }
-        joined
     }
 }
 
@@ -467,8 +568,14 @@ fn new_task(
     }
 }
 
-fn summary(skill: &SkillState, iterations: u64, outcome: Outcome, text: Option<String>) -> Value {
-    let count = |s: TaskStatus| skill.develop.tasks.iter().filter(|t| t.status == s).count();
+fn summary(
+    ccw: &CcwState,
+    skill: &SkillState,
+    iterations: u64,
+    outcome: Outcome,
+    text: Option<String>,
+) -> Value {
+    let count = |s: TaskStatus| ccw.develop.tasks.iter().filter(|t| t.status == s).count();
     let mut map = Map::new();
     if let Some(text) = text {
         map.insert("text".into(), Value::String(text));
@@ -478,7 +585,7 @@ fn summary(skill: &SkillState, iterations: u64, outcome: Outcome, text: Option<S
     map.insert(
         "develop".into(),
         json!({
-            "total": skill.develop.tasks.len(),
+            "total": ccw.develop.tasks.len(),
             "completed": count(TaskStatus::Completed),
             "failed": count(TaskStatus::Failed),
         }),
@@ -486,17 +593,17 @@ fn summary(skill: &SkillState, iterations: u64, outcome: Outcome, text: Option<S
     map.insert(
         "debug".into(),
         json!({
-            "iterations": skill.debug.iteration,
-            "hypotheses": skill.debug.hypotheses_count,
-            "confirmed_hypothesis": skill.debug.confirmed_hypothesis,
+            "iterations": ccw.debug.iteration,
+            "hypotheses": ccw.debug.hypotheses_count,
+            "confirmed_hypothesis": ccw.debug.confirmed_hypothesis,
         }),
     );
     map.insert(
         "validate".into(),
         json!({
-            "passed": skill.validate.passed,
-            "pass_rate": skill.validate.pass_rate,
-            "coverage": skill.validate.coverage,
+            "passed": ccw.validate.passed,
+            "pass_rate": ccw.validate.pass_rate,
+            "coverage": ccw.validate.coverage,
         }),
     );
     map.insert("errors".into(), json!(skill.error_count));
@@ -506,6 +613,18 @@ fn summary(skill: &SkillState, iterations: u64, outcome: Outcome, text: Option<S
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Edits the workflow's own fields of a state.
+    fn ccw(s: &mut LoopState, edit: impl FnOnce(&mut CcwState)) {
+        let skill = s.skill();
+        let mut part: CcwState = skill.part();
+        edit(&mut part);
+        skill.set_part(&part);
+    }
+
+    fn part(s: &LoopState) -> CcwState {
+        s.skill_state.as_ref().unwrap().part()
+    }
     use crate::state::model::{Finished, Mode, Status};
     use crate::workflow::{decide, record_finish};
 
@@ -532,9 +651,11 @@ mod tests {
             status: Status::Running,
             ..LoopState::default()
         };
+        ccw(&mut s, |c| {
+            c.initialized_at = Some("2026-01-01T00:00:00.000Z".into());
+            c.develop.tasks = tasks.iter().map(|(id, st)| task(id, *st)).collect();
+        });
         let skill = s.skill();
-        skill.initialized_at = Some("2026-01-01T00:00:00.000Z".into());
-        skill.develop.tasks = tasks.iter().map(|(id, st)| task(id, *st)).collect();
         for (action, seq, ok) in finished {
             skill
                 .finished
@@ -604,7 +725,7 @@ mod tests {
             &[("t1", Completed)],
             &[("develop", 1, true), ("validate", 2, true)],
         );
-        s.skill().validate.passed = true;
+        ccw(&mut s, |c| c.validate.passed = true);
         assert_eq!(
             selected(&s),
             ("complete".into(), None, Some(Outcome::Passed))
@@ -620,13 +741,13 @@ mod tests {
             &[("t1", Completed), ("t2", Pending)],
             &[("develop", 1, true), ("validate", 2, true)],
         );
-        s.skill().validate.passed = true;
+        ccw(&mut s, |c| c.validate.passed = true);
         assert_eq!(selected(&s).0, "develop");
         let mut s = state(
             &[("t1", Completed)],
             &[("validate", 1, true), ("develop", 2, true)],
         );
-        s.skill().validate.passed = true;
+        ccw(&mut s, |c| c.validate.passed = true);
         assert_eq!(selected(&s).0, "validate");
     }
 
@@ -652,7 +773,7 @@ mod tests {
     #[test]
     fn select_3_debug_after_a_failed_develop() {
         let mut s = state(&[("t1", Failed)], &[("develop", 1, false)]);
-        s.skill().develop_failed_seq = Some(1);
+        ccw(&mut s, |c| c.develop_failed_seq = Some(1));
         assert_eq!(selected(&s).0, "debug");
         // Not again once a debug ran since.
         let mut s = state(
@@ -663,8 +784,8 @@ mod tests {
                 ("validate", 3, true),
             ],
         );
-        s.skill().develop_failed_seq = Some(1);
-        s.skill().validate.passed = true;
+        ccw(&mut s, |c| c.develop_failed_seq = Some(1));
+        ccw(&mut s, |c| c.validate.passed = true);
         assert_eq!(selected(&s).2, Some(Outcome::Passed));
     }
 
@@ -692,7 +813,7 @@ mod tests {
             &[("t1", Completed)],
             &[("develop", 1, true), ("validate", 2, true)],
         );
-        s.skill().validate.passed = false;
+        ccw(&mut s, |c| c.validate.passed = false);
         assert_eq!(selected(&s).0, "debug");
     }
 
@@ -703,10 +824,10 @@ mod tests {
         // stale state written by another tool.
         let mut s = state(&[], &[("debug", 2, true), ("validate", 3, true)]);
         s.skill().last_action = Some("validate".into());
-        s.skill().validate.passed = false;
+        ccw(&mut s, |c| c.validate.passed = false);
         s.skill().finished.remove("validate");
-        s.skill().validate.last_run_at = None;
-        s.skill().develop.tasks.push(task("t1", Failed));
+        ccw(&mut s, |c| c.validate.last_run_at = None);
+        ccw(&mut s, |c| c.develop.tasks.push(task("t1", Failed)));
         assert_eq!(
             run(CcwLoop.select(&s).into_decision()).outcome,
             Some(Outcome::Incomplete)
@@ -716,7 +837,7 @@ mod tests {
     #[test]
     fn seed_defect_init_never_runs_twice() {
         let mut s = state(&[], &[]);
-        s.skill().initialized_at = None;
+        ccw(&mut s, |c| c.initialized_at = None);
         let d = run(decide(&CcwLoop, &s, LIMITS));
         assert_eq!(d.action, "init");
         // init planned nothing and the loop has no description: one task from the title.
@@ -728,10 +849,10 @@ mod tests {
         let empty = Finish::Success(ActionResult::bare_success());
         CcwLoop.apply(&mut s, &d, &empty, &inputs);
         record_finish(&CcwLoop, &mut s, &d, &empty, &inputs.now);
-        assert_eq!(s.skill().develop.tasks[0].description, "the title");
+        assert_eq!(part(&s).develop.tasks[0].description, "the title");
         assert_eq!(selected(&s).0, "develop");
         // Even with every task gone, init does not come back.
-        s.skill().develop.tasks.clear();
+        ccw(&mut s, |c| c.develop.tasks.clear());
         assert_ne!(selected(&s).0, "init");
     }
 
@@ -819,7 +940,7 @@ mod tests {
             decide(&CcwLoop, &s, LIMITS),
             Decision::Wait { refused: Some(r), .. } if r.contains("planned already")
         ));
-        s.skill().develop.tasks[0].status = Completed;
+        ccw(&mut s, |c| c.develop.tasks[0].status = Completed);
         s.next_action = Some("develop".into());
         assert!(matches!(
             decide(&CcwLoop, &s, LIMITS),
@@ -903,10 +1024,10 @@ mod tests {
         let inputs = Inputs::default();
         CcwLoop.apply(&mut s, &d, &finish, &inputs);
         record_finish(&CcwLoop, &mut s, &d, &finish, "");
-        let skill = s.skill();
-        assert_eq!(skill.develop.tasks[1].id, "task-002");
-        assert_eq!(skill.develop.tasks[1].status, Pending);
-        assert_eq!(skill.debug.hypotheses_count, 1);
+        let c = part(&s);
+        assert_eq!(c.develop.tasks[1].id, "task-002");
+        assert_eq!(c.develop.tasks[1].status, Pending);
+        assert_eq!(c.debug.hypotheses_count, 1);
         assert_eq!(
             selected(&s),
             ("develop".into(), Some("task-002".into()), None)
