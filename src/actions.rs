@@ -37,6 +37,76 @@ const BUILTIN: &[(&str, &str, &str)] = &[
         "complete",
         include_str!("../actions/ccw-loop/complete.md"),
     ),
+    (
+        "skill-tuning",
+        "init",
+        include_str!("../actions/skill-tuning/init.md"),
+    ),
+    (
+        "skill-tuning",
+        "analyze-requirements",
+        include_str!("../actions/skill-tuning/analyze-requirements.md"),
+    ),
+    (
+        "skill-tuning",
+        "gemini-analysis",
+        include_str!("../actions/skill-tuning/gemini-analysis.md"),
+    ),
+    (
+        "skill-tuning",
+        "diagnose-context",
+        include_str!("../actions/skill-tuning/diagnose-context.md"),
+    ),
+    (
+        "skill-tuning",
+        "diagnose-memory",
+        include_str!("../actions/skill-tuning/diagnose-memory.md"),
+    ),
+    (
+        "skill-tuning",
+        "diagnose-dataflow",
+        include_str!("../actions/skill-tuning/diagnose-dataflow.md"),
+    ),
+    (
+        "skill-tuning",
+        "diagnose-agent",
+        include_str!("../actions/skill-tuning/diagnose-agent.md"),
+    ),
+    (
+        "skill-tuning",
+        "diagnose-docs",
+        include_str!("../actions/skill-tuning/diagnose-docs.md"),
+    ),
+    (
+        "skill-tuning",
+        "diagnose-token-consumption",
+        include_str!("../actions/skill-tuning/diagnose-token-consumption.md"),
+    ),
+    (
+        "skill-tuning",
+        "generate-report",
+        include_str!("../actions/skill-tuning/generate-report.md"),
+    ),
+    (
+        "skill-tuning",
+        "propose-fixes",
+        include_str!("../actions/skill-tuning/propose-fixes.md"),
+    ),
+    (
+        "skill-tuning",
+        "apply-fix",
+        include_str!("../actions/skill-tuning/apply-fix.md"),
+    ),
+    (
+        "skill-tuning",
+        "verify",
+        include_str!("../actions/skill-tuning/verify.md"),
+    ),
+    (
+        "skill-tuning",
+        "complete",
+        include_str!("../actions/skill-tuning/complete.md"),
+    ),
 ];
 
 /// The placeholders a template may use.
@@ -52,8 +122,11 @@ pub const PLACEHOLDERS: &[(&str, &str)] = &[
     ("state_file", "the loop's state file"),
     ("progress_dir", "the loop's progress directory"),
     ("result_file", "where to write the result JSON"),
-    ("task_id", "develop: the task's id"),
-    ("task_description", "develop: the task's description"),
+    ("task_id", "develop: the task's id; apply-fix: the fix's"),
+    (
+        "task_description",
+        "develop: the task's description; apply-fix: the fix's",
+    ),
     ("tasks", "the task list, one line each with its status"),
     (
         "validation",
@@ -69,6 +142,25 @@ pub const PLACEHOLDERS: &[(&str, &str)] = &[
         "the last attempts, one line each with their summaries",
     ),
     ("outcome", "complete: why the loop completes"),
+    ("target_skill", "skill-tuning: the skill's name"),
+    ("skill_path", "skill-tuning: the skill's directory"),
+    ("focus_areas", "skill-tuning: the areas to look at"),
+    (
+        "issue_description",
+        "skill-tuning: what the user said is wrong",
+    ),
+    (
+        "requirements",
+        "skill-tuning: the requirement analysis and its coverage",
+    ),
+    (
+        "diagnosis_area",
+        "skill-tuning: the area a diagnosis examines",
+    ),
+    ("issues", "skill-tuning: the open issues, one line each"),
+    ("fixes", "skill-tuning: the fixes and where they stand"),
+    ("quality", "skill-tuning: the quality gate and score"),
+    ("round", "skill-tuning: the diagnosis round"),
 ];
 
 #[derive(Clone, Debug, Default, Deserialize)]

@@ -9,8 +9,8 @@ use serde_json::{Value, json};
 
 use crate::config::Config;
 use crate::events::{printable, render};
-use crate::state::model::{Bookkeeping, LoopState, Mode, SkillState, Status, now_rfc3339};
-use crate::state::store::{Store, new_id, validate_id};
+use crate::state::model::{LoopState, Mode, Status};
+use crate::state::store::{Store, validate_id};
 
 /// `println!` that returns an error instead of panicking when the reader of stdout has gone away
 /// (`loopd list | head -1`); `main` ends such a command quietly.
@@ -107,7 +107,7 @@ pub enum ModeArg {
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Write a new loop (status `created`) and print its id
-    Create(CreateArgs),
+    Create(crate::create::CreateArgs),
     /// Drive a loop in the foreground until it ends
     Run {
         id: String,
@@ -310,7 +310,7 @@ pub fn run(cli: Cli) -> Result<i32> {
     let inspect = || Project::open_for_inspection(root.as_deref(), config.as_deref());
     match command {
         Command::Create(args) => {
-            let id = create_loop(&project()?, &args)?;
+            let id = crate::create::create_loop(&project()?, &args)?;
             print_result(json, &json!({ "loop_id": id }), &id)?;
             Ok(0)
         }
@@ -447,144 +447,6 @@ fn trust(p: &Project, revoke: bool, as_json: bool) -> Result<i32> {
         &text,
     )?;
     Ok(0)
-}
-
-/// What `create` asks for.
-#[derive(Debug, Default, clap::Args)]
-pub struct CreateArgs {
-    /// The loop's goal, in one line
-    #[arg(long)]
-    pub title: String,
-    /// More about the goal; the agents see it in every prompt
-    #[arg(long, default_value = "")]
-    pub description: String,
-    #[command(flatten)]
-    pub limits: crate::recovery::Limits,
-    /// `interactive`: the loop waits for `loopd next` before each action
-    #[arg(long, value_enum, default_value = "auto")]
-    pub mode: ModeArg,
-    /// The workflow [default: config's, `ccw-loop`]
-    #[arg(long, value_name = "NAME")]
-    pub workflow: Option<String>,
-    /// A develop task (repeatable); written to the loop's task list
-    #[arg(long = "task", value_name = "TEXT")]
-    pub tasks: Vec<String>,
-    /// Give the loop a git worktree of its own (branch `loopd/<id>` from HEAD, in the state
-    /// dir's worktrees/), so that it can run beside the project's other loops
-    #[arg(long)]
-    pub worktree: bool,
-}
-
-/// Writes a new loop (and its task list); returns its id.
-pub fn create_loop(p: &Project, args: &CreateArgs) -> Result<String> {
-    let CreateArgs {
-        title,
-        description,
-        limits,
-        mode,
-        workflow,
-        tasks,
-        worktree,
-    } = args;
-    let crate::recovery::Limits {
-        max_iterations,
-        max_errors,
-        max_cost_usd,
-        max_tokens,
-    } = *limits;
-    if title.trim().is_empty() {
-        return Err(usage("--title must not be empty"));
-    }
-    limits.check()?;
-    let name = workflow.as_deref().unwrap_or(&p.config.workflow);
-    let Some(workflow) = crate::workflow::by_name(name) else {
-        return Err(usage(format!(
-            "unknown workflow {name:?} (known: {})",
-            crate::workflow::WORKFLOWS.join(", ")
-        )));
-    };
-    if tasks.iter().any(|t| t.trim().is_empty()) {
-        return Err(usage("--task must not be empty"));
-    }
-    use crate::state::model::{MAX_DESCRIPTION, MAX_TITLE};
-    use crate::workflow::ccw_loop::state::MAX_TASKS;
-    if tasks.len() > MAX_TASKS {
-        return Err(usage(format!(
-            "{} tasks are over the limit of {MAX_TASKS}",
-            tasks.len()
-        )));
-    }
-    for (what, text, max) in std::iter::once(("--title", title, MAX_TITLE))
-        .chain(std::iter::once((
-            "--description",
-            description,
-            MAX_DESCRIPTION,
-        )))
-        .chain(tasks.iter().map(|t| ("--task", t, MAX_DESCRIPTION)))
-    {
-        if text.len() > max {
-            return Err(usage(format!(
-                "{what} is {} bytes, over the limit of {max}",
-                text.len()
-            )));
-        }
-    }
-    let now = now_rfc3339();
-    let id = new_id();
-    let worktree = match worktree {
-        true => Some(crate::worktree::create(&p.root, &p.store, &id)?),
-        false => None,
-    };
-    let state = LoopState {
-        loop_id: id.clone(),
-        title: title.to_owned(),
-        description: description.to_owned(),
-        max_iterations: Some(max_iterations.unwrap_or(p.config.max_iterations)),
-        max_errors: Some(max_errors.unwrap_or(p.config.max_errors)),
-        max_cost_usd: max_cost_usd.or(p.config.max_cost_usd),
-        max_tokens: max_tokens.or(p.config.max_tokens),
-        status: Status::Created,
-        created_at: Some(now.clone()),
-        updated_at: Some(now),
-        skill_state: Some(SkillState {
-            book: Bookkeeping {
-                mode: match mode {
-                    ModeArg::Auto => Mode::Auto,
-                    ModeArg::Interactive => Mode::Interactive,
-                },
-                workflow: Some(workflow.name().to_owned()),
-                worktree: worktree.clone(),
-                ..Bookkeeping::default()
-            },
-            part: Default::default(),
-        }),
-        ..LoopState::default()
-    };
-    let mut state = state;
-    workflow.init_part(state.skill());
-    if let Err(e) = p.store.create(&state) {
-        if let Some(w) = &worktree {
-            crate::worktree::remove(&p.root, w);
-        }
-        return Err(e.into());
-    }
-    if !tasks.is_empty() {
-        let lines: Vec<Value> = tasks
-            .iter()
-            .enumerate()
-            .map(|(i, t)| {
-                json!({
-                    "task_id": format!("task-{:03}", i + 1),
-                    "description": t,
-                    "order": i + 1,
-                    "status": "pending",
-                    "created_at": now_rfc3339(),
-                })
-            })
-            .collect();
-        p.store.append_tasks(&id, &lines)?;
-    }
-    Ok(id)
 }
 
 enum Control {

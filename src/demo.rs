@@ -70,10 +70,10 @@ pub fn run() -> Result<i32> {
         config,
         config_flag: None,
     };
-    let id = crate::cli::create_loop(
+    let id = crate::create::create_loop(
         &project,
-        &crate::cli::CreateArgs {
-            title: "Make the calculator's tests pass".into(),
+        &crate::create::CreateArgs {
+            title: Some("Make the calculator's tests pass".into()),
             description: "calc.sh needs add and sub, and test.sh must pass.".into(),
             ..Default::default()
         },

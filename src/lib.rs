@@ -8,6 +8,7 @@
 pub mod actions;
 pub mod cli;
 pub mod config;
+pub mod create;
 pub mod daemon;
 pub mod demo;
 pub mod doctor;

@@ -809,6 +809,7 @@ impl Turn<'_> {
             .current_iteration
             .saturating_add(u64::from(wf.counts_iteration(&dispatch.action)));
         let now = now_rfc3339();
+        state.skill().current_action = Some(dispatch.action.clone());
         wf.begin(&mut state, dispatch, &now);
         if let Some(q) = state.skill_state.as_ref().and_then(|s| s.question.as_ref())
             && let Some(answer) = &q.answer
@@ -952,6 +953,7 @@ impl Turn<'_> {
         dispatch: &Dispatch,
         question: String,
     ) -> Result<Option<Exit>> {
+        self.daemon.workflow.asked(&mut state, dispatch);
         state.skill().question = Some(crate::state::model::Question {
             since: now_rfc3339(),
             action: dispatch.action.clone(),

@@ -8,6 +8,7 @@
 //! bookkeeping.
 
 pub mod ccw_loop;
+pub mod skill_tuning;
 
 use serde_json::Value;
 
@@ -204,6 +205,11 @@ pub trait Workflow: Send + Sync {
     fn actions(&self) -> &'static [&'static str];
     /// Whether finishing `action` consumes an iteration.
     fn counts_iteration(&self, action: &str) -> bool;
+    /// `(max_iterations, max_errors)` of a new loop where `create` gives none, if the workflow
+    /// has its own.
+    fn default_limits(&self) -> Option<(u64, u64)> {
+        None
+    }
     /// Termination checks after the status check: `None` means go on to selection.
     fn check(&self, state: &LoopState, limits: Limits) -> Option<Decision>;
     /// The next action in auto mode.
@@ -213,6 +219,9 @@ pub trait Workflow: Send + Sync {
     fn choose(&self, state: &LoopState, action: &str) -> Result<Dispatch, String>;
     /// Marks the state as the action starts (a develop task becomes `in_progress`).
     fn begin(&self, state: &mut LoopState, dispatch: &Dispatch, now: &str);
+    /// Marks the state as an action asks a person (`needs_input`); the action runs again once
+    /// answered.
+    fn asked(&self, _state: &mut LoopState, _dispatch: &Dispatch) {}
     /// Checks an action's `state_updates` before anything is applied.
     fn validate(&self, action: &str, result: &ActionResult) -> Result<(), String>;
     /// Applies the action's final outcome to the state.
@@ -272,13 +281,14 @@ pub fn all() -> impl Iterator<Item = &'static dyn Workflow> {
 
 pub fn by_name(name: &str) -> Option<&'static dyn Workflow> {
     match name {
-        "ccw-loop" => Some(&ccw_loop::CcwLoop),
+        ccw_loop::NAME => Some(&ccw_loop::CcwLoop),
+        skill_tuning::NAME => Some(&skill_tuning::SkillTuning),
         _ => None,
     }
 }
 
 /// The names [`by_name`] knows.
-pub const WORKFLOWS: &[&str] = &["ccw-loop"];
+pub const WORKFLOWS: &[&str] = &[ccw_loop::NAME, skill_tuning::NAME];
 
 /// Termination checks, then selection: auto mode selects, interactive mode waits for a choice.
 pub fn decide(workflow: &dyn Workflow, state: &LoopState, limits: Limits) -> Decision {

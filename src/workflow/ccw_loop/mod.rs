@@ -173,7 +173,6 @@ impl Workflow for CcwLoop {
 
     fn begin(&self, state: &mut LoopState, dispatch: &Dispatch, _now: &str) {
         let skill = state.skill();
-        skill.current_action = Some(dispatch.action.clone());
         if let Some(id) = &dispatch.task_id {
             let mut ccw: CcwState = skill.part();
             ccw.develop.current_task = Some(id.clone());
@@ -613,6 +612,8 @@ fn summary(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::state::model::{Finished, Mode, Status};
+    use crate::workflow::{decide, record_finish};
 
     /// Edits the workflow's own fields of a state.
     fn ccw(s: &mut LoopState, edit: impl FnOnce(&mut CcwState)) {
@@ -625,8 +626,6 @@ mod tests {
     fn part(s: &LoopState) -> CcwState {
         s.skill_state.as_ref().unwrap().part()
     }
-    use crate::state::model::{Finished, Mode, Status};
-    use crate::workflow::{decide, record_finish};
 
     const LIMITS: Limits = Limits {
         max_iterations: 10,

@@ -1,0 +1,255 @@
+//! `loopd create`: a new loop of any workflow, checked before anything is written.
+
+use anyhow::Result;
+use serde_json::{Value, json};
+
+use crate::cli::{ModeArg, Project, usage};
+use crate::state::model::{Bookkeeping, LoopState, Mode, SkillState, Status, now_rfc3339};
+use crate::state::store::new_id;
+
+/// What `create` asks for.
+#[derive(Debug, Default, clap::Args)]
+pub struct CreateArgs {
+    /// The loop's goal, in one line [skill-tuning: "Tune the NAME skill"]
+    #[arg(long)]
+    pub title: Option<String>,
+    /// More about the goal; the agents see it in every prompt
+    #[arg(long, default_value = "")]
+    pub description: String,
+    #[command(flatten)]
+    pub limits: crate::recovery::Limits,
+    /// `interactive`: the loop waits for `loopd next` before each action
+    #[arg(long, value_enum, default_value = "auto")]
+    pub mode: ModeArg,
+    /// The workflow [default: config's, `ccw-loop`]
+    #[arg(long, value_name = "NAME")]
+    pub workflow: Option<String>,
+    /// A develop task (repeatable); written to the loop's task list
+    #[arg(long = "task", value_name = "TEXT")]
+    pub tasks: Vec<String>,
+    /// Give the loop a git worktree of its own (branch `loopd/<id>` from HEAD, in the state
+    /// dir's worktrees/), so that it can run beside the project's other loops
+    #[arg(long)]
+    pub worktree: bool,
+    #[command(flatten)]
+    pub tuning: TuningArgs,
+}
+
+/// What a skill-tuning loop is given.
+#[derive(Debug, Default, clap::Args)]
+pub struct TuningArgs {
+    /// skill-tuning: the skill to tune, a directory with a SKILL.md
+    #[arg(long, value_name = "PATH")]
+    pub target_skill: Option<std::path::PathBuf>,
+    /// skill-tuning: the areas to look at (context, memory, dataflow, agent, docs,
+    /// token_consumption; architecture, prompt, performance, custom ask for a second opinion)
+    #[arg(long = "focus", value_name = "AREA,...", value_delimiter = ',')]
+    pub focus: Vec<String>,
+    /// skill-tuning: what is wrong with the skill, in your words
+    #[arg(long, value_name = "TEXT")]
+    pub issue: Option<String>,
+}
+
+impl TuningArgs {
+    fn given(&self) -> bool {
+        self.target_skill.is_some() || !self.focus.is_empty() || self.issue.is_some()
+    }
+}
+
+/// The fields of a new skill-tuning loop: the target checked (a directory with a `SKILL.md`,
+/// kept relative to the root when it is inside it), the focus areas known ones.
+fn tuning_part(
+    p: &Project,
+    args: &TuningArgs,
+) -> Result<crate::workflow::skill_tuning::state::TuningState> {
+    use crate::workflow::skill_tuning::{FOCUS_AREAS, state::TuningState};
+    let Some(target) = &args.target_skill else {
+        return Err(usage(
+            "--target-skill PATH is required for a skill-tuning loop (a directory with a SKILL.md)",
+        ));
+    };
+    let dir = p.root.join(target);
+    if !dir.join("SKILL.md").is_file() {
+        return Err(usage(format!(
+            "--target-skill: {} is not a skill (no SKILL.md in it)",
+            dir.display()
+        )));
+    }
+    let dir = dir
+        .canonicalize()
+        .map_err(|e| usage(format!("--target-skill: {}: {e}", dir.display())))?;
+    let path = dir.strip_prefix(&p.root).unwrap_or(&dir);
+    let path = if path.as_os_str().is_empty() {
+        ".".to_owned()
+    } else {
+        path.display().to_string()
+    };
+    for area in &args.focus {
+        let canonical = area.trim().replace('-', "_").to_ascii_lowercase();
+        if !FOCUS_AREAS.contains(&canonical.as_str()) {
+            return Err(usage(format!(
+                "--focus: unknown area {area:?}{} (known: {})",
+                crate::config::did_you_mean(&canonical, FOCUS_AREAS),
+                FOCUS_AREAS.join(", ")
+            )));
+        }
+    }
+    if let Some(issue) = &args.issue
+        && issue.len() > crate::state::model::MAX_DESCRIPTION
+    {
+        return Err(usage("--issue is over the limit of 32 KiB"));
+    }
+    let name = dir
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    Ok(TuningState::new(
+        name,
+        path,
+        args.focus
+            .iter()
+            .map(|a| a.trim().replace('-', "_").to_ascii_lowercase())
+            .collect(),
+        args.issue.clone().filter(|i| !i.trim().is_empty()),
+    ))
+}
+
+/// Writes a new loop (and its task list); returns its id.
+pub fn create_loop(p: &Project, args: &CreateArgs) -> Result<String> {
+    let CreateArgs {
+        title,
+        description,
+        limits,
+        mode,
+        workflow,
+        tasks,
+        worktree,
+        tuning,
+    } = args;
+    let crate::recovery::Limits {
+        max_iterations,
+        max_errors,
+        max_cost_usd,
+        max_tokens,
+    } = *limits;
+    limits.check()?;
+    let name = workflow.as_deref().unwrap_or(&p.config.workflow);
+    let Some(workflow) = crate::workflow::by_name(name) else {
+        return Err(usage(format!(
+            "unknown workflow {name:?} (known: {})",
+            crate::workflow::WORKFLOWS.join(", ")
+        )));
+    };
+    let tuning = match workflow.name() {
+        crate::workflow::skill_tuning::NAME => Some(tuning_part(p, tuning)?),
+        _ if tuning.given() => {
+            return Err(usage(format!(
+                "--target-skill, --focus and --issue are for --workflow skill-tuning, not {}",
+                workflow.name()
+            )));
+        }
+        _ => None,
+    };
+    if !tasks.is_empty() && workflow.task_ids(&SkillState::default()).is_none() {
+        return Err(usage(format!(
+            "--task: the {} workflow takes no tasks",
+            workflow.name()
+        )));
+    }
+    let title = match (title, &tuning) {
+        (Some(t), _) if !t.trim().is_empty() => t.clone(),
+        (None, Some(t)) => format!("Tune the {} skill", t.target_skill.name),
+        (Some(_), _) => return Err(usage("--title must not be empty")),
+        (None, None) => return Err(usage("--title TEXT is required")),
+    };
+    let title = &title;
+    if tasks.iter().any(|t| t.trim().is_empty()) {
+        return Err(usage("--task must not be empty"));
+    }
+    use crate::state::model::{MAX_DESCRIPTION, MAX_TITLE};
+    use crate::workflow::ccw_loop::state::MAX_TASKS;
+    if tasks.len() > MAX_TASKS {
+        return Err(usage(format!(
+            "{} tasks are over the limit of {MAX_TASKS}",
+            tasks.len()
+        )));
+    }
+    for (what, text, max) in std::iter::once(("--title", title, MAX_TITLE))
+        .chain(std::iter::once((
+            "--description",
+            description,
+            MAX_DESCRIPTION,
+        )))
+        .chain(tasks.iter().map(|t| ("--task", t, MAX_DESCRIPTION)))
+    {
+        if text.len() > max {
+            return Err(usage(format!(
+                "{what} is {} bytes, over the limit of {max}",
+                text.len()
+            )));
+        }
+    }
+    // The workflow's own defaults, where it has them, else the config's.
+    let defaults = workflow
+        .default_limits()
+        .unwrap_or((p.config.max_iterations, p.config.max_errors));
+    let now = now_rfc3339();
+    let id = new_id();
+    let worktree = match worktree {
+        true => Some(crate::worktree::create(&p.root, &p.store, &id)?),
+        false => None,
+    };
+    let state = LoopState {
+        loop_id: id.clone(),
+        title: title.to_owned(),
+        description: description.to_owned(),
+        max_iterations: Some(max_iterations.unwrap_or(defaults.0)),
+        max_errors: Some(max_errors.unwrap_or(defaults.1)),
+        max_cost_usd: max_cost_usd.or(p.config.max_cost_usd),
+        max_tokens: max_tokens.or(p.config.max_tokens),
+        status: Status::Created,
+        created_at: Some(now.clone()),
+        updated_at: Some(now),
+        skill_state: Some(SkillState {
+            book: Bookkeeping {
+                mode: match mode {
+                    ModeArg::Auto => Mode::Auto,
+                    ModeArg::Interactive => Mode::Interactive,
+                },
+                workflow: Some(workflow.name().to_owned()),
+                worktree: worktree.clone(),
+                ..Bookkeeping::default()
+            },
+            part: Default::default(),
+        }),
+        ..LoopState::default()
+    };
+    let mut state = state;
+    if let Some(tuning) = &tuning {
+        state.skill().set_part(tuning);
+    }
+    workflow.init_part(state.skill());
+    if let Err(e) = p.store.create(&state) {
+        if let Some(w) = &worktree {
+            crate::worktree::remove(&p.root, w);
+        }
+        return Err(e.into());
+    }
+    if !tasks.is_empty() {
+        let lines: Vec<Value> = tasks
+            .iter()
+            .enumerate()
+            .map(|(i, t)| {
+                json!({
+                    "task_id": format!("task-{:03}", i + 1),
+                    "description": t,
+                    "order": i + 1,
+                    "status": "pending",
+                    "created_at": now_rfc3339(),
+                })
+            })
+            .collect();
+        p.store.append_tasks(&id, &lines)?;
+    }
+    Ok(id)
+}
