@@ -198,10 +198,17 @@ pub enum Command {
     /// Print the manual page (roff): `loopd man | man -l -`
     Man,
     /// Run a complete example loop in a temporary project
-    Demo,
+    Demo {
+        /// The workflow to show: ccw-loop (a calculator fixed) or skill-tuning (a skill tuned)
+        #[arg(long, value_name = "NAME")]
+        workflow: Option<String>,
+    },
     /// The demo's scripted executor (used by `demo`)
     #[command(hide = true)]
-    DemoAgent,
+    DemoAgent {
+        #[arg(long)]
+        workflow: Option<String>,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -381,7 +388,7 @@ pub fn run(cli: Cli) -> Result<i32> {
         Command::Doctor { executor } => crate::doctor::run(&project()?, executor, json),
         Command::Trust { revoke } => trust(&project()?, revoke, json),
         Command::Init(args) => crate::init::run(&inspect()?, &args, json),
-        Command::Completions { .. } | Command::Man | Command::Demo if json => Err(usage(
+        Command::Completions { .. } | Command::Man | Command::Demo { .. } if json => Err(usage(
             "--json: completions, man and demo print text for people, not a result",
         )),
         Command::Completions { shell } => {
@@ -397,8 +404,8 @@ pub fn run(cli: Cli) -> Result<i32> {
             clap_mangen::Man::new(cmd).render(&mut std::io::stdout())?;
             Ok(0)
         }
-        Command::Demo => crate::demo::run(),
-        Command::DemoAgent => crate::demo::agent(),
+        Command::Demo { workflow } => crate::demo::run(workflow.as_deref()),
+        Command::DemoAgent { workflow } => crate::demo::agent(workflow.as_deref()),
     }
 }
 
@@ -539,7 +546,7 @@ fn control(p: &Project, id: &str, what: Control, as_json: bool) -> Result<i32> {
     }
     let executor = state.skill_state.as_ref().and_then(|s| s.executor.clone());
     let start_daemon =
-        matches!(what, Control::Resume) && crate::daemon::daemon_pid(&p.store, id).is_none();
+        matches!(what, Control::Resume) && crate::daemon::driving_daemon(&p.store, id).is_none();
     if start_daemon {
         crate::daemon::check_runnable(p, &state, executor.as_deref())?;
     }

@@ -35,7 +35,7 @@ pub fn drive(p: &Project, id: &str, executor: Option<String>, exit_on_pause: boo
     crate::state::store::validate_id(id)?;
     // Before touching anything: another daemon may be driving this loop.
     if let Some(pid) = daemon_pid(&p.store, id)
-        && crate::executor::procs::ProcStat::read(pid).is_some_and(|s| s.is_alive())
+        && pid_alive(pid)
     {
         return Err(crate::cli::UsageError(format!(
             "loop {id} is already driven by a daemon (pid {pid})"
@@ -174,6 +174,24 @@ pub fn daemon_pid(store: &Store, id: &str) -> Option<u32> {
     holder(store, &format!("{id}.daemon")).map(|text| holder_pid(&text))
 }
 
+fn pid_alive(pid: u32) -> bool {
+    pid > 0 && crate::executor::procs::ProcStat::read(pid).is_some_and(|p| p.is_alive())
+}
+
+/// The daemon driving a loop, if one does. A holder of the lock whose process is gone is passing
+/// through (the last threads of a killed daemon closing its files, a probe of `status`): it is
+/// waited out for up to 2 s, so that a daemon killed a moment ago never refuses a new one.
+pub fn driving_daemon(store: &Store, id: &str) -> Option<u32> {
+    let deadline = Instant::now() + Duration::from_secs(2);
+    loop {
+        let pid = daemon_pid(store, id)?;
+        if pid_alive(pid) || Instant::now() > deadline {
+            return Some(pid);
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
 /// An exclusive lock on a file of the state dir, held until it is dropped.
 pub struct Held {
     _file: File,
@@ -194,10 +212,7 @@ impl Held {
         let deadline = Instant::now() + Duration::from_secs(2);
         while file.try_lock().is_err() {
             let text = holder(store, name).unwrap_or_default();
-            let pid = holder_pid(&text);
-            let alive = pid > 0
-                && crate::executor::procs::ProcStat::read(pid).is_some_and(|p| p.is_alive());
-            if alive || Instant::now() > deadline {
+            if pid_alive(holder_pid(&text)) || Instant::now() > deadline {
                 return Err(busy(&text));
             }
             std::thread::sleep(Duration::from_millis(5));
@@ -258,8 +273,7 @@ fn check_work_tree_free(p: &Project, state: &LoopState) -> Result<()> {
     }
     match holder(&p.store, WORK_TREE_LOCK) {
         Some(text) if text.split_whitespace().nth(1) != Some(state.loop_id.as_str()) => {
-            let pid = holder_pid(&text);
-            if crate::executor::procs::ProcStat::read(pid).is_some_and(|p| p.is_alive()) {
+            if pid_alive(holder_pid(&text)) {
                 return Err(work_tree_busy(&state.loop_id, &p.root, &text));
             }
             Ok(())
@@ -311,7 +325,7 @@ fn preflight(p: &Project, id: &str, daemon: &crate::orchestrator::Daemon) -> Res
 /// Starts a detached daemon for a loop; returns its pid once it holds the loop's daemon lock.
 pub fn start(p: &Project, id: &str, executor: Option<&str>) -> Result<u32> {
     let state = p.load(id)?;
-    if let Some(pid) = daemon_pid(&p.store, id) {
+    if let Some(pid) = driving_daemon(&p.store, id) {
         return Err(crate::cli::usage(format!(
             "loop {id} is already driven by a daemon (pid {pid})"
         )));

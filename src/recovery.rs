@@ -55,7 +55,7 @@ impl Limits {
 /// tasks pending again; a daemon is started for it.
 pub fn retry(p: &Project, id: &str, as_json: bool) -> Result<i32> {
     let state = p.load(id)?;
-    if let Some(pid) = crate::daemon::daemon_pid(&p.store, id) {
+    if let Some(pid) = crate::daemon::driving_daemon(&p.store, id) {
         return Err(usage(format!(
             "loop {id} is driven by a daemon (pid {pid}); retry is for a loop that has ended"
         )));

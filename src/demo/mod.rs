@@ -1,0 +1,126 @@
+//! `loopd demo`: a complete loop in a temporary project, with a scripted executor built into the
+//! binary (`loopd demo-agent`), for each workflow: ccw-loop fixes a tiny shell calculator
+//! ([`calculator`]), skill-tuning tunes a small skill with planted problems ([`tuning`]).
+
+mod calculator;
+mod tuning;
+
+use std::io::Read;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context as _, Result};
+
+use crate::cli::{Project, usage};
+use crate::config::Config;
+use crate::orchestrator::Exit;
+use crate::state::store::Store;
+use crate::workflow::{ccw_loop, skill_tuning};
+
+/// Runs the demo of a workflow (ccw-loop by default); returns the loop's exit code.
+pub fn run(workflow: Option<&str>) -> Result<i32> {
+    let workflow = workflow.unwrap_or(ccw_loop::NAME);
+    let (headline, own_config): (&str, &str) = match workflow {
+        ccw_loop::NAME => (
+            "a loop that fixes a tiny shell calculator",
+            calculator::CONFIG,
+        ),
+        skill_tuning::NAME => ("a loop that tunes a small skill", ""),
+        other => {
+            return Err(usage(format!(
+                "unknown workflow {other:?} (known: {})",
+                crate::workflow::WORKFLOWS.join(", ")
+            )));
+        }
+    };
+    let dir = tempfile::Builder::new()
+        .prefix("loopd-demo-")
+        .tempdir()
+        .context("cannot create the demo's temporary directory")?
+        .keep()
+        .canonicalize()?;
+    let args = match workflow {
+        skill_tuning::NAME => tuning::write_project(&dir)?,
+        _ => {
+            calculator::write_project(&dir)?;
+            calculator::create_args()
+        }
+    };
+    let exe = std::env::current_exe().context("cannot find the loopd binary")?;
+    let config_text = format!(
+        "# The demo's configuration: the scripted agent for every action.\n\
+         executor = \"demo\"\nretry_backoff = 0.1\n\n\
+         [executors.demo]\ncommand = [{}, \"demo-agent\", \"--workflow\", \"{workflow}\"]\n\
+         prompt = \"stdin\"\nformat = \"json\"\n\n{own_config}",
+        toml::Value::String(exe.display().to_string())
+    );
+    std::fs::create_dir_all(dir.join(".loop"))?;
+    std::fs::write(dir.join(".loop/config.toml"), &config_text)?;
+    // loopd wrote this file itself: `loopd status` and `loopd run` may use it afterwards.
+    crate::trust::allow(&dir, &crate::trust::project_files(&dir)?)
+        .context("cannot record the demo project as trusted")?;
+    // The built-in defaults and the demo's layer only: the user's own config does not apply here.
+    let config = Config::builtin_with(&config_text)?;
+    let project = Project {
+        store: Store::new(&dir, &config.state_dir),
+        root: dir.clone(),
+        config,
+        config_flag: None,
+    };
+    let id = crate::create::create_loop(&project, &args)?;
+    eprintln!("loopd demo: {headline}");
+    eprintln!("  project  {}", dir.display());
+    eprintln!("  loop     {id}\n");
+    let exit = crate::daemon::drive(&project, &id, None, false)?;
+    let state = project.load(&id)?;
+    let skill = state.skill_state.clone().unwrap_or_default();
+    crate::outln!()?;
+    crate::outln!(
+        "{} after {} iterations ({})",
+        match &exit {
+            Exit::Completed(_) => "completed",
+            _ => "ended",
+        },
+        state.current_iteration,
+        skill.outcome.as_deref().unwrap_or("-")
+    )?;
+    match workflow {
+        skill_tuning::NAME => tuning::print_outcome(&skill)?,
+        _ => calculator::print_outcome(&skill)?,
+    }
+    let progress = project.store.progress_dir(&id);
+    crate::outln!("\nfiles:")?;
+    crate::outln!("  state     {}", project.store.state_path(&id).display())?;
+    crate::outln!(
+        "  events    {}",
+        progress.join(crate::events::EVENTS).display()
+    )?;
+    crate::outln!("  summary   {}", progress.join("summary.md").display())?;
+    crate::outln!("  progress  {}", progress.display())?;
+    crate::outln!("\nlook around:")?;
+    crate::outln!("  loopd --root {} status {id}", dir.display())?;
+    crate::outln!("  loopd --root {} logs {id}", dir.display())?;
+    Ok(exit.code())
+}
+
+/// The scripted executor: plays a coding agent for the demo's project, and writes its result.
+pub fn agent(workflow: Option<&str>) -> Result<i32> {
+    let env = |k: &str| std::env::var(k).unwrap_or_default();
+    let mut prompt = String::new();
+    std::io::stdin().read_to_string(&mut prompt)?;
+    let action = env("LOOPD_ACTION");
+    let root = PathBuf::from(env("LOOPD_ROOT"));
+    let result = match workflow {
+        Some(skill_tuning::NAME) => tuning::act(&action, &root, env)?,
+        _ => calculator::act(&action, &root, env)?,
+    };
+    std::fs::write(
+        env("LOOPD_RESULT_FILE"),
+        serde_json::to_vec_pretty(&result)?,
+    )?;
+    Ok(0)
+}
+
+/// A file of the demo's project, read for the scripted agent.
+fn read(root: &Path, file: &str) -> Result<String> {
+    std::fs::read_to_string(root.join(file)).with_context(|| format!("cannot read {file}"))
+}
