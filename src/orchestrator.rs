@@ -28,7 +28,7 @@ use crate::config::{Config, ExecutorConfig, Format, PromptMode, Supervision};
 use crate::events::{Event, EventLog, Progress, ProgressDir, name};
 use crate::executor::agent::{AgentStream, AttemptOutcome};
 use crate::executor::result::{Verdict, verdict};
-use crate::executor::{Budget, Executor, Report, Spec, procs};
+use crate::executor::{Budget, Executor, Spec, procs};
 use crate::state::model::{
     AwaitingChoice, HistoryEntry, InFlight, LoopState, Status, format_ts, now_rfc3339,
 };
@@ -113,6 +113,72 @@ pub struct Daemon {
 enum Interrupt {
     Control,
     Shutdown(i32),
+}
+
+impl Interrupt {
+    /// How the loop ends after it: a shutdown ends the daemon; a control change goes back to
+    /// the main loop, which reads the new status.
+    fn exit(self) -> Option<Exit> {
+        match self {
+            Interrupt::Control => None,
+            Interrupt::Shutdown(sig) => Some(Exit::Signalled(sig)),
+        }
+    }
+}
+
+/// The action being run: what, how, and the iteration it counts for.
+struct Step<'a> {
+    dispatch: &'a Dispatch,
+    plan: &'a Plan,
+    def: &'a ActionDef,
+    iteration: u64,
+}
+
+/// An attempt ready to spawn, and where its files go.
+struct Prepared {
+    spec: Spec,
+    files: AttemptFiles,
+}
+
+/// Where an attempt's files are: its directory, its result file's name, its log.
+struct AttemptFiles {
+    actions: crate::safe_fs::Dir,
+    result_name: String,
+    log_path: PathBuf,
+}
+
+/// The paths a prompt names.
+struct Paths<'a> {
+    root: &'a Path,
+    state_file: &'a Path,
+    progress_dir: &'a Path,
+    result_file: &'a Path,
+}
+
+/// The pauses between the attempts of an action: `first`, doubled each time, `retries` of them.
+struct Backoff {
+    left: u32,
+    next: Duration,
+}
+
+impl Backoff {
+    fn new(retries: u32, first: Duration) -> Backoff {
+        Backoff {
+            left: retries,
+            next: first,
+        }
+    }
+}
+
+impl Iterator for Backoff {
+    type Item = Duration;
+
+    fn next(&mut self) -> Option<Duration> {
+        self.left = self.left.checked_sub(1)?;
+        let pause = self.next;
+        self.next = self.next.saturating_mul(2);
+        Some(pause)
+    }
 }
 
 impl Daemon {
@@ -792,6 +858,10 @@ impl Turn<'_> {
     }
 
     /// Runs one action with its retries; returns how the loop ends, if it does.
+    ///
+    /// The retries are states: after each attempt the verdict decides whether the action is
+    /// done (a success, a block, a question), waits for a rate limit and tries the same attempt
+    /// again, backs off and tries the next one ([`Backoff`]), or fails after its last.
     async fn run_action(
         &mut self,
         mut state: LoopState,
@@ -799,18 +869,78 @@ impl Turn<'_> {
         consumed_choice: Option<String>,
     ) -> Result<Option<Exit>> {
         let daemon = self.daemon;
-        let wf = daemon.workflow;
-        let plan = daemon
-            .plans
-            .get(&dispatch.action)
-            .with_context(|| format!("no plan for action {}", dispatch.action))?;
-        let def = &daemon.actions[&dispatch.action];
-        let iteration = state
-            .current_iteration
-            .saturating_add(u64::from(wf.counts_iteration(&dispatch.action)));
-        let now = now_rfc3339();
+        let step = Step {
+            dispatch,
+            plan: daemon
+                .plans
+                .get(&dispatch.action)
+                .with_context(|| format!("no plan for action {}", dispatch.action))?,
+            def: &daemon.actions[&dispatch.action],
+            iteration: state.current_iteration.saturating_add(u64::from(
+                daemon.workflow.counts_iteration(&dispatch.action),
+            )),
+        };
+        self.begin(&mut state, dispatch);
+        let mut backoff = Backoff::new(
+            daemon.config.action_retries,
+            Duration::from_secs_f64(daemon.config.retry_backoff),
+        );
+        let mut consumed_choice = consumed_choice;
+        let mut attempt = 1;
+        let mut rate_limited = 0;
+        let last_error = loop {
+            let attempted = self
+                .attempt(&mut state, &step, attempt, consumed_choice.take())
+                .await?;
+            let verdict = match attempted {
+                Attempted::Done(verdict) => verdict,
+                Attempted::Interrupted(interrupt) => return Ok(interrupt.exit()),
+            };
+            let error = match verdict {
+                Verdict::Success(result) => {
+                    return self.finish(state, dispatch, step.iteration, Finish::Success(result));
+                }
+                Verdict::Blocked { message } => {
+                    return self.block(state, dispatch, step.plan, message);
+                }
+                Verdict::NeedsInput { question } => return self.ask(state, dispatch, question),
+                Verdict::Interrupted => unreachable!("handled as Attempted::Interrupted"),
+                Verdict::RateLimited { until, message } if rate_limited < MAX_RATE_LIMITS => {
+                    // Wait for the reset and try the same attempt again: not an error.
+                    rate_limited += 1;
+                    if let Some(interrupt) = self.rate_limited(&step, attempt, until, message).await
+                    {
+                        return Ok(interrupt.exit());
+                    }
+                    continue;
+                }
+                // An agent that says "rate limited" forever is failing.
+                Verdict::RateLimited { message, .. } => {
+                    format!("rate limited {rate_limited} times in a row: {message}")
+                }
+                // No retry can help.
+                Verdict::Failed {
+                    outcome: AttemptOutcome::BudgetExceeded,
+                    message,
+                } => break message,
+                Verdict::Failed { message, .. } => message,
+            };
+            let Some(pause) = backoff.next() else {
+                break error;
+            };
+            if let Some(interrupt) = self.sleep_unless_interrupted(pause).await {
+                return Ok(interrupt.exit());
+            }
+            attempt += 1;
+        };
+        self.finish(state, dispatch, step.iteration, Finish::Failed(last_error))
+    }
+
+    /// Marks the state as an action starts: what runs, the workflow's own marks, and what no
+    /// longer holds (a choice waited for, a block, how a previous run ended).
+    fn begin(&mut self, state: &mut LoopState, dispatch: &Dispatch) {
         state.skill().current_action = Some(dispatch.action.clone());
-        wf.begin(&mut state, dispatch, &now);
+        self.daemon.workflow.begin(state, dispatch, &now_rfc3339());
         if let Some(q) = state.skill_state.as_ref().and_then(|s| s.question.as_ref())
             && let Some(answer) = &q.answer
         {
@@ -824,89 +954,28 @@ impl Turn<'_> {
         let skill = state.skill();
         skill.awaiting_choice = None;
         skill.blocked = None;
-        // How a previous run of the loop ended no longer holds.
         skill.outcome = None;
-        let attempts = daemon.config.action_retries + 1;
-        let mut backoff = Duration::from_secs_f64(daemon.config.retry_backoff);
-        let mut last_error = String::new();
-        let mut consumed_choice = consumed_choice;
-        let mut attempt = 1;
-        let mut rate_limited = 0;
-        while attempt <= attempts {
-            let outcome = self
-                .attempt(
-                    &mut state,
-                    dispatch,
-                    def,
-                    plan,
-                    iteration,
-                    attempt,
-                    consumed_choice.take(),
-                )
-                .await?;
-            match outcome {
-                Attempted::Done(verdict_) => match verdict_ {
-                    Verdict::Success(result) => {
-                        return self.finish(state, dispatch, iteration, Finish::Success(result));
-                    }
-                    Verdict::Failed { outcome, message } => {
-                        last_error = message;
-                        if outcome == AttemptOutcome::BudgetExceeded {
-                            break; // no retry can help
-                        }
-                    }
-                    Verdict::RateLimited { message, .. } if rate_limited >= MAX_RATE_LIMITS => {
-                        // An agent that says "rate limited" forever is failing.
-                        last_error =
-                            format!("rate limited {rate_limited} times in a row: {message}");
-                    }
-                    Verdict::RateLimited { until, message } => {
-                        // Wait for the reset and try the same attempt again: not an error.
-                        rate_limited += 1;
-                        let wait = self.rate_limit_wait(until);
-                        self.events.emit(
-                            Event::new(name::RATE_LIMITED)
-                                .with("iteration", iteration)
-                                .with("action", dispatch.action.clone())
-                                .with("attempt", attempt)
-                                .with("until", format_ts(Utc::now() + wait))
-                                .with("message", message),
-                        );
-                        match self
-                            .sleep_unless_interrupted(wait.to_std().unwrap_or_default())
-                            .await
-                        {
-                            None => continue,
-                            Some(Interrupt::Shutdown(sig)) => {
-                                return Ok(Some(Exit::Signalled(sig)));
-                            }
-                            Some(Interrupt::Control) => return Ok(None),
-                        }
-                    }
-                    Verdict::Blocked { message } => {
-                        return self.block(state, dispatch, plan, message);
-                    }
-                    Verdict::NeedsInput { question } => {
-                        return self.ask(state, dispatch, question);
-                    }
-                    Verdict::Interrupted => unreachable!("handled as Attempted::Interrupted"),
-                },
-                Attempted::Interrupted(Interrupt::Shutdown(sig)) => {
-                    return Ok(Some(Exit::Signalled(sig)));
-                }
-                Attempted::Interrupted(Interrupt::Control) => return Ok(None),
-            }
-            attempt += 1;
-            if attempt <= attempts {
-                match self.sleep_unless_interrupted(backoff).await {
-                    None => {}
-                    Some(Interrupt::Shutdown(sig)) => return Ok(Some(Exit::Signalled(sig))),
-                    Some(Interrupt::Control) => return Ok(None),
-                }
-                backoff *= 2;
-            }
-        }
-        self.finish(state, dispatch, iteration, Finish::Failed(last_error))
+    }
+
+    /// A rate limit: says so and waits for its reset (or the configured wait).
+    async fn rate_limited(
+        &mut self,
+        step: &Step<'_>,
+        attempt: u32,
+        until: Option<DateTime<Utc>>,
+        message: String,
+    ) -> Option<Interrupt> {
+        let wait = self.rate_limit_wait(until);
+        self.events.emit(
+            Event::new(name::RATE_LIMITED)
+                .with("iteration", step.iteration)
+                .with("action", step.dispatch.action.clone())
+                .with("attempt", attempt)
+                .with("until", format_ts(Utc::now() + wait))
+                .with("message", message),
+        );
+        self.sleep_unless_interrupted(wait.to_std().unwrap_or_default())
+            .await
     }
 
     /// The executor cannot run here: pause the loop (from `running` only) with the reason in
@@ -1012,239 +1081,260 @@ impl Turn<'_> {
         }
     }
 
-    /// One attempt: spawn, record in flight, supervise, classify, record.
-    #[allow(clippy::too_many_arguments)]
+    /// One attempt, as a small state machine: prepared (names, prompt, environment), spawned,
+    /// recorded in flight (a failed write is handled before supervision starts), supervised
+    /// against control changes and shutdown, then classified and recorded.
     async fn attempt(
         &mut self,
         state: &mut LoopState,
-        dispatch: &Dispatch,
-        def: &ActionDef,
-        plan: &Plan,
-        iteration: u64,
+        step: &Step<'_>,
         attempt: u32,
         consumed_choice: Option<String>,
     ) -> Result<Attempted> {
-        let daemon = self.daemon;
-        let id = self.id;
-        let store = &daemon.store;
         // Subscribed before the last look at the file, so no control change can fall in between.
         let mut rx = self.watch.subscribe();
         rx.borrow_and_update();
-        if store
-            .read_control(id)
+        if self
+            .store()
+            .read_control(self.id)
             .is_some_and(|c| c.status != Status::Running)
         {
             return Ok(Attempted::Interrupted(Interrupt::Control));
         }
+        let Prepared { spec, files } = self.prepare(state, step, attempt)?;
+        let started_at = now_rfc3339();
+        let done = Done {
+            dispatch: step.dispatch,
+            iteration: step.iteration,
+            attempt,
+            started_at: &started_at,
+        };
+        let running = match self.daemon.executor.spawn(spec) {
+            Ok(running) => running,
+            Err(e) => return self.not_started(state, &done, e).await,
+        };
+        let spawned = running.spawned();
+        if let Err(e) = self.record_in_flight(state, &done, spawned, consumed_choice.as_deref()) {
+            // Nothing may run that the state file does not know of: end it, then fail.
+            let cancel = CancellationToken::new();
+            cancel.cancel();
+            let _ = running.supervise(cancel, &mut |_| {}).await;
+            return Err(e);
+        }
+        self.events.emit(
+            done.event(name::ACTION_STARTED)
+                .with("executor", step.plan.executor.clone())
+                .with("pid", spawned.pid)
+                .with("log", files.log_path.display().to_string()),
+        );
+        let (run, interrupt) = self.supervise(running, &done, &mut rx).await;
+        let run = match run {
+            Ok(run) => run,
+            Err(e) => {
+                state.skill().in_flight = None;
+                return self.not_started(state, &done, e).await;
+            }
+        };
+        self.conclude(state, &done, step.plan, &files, run, interrupt)
+    }
+
+    /// The attempt's files' names, its prompt and its environment.
+    fn prepare(&self, state: &LoopState, step: &Step<'_>, attempt: u32) -> Result<Prepared> {
+        let daemon = self.daemon;
+        let (id, store, dispatch) = (self.id, &daemon.store, step.dispatch);
         let progress_dir = self.progress_dir.path();
         let actions = self
             .progress_dir
             .actions()
             .with_context(|| format!("cannot open {}/actions", progress_dir.display()))?;
-        let stem = format!(
-            "{:04}-{}-{}",
-            state
-                .skill_state
-                .as_ref()
-                .map_or(0, |s| s.seq)
-                .saturating_add(1),
-            dispatch.action,
-            attempt
-        );
+        let seq = state.skill_state.as_ref().map_or(0, |s| s.seq);
+        let stem = format!("{:04}-{}-{attempt}", seq.saturating_add(1), dispatch.action);
         // One file per attempt: a rerun (after an interruption or a rate limit) gets its own.
         let stem = (1..)
-            .map(|n| {
-                if n == 1 {
-                    stem.clone()
-                } else {
-                    format!("{stem}.{n}")
-                }
+            .map(|n| match n {
+                1 => stem.clone(),
+                n => format!("{stem}.{n}"),
             })
             .find(|s| !actions.exists(&format!("{s}.log")))
             .unwrap_or(stem);
         let result_name = format!("{stem}.result.json");
-        let log_path = actions.join(&format!("{stem}.log"));
         let result_path = actions.join(&result_name);
         let _ = actions.remove(&result_name);
         let task = daemon.workflow.task(state, dispatch);
-        let mut vars = template_vars(
-            state,
-            dispatch,
-            state.max_iterations_or(daemon.config.max_iterations),
-            &self.daemon.work_tree,
-            &store.state_path(id),
-            &progress_dir,
-            &result_path,
-            iteration,
-            attempt,
-        );
-        let (task_id, task_description) = task.clone().unwrap_or_default();
-        vars.insert("task_id", task_id);
-        vars.insert("task_description", task_description);
-        vars.extend(daemon.workflow.prompt_vars(state, dispatch));
-        let mut prompt = def.render(&vars);
-        if let Some(q) = state.skill_state.as_ref().and_then(|s| s.question.as_ref())
-            && let Some(answer) = &q.answer
-        {
-            prompt.push_str(&format!(
-                "\n\n## Your question, answered\n\nAn earlier {} asked:\n\n{}\n\nThe answer:\n\n{answer}\n",
-                q.action, q.text
-            ));
-        }
+        let paths = Paths {
+            root: &daemon.work_tree,
+            state_file: &store.state_path(id),
+            progress_dir: &progress_dir,
+            result_file: &result_path,
+        };
+        let prompt = prompt(daemon, state, step, attempt, &paths, task.clone());
         let mut env: Vec<(String, OsString)> = vec![
             ("LOOPD_LOOP_ID".into(), id.into()),
             ("LOOPD_ACTION".into(), dispatch.action.clone().into()),
-            ("LOOPD_ITERATION".into(), iteration.to_string().into()),
+            ("LOOPD_ITERATION".into(), step.iteration.to_string().into()),
             ("LOOPD_ATTEMPT".into(), attempt.to_string().into()),
             ("LOOPD_ROOT".into(), daemon.work_tree.clone().into()),
             ("LOOPD_STATE_FILE".into(), store.state_path(id).into()),
             ("LOOPD_PROGRESS_DIR".into(), progress_dir.clone().into()),
             ("LOOPD_RESULT_FILE".into(), result_path.clone().into()),
         ];
-        if let Some((task_id, description)) = &task {
+        if let Some((task_id, description)) = task {
             env.push(("LOOPD_TASK_ID".into(), task_id.into()));
             env.push(("LOOPD_TASK".into(), description.into()));
         }
-        env.extend(plan.env.iter().cloned());
+        env.extend(step.plan.env.iter().cloned());
+        let (tokens, cost_usd) = daemon.limits().remaining(state);
         let spec = Spec {
-            argv: plan.argv.clone(),
+            argv: step.plan.argv.clone(),
             prompt,
-            prompt_mode: plan.prompt_mode,
+            prompt_mode: step.plan.prompt_mode,
             env,
             cwd: daemon.work_tree.clone(),
-            supervision: plan.supervision,
+            supervision: step.plan.supervision,
             dir: actions.clone(),
             stem: stem.clone(),
             marker: procs::marker_name(&store.state_path(id)),
-            agent: AgentStream::for_format(plan.format),
-            budget: {
-                let (tokens, cost_usd) = daemon.limits().remaining(state);
-                Budget { tokens, cost_usd }
+            agent: AgentStream::for_format(step.plan.format),
+            budget: Budget { tokens, cost_usd },
+        };
+        Ok(Prepared {
+            spec,
+            files: AttemptFiles {
+                log_path: actions.join(&format!("{stem}.log")),
+                actions,
+                result_name,
             },
-        };
-        let started_at = now_rfc3339();
-        let cancel = CancellationToken::new();
-        let mut spawn_commit: Option<Result<Loaded, crate::state::store::StoreError>> = None;
-        let run = {
-            let events = &mut self.events;
-            let consumed = consumed_choice.as_deref();
-            let mut on_report = |report: Report| {
-                let spawned = match report {
-                    Report::Spawned(spawned) => spawned,
-                    Report::Retrying(retry) => {
-                        events.emit(
-                            Event::new(name::AGENT_RETRYING)
-                                .with("iteration", iteration)
-                                .with("action", dispatch.action.clone())
-                                .with("attempt", attempt)
-                                .with("retry", retry.attempt)
-                                .with("max_retries", retry.max_retries)
-                                .with("status", retry.status)
-                                .with("delay_ms", retry.delay_ms)
-                                .with("error", retry.error),
-                        );
-                        return;
-                    }
-                };
-                state.skill().in_flight = Some(InFlight {
-                    action: dispatch.action.clone(),
-                    iteration,
-                    attempt,
-                    task_id: dispatch.task_id.clone(),
-                    started_at: started_at.clone(),
-                    pid: spawned.pid,
-                    pgid: spawned.pgid,
-                    proc_start: spawned.proc_start,
-                    daemon_pid: std::process::id(),
-                    extra: Default::default(),
-                });
-                // Durable against a daemon crash (the rename); an fsync buys nothing here, since
-                // after a power loss no executor is left to clean up.
-                spawn_commit = Some(store.commit_with(state, None, consumed, false));
-                events.emit(
-                    Event::new(name::ACTION_STARTED)
-                        .with("iteration", iteration)
-                        .with("action", dispatch.action.clone())
-                        .with("attempt", attempt)
-                        .with("task_id", dispatch.task_id.clone())
-                        .with("executor", plan.executor.clone())
-                        .with("pid", spawned.pid)
-                        .with("log", log_path.display().to_string()),
-                );
-            };
-            let exec = daemon.executor.run(spec, cancel.clone(), &mut on_report);
-            tokio::pin!(exec);
-            let mut interrupt = None;
-            let shutdown = &mut self.shutdown;
-            let run = loop {
-                tokio::select! {
-                    run = &mut exec => break run,
-                    _ = rx.changed(), if interrupt.is_none() => {
-                        if !still_running(&rx) {
-                            interrupt = Some(Interrupt::Control);
-                            cancel.cancel();
-                        }
-                    }
-                    _ = shutdown.changed(), if interrupt.is_none() => {
-                        if let Some(sig) = *shutdown.borrow() {
-                            interrupt = Some(Interrupt::Shutdown(sig));
-                            cancel.cancel();
-                        }
-                    }
-                }
-            };
-            (run, interrupt)
-        };
-        match spawn_commit {
-            Some(Ok(committed)) => self.ours = Some(committed.state),
-            // The record only helps a daemon that dies; a full disk must not end this one.
-            Some(Err(e)) if e.is_transient() => self.events.emit(Event::new(name::WARNING).with(
+        })
+    }
+
+    /// Writes the attempt in flight, so that a daemon that dies leaves it to be cleaned up.
+    /// Durable against a daemon crash (the rename); an fsync buys nothing here, since after a
+    /// power loss no executor is left to clean up. A full disk only costs that record.
+    fn record_in_flight(
+        &mut self,
+        state: &mut LoopState,
+        done: &Done<'_>,
+        spawned: crate::executor::Spawned,
+        consumed_choice: Option<&str>,
+    ) -> Result<()> {
+        state.skill().in_flight = Some(InFlight {
+            action: done.dispatch.action.clone(),
+            iteration: done.iteration,
+            attempt: done.attempt,
+            task_id: done.dispatch.task_id.clone(),
+            started_at: done.started_at.to_owned(),
+            pid: spawned.pid,
+            pgid: spawned.pgid,
+            proc_start: spawned.proc_start,
+            daemon_pid: std::process::id(),
+            extra: Default::default(),
+        });
+        match self
+            .store()
+            .commit_with(state, None, consumed_choice, false)
+        {
+            Ok(committed) => self.ours = Some(committed.state),
+            Err(e) if e.is_transient() => self.events.emit(Event::new(name::WARNING).with(
                 "message",
                 format!("cannot record the attempt in flight: {e:#}"),
             )),
-            Some(Err(e)) => return Err(e.into()),
-            None => {}
+            Err(e) => return Err(e.into()),
         }
-        let (run, interrupt) = run;
-        let done = Done {
-            dispatch,
-            iteration,
-            attempt,
-            started_at: &started_at,
+        Ok(())
+    }
+
+    /// Runs the attempt to its end, ending it early on a control change or a shutdown signal.
+    async fn supervise(
+        &mut self,
+        running: Box<dyn crate::executor::Attempt>,
+        done: &Done<'_>,
+        rx: &mut watch::Receiver<Option<Snapshot>>,
+    ) -> (std::io::Result<crate::executor::Run>, Option<Interrupt>) {
+        let cancel = CancellationToken::new();
+        let events = &mut self.events;
+        let mut retrying = |retry: crate::executor::agent::Retry| {
+            events.emit(
+                done.event(name::AGENT_RETRYING)
+                    .with("retry", retry.attempt)
+                    .with("max_retries", retry.max_retries)
+                    .with("status", retry.status)
+                    .with("delay_ms", retry.delay_ms)
+                    .with("error", retry.error),
+            );
         };
-        let run = match run {
-            Ok(run) => run,
-            Err(e) if crate::state::store::is_transient_io(&e) => {
-                // No room for the attempt's files: the environment's fault, not the attempt's.
-                self.events.emit(done.event(name::WARNING).with(
-                    "message",
-                    format!(
-                        "cannot start the attempt: {e}; waiting {}s",
-                        MAX_RETRY_PAUSE.as_secs()
-                    ),
-                ));
-                state.skill().in_flight = None;
-                return Ok(match self.sleep_unless_interrupted(MAX_RETRY_PAUSE).await {
-                    Some(interrupt) => Attempted::Interrupted(interrupt),
-                    None => Attempted::Interrupted(Interrupt::Control),
-                });
+        let run = running.supervise(cancel.clone(), &mut retrying);
+        tokio::pin!(run);
+        let mut interrupt = None;
+        let shutdown = &mut self.shutdown;
+        loop {
+            tokio::select! {
+                run = &mut run => return (run, interrupt),
+                _ = rx.changed(), if interrupt.is_none() => {
+                    if !still_running(rx) {
+                        interrupt = Some(Interrupt::Control);
+                        cancel.cancel();
+                    }
+                }
+                _ = shutdown.changed(), if interrupt.is_none() => {
+                    if let Some(sig) = *shutdown.borrow() {
+                        interrupt = Some(Interrupt::Shutdown(sig));
+                        cancel.cancel();
+                    }
+                }
             }
-            Err(e) => {
-                // The executor could not even start (a missing program, a working directory
-                // gone): the environment's fault, not the task's.
-                let v = Verdict::Blocked {
-                    message: e.to_string(),
-                };
-                self.record(state, &done, &v, None)?;
-                self.events.emit(
-                    done.event(name::ACTION_FAILED)
-                        .with("outcome", v.outcome())
-                        .with("error", e.to_string()),
-                );
-                return Ok(Attempted::Done(v));
-            }
+        }
+    }
+
+    /// The executor could not start. No room for the attempt's files is the environment's
+    /// fault: the daemon waits and tries again. A program that cannot start (missing, a working
+    /// directory gone) blocks the loop: the environment's fault, not the task's.
+    async fn not_started(
+        &mut self,
+        state: &mut LoopState,
+        done: &Done<'_>,
+        e: std::io::Error,
+    ) -> Result<Attempted> {
+        if crate::state::store::is_transient_io(&e) {
+            self.events.emit(done.event(name::WARNING).with(
+                "message",
+                format!(
+                    "cannot start the attempt: {e}; waiting {}s",
+                    MAX_RETRY_PAUSE.as_secs()
+                ),
+            ));
+            return Ok(Attempted::Interrupted(
+                self.sleep_unless_interrupted(MAX_RETRY_PAUSE)
+                    .await
+                    .unwrap_or(Interrupt::Control),
+            ));
+        }
+        let v = Verdict::Blocked {
+            message: e.to_string(),
         };
-        let reported = crate::executor::result::read_result_file(&actions, &result_name);
+        self.record(state, done, &v, None)?;
+        self.events.emit(
+            done.event(name::ACTION_FAILED)
+                .with("outcome", v.outcome())
+                .with("error", e.to_string()),
+        );
+        Ok(Attempted::Done(v))
+    }
+
+    /// Classifies a finished run, records it, and says it.
+    fn conclude(
+        &mut self,
+        state: &mut LoopState,
+        done: &Done<'_>,
+        plan: &Plan,
+        files: &AttemptFiles,
+        run: crate::executor::Run,
+        interrupt: Option<Interrupt>,
+    ) -> Result<Attempted> {
+        let daemon = self.daemon;
+        let dispatch = done.dispatch;
+        let log_path = &files.log_path;
+        let reported =
+            crate::executor::result::read_result_file(&files.actions, &files.result_name);
         let mut v = verdict(plan.format, reported, &run);
         if let Verdict::Success(result) = &v
             && let Err(reason) = daemon.workflow.validate(&dispatch.action, result)
@@ -1254,7 +1344,7 @@ impl Turn<'_> {
                 message: format!("invalid result: {reason}"),
             };
         }
-        self.record(state, &done, &v, run.agent.as_ref())?;
+        self.record(state, done, &v, run.agent.as_ref())?;
         let mut event = done
             .event(match &v {
                 Verdict::Success(_) => name::ACTION_FINISHED,
@@ -1459,19 +1549,43 @@ fn still_running(rx: &watch::Receiver<Option<Snapshot>>) -> bool {
         .is_none_or(|s| s.control.status == Status::Running)
 }
 
-/// The values of the template placeholders (see [`crate::actions::PLACEHOLDERS`]).
-#[allow(clippy::too_many_arguments)]
+/// An attempt's prompt: its action file rendered with the engine's values, the task's and the
+/// workflow's, and, after a question, the question and its answer.
+fn prompt(
+    daemon: &Daemon,
+    state: &LoopState,
+    step: &Step<'_>,
+    attempt: u32,
+    paths: &Paths<'_>,
+    task: Option<(String, String)>,
+) -> String {
+    let max_iterations = state.max_iterations_or(daemon.config.max_iterations);
+    let mut vars = template_vars(state, step, attempt, paths, max_iterations);
+    let (task_id, task_description) = task.unwrap_or_default();
+    vars.insert("task_id", task_id);
+    vars.insert("task_description", task_description);
+    vars.extend(daemon.workflow.prompt_vars(state, step.dispatch));
+    let mut prompt = step.def.render(&vars);
+    if let Some(q) = state.skill_state.as_ref().and_then(|s| s.question.as_ref())
+        && let Some(answer) = &q.answer
+    {
+        prompt.push_str(&format!(
+            "\n\n## Your question, answered\n\nAn earlier {} asked:\n\n{}\n\nThe answer:\n\n{answer}\n",
+            q.action, q.text
+        ));
+    }
+    prompt
+}
+
+/// The engine's values of the template placeholders (see [`crate::actions::PLACEHOLDERS`]).
 fn template_vars(
     state: &LoopState,
-    dispatch: &Dispatch,
-    max_iterations: u64,
-    root: &Path,
-    state_file: &Path,
-    progress_dir: &Path,
-    result_file: &Path,
-    iteration: u64,
+    step: &Step<'_>,
     attempt: u32,
+    paths: &Paths<'_>,
+    max_iterations: u64,
 ) -> BTreeMap<&'static str, String> {
+    let (dispatch, iteration) = (step.dispatch, step.iteration);
     let skill = state.skill_state.clone().unwrap_or_default();
     let errors = if skill.errors.is_empty() {
         "none".to_owned()
@@ -1508,10 +1622,10 @@ fn template_vars(
         ("iteration", iteration.to_string()),
         ("max_iterations", max_iterations.to_string()),
         ("attempt", attempt.to_string()),
-        ("root", path(root)),
-        ("state_file", path(state_file)),
-        ("progress_dir", path(progress_dir)),
-        ("result_file", path(result_file)),
+        ("root", path(paths.root)),
+        ("state_file", path(paths.state_file)),
+        ("progress_dir", path(paths.progress_dir)),
+        ("result_file", path(paths.result_file)),
         ("errors", errors),
         ("previous", previous),
         (

@@ -115,207 +115,267 @@ pub struct Run {
     pub agent: Option<agent::AgentStream>,
 }
 
-/// What an executor tells the daemon while an attempt runs.
-#[derive(Clone, Debug)]
-pub enum Report {
-    /// The process exists; no output has been read yet.
-    Spawned(Spawned),
-    /// The agent is retrying a failed API request on its own.
-    Retrying(agent::Retry),
+/// Starts attempts. Two phases, so that the daemon records the attempt in flight (and learns that
+/// it could not) before it supervises it: [`Executor::spawn`] starts the process and returns at
+/// once; [`Attempt::supervise`] then runs it to its end.
+pub trait Executor: Send + Sync {
+    /// Starts one attempt: its files and its process, in a process group of its own. No output is
+    /// read yet.
+    fn spawn(&self, spec: Spec) -> io::Result<Box<dyn Attempt>>;
 }
 
+/// An attempt whose process runs.
 #[async_trait::async_trait]
-pub trait Executor: Send + Sync {
-    /// Runs one attempt. `report` hears [`Report::Spawned`] once the process exists, before any
-    /// output is read, then what the agent says on the way.
-    async fn run(
-        &self,
-        spec: Spec,
+pub trait Attempt: Send {
+    /// The process, as it was started.
+    fn spawned(&self) -> Spawned;
+    /// Supervises the attempt to its end: output to the log, timeouts, the agent's stream, the
+    /// cancellation token. However it ends, every process of its group is ended and the main one
+    /// reaped. `retrying` hears each request the agent retries on its own.
+    async fn supervise(
+        self: Box<Self>,
         cancel: CancellationToken,
-        report: &mut (dyn FnMut(Report) + Send),
+        retrying: &mut (dyn FnMut(agent::Retry) + Send),
     ) -> io::Result<Run>;
 }
 
 /// The executor of real subprocesses.
 pub struct Subprocess;
 
-#[async_trait::async_trait]
 impl Executor for Subprocess {
-    async fn run(
-        &self,
-        spec: Spec,
-        cancel: CancellationToken,
-        report: &mut (dyn FnMut(Report) + Send),
-    ) -> io::Result<Run> {
-        run_subprocess(spec, cancel, report).await
+    fn spawn(&self, spec: Spec) -> io::Result<Box<dyn Attempt>> {
+        Ok(Box::new(SubprocessAttempt::start(spec)?))
     }
 }
 
-async fn run_subprocess(
-    spec: Spec,
-    cancel: CancellationToken,
-    report: &mut (dyn FnMut(Report) + Send),
-) -> io::Result<Run> {
-    let started = Instant::now();
-    let Some((program, args)) = spec.argv.split_first() else {
-        return Err(io::Error::new(io::ErrorKind::InvalidInput, "empty command"));
-    };
-    let mut command = Command::new(program);
-    command
-        .args(args)
-        .current_dir(&spec.cwd)
-        .envs(spec.env.iter().map(|(k, v)| (k, v)))
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .process_group(0)
-        .kill_on_drop(true);
-    match spec.prompt_mode {
-        PromptMode::Stdin => {
-            command.stdin(Stdio::piped());
+/// A subprocess attempt: its child, its log, and what is read from it.
+struct SubprocessAttempt {
+    child: tokio::process::Child,
+    spawned: Spawned,
+    started: Instant,
+    supervision: Supervision,
+    output: Output,
+}
+
+/// What an attempt's output goes to: the log, the tails, the agent's stream.
+struct Output {
+    log: CappedLog,
+    stdout_tail: Tail,
+    output_tail: Tail,
+    agent: Option<agent::AgentStream>,
+    budget: Budget,
+}
+
+/// What a chunk of stdout said.
+enum Heard {
+    /// Progress: the idle timer starts again.
+    Progress,
+    /// Only an agent's note that it reconnects: no progress.
+    Noise,
+    /// The agent's final event: it may linger for `final_grace`, no longer.
+    Final,
+    /// The agent's spending crossed the budget.
+    OverBudget,
+}
+
+impl Output {
+    fn stdout(&mut self, bytes: &[u8], retrying: &mut (dyn FnMut(agent::Retry) + Send)) -> Heard {
+        self.log.write(bytes);
+        self.stdout_tail.push(bytes);
+        self.output_tail.push(bytes);
+        let Some(stream) = &mut self.agent else {
+            return Heard::Progress;
+        };
+        let signal = stream.feed(bytes);
+        for retry in stream.take_retries() {
+            retrying(retry);
         }
-        PromptMode::Arg => {
-            command.arg(&spec.prompt).stdin(Stdio::null());
+        if self.budget.crossed(stream) {
+            return Heard::OverBudget;
         }
-        PromptMode::File => {
-            let name = format!("{}.prompt.md", spec.stem);
-            spec.dir
-                .create(&name)
-                .and_then(|mut f| f.write_all(spec.prompt.as_bytes()))?;
-            command.arg(spec.dir.join(&name)).stdin(Stdio::null());
+        match signal {
+            agent::Signal::Final => Heard::Final,
+            agent::Signal::Noise => Heard::Noise,
+            _ => Heard::Progress,
         }
     }
-    let log_name = format!("{}.log", spec.stem);
-    let mut log = CappedLog {
-        file: Some(spec.dir.create(&log_name)?),
-        path: spec.dir.join(&log_name),
-        cap: spec.supervision.output_cap,
-        written: 0,
-        seen: 0,
-    };
-    let mut child = spawn_marked(&mut command, &spec.marker)
-        .map_err(|e| io::Error::new(e.kind(), format!("cannot start {program:?}: {e}")))?;
-    let pid = child.id().unwrap_or(0);
-    let spawned = Spawned {
-        pid,
-        pgid: pid,
-        proc_start: procs::ProcStat::read(pid).map(|s| s.start),
-    };
-    procs::set_current_group(spawned.pgid);
-    report(Report::Spawned(spawned));
 
-    // Feed the prompt on its own task, so a child that never reads stdin cannot block us; dropping
-    // the pipe closes it.
-    if let Some(mut stdin) = child.stdin.take() {
-        let prompt = spec.prompt.clone();
-        tokio::spawn(async move {
-            let _ = stdin.write_all(prompt.as_bytes()).await;
-        });
+    fn stderr(&mut self, bytes: &[u8]) {
+        self.log.write(bytes);
+        self.output_tail.push(bytes);
     }
-    let mut stdout = child.stdout.take();
-    let mut stderr = child.stderr.take();
-    let mut stdout_tail = Tail::default();
-    let mut output_tail = Tail::default();
-    let mut out_buf = vec![0u8; 16 * 1024];
-    let mut err_buf = vec![0u8; 16 * 1024];
+}
 
-    let sup = spec.supervision;
-    let wall = tokio::time::sleep(sup.timeout);
-    let idle = tokio::time::sleep(sup.idle_timeout);
-    tokio::pin!(wall, idle);
-    let mut status: Option<ExitStatus> = None;
-    let mut cut = None;
-    let mut agent = spec.agent;
-    let budget = spec.budget;
-    // Set once the agent's final event is read: it may linger until then.
-    let mut linger_until: Option<tokio::time::Instant> = None;
-    // Once the main process has exited, what it left behind gets a moment to flush, then ends.
-    let mut drain_until: Option<tokio::time::Instant> = None;
-
-    loop {
-        if stdout.is_none() && stderr.is_none() && status.is_some() {
-            break;
-        }
-        let drain = sleep_until(drain_until);
-        let linger = sleep_until(linger_until);
-        tokio::select! {
-            n = read_some(&mut stdout, &mut out_buf) => match n {
-                Some(n) => {
-                    log.write(&out_buf[..n]);
-                    stdout_tail.push(&out_buf[..n]);
-                    output_tail.push(&out_buf[..n]);
-                    let signal = agent.as_mut().map(|stream| stream.feed(&out_buf[..n]));
-                    // An agent that only says it is reconnecting is not making progress.
-                    if signal != Some(agent::Signal::Noise) {
-                        idle.as_mut().reset(tokio::time::Instant::now() + sup.idle_timeout);
-                    }
-                    if let Some(stream) = &mut agent {
-                        if signal == Some(agent::Signal::Final) && linger_until.is_none() {
-                            linger_until = Some(tokio::time::Instant::now() + sup.final_grace);
-                        }
-                        for retry in stream.take_retries() {
-                            report(Report::Retrying(retry));
-                        }
-                        if budget.crossed(stream) {
-                            cut = Some(Cut::Budget);
-                            break;
-                        }
-                    }
-                }
-                None => stdout = None,
-            },
-            n = read_some(&mut stderr, &mut err_buf) => match n {
-                Some(n) => {
-                    log.write(&err_buf[..n]);
-                    output_tail.push(&err_buf[..n]);
-                    idle.as_mut().reset(tokio::time::Instant::now() + sup.idle_timeout);
-                }
-                None => stderr = None,
-            },
-            s = child.wait(), if status.is_none() => {
-                status = Some(s?);
-                drain_until = Some(tokio::time::Instant::now() + Duration::from_millis(200));
+impl SubprocessAttempt {
+    fn start(spec: Spec) -> io::Result<SubprocessAttempt> {
+        let started = Instant::now();
+        let Some((program, args)) = spec.argv.split_first() else {
+            return Err(io::Error::new(io::ErrorKind::InvalidInput, "empty command"));
+        };
+        let mut command = Command::new(program);
+        command
+            .args(args)
+            .current_dir(&spec.cwd)
+            .envs(spec.env.iter().map(|(k, v)| (k, v)))
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .process_group(0)
+            .kill_on_drop(true);
+        match spec.prompt_mode {
+            PromptMode::Stdin => command.stdin(Stdio::piped()),
+            PromptMode::Arg => command.arg(&spec.prompt).stdin(Stdio::null()),
+            PromptMode::File => {
+                let name = format!("{}.prompt.md", spec.stem);
+                spec.dir
+                    .create(&name)
+                    .and_then(|mut f| f.write_all(spec.prompt.as_bytes()))?;
+                command.arg(spec.dir.join(&name)).stdin(Stdio::null())
             }
-            () = drain => break,
-            () = linger, if status.is_none() => { cut = Some(Cut::Lingered); break }
-            () = &mut wall, if status.is_none() => { cut = Some(Cut::Timeout(sup.timeout)); break }
-            () = &mut idle, if status.is_none() => { cut = Some(Cut::Idle(sup.idle_timeout)); break }
-            () = cancel.cancelled(), if status.is_none() => { cut = Some(Cut::Cancelled); break }
+        };
+        let log_name = format!("{}.log", spec.stem);
+        let log = CappedLog {
+            file: Some(spec.dir.create(&log_name)?),
+            path: spec.dir.join(&log_name),
+            cap: spec.supervision.output_cap,
+            written: 0,
+            seen: 0,
+        };
+        let mut child = spawn_marked(&mut command, &spec.marker)
+            .map_err(|e| io::Error::new(e.kind(), format!("cannot start {program:?}: {e}")))?;
+        let pid = child.id().unwrap_or(0);
+        let spawned = Spawned {
+            pid,
+            pgid: pid,
+            proc_start: procs::ProcStat::read(pid).map(|s| s.start),
+        };
+        procs::set_current_group(spawned.pgid);
+        // The prompt is fed on its own task, so a child that never reads stdin cannot block the
+        // daemon; dropping the pipe closes it.
+        if let Some(mut stdin) = child.stdin.take() {
+            let prompt = spec.prompt;
+            tokio::spawn(async move {
+                let _ = stdin.write_all(prompt.as_bytes()).await;
+            });
         }
+        Ok(SubprocessAttempt {
+            child,
+            spawned,
+            started,
+            supervision: spec.supervision,
+            output: Output {
+                log,
+                stdout_tail: Tail::default(),
+                output_tail: Tail::default(),
+                agent: spec.agent,
+                budget: spec.budget,
+            },
+        })
+    }
+}
+
+#[async_trait::async_trait]
+impl Attempt for SubprocessAttempt {
+    fn spawned(&self) -> Spawned {
+        self.spawned
     }
 
-    // End whatever is left of the group, then reap the main process if it still runs.
-    let killed = procs::end_attempt(spawned.pgid, spawned.pid, sup.kill_grace).await;
-    procs::set_current_group(0);
-    if status.is_none() {
-        status = Some(child.wait().await?);
+    async fn supervise(
+        mut self: Box<Self>,
+        cancel: CancellationToken,
+        retrying: &mut (dyn FnMut(agent::Retry) + Send),
+    ) -> io::Result<Run> {
+        let mut stdout = self.child.stdout.take();
+        let mut stderr = self.child.stderr.take();
+        let (mut out_buf, mut err_buf) = (vec![0u8; 16 * 1024], vec![0u8; 16 * 1024]);
+        let sup = self.supervision;
+        let wall = tokio::time::sleep(sup.timeout);
+        let idle = tokio::time::sleep(sup.idle_timeout);
+        tokio::pin!(wall, idle);
+        let mut status: Option<ExitStatus> = None;
+        let mut cut = None;
+        // Set once the agent's final event is read: it may linger until then.
+        let mut linger_until: Option<tokio::time::Instant> = None;
+        // Once the main process has exited, what it left behind gets a moment to flush, then ends.
+        let mut drain_until: Option<tokio::time::Instant> = None;
+        let now = tokio::time::Instant::now;
+        while stdout.is_some() || stderr.is_some() || status.is_none() {
+            tokio::select! {
+                n = read_some(&mut stdout, &mut out_buf) => match n {
+                    Some(n) => match self.output.stdout(&out_buf[..n], retrying) {
+                        Heard::OverBudget => { cut = Some(Cut::Budget); break }
+                        Heard::Noise => {}
+                        Heard::Final => {
+                            idle.as_mut().reset(now() + sup.idle_timeout);
+                            linger_until.get_or_insert(now() + sup.final_grace);
+                        }
+                        Heard::Progress => idle.as_mut().reset(now() + sup.idle_timeout),
+                    },
+                    None => stdout = None,
+                },
+                n = read_some(&mut stderr, &mut err_buf) => match n {
+                    Some(n) => {
+                        self.output.stderr(&err_buf[..n]);
+                        idle.as_mut().reset(now() + sup.idle_timeout);
+                    }
+                    None => stderr = None,
+                },
+                s = self.child.wait(), if status.is_none() => {
+                    status = Some(s?);
+                    drain_until = Some(now() + Duration::from_millis(200));
+                }
+                () = sleep_until(drain_until) => break,
+                () = sleep_until(linger_until), if status.is_none() => { cut = Some(Cut::Lingered); break }
+                () = &mut wall, if status.is_none() => { cut = Some(Cut::Timeout(sup.timeout)); break }
+                () = &mut idle, if status.is_none() => { cut = Some(Cut::Idle(sup.idle_timeout)); break }
+                () = cancel.cancelled(), if status.is_none() => { cut = Some(Cut::Cancelled); break }
+            }
+        }
+        self.end(status, cut, stdout, stderr).await
     }
-    // Whatever the group wrote before it ended is still in the pipes.
-    drain(&mut stdout, &mut out_buf, |bytes| {
-        log.write(bytes);
-        output_tail.push(bytes);
-        stdout_tail.push(bytes);
-    })
-    .await;
-    drain(&mut stderr, &mut err_buf, |bytes| {
-        log.write(bytes);
-        output_tail.push(bytes);
-    })
-    .await;
-    log.finish();
-    if let Some(stream) = &mut agent {
-        stream.finish(&stdout_tail.buf, &output_tail.buf);
+}
+
+impl SubprocessAttempt {
+    /// Ends whatever is left of the group, reaps the main process if it still runs, and reads
+    /// what the group wrote before it ended.
+    async fn end(
+        mut self: Box<Self>,
+        mut status: Option<ExitStatus>,
+        cut: Option<Cut>,
+        mut stdout: Option<tokio::process::ChildStdout>,
+        mut stderr: Option<tokio::process::ChildStderr>,
+    ) -> io::Result<Run> {
+        let spawned = self.spawned;
+        let killed =
+            procs::end_attempt(spawned.pgid, spawned.pid, self.supervision.kill_grace).await;
+        procs::set_current_group(0);
+        if status.is_none() {
+            status = Some(self.child.wait().await?);
+        }
+        let mut buf = vec![0u8; 16 * 1024];
+        let mut out = self.output;
+        drain(&mut stdout, &mut buf, |bytes| {
+            out.log.write(bytes);
+            out.output_tail.push(bytes);
+            out.stdout_tail.push(bytes);
+        })
+        .await;
+        drain(&mut stderr, &mut buf, |bytes| out.stderr(bytes)).await;
+        out.log.finish();
+        if let Some(stream) = &mut out.agent {
+            stream.finish(&out.stdout_tail.buf, &out.output_tail.buf);
+        }
+        Ok(Run {
+            spawned,
+            status,
+            cut,
+            duration: self.started.elapsed(),
+            stdout_tail: out.stdout_tail.into_vec(),
+            output_tail: out.output_tail.into_vec(),
+            output_bytes: out.log.seen,
+            killed,
+            agent: out.agent,
+        })
     }
-    Ok(Run {
-        spawned,
-        status,
-        cut,
-        duration: started.elapsed(),
-        stdout_tail: stdout_tail.into_vec(),
-        output_tail: output_tail.into_vec(),
-        output_bytes: log.seen,
-        killed,
-        agent,
-    })
 }
 
 /// Spawns `command` with the marker `name` inherited: a memfd opened without close-on-exec just
