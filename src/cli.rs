@@ -8,6 +8,8 @@ use clap::{Parser, Subcommand, ValueEnum};
 use serde_json::{Value, json};
 
 use crate::config::Config;
+pub(crate) use crate::error::usage;
+pub use crate::error::{UsageError, exit_code_of};
 use crate::events::{printable, render};
 use crate::state::model::{LoopState, Mode, Status};
 use crate::state::store::{Store, validate_id};
@@ -38,33 +40,6 @@ pub fn is_broken_pipe(e: &anyhow::Error) -> bool {
             .downcast_ref::<std::io::Error>()
             .is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe)
     })
-}
-
-/// A mistake in what the user asked for: exit code 2.
-#[derive(Debug, thiserror::Error)]
-#[error("{0}")]
-pub struct UsageError(pub String);
-
-/// The exit code of an error: 2 for bad input (usage, config, action files, ids, unknown or
-/// unusable loops), else 1.
-pub fn exit_code_of(e: &anyhow::Error) -> i32 {
-    let bad_input = e.chain().any(|cause| {
-        cause.is::<UsageError>()
-            || cause.is::<crate::config::ConfigError>()
-            || cause.is::<crate::actions::ActionError>()
-            || cause.is::<crate::trust::Untrusted>()
-            || cause
-                .downcast_ref::<crate::state::store::StoreError>()
-                .is_some_and(|s| s.is_bad_input())
-            || cause
-                .downcast_ref::<std::io::Error>()
-                .is_some_and(crate::safe_fs::is_refusal)
-    });
-    if bad_input { 2 } else { 1 }
-}
-
-pub(crate) fn usage(msg: impl Into<String>) -> anyhow::Error {
-    UsageError(msg.into()).into()
 }
 
 #[derive(Debug, Parser)]

@@ -15,7 +15,7 @@ use tokio::sync::watch;
 
 use crate::cli::{Project, loop_workflow};
 use crate::executor::Subprocess;
-use crate::orchestrator::{Daemon, Exit};
+use crate::orchestrator::{Engine, Exit};
 use crate::state::model::{LoopState, Status};
 use crate::state::store::Store;
 
@@ -82,8 +82,8 @@ pub fn build(
     workflow: &'static dyn crate::workflow::Workflow,
     executor: Option<String>,
     exit_on_pause: bool,
-) -> Result<Daemon> {
-    Daemon::new(
+) -> Result<Engine> {
+    Engine::new(
         p.root.clone(),
         p.store.clone(),
         p.config.clone(),
@@ -296,7 +296,7 @@ fn build_for(
     state: &LoopState,
     executor: Option<String>,
     exit_on_pause: bool,
-) -> Result<(Daemon, crate::worktree::WorkTree)> {
+) -> Result<(Engine, crate::worktree::WorkTree)> {
     if let Some(name) = &executor {
         p.config
             .executor_named(name)
@@ -310,7 +310,7 @@ fn build_for(
 
 /// The checks before a daemon starts: the project's files are trusted, and every program the
 /// loop's actions run is there. A failure changes nothing: exit 2, one line per problem.
-fn preflight(p: &Project, id: &str, daemon: &crate::orchestrator::Daemon) -> Result<()> {
+fn preflight(p: &Project, id: &str, daemon: &crate::orchestrator::Engine) -> Result<()> {
     crate::trust::check(&p.root, &daemon.project_files())?;
     let problems = daemon.preflight();
     if problems.is_empty() {

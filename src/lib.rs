@@ -12,6 +12,7 @@ pub mod create;
 pub mod daemon;
 pub mod demo;
 pub mod doctor;
+pub mod error;
 pub mod events;
 pub mod executor;
 pub mod init;

@@ -1,11 +1,16 @@
 //! The loop: read state → check → select → run the executor → apply → write → repeat.
 //!
-//! Theory of operation: one task drives one loop and owns its copy of the daemon's fields. Each
-//! turn starts from a fresh read of the state file, so a control field written by anyone (status,
+//! Theory of operation: an [`Engine`] holds what driving a loop needs (the workflow, its action
+//! files resolved into plans, the executor); a [`LoopRun`] is one drive of one loop by it, and
+//! owns its copy of the daemon's fields. Each selection starts from a fresh read of the state file, so a control field written by anyone (status,
 //! limits, title, a choice in interactive mode) takes effect at the next selection; the daemon's
 //! writes go through [`Store::commit`], which only ever replaces the daemon's own fields. While an
 //! executor runs, the task `select!`s over it, the [`Watch`] of the state file and shutdown: a
 //! status that is no longer `running` cancels the attempt at once, which ends its process group.
+//!
+//! An attempt is a small state machine: prepared (names, prompt, environment), spawned, recorded
+//! in flight, supervised, concluded; an action's retries and rate-limit waits are states around
+//! it ([`LoopRun::run_action`]).
 //!
 //! Durability: the attempt in flight is recorded right after the spawn (with its pid, process
 //! group and start time) by an atomic write without fsync — it only matters if the daemon dies
@@ -92,8 +97,8 @@ pub struct Plan {
     pub supervision: Supervision,
 }
 
-/// Everything a daemon needs to drive one loop.
-pub struct Daemon {
+/// Everything a daemon needs to drive a loop: the engine of a [`LoopRun`].
+pub struct Engine {
     pub root: PathBuf,
     /// Where the loop's actions run: the project root, or the loop's own git worktree.
     pub work_tree: PathBuf,
@@ -124,6 +129,13 @@ impl Interrupt {
             Interrupt::Shutdown(sig) => Some(Exit::Signalled(sig)),
         }
     }
+}
+
+/// What the main loop does after looking at the status.
+enum Next {
+    Select,
+    Again,
+    End(Exit),
 }
 
 /// The action being run: what, how, and the iteration it counts for.
@@ -181,7 +193,7 @@ impl Iterator for Backoff {
     }
 }
 
-impl Daemon {
+impl Engine {
     /// Loads the action files and resolves every action's executor, so that a bad name or file
     /// fails now, not in the middle of the loop.
     pub fn new(
@@ -192,7 +204,7 @@ impl Daemon {
         executor: Box<dyn Executor>,
         executor_override: Option<String>,
         exit_on_pause: bool,
-    ) -> Result<Daemon> {
+    ) -> Result<Engine> {
         let actions = crate::actions::load(workflow.name(), workflow.actions(), &root)?;
         let mut plans = BTreeMap::new();
         for (name, def) in &actions {
@@ -201,7 +213,7 @@ impl Daemon {
                 plan(&config, def, executor_override.as_deref())?,
             );
         }
-        Ok(Daemon {
+        Ok(Engine {
             work_tree: root.clone(),
             root,
             store,
@@ -308,8 +320,8 @@ impl Daemon {
                 .with("workflow", self.workflow.name())
                 .with("executor", self.executor_override.clone()),
         );
-        let mut turn = Turn {
-            daemon: self,
+        let mut turn = LoopRun {
+            engine: self,
             id,
             events,
             progress,
@@ -325,7 +337,7 @@ impl Daemon {
         turn.events.emit(match &exit {
             Ok(e) => event.with("exit_code", e.code()).with("outcome", e.label()),
             Err(e) => event
-                .with("exit_code", crate::cli::exit_code_of(e))
+                .with("exit_code", crate::error::exit_code_of(e))
                 .with("outcome", "error")
                 .with("error", format!("{e:#}")),
         });
@@ -399,9 +411,10 @@ fn plan(config: &Config, def: &ActionDef, override_: Option<&str>) -> Result<Pla
     })
 }
 
-/// The state of one daemon's drive of a loop.
-struct Turn<'a> {
-    daemon: &'a Daemon,
+/// One drive of one loop by an [`Engine`]: its events, progress files, watch, and its own copy
+/// of the daemon's fields.
+struct LoopRun<'a> {
+    engine: &'a Engine,
     id: &'a str,
     events: EventLog,
     progress: Progress,
@@ -417,9 +430,9 @@ struct Turn<'a> {
     last_good: Option<serde_json::Map<String, Value>>,
 }
 
-impl Turn<'_> {
+impl LoopRun<'_> {
     fn store(&self) -> &Store {
-        &self.daemon.store
+        &self.engine.store
     }
 
     fn signalled(&self) -> Option<i32> {
@@ -533,7 +546,30 @@ impl Turn<'_> {
     }
 
     async fn drive(&mut self) -> Result<Exit> {
-        if let Some(message) = &self.daemon.restored {
+        self.start_up().await?;
+        let mut paused = false;
+        loop {
+            if let Some(sig) = self.signalled() {
+                return Ok(Exit::Signalled(sig));
+            }
+            let mut state = self.refresh()?;
+            match self.on_status(&state, &mut paused).await? {
+                Next::Select => {}
+                Next::Again => continue,
+                Next::End(exit) => return Ok(exit),
+            }
+            self.absorb_tasks(&mut state)?;
+            let decision = workflow::decide(self.engine.workflow, &state, self.engine.limits());
+            if let Some(exit) = self.act(state, decision).await? {
+                return Ok(exit);
+            }
+        }
+    }
+
+    /// Before the loop: what the start found (a restored file, temporary files, an attempt of a
+    /// daemon that died), the executor remembered for `resume`, then `loop_started`.
+    async fn start_up(&mut self) -> Result<()> {
+        if let Some(message) = &self.engine.restored {
             self.events
                 .emit(Event::new(name::RECOVERED).with("message", message.clone()));
         }
@@ -546,10 +582,10 @@ impl Turn<'_> {
         }
         let mut state = self.store().load(self.id)?.state;
         // A state a controller wrote may lack the workflow's fields: the first write adds them.
-        self.daemon.workflow.init_part(state.skill());
+        self.engine.workflow.init_part(state.skill());
         self.ours = Some(state.clone());
         // Remembered, so that `loopd resume` restarts the loop with the same executor.
-        let executor = &self.daemon.executor_override;
+        let executor = &self.engine.executor_override;
         if state.skill_state.as_ref().and_then(|s| s.executor.as_ref()) != executor.as_ref() {
             state.skill().executor = executor.clone();
             state = self.commit(&state, None, None, false)?;
@@ -561,102 +597,90 @@ impl Turn<'_> {
                 .with("status", state.status.as_str())
                 .with("title", state.title.clone()),
         );
-        let mut paused_logged = false;
-        loop {
-            if let Some(sig) = self.signalled() {
-                return Ok(Exit::Signalled(sig));
-            }
-            let mut state = self.refresh()?;
-            match &state.status {
-                Status::Running => {
-                    if paused_logged {
-                        paused_logged = false;
-                        self.events.emit(Event::new(name::RESUMED));
-                    }
-                }
-                Status::Created => {
-                    // A new loop, or one someone reset: start it.
-                    let start = Transition {
-                        from: &[Status::Created],
-                        to: Status::Running,
-                        failure_reason: None,
-                        completed_at: false,
-                    };
-                    self.commit(&state, Some(&start), None, true)?;
-                    continue;
-                }
-                Status::Paused => {
-                    if !paused_logged {
-                        paused_logged = true;
-                        self.events.emit(Event::new(name::PAUSED));
-                    }
-                    if self.daemon.exit_on_pause {
-                        return Ok(Exit::Paused);
-                    }
-                    if let Some(sig) = self.wait_for_change(&state).await {
-                        return Ok(Exit::Signalled(sig));
-                    }
-                    continue;
-                }
-                Status::Completed => {
-                    let outcome = state
-                        .skill_state
-                        .as_ref()
-                        .and_then(|s| s.outcome.as_deref())
-                        .and_then(Outcome::parse)
-                        .unwrap_or(Outcome::Passed);
-                    return Ok(Exit::Completed(outcome));
-                }
-                Status::Failed | Status::UserExit | Status::Other(_) => {
-                    return self.stopped(&state);
-                }
-            }
+        Ok(())
+    }
 
-            self.absorb_tasks(&mut state)?;
-            match workflow::decide(self.daemon.workflow, &state, self.daemon.limits()) {
-                Decision::Abort(reason) => {
-                    // Marked as the daemon's own failure, which a later run reports as such.
-                    state.skill().outcome = Some("failed".into());
-                    let after = self.commit(
-                        &state,
-                        Some(&Transition {
-                            from: &[Status::Running],
-                            to: Status::Failed,
-                            failure_reason: Some(reason.clone()),
-                            completed_at: false,
-                        }),
-                        None,
-                        true,
-                    )?;
-                    if after.status == Status::Failed {
-                        self.events
-                            .emit(Event::new(name::FAILED).with("error", reason.clone()));
-                        return Ok(Exit::Failed(reason));
-                    }
+    /// What the status says to do: select an action (running), look again (a loop started, a
+    /// pause waited out), or end.
+    async fn on_status(&mut self, state: &LoopState, paused: &mut bool) -> Result<Next> {
+        match &state.status {
+            Status::Running => {
+                if std::mem::take(paused) {
+                    self.events.emit(Event::new(name::RESUMED));
                 }
-                Decision::AwaitAnswer => {
-                    if let Some(sig) = self.wait_for_change(&state).await {
-                        return Ok(Exit::Signalled(sig));
-                    }
+                Ok(Next::Select)
+            }
+            Status::Created => {
+                // A new loop, or one someone reset: start it.
+                let start = Transition {
+                    from: &[Status::Created],
+                    to: Status::Running,
+                    failure_reason: None,
+                    completed_at: false,
+                };
+                self.commit(state, Some(&start), None, true)?;
+                Ok(Next::Again)
+            }
+            Status::Paused => {
+                if !std::mem::replace(paused, true) {
+                    self.events.emit(Event::new(name::PAUSED));
                 }
-                Decision::Wait {
-                    choices,
-                    suggested,
-                    refused,
-                } => {
-                    if let Some(sig) = self
-                        .await_choice(state, choices, suggested, refused)
-                        .await?
-                    {
-                        return Ok(Exit::Signalled(sig));
-                    }
+                if self.engine.exit_on_pause {
+                    return Ok(Next::End(Exit::Paused));
                 }
-                Decision::Run(dispatch) => {
-                    let consumed = state.next_action.clone();
-                    if let Some(end) = self.run_action(state, &dispatch, consumed).await? {
-                        return Ok(end);
-                    }
+                Ok(match self.wait_for_change(state).await {
+                    Some(sig) => Next::End(Exit::Signalled(sig)),
+                    None => Next::Again,
+                })
+            }
+            Status::Completed => {
+                let outcome = state
+                    .skill_state
+                    .as_ref()
+                    .and_then(|s| s.outcome.as_deref())
+                    .and_then(Outcome::parse)
+                    .unwrap_or(Outcome::Passed);
+                Ok(Next::End(Exit::Completed(outcome)))
+            }
+            Status::Failed | Status::UserExit | Status::Other(_) => {
+                Ok(Next::End(self.stopped(state)?))
+            }
+        }
+    }
+
+    /// Carries out a decision; returns how the loop ends, if it does.
+    async fn act(&mut self, mut state: LoopState, decision: Decision) -> Result<Option<Exit>> {
+        let signalled = |sig: Option<i32>| sig.map(Exit::Signalled);
+        match decision {
+            Decision::Abort(reason) => {
+                // Marked as the daemon's own failure, which a later run reports as such.
+                state.skill().outcome = Some("failed".into());
+                let fail = Transition {
+                    from: &[Status::Running],
+                    to: Status::Failed,
+                    failure_reason: Some(reason.clone()),
+                    completed_at: false,
+                };
+                let after = self.commit(&state, Some(&fail), None, true)?;
+                if after.status != Status::Failed {
+                    return Ok(None); // someone changed the status meanwhile
                 }
+                self.events
+                    .emit(Event::new(name::FAILED).with("error", reason.clone()));
+                Ok(Some(Exit::Failed(reason)))
+            }
+            Decision::AwaitAnswer => Ok(signalled(self.wait_for_change(&state).await)),
+            Decision::Wait {
+                choices,
+                suggested,
+                refused,
+            } => Ok(signalled(
+                self.await_choice(state, choices, suggested, refused)
+                    .await?,
+            )),
+            Decision::Run(dispatch) => {
+                let consumed = state.next_action.clone();
+                self.run_action(state, &dispatch, consumed).await
             }
         }
     }
@@ -777,7 +801,7 @@ impl Turn<'_> {
             self.events
                 .emit(Event::new(name::WARNING).with("message", w));
         }
-        let joined = self.daemon.workflow.absorb_tasks(state, &listed);
+        let joined = self.engine.workflow.absorb_tasks(state, &listed);
         if joined > 0 {
             *state = self.commit(state, None, None, true)?;
             self.events
@@ -806,7 +830,7 @@ impl Turn<'_> {
         if !leftovers.is_empty() {
             let action = flight.as_ref().map_or("", |f| f.action.as_str());
             let grace = self
-                .daemon
+                .engine
                 .plans
                 .get(action)
                 .map_or(Duration::from_secs(5), |p| p.supervision.kill_grace);
@@ -868,22 +892,22 @@ impl Turn<'_> {
         dispatch: &Dispatch,
         consumed_choice: Option<String>,
     ) -> Result<Option<Exit>> {
-        let daemon = self.daemon;
+        let engine = self.engine;
         let step = Step {
             dispatch,
-            plan: daemon
+            plan: engine
                 .plans
                 .get(&dispatch.action)
                 .with_context(|| format!("no plan for action {}", dispatch.action))?,
-            def: &daemon.actions[&dispatch.action],
+            def: &engine.actions[&dispatch.action],
             iteration: state.current_iteration.saturating_add(u64::from(
-                daemon.workflow.counts_iteration(&dispatch.action),
+                engine.workflow.counts_iteration(&dispatch.action),
             )),
         };
         self.begin(&mut state, dispatch);
         let mut backoff = Backoff::new(
-            daemon.config.action_retries,
-            Duration::from_secs_f64(daemon.config.retry_backoff),
+            engine.config.action_retries,
+            Duration::from_secs_f64(engine.config.retry_backoff),
         );
         let mut consumed_choice = consumed_choice;
         let mut attempt = 1;
@@ -940,7 +964,7 @@ impl Turn<'_> {
     /// longer holds (a choice waited for, a block, how a previous run ended).
     fn begin(&mut self, state: &mut LoopState, dispatch: &Dispatch) {
         state.skill().current_action = Some(dispatch.action.clone());
-        self.daemon.workflow.begin(state, dispatch, &now_rfc3339());
+        self.engine.workflow.begin(state, dispatch, &now_rfc3339());
         if let Some(q) = state.skill_state.as_ref().and_then(|s| s.question.as_ref())
             && let Some(answer) = &q.answer
         {
@@ -1022,7 +1046,7 @@ impl Turn<'_> {
         dispatch: &Dispatch,
         question: String,
     ) -> Result<Option<Exit>> {
-        self.daemon.workflow.asked(&mut state, dispatch);
+        self.engine.workflow.asked(&mut state, dispatch);
         state.skill().question = Some(crate::state::model::Question {
             since: now_rfc3339(),
             action: dispatch.action.clone(),
@@ -1046,7 +1070,7 @@ impl Turn<'_> {
     /// How long to wait for a rate limit to reset: until the time the agent gave, else the
     /// configured wait; never longer than `rate_limit_max_wait`.
     fn rate_limit_wait(&self, until: Option<DateTime<Utc>>) -> chrono::Duration {
-        let config = &self.daemon.config;
+        let config = &self.engine.config;
         let max = chrono::Duration::milliseconds((config.rate_limit_max_wait * 1000.0) as i64);
         let wait = match until {
             Some(t) => t - Utc::now(),
@@ -1109,7 +1133,7 @@ impl Turn<'_> {
             attempt,
             started_at: &started_at,
         };
-        let running = match self.daemon.executor.spawn(spec) {
+        let running = match self.engine.executor.spawn(spec) {
             Ok(running) => running,
             Err(e) => return self.not_started(state, &done, e).await,
         };
@@ -1140,8 +1164,8 @@ impl Turn<'_> {
 
     /// The attempt's files' names, its prompt and its environment.
     fn prepare(&self, state: &LoopState, step: &Step<'_>, attempt: u32) -> Result<Prepared> {
-        let daemon = self.daemon;
-        let (id, store, dispatch) = (self.id, &daemon.store, step.dispatch);
+        let engine = self.engine;
+        let (id, store, dispatch) = (self.id, &engine.store, step.dispatch);
         let progress_dir = self.progress_dir.path();
         let actions = self
             .progress_dir
@@ -1160,20 +1184,20 @@ impl Turn<'_> {
         let result_name = format!("{stem}.result.json");
         let result_path = actions.join(&result_name);
         let _ = actions.remove(&result_name);
-        let task = daemon.workflow.task(state, dispatch);
+        let task = engine.workflow.task(state, dispatch);
         let paths = Paths {
-            root: &daemon.work_tree,
+            root: &engine.work_tree,
             state_file: &store.state_path(id),
             progress_dir: &progress_dir,
             result_file: &result_path,
         };
-        let prompt = prompt(daemon, state, step, attempt, &paths, task.clone());
+        let prompt = prompt(engine, state, step, attempt, &paths, task.clone());
         let mut env: Vec<(String, OsString)> = vec![
             ("LOOPD_LOOP_ID".into(), id.into()),
             ("LOOPD_ACTION".into(), dispatch.action.clone().into()),
             ("LOOPD_ITERATION".into(), step.iteration.to_string().into()),
             ("LOOPD_ATTEMPT".into(), attempt.to_string().into()),
-            ("LOOPD_ROOT".into(), daemon.work_tree.clone().into()),
+            ("LOOPD_ROOT".into(), engine.work_tree.clone().into()),
             ("LOOPD_STATE_FILE".into(), store.state_path(id).into()),
             ("LOOPD_PROGRESS_DIR".into(), progress_dir.clone().into()),
             ("LOOPD_RESULT_FILE".into(), result_path.clone().into()),
@@ -1183,13 +1207,13 @@ impl Turn<'_> {
             env.push(("LOOPD_TASK".into(), description.into()));
         }
         env.extend(step.plan.env.iter().cloned());
-        let (tokens, cost_usd) = daemon.limits().remaining(state);
+        let (tokens, cost_usd) = engine.limits().remaining(state);
         let spec = Spec {
             argv: step.plan.argv.clone(),
             prompt,
             prompt_mode: step.plan.prompt_mode,
             env,
-            cwd: daemon.work_tree.clone(),
+            cwd: engine.work_tree.clone(),
             supervision: step.plan.supervision,
             dir: actions.clone(),
             stem: stem.clone(),
@@ -1330,14 +1354,14 @@ impl Turn<'_> {
         run: crate::executor::Run,
         interrupt: Option<Interrupt>,
     ) -> Result<Attempted> {
-        let daemon = self.daemon;
+        let engine = self.engine;
         let dispatch = done.dispatch;
         let log_path = &files.log_path;
         let reported =
             crate::executor::result::read_result_file(&files.actions, &files.result_name);
         let mut v = verdict(plan.format, reported, &run);
         if let Verdict::Success(result) = &v
-            && let Err(reason) = daemon.workflow.validate(&dispatch.action, result)
+            && let Err(reason) = engine.workflow.validate(&dispatch.action, result)
         {
             v = Verdict::Failed {
                 outcome: AttemptOutcome::AgentError,
@@ -1345,47 +1369,8 @@ impl Turn<'_> {
             };
         }
         self.record(state, done, &v, run.agent.as_ref())?;
-        let mut event = done
-            .event(match &v {
-                Verdict::Success(_) => name::ACTION_FINISHED,
-                Verdict::Interrupted | Verdict::NeedsInput { .. } => name::ACTION_INTERRUPTED,
-                Verdict::Failed { .. } | Verdict::RateLimited { .. } | Verdict::Blocked { .. } => {
-                    name::ACTION_FAILED
-                }
-            })
-            .with("pid", run.spawned.pid)
-            .with("duration_ms", run.duration.as_millis() as u64)
-            .with("exit_code", run.status.and_then(|s| s.code()))
-            .with("outcome", v.outcome())
-            .with("log", log_path.display().to_string());
-        if let Some(agent) = &run.agent {
-            event = event
-                .with("tokens_in", agent.usage.input_tokens)
-                .with("tokens_out", agent.usage.output_tokens)
-                .with(
-                    "tokens_cached",
-                    agent.usage.cache_read_tokens + agent.usage.cache_write_tokens,
-                )
-                .with("cost_usd", agent.cost_usd);
-        }
-        event = match &v {
-            Verdict::Success(result) => event.with(
-                "summary",
-                (!result.summary.is_empty()).then(|| result.summary.clone()),
-            ),
-            Verdict::Failed { message, .. }
-            | Verdict::RateLimited { message, .. }
-            | Verdict::Blocked { message } => event.with("error", message.clone()),
-            Verdict::NeedsInput { question } => event.with("question", question.clone()),
-            Verdict::Interrupted => event.with(
-                "message",
-                match interrupt {
-                    Some(Interrupt::Shutdown(sig)) => format!("daemon received signal {sig}"),
-                    _ => "the loop's status left running".to_owned(),
-                },
-            ),
-        };
-        self.events.emit(event);
+        self.events
+            .emit(attempt_event(done, &v, &run, log_path, interrupt.as_ref()));
         Ok(match v {
             Verdict::Interrupted => Attempted::Interrupted(interrupt.unwrap_or(Interrupt::Control)),
             v => Attempted::Done(v),
@@ -1393,7 +1378,7 @@ impl Turn<'_> {
     }
 
     /// Records a finished attempt: in the history, its spending in the totals, and the in-flight
-    /// record cleared. A success is written with its result, by [`Turn::finish`].
+    /// record cleared. A success is written with its result, by [`LoopRun::finish`].
     fn record(
         &mut self,
         state: &mut LoopState,
@@ -1451,22 +1436,9 @@ impl Turn<'_> {
         iteration: u64,
         finish: Finish,
     ) -> Result<Option<Exit>> {
-        let wf = self.daemon.workflow;
-        let now = now_rfc3339();
-        let listed = if dispatch.action == "init" {
-            let (tasks, warnings) = self.store().read_tasks(self.id)?;
-            for w in warnings {
-                self.events
-                    .emit(Event::new(name::WARNING).with("message", w));
-            }
-            tasks
-        } else {
-            Vec::new()
-        };
-        let inputs = Inputs {
-            now: now.clone(),
-            listed_tasks: listed,
-        };
+        let wf = self.engine.workflow;
+        let inputs = self.inputs(dispatch)?;
+        let now = inputs.now.clone();
         let end = wf.apply(&mut state, dispatch, &finish, &inputs);
         workflow::record_finish(wf, &mut state, dispatch, &finish, &now);
         let transition = end.as_ref().map(|LoopEnd::Completed(_)| Transition {
@@ -1483,9 +1455,6 @@ impl Turn<'_> {
         for note in wf.notes(&state, dispatch, &finish, &now) {
             self.progress.write(&note);
         }
-        if dispatch.action == "init" {
-            self.tasks_seen = self.store().tasks_stamp(self.id);
-        }
         if let Finish::Failed(error) = &finish {
             let skill = state.skill_state.as_ref();
             self.events.emit(
@@ -1498,25 +1467,49 @@ impl Turn<'_> {
                             "{} failed after its retries ({} of {} errors): {error}",
                             dispatch.action,
                             skill.map_or(0, |s| s.error_count),
-                            state.max_errors_or(self.daemon.config.max_errors)
+                            state.max_errors_or(self.engine.config.max_errors)
                         ),
                     ),
             );
         }
         match end {
             Some(LoopEnd::Completed(outcome)) if state.status == Status::Completed => {
-                let (text, sections) = wf.report(&state);
-                self.progress.summary(&state, text.as_deref(), &sections);
-                self.events.emit(
-                    Event::new(name::COMPLETED)
-                        .with("iteration", state.current_iteration)
-                        .with("outcome", outcome.as_str())
-                        .with("summary", text),
-                );
-                Ok(Some(Exit::Completed(outcome)))
+                Ok(Some(self.completed(&state, outcome)))
             }
             _ => Ok(None),
         }
+    }
+
+    /// What the workflow needs from outside to apply a result: the time, and where its rules
+    /// take them, the tasks of the task list file (which are then seen).
+    fn inputs(&mut self, dispatch: &Dispatch) -> Result<Inputs> {
+        let mut inputs = Inputs {
+            now: now_rfc3339(),
+            listed_tasks: Vec::new(),
+        };
+        if self.engine.workflow.reads_task_list(&dispatch.action) {
+            let (tasks, warnings) = self.store().read_tasks(self.id)?;
+            for w in warnings {
+                self.events
+                    .emit(Event::new(name::WARNING).with("message", w));
+            }
+            inputs.listed_tasks = tasks;
+            self.tasks_seen = self.store().tasks_stamp(self.id);
+        }
+        Ok(inputs)
+    }
+
+    /// The loop completed: `summary.md` and the `completed` event.
+    fn completed(&mut self, state: &LoopState, outcome: Outcome) -> Exit {
+        let (text, sections) = self.engine.workflow.report(state);
+        self.progress.summary(state, text.as_deref(), &sections);
+        self.events.emit(
+            Event::new(name::COMPLETED)
+                .with("iteration", state.current_iteration)
+                .with("outcome", outcome.as_str())
+                .with("summary", text),
+        );
+        Exit::Completed(outcome)
     }
 }
 
@@ -1549,22 +1542,73 @@ fn still_running(rx: &watch::Receiver<Option<Snapshot>>) -> bool {
         .is_none_or(|s| s.control.status == Status::Running)
 }
 
+/// The event that says how an attempt ended: `action_finished`, `action_failed` or
+/// `action_interrupted`, with its process, time, outcome, spending and words.
+fn attempt_event(
+    done: &Done<'_>,
+    v: &Verdict,
+    run: &crate::executor::Run,
+    log_path: &Path,
+    interrupt: Option<&Interrupt>,
+) -> Event {
+    let mut event = done
+        .event(match v {
+            Verdict::Success(_) => name::ACTION_FINISHED,
+            Verdict::Interrupted | Verdict::NeedsInput { .. } => name::ACTION_INTERRUPTED,
+            Verdict::Failed { .. } | Verdict::RateLimited { .. } | Verdict::Blocked { .. } => {
+                name::ACTION_FAILED
+            }
+        })
+        .with("pid", run.spawned.pid)
+        .with("duration_ms", run.duration.as_millis() as u64)
+        .with("exit_code", run.status.and_then(|s| s.code()))
+        .with("outcome", v.outcome())
+        .with("log", log_path.display().to_string());
+    if let Some(agent) = &run.agent {
+        event = event
+            .with("tokens_in", agent.usage.input_tokens)
+            .with("tokens_out", agent.usage.output_tokens)
+            .with(
+                "tokens_cached",
+                agent.usage.cache_read_tokens + agent.usage.cache_write_tokens,
+            )
+            .with("cost_usd", agent.cost_usd);
+    }
+    match v {
+        Verdict::Success(result) => event.with(
+            "summary",
+            (!result.summary.is_empty()).then(|| result.summary.clone()),
+        ),
+        Verdict::Failed { message, .. }
+        | Verdict::RateLimited { message, .. }
+        | Verdict::Blocked { message } => event.with("error", message.clone()),
+        Verdict::NeedsInput { question } => event.with("question", question.clone()),
+        Verdict::Interrupted => event.with(
+            "message",
+            match interrupt {
+                Some(Interrupt::Shutdown(sig)) => format!("daemon received signal {sig}"),
+                _ => "the loop's status left running".to_owned(),
+            },
+        ),
+    }
+}
+
 /// An attempt's prompt: its action file rendered with the engine's values, the task's and the
 /// workflow's, and, after a question, the question and its answer.
 fn prompt(
-    daemon: &Daemon,
+    engine: &Engine,
     state: &LoopState,
     step: &Step<'_>,
     attempt: u32,
     paths: &Paths<'_>,
     task: Option<(String, String)>,
 ) -> String {
-    let max_iterations = state.max_iterations_or(daemon.config.max_iterations);
+    let max_iterations = state.max_iterations_or(engine.config.max_iterations);
     let mut vars = template_vars(state, step, attempt, paths, max_iterations);
     let (task_id, task_description) = task.unwrap_or_default();
     vars.insert("task_id", task_id);
     vars.insert("task_description", task_description);
-    vars.extend(daemon.workflow.prompt_vars(state, step.dispatch));
+    vars.extend(engine.workflow.prompt_vars(state, step.dispatch));
     let mut prompt = step.def.render(&vars);
     if let Some(q) = state.skill_state.as_ref().and_then(|s| s.question.as_ref())
         && let Some(answer) = &q.answer

@@ -224,8 +224,8 @@ impl AgentStream {
         let line = std::mem::take(&mut self.line);
         self.line_done(&line);
         if self.format == Format::GeminiJson && self.final_event.is_none() {
-            let object = super::result::last_json_object(stdout)
-                .or_else(|| super::result::last_json_object(output));
+            let object = crate::protocol::last_json_object(stdout)
+                .or_else(|| crate::protocol::last_json_object(output));
             if let Some(v) = object {
                 self.gemini_object(&v);
             }

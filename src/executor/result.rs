@@ -8,7 +8,7 @@ use chrono::{DateTime, Utc};
 use super::agent::AttemptOutcome;
 use super::{Cut, Run};
 use crate::config::Format;
-use crate::protocol::{ActionResult, ResultStatus};
+use crate::protocol::{ActionResult, ResultStatus, last_json_object};
 use crate::safe_fs::Dir;
 
 /// A result file larger than this is refused rather than read.
@@ -268,55 +268,6 @@ fn kind(v: &Value) -> &'static str {
         Value::Array(_) => "an array",
         Value::Object(_) => "an object",
     }
-}
-
-/// How many candidate objects [`last_json_object`] parses at most: the scan stays linear in the
-/// output's length, whatever an executor prints.
-const MAX_OBJECT_ATTEMPTS: usize = 64;
-
-/// The last top-level JSON object in some output, wherever it sits (alone on a line, inside a
-/// fenced code block, after prose): of every balanced `{...}` that parses, the one that ends last.
-///
-/// One pass matches the braces (strings are tracked inside braces only: prose may hold quotes),
-/// then the balanced spans are tried from the one that ends last, at most
-/// [`MAX_OBJECT_ATTEMPTS`] of them: time linear in the output, however it nests.
-pub fn last_json_object(bytes: &[u8]) -> Option<Value> {
-    let text = String::from_utf8_lossy(bytes);
-    let b = text.as_bytes();
-    let mut open: Vec<usize> = Vec::new();
-    // Balanced spans, in the order they close: by their end.
-    let mut spans: Vec<(usize, usize)> = Vec::new();
-    let (mut in_string, mut escaped) = (false, false);
-    for (i, &c) in b.iter().enumerate() {
-        if in_string {
-            match c {
-                _ if escaped => escaped = false,
-                b'\\' => escaped = true,
-                b'"' => in_string = false,
-                _ => {}
-            }
-            continue;
-        }
-        match c {
-            b'"' if !open.is_empty() => in_string = true,
-            b'{' => open.push(i),
-            b'}' => {
-                if let Some(start) = open.pop() {
-                    spans.push((start, i));
-                }
-            }
-            _ => {}
-        }
-    }
-    spans
-        .iter()
-        .rev()
-        .take(MAX_OBJECT_ATTEMPTS)
-        .find_map(|&(start, end)| {
-            serde_json::from_str::<Value>(&text[start..=end])
-                .ok()
-                .filter(Value::is_object)
-        })
 }
 
 /// Counts read from a test runner's output.

@@ -232,6 +232,10 @@ pub trait Workflow: Send + Sync {
         finish: &Finish,
         inputs: &Inputs,
     ) -> Option<LoopEnd>;
+    /// Whether applying `action` takes the tasks of the task list file ([`Inputs::listed_tasks`]).
+    fn reads_task_list(&self, _action: &str) -> bool {
+        false
+    }
     /// Adds tasks listed after the loop started as `pending`; returns how many joined.
     fn absorb_tasks(&self, state: &mut LoopState, listed: &[DevelopTask]) -> usize;
     /// Writes the workflow's own fields of a new loop, or fills in those a state lacks.

@@ -366,6 +366,10 @@ impl Workflow for CcwLoop {
         Some(ccw.develop.tasks.into_iter().map(|t| t.id).collect())
     }
 
+    fn reads_task_list(&self, action: &str) -> bool {
+        action == "init"
+    }
+
     fn init_part(&self, skill: &mut SkillState) {
         let ccw: CcwState = skill.part();
         skill.set_part(&ccw);
