@@ -13,6 +13,8 @@ pub use crate::error::{UsageError, exit_code_of};
 use crate::events::{printable, render};
 use crate::state::model::{LoopState, Mode, Status};
 use crate::state::store::{Store, validate_id};
+use crate::view::LoopView;
+pub use crate::view::standing;
 
 /// `println!` that returns an error instead of panicking when the reader of stdout has gone away
 /// (`loopd list | head -1`); `main` ends such a command quietly.
@@ -656,136 +658,17 @@ fn status(p: &Project, id: &str, as_json: bool) -> Result<i32> {
         )?;
         return Ok(0);
     }
-    let s = &loaded.state;
-    let skill = s.skill_state.clone().unwrap_or_default();
-    let daemon_pid = crate::daemon::daemon_pid(&p.store, id);
-    let standing = standing(s, daemon_pid);
-    let daemon = match daemon_pid {
-        Some(pid) => format!(" (daemon pid {pid})"),
-        None if standing.ends_with("(no daemon)") => String::new(),
-        None => " (no daemon)".to_owned(),
-    };
-    let max_iter = s.max_iterations_or(p.config.max_iterations);
-    let max_err = s.max_errors_or(p.config.max_errors);
-    let mut out = String::new();
+    let view = LoopView::of(p, &loaded.state);
     // Values come from the state file and executors: shown with their control characters escaped.
-    let row = |out: &mut String, k: &str, v: String| {
-        out.push_str(&format!("  {k:<10} {}\n", printable(&v)));
-    };
-    out.push_str(&format!("{}  {}\n", s.loop_id, printable(&s.title)));
-    row(&mut out, "status", format!("{standing}{daemon}"));
-    row(
-        &mut out,
-        "iteration",
-        format!(
-            "{}/{}  {}",
-            s.current_iteration,
-            max_iter,
-            bar(s.current_iteration, max_iter)
-        ),
-    );
-    row(
-        &mut out,
-        "errors",
-        format!("{}/{}", skill.error_count, max_err),
-    );
-    if let Some(reason) = &s.failure_reason {
-        row(&mut out, "reason", reason.clone());
-    }
-    if let Some(w) = &skill.worktree {
-        row(
-            &mut out,
-            "worktree",
-            format!("{} (branch {})", w.path.display(), w.branch),
-        );
-    }
-    if let Some(q) = &skill.question {
-        let answer = match &q.answer {
-            Some(a) => format!(" — answered: {a}"),
-            None => String::new(),
-        };
-        row(
-            &mut out,
-            "question",
-            format!("{}: {}{answer}", q.action, q.text),
-        );
-    }
-    if let Some(b) = &skill.blocked {
-        row(
-            &mut out,
-            "blocked",
-            format!(
-                "{}: {} — fix it, then `loopd resume {id}`",
-                b.executor, b.reason
-            ),
-        );
-    }
-    if let Some(f) = &skill.in_flight {
-        let task = f
-            .task_id
-            .as_deref()
-            .map(|t| format!(" {t}"))
-            .unwrap_or_default();
-        row(
-            &mut out,
-            "action",
-            format!(
-                "{}{task} attempt {} (pid {}, since {})",
-                f.action, f.attempt, f.pid, f.started_at
-            ),
-        );
-    } else if let Some(last) = &skill.last_action {
-        row(&mut out, "last", last.clone());
-    }
-    if let Some(wait) = &skill.awaiting_choice {
-        row(
-            &mut out,
-            "waiting",
-            format!(
-                "for `loopd next {id} ACTION`: {} (suggested: {})",
-                wait.choices.join(", "),
-                wait.suggested.as_deref().unwrap_or("-")
-            ),
-        );
-    }
-    if let Ok(workflow) = loop_workflow(p, s) {
-        for r in workflow.view(s).rows {
-            row(&mut out, r.label, r.value);
-            for line in &r.lines {
-                out.push_str(&format!("             {}\n", printable(line)));
-            }
+    let mut out = format!("{}  {}\n", view.loop_id, printable(&view.title));
+    for row in &view.rows {
+        out.push_str(&format!("  {:<10} {}\n", row.label, printable(&row.value)));
+        for line in &row.lines {
+            out.push_str(&format!("             {}\n", printable(line)));
         }
-    }
-    if let Some(outcome) = &skill.outcome {
-        row(&mut out, "outcome", outcome.clone());
-    }
-    for e in skill.errors.iter().rev().take(3) {
-        row(
-            &mut out,
-            "error",
-            format!("{} {}: {}", e.timestamp, e.action, e.message),
-        );
-    }
-    row(
-        &mut out,
-        "files",
-        p.store.progress_dir(id).display().to_string(),
-    );
-    if let Some(next) = next_step(s, daemon_pid) {
-        row(&mut out, "next", next);
     }
     crate::out!("{out}")?;
     Ok(0)
-}
-
-fn bar(n: u64, max: u64) -> String {
-    let width = 20;
-    let filled = (n.min(max) * width).checked_div(max).unwrap_or(0) as usize;
-    format!(
-        "[{}{}]",
-        "#".repeat(filled),
-        ".".repeat(width as usize - filled)
-    )
 }
 
 fn list(p: &Project, as_json: bool) -> Result<i32> {
@@ -807,29 +690,14 @@ fn list(p: &Project, as_json: bool) -> Result<i32> {
         match p.store.load(id) {
             Ok(loaded) if as_json => rows.push(Value::Object(loaded.raw)),
             Ok(loaded) => {
-                let s = loaded.state;
-                let skill = s.skill_state.clone().unwrap_or_default();
-                let progress = loop_workflow(p, &s)
-                    .map(|w| w.view(&s).progress)
-                    .unwrap_or_default();
-                let daemon = crate::daemon::daemon_pid(&p.store, id);
-                let action = skill.in_flight.as_ref().map_or_else(String::new, |f| {
-                    let age = crate::state::model::parse_ts(&f.started_at)
-                        .map(|t| format!(" {}", age(chrono::Utc::now() - t)))
-                        .unwrap_or_default();
-                    format!("{}{age}", f.action)
-                });
+                let v = LoopView::of(p, &loaded.state);
                 table.push([
-                    s.loop_id.clone(),
-                    standing(&s, daemon),
-                    format!(
-                        "{}/{}",
-                        s.current_iteration,
-                        s.max_iterations_or(p.config.max_iterations)
-                    ),
-                    progress,
-                    action,
-                    s.title.clone(),
+                    v.loop_id,
+                    v.standing,
+                    format!("{}/{}", v.iteration, v.max_iterations),
+                    v.progress,
+                    v.action.unwrap_or_default(),
+                    v.title,
                 ]);
             }
             Err(e) if as_json => rows.push(json!({"loop_id": id, "error": e.to_string()})),
@@ -870,69 +738,6 @@ fn list(p: &Project, as_json: bool) -> Result<i32> {
         crate::outln!("{}", line.trim_end())?;
     }
     Ok(0)
-}
-
-/// What to do next with a loop, when there is something to do.
-fn next_step(s: &LoopState, daemon: Option<u32>) -> Option<String> {
-    let id = &s.loop_id;
-    let skill = s.skill_state.as_ref();
-    Some(match &s.status {
-        Status::Created => format!("`loopd start {id}` (or `loopd run {id}` in this terminal)"),
-        Status::Running if daemon.is_none() => {
-            format!("nothing drives it: `loopd start {id}` picks it up where it was")
-        }
-        Status::Running if waits_for_answer(s) => format!("answer with `loopd answer {id} TEXT`"),
-        Status::Running => match skill.and_then(|k| k.awaiting_choice.as_ref()) {
-            Some(_) => format!("choose with `loopd next {id} ACTION`"),
-            None => format!("watch it with `loopd logs {id} --follow`"),
-        },
-        Status::Paused if skill.is_some_and(|k| k.blocked.is_some()) => {
-            format!("fix what blocks it, then `loopd resume {id}`")
-        }
-        Status::Paused | Status::UserExit => format!("`loopd resume {id}`"),
-        Status::Failed => format!("`loopd resume {id}` runs it again"),
-        Status::Completed | Status::Other(_) => return None,
-    })
-}
-
-/// How a loop stands, in a few words: its status, what ended it, whether anything drives it.
-pub fn standing(s: &LoopState, daemon: Option<u32>) -> String {
-    let skill = s.skill_state.as_ref();
-    let outcome = skill.and_then(|k| k.outcome.as_deref());
-    match &s.status {
-        Status::Running if daemon.is_none() => "running (no daemon)".to_owned(),
-        Status::Running if waits_for_answer(s) => "waiting for an answer".to_owned(),
-        Status::Paused if skill.is_some_and(|k| k.blocked.is_some()) => "blocked".to_owned(),
-        Status::Completed => match outcome {
-            Some("iteration_limit") => "iteration limit".to_owned(),
-            Some("incomplete") => "incomplete".to_owned(),
-            _ => "passed".to_owned(),
-        },
-        Status::Failed if outcome == Some("failed") => format!(
-            "failed: {}",
-            s.failure_reason.as_deref().unwrap_or("no reason given")
-        ),
-        Status::Failed | Status::UserExit => "stopped".to_owned(),
-        other => other.as_str().to_owned(),
-    }
-}
-
-/// An executor of the loop asked a question that has no answer yet.
-fn waits_for_answer(s: &LoopState) -> bool {
-    s.skill_state
-        .as_ref()
-        .and_then(|k| k.question.as_ref())
-        .is_some_and(|q| q.waiting())
-}
-
-/// A duration as people read it: `42s`, `3m05s`, `2h10m`.
-fn age(d: chrono::TimeDelta) -> String {
-    let secs = d.num_seconds().max(0);
-    match secs {
-        0..60 => format!("{secs}s"),
-        60..3600 => format!("{}m{:02}s", secs / 60, secs % 60),
-        _ => format!("{}h{:02}m", secs / 3600, secs % 3600 / 60),
-    }
 }
 
 /// What `logs` shows, and how.
@@ -1027,7 +832,7 @@ fn logs(p: &Project, id: &str, shown: &LogsShown) -> Result<i32> {
                 writeln!(
                     out,
                     "{dim}  … {what} running for {}{dim:#}",
-                    age(chrono::TimeDelta::seconds(secs as i64))
+                    crate::view::age(chrono::TimeDelta::seconds(secs as i64))
                 )?;
             }
         }

@@ -22,6 +22,7 @@ pub mod recovery;
 pub mod safe_fs;
 pub mod state;
 pub mod trust;
+pub mod view;
 pub mod watch;
 pub mod workflow;
 pub mod worktree;

@@ -154,8 +154,8 @@ pub struct Inputs {
     pub listed_tasks: Vec<DevelopTask>,
 }
 
-/// A line of `status` a workflow adds: a label, a value, and lines under it.
-#[derive(Clone, Debug, PartialEq)]
+/// A line of `status`: a label, a value, and lines under it.
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
 pub struct Row {
     pub label: &'static str,
     pub value: String,

@@ -1,0 +1,239 @@
+//! A loop as people see it: the view model `status` and `list` render (and an API will). The
+//! engine's rows first (status, iteration, errors, what runs or waits), then the workflow's own
+//! ([`crate::workflow::Workflow::view`]), then how the loop ended and what to do next.
+
+use serde::Serialize;
+
+use crate::cli::{Project, loop_workflow};
+use crate::state::model::{LoopState, Status};
+use crate::workflow::Row;
+
+/// A loop, as `status` and `list` show it.
+#[derive(Clone, Debug, Serialize)]
+pub struct LoopView {
+    pub loop_id: String,
+    pub title: String,
+    pub workflow: String,
+    /// How the loop stands, in a few words (`running`, `passed`, `failed: ...`, `running (no
+    /// daemon)`).
+    pub standing: String,
+    pub daemon_pid: Option<u32>,
+    pub iteration: u64,
+    pub max_iterations: u64,
+    /// The action in flight and how long it has run.
+    pub action: Option<String>,
+    /// The workflow's measure of progress.
+    pub progress: String,
+    /// Every row of `status`, in order.
+    pub rows: Vec<Row>,
+}
+
+impl LoopView {
+    pub fn of(p: &Project, s: &LoopState) -> LoopView {
+        let daemon_pid = crate::daemon::daemon_pid(&p.store, &s.loop_id);
+        let skill = s.skill_state.clone().unwrap_or_default();
+        let workflow = loop_workflow(p, s).ok();
+        let wf_view = workflow.map(|w| w.view(s));
+        let max_iterations = s.max_iterations_or(p.config.max_iterations);
+        let action = skill.in_flight.as_ref().map(|f| {
+            let age = crate::state::model::parse_ts(&f.started_at)
+                .map(|t| format!(" {}", age(chrono::Utc::now() - t)))
+                .unwrap_or_default();
+            format!("{}{age}", f.action)
+        });
+        let mut rows = engine_rows(p, s, daemon_pid);
+        rows.extend(wf_view.as_ref().map(|v| v.rows.clone()).unwrap_or_default());
+        rows.extend(ending_rows(p, s, daemon_pid));
+        LoopView {
+            loop_id: s.loop_id.clone(),
+            title: s.title.clone(),
+            workflow: workflow.map_or_else(
+                || skill.workflow.clone().unwrap_or_default(),
+                |w| w.name().to_owned(),
+            ),
+            standing: standing(s, daemon_pid),
+            daemon_pid,
+            iteration: s.current_iteration,
+            max_iterations,
+            action,
+            progress: wf_view.map(|v| v.progress).unwrap_or_default(),
+            rows,
+        }
+    }
+}
+
+fn row(label: &'static str, value: String) -> Row {
+    Row {
+        label,
+        value,
+        lines: Vec::new(),
+    }
+}
+
+/// Status, iteration, errors, and what the loop does or waits for.
+fn engine_rows(p: &Project, s: &LoopState, daemon_pid: Option<u32>) -> Vec<Row> {
+    let id = &s.loop_id;
+    let skill = s.skill_state.clone().unwrap_or_default();
+    let standing = standing(s, daemon_pid);
+    let daemon = match daemon_pid {
+        Some(pid) => format!(" (daemon pid {pid})"),
+        None if standing.ends_with("(no daemon)") => String::new(),
+        None => " (no daemon)".to_owned(),
+    };
+    let max_iter = s.max_iterations_or(p.config.max_iterations);
+    let mut rows = vec![
+        row("status", format!("{standing}{daemon}")),
+        row(
+            "iteration",
+            format!(
+                "{}/{max_iter}  {}",
+                s.current_iteration,
+                bar(s.current_iteration, max_iter)
+            ),
+        ),
+        row(
+            "errors",
+            format!(
+                "{}/{}",
+                skill.error_count,
+                s.max_errors_or(p.config.max_errors)
+            ),
+        ),
+    ];
+    if let Some(reason) = &s.failure_reason {
+        rows.push(row("reason", reason.clone()));
+    }
+    if let Some(w) = &skill.worktree {
+        let value = format!("{} (branch {})", w.path.display(), w.branch);
+        rows.push(row("worktree", value));
+    }
+    if let Some(q) = &skill.question {
+        let answer = match &q.answer {
+            Some(a) => format!(" — answered: {a}"),
+            None => String::new(),
+        };
+        rows.push(row("question", format!("{}: {}{answer}", q.action, q.text)));
+    }
+    if let Some(b) = &skill.blocked {
+        let value = format!(
+            "{}: {} — fix it, then `loopd resume {id}`",
+            b.executor, b.reason
+        );
+        rows.push(row("blocked", value));
+    }
+    if let Some(f) = &skill.in_flight {
+        let task = f
+            .task_id
+            .as_deref()
+            .map(|t| format!(" {t}"))
+            .unwrap_or_default();
+        let value = format!(
+            "{}{task} attempt {} (pid {}, since {})",
+            f.action, f.attempt, f.pid, f.started_at
+        );
+        rows.push(row("action", value));
+    } else if let Some(last) = &skill.last_action {
+        rows.push(row("last", last.clone()));
+    }
+    if let Some(wait) = &skill.awaiting_choice {
+        let value = format!(
+            "for `loopd next {id} ACTION`: {} (suggested: {})",
+            wait.choices.join(", "),
+            wait.suggested.as_deref().unwrap_or("-")
+        );
+        rows.push(row("waiting", value));
+    }
+    rows
+}
+
+/// How the loop ended, its last errors, its files, and what to do next.
+fn ending_rows(p: &Project, s: &LoopState, daemon_pid: Option<u32>) -> Vec<Row> {
+    let skill = s.skill_state.clone().unwrap_or_default();
+    let mut rows = Vec::new();
+    if let Some(outcome) = &skill.outcome {
+        rows.push(row("outcome", outcome.clone()));
+    }
+    for e in skill.errors.iter().rev().take(3) {
+        let value = format!("{} {}: {}", e.timestamp, e.action, e.message);
+        rows.push(row("error", value));
+    }
+    let files = p.store.progress_dir(&s.loop_id).display().to_string();
+    rows.push(row("files", files));
+    if let Some(next) = next_step(s, daemon_pid) {
+        rows.push(row("next", next));
+    }
+    rows
+}
+
+fn bar(n: u64, max: u64) -> String {
+    let width = 20;
+    let filled = (n.min(max) * width).checked_div(max).unwrap_or(0) as usize;
+    format!(
+        "[{}{}]",
+        "#".repeat(filled),
+        ".".repeat(width as usize - filled)
+    )
+}
+
+/// What to do next with a loop, when there is something to do.
+fn next_step(s: &LoopState, daemon: Option<u32>) -> Option<String> {
+    let id = &s.loop_id;
+    let skill = s.skill_state.as_ref();
+    Some(match &s.status {
+        Status::Created => format!("`loopd start {id}` (or `loopd run {id}` in this terminal)"),
+        Status::Running if daemon.is_none() => {
+            format!("nothing drives it: `loopd start {id}` picks it up where it was")
+        }
+        Status::Running if waits_for_answer(s) => format!("answer with `loopd answer {id} TEXT`"),
+        Status::Running => match skill.and_then(|k| k.awaiting_choice.as_ref()) {
+            Some(_) => format!("choose with `loopd next {id} ACTION`"),
+            None => format!("watch it with `loopd logs {id} --follow`"),
+        },
+        Status::Paused if skill.is_some_and(|k| k.blocked.is_some()) => {
+            format!("fix what blocks it, then `loopd resume {id}`")
+        }
+        Status::Paused | Status::UserExit => format!("`loopd resume {id}`"),
+        Status::Failed => format!("`loopd resume {id}` runs it again"),
+        Status::Completed | Status::Other(_) => return None,
+    })
+}
+
+/// How a loop stands, in a few words: its status, what ended it, whether anything drives it.
+pub fn standing(s: &LoopState, daemon: Option<u32>) -> String {
+    let skill = s.skill_state.as_ref();
+    let outcome = skill.and_then(|k| k.outcome.as_deref());
+    match &s.status {
+        Status::Running if daemon.is_none() => "running (no daemon)".to_owned(),
+        Status::Running if waits_for_answer(s) => "waiting for an answer".to_owned(),
+        Status::Paused if skill.is_some_and(|k| k.blocked.is_some()) => "blocked".to_owned(),
+        Status::Completed => match outcome {
+            Some("iteration_limit") => "iteration limit".to_owned(),
+            Some("incomplete") => "incomplete".to_owned(),
+            _ => "passed".to_owned(),
+        },
+        Status::Failed if outcome == Some("failed") => format!(
+            "failed: {}",
+            s.failure_reason.as_deref().unwrap_or("no reason given")
+        ),
+        Status::Failed | Status::UserExit => "stopped".to_owned(),
+        other => other.as_str().to_owned(),
+    }
+}
+
+/// An executor of the loop asked a question that has no answer yet.
+fn waits_for_answer(s: &LoopState) -> bool {
+    s.skill_state
+        .as_ref()
+        .and_then(|k| k.question.as_ref())
+        .is_some_and(|q| q.waiting())
+}
+
+/// A duration as people read it: `42s`, `3m05s`, `2h10m`.
+pub fn age(d: chrono::TimeDelta) -> String {
+    let secs = d.num_seconds().max(0);
+    match secs {
+        0..60 => format!("{secs}s"),
+        60..3600 => format!("{}m{:02}s", secs / 60, secs % 60),
+        _ => format!("{}h{:02}m", secs / 3600, secs % 3600 / 60),
+    }
+}
