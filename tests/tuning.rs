@@ -292,3 +292,32 @@ fn a_requirement_analysis_that_asks_waits_for_the_answer() {
     );
     assert_eq!(state["skill_state"]["error_count"], 0);
 }
+
+#[test]
+fn a_broken_skill_tuning_state_comes_back_from_its_backup_and_never_as_another_workflow() {
+    let p = project(TUNING_AGENT);
+    let id = create(&p, &["--focus", "docs"]);
+    assert_eq!(code(&p.run(&id, &[])), 0);
+    let good = p.state(&id);
+    let mut broken = good.clone();
+    broken["skill_state"]["issues"] = serde_json::json!("not a list");
+    let write = |v: &Value| {
+        std::fs::write(p.state_path(&id), serde_json::to_vec_pretty(v).unwrap()).unwrap()
+    };
+    // With its backup: restored, as it was.
+    write(&broken);
+    let out = p.output(&["stop", &id]);
+    assert!(stderr(&out).contains("restored from"), "{}", stderr(&out));
+    assert_eq!(p.state(&id)["skill_state"], good["skill_state"]);
+    // Without: refused in one line, left as it is; never rebuilt as a ccw-loop.
+    write(&broken);
+    std::fs::remove_file(p.root.join(format!(".loop/{id}.json.bak"))).unwrap();
+    let out = p.run(&id, &[]);
+    assert_eq!(code(&out), 2, "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("cannot be rebuilt"),
+        "{}",
+        stderr(&out)
+    );
+    assert_eq!(p.state(&id), broken);
+}

@@ -37,7 +37,7 @@ use serde_json::{Map, Value};
 
 use super::model::{Control, LoopState, MAX_DESCRIPTION, Status, now_rfc3339};
 use crate::safe_fs::{self, Dir, TEMP_SUFFIX};
-use crate::workflow::ccw_loop::state::{CcwState, DevelopTask, MAX_TASKS, TaskStatus};
+use crate::workflow::ccw_loop::state::{DevelopTask, MAX_TASKS};
 
 /// Top-level fields the daemon owns and writes back from its own copy.
 pub const DAEMON_FIELDS: &[&str] = &["current_iteration", "skill_state"];
@@ -590,7 +590,13 @@ impl Store {
         let Ok(Value::Object(mut raw)) = serde_json::from_slice::<Value>(&bytes) else {
             return Err("the file is not a JSON object".into());
         };
-        raw.remove("skill_state");
+        // The workflow the broken part named, if it still says: its fields are its to rebuild.
+        let name = raw
+            .remove("skill_state")
+            .and_then(|s| s.get("workflow")?.as_str().map(str::to_owned));
+        let workflow =
+            crate::workflow::by_name(name.as_deref().unwrap_or(crate::workflow::ccw_loop::NAME))
+                .ok_or_else(|| format!("its workflow {name:?} is unknown"))?;
         let mut state: LoopState = serde_json::from_value(Value::Object(raw.clone()))
             .map_err(|e| format!("its top-level fields are broken too ({e})"))?;
         if let Some(problem) = crate::workflow::problems(&state, Some(id))
@@ -599,50 +605,15 @@ impl Store {
         {
             return Err(problem);
         }
-        let (mut tasks, _) = self.read_tasks(id).map_err(|e| e.to_string())?;
-        let changes = dir
-            .subdir(&progress_name(id), false)
-            .and_then(|p| p.read("changes.log", MAX_PROGRESS_READ))
-            .map(|b| String::from_utf8_lossy(&b).into_owned())
-            .unwrap_or_default();
-        for line in changes.lines() {
-            let Ok(change) = serde_json::from_str::<Value>(line) else {
-                continue;
-            };
-            let (Some(task_id), Some(result)) =
-                (change["task_id"].as_str(), change["result"].as_str())
-            else {
-                continue;
-            };
-            let status = match result {
-                "completed" => TaskStatus::Completed,
-                "failed" => TaskStatus::Failed,
-                _ => continue,
-            };
-            let position = tasks
-                .iter()
-                .position(|t| t.id == task_id)
-                .unwrap_or_else(|| {
-                    tasks.push(DevelopTask {
-                        id: task_id.to_owned(),
-                        description: change["description"].as_str().unwrap_or("").to_owned(),
-                        ..DevelopTask::default()
-                    });
-                    tasks.len() - 1
-                });
-            let task = &mut tasks[position];
-            task.status = status;
-            task.completed_at = change["timestamp"].as_str().map(str::to_owned);
-            if let Ok(files) = serde_json::from_value(change["files_changed"].clone()) {
-                task.files_changed = files;
-            }
-        }
+        let (tasks, _) = self.read_tasks(id).map_err(|e| e.to_string())?;
+        let progress = dir.subdir(&progress_name(id), false).ok();
+        let read = |file: &str| {
+            let bytes = progress.as_ref()?.read(file, MAX_PROGRESS_READ).ok()?;
+            Some(String::from_utf8_lossy(&bytes).into_owned())
+        };
         let skill = state.skill();
-        let mut ccw: CcwState = skill.part();
-        ccw.initialized_at = (!tasks.is_empty()).then(now_rfc3339);
-        ccw.develop.tasks = tasks;
-        ccw.develop.recount();
-        skill.set_part(&ccw);
+        skill.workflow = name;
+        workflow.rebuild(skill, tasks, &read)?;
         if let Some(problem) = crate::workflow::problems(&state, Some(id))
             .into_iter()
             .next()

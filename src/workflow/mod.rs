@@ -240,6 +240,15 @@ pub trait Workflow: Send + Sync {
     fn absorb_tasks(&self, state: &mut LoopState, listed: &[DevelopTask]) -> usize;
     /// Writes the workflow's own fields of a new loop, or fills in those a state lacks.
     fn init_part(&self, skill: &mut SkillState);
+    /// Rebuilds the workflow's fields of a state whose `skill_state` was lost (the seed's "State
+    /// Recovery"), from the task list and the progress files (`read` gives one's text); why it
+    /// cannot, if it cannot.
+    fn rebuild(
+        &self,
+        skill: &mut SkillState,
+        listed: Vec<DevelopTask>,
+        read: &dyn Fn(&str) -> Option<String>,
+    ) -> Result<(), String>;
     /// What makes the workflow's own fields unusable, one line each.
     fn problems(&self, skill: &SkillState) -> Vec<String>;
     /// The task a dispatch works on, `(id, description)`: the executor gets it as

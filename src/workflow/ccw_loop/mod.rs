@@ -375,6 +375,53 @@ impl Workflow for CcwLoop {
         skill.set_part(&ccw);
     }
 
+    fn rebuild(
+        &self,
+        skill: &mut SkillState,
+        mut tasks: Vec<DevelopTask>,
+        read: &dyn Fn(&str) -> Option<String>,
+    ) -> Result<(), String> {
+        // Each develop left a line in changes.log: the task's last result wins.
+        for line in read("changes.log").unwrap_or_default().lines() {
+            let Ok(change) = serde_json::from_str::<Value>(line) else {
+                continue;
+            };
+            let (Some(task_id), Some(result)) =
+                (change["task_id"].as_str(), change["result"].as_str())
+            else {
+                continue;
+            };
+            let status = match result {
+                "completed" => TaskStatus::Completed,
+                "failed" => TaskStatus::Failed,
+                _ => continue,
+            };
+            let position = tasks
+                .iter()
+                .position(|t| t.id == task_id)
+                .unwrap_or_else(|| {
+                    tasks.push(DevelopTask {
+                        id: task_id.to_owned(),
+                        description: change["description"].as_str().unwrap_or("").to_owned(),
+                        ..DevelopTask::default()
+                    });
+                    tasks.len() - 1
+                });
+            let task = &mut tasks[position];
+            task.status = status;
+            task.completed_at = change["timestamp"].as_str().map(str::to_owned);
+            if let Ok(files) = serde_json::from_value(change["files_changed"].clone()) {
+                task.files_changed = files;
+            }
+        }
+        let mut ccw: CcwState = skill.part();
+        ccw.initialized_at = (!tasks.is_empty()).then(crate::state::model::now_rfc3339);
+        ccw.develop.tasks = tasks;
+        ccw.develop.recount();
+        skill.set_part(&ccw);
+        Ok(())
+    }
+
     fn problems(&self, skill: &SkillState) -> Vec<String> {
         let ccw: CcwState = match skill.try_part() {
             Ok(ccw) => ccw,

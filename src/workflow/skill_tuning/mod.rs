@@ -353,6 +353,16 @@ impl Workflow for SkillTuning {
         skill.set_part(&t);
     }
 
+    fn rebuild(
+        &self,
+        _: &mut SkillState,
+        _: Vec<crate::workflow::ccw_loop::state::DevelopTask>,
+        _: &dyn Fn(&str) -> Option<String>,
+    ) -> Result<(), String> {
+        // Its target and findings live nowhere else: a backup is its only way back.
+        Err("a skill-tuning loop's fields cannot be rebuilt from its progress files".into())
+    }
+
     fn problems(&self, skill: &SkillState) -> Vec<String> {
         match skill.try_part::<TuningState>() {
             Ok(_) => Vec::new(),
