@@ -816,34 +816,14 @@ impl LoopRun<'_> {
     /// attempt as interrupted.
     async fn recover(&mut self, state: &mut LoopState) -> Result<()> {
         let flight = state.skill_state.as_mut().and_then(|s| s.in_flight.take());
-        // Only processes that prove they are this loop's executors are ended: by the marker every
-        // executor inherits, or by this loop's state file in their environment. The recorded pid
-        // and group are the file's word, which anyone who can write the file can make up.
-        let state_file = self.store().state_path(self.id);
-        let mut leftovers = procs::with_marker(&procs::marker_name(&state_file));
-        leftovers.extend(procs::with_env(
-            "LOOPD_STATE_FILE",
-            &state_file.display().to_string(),
-        ));
-        leftovers.sort_unstable();
-        leftovers.dedup();
-        if !leftovers.is_empty() {
-            let action = flight.as_ref().map_or("", |f| f.action.as_str());
-            let grace = self
-                .engine
-                .plans
-                .get(action)
-                .map_or(Duration::from_secs(5), |p| p.supervision.kill_grace);
-            procs::end_processes(&[], 0, &leftovers, grace).await;
-        }
+        let ended = self
+            .end_leftovers(flight.as_ref().map_or("", |f| f.action.as_str()))
+            .await;
         let Some(flight) = flight else {
-            if !leftovers.is_empty() {
+            if ended > 0 {
                 self.events.emit(Event::new(name::RECOVERED).with(
                     "message",
-                    format!(
-                        "ended {} executor process(es) of a daemon that died",
-                        leftovers.len()
-                    ),
+                    format!("ended {ended} executor process(es) of a daemon that died"),
                 ));
             }
             return Ok(());
@@ -879,6 +859,30 @@ impl LoopRun<'_> {
                 ),
         );
         Ok(())
+    }
+
+    /// Ends the processes a daemon that died left of this loop; returns how many. Only processes
+    /// that prove they are this loop's executors are ended: by the marker every executor
+    /// inherits, or by this loop's state file in their environment. The recorded pid and group
+    /// are the file's word, which anyone who can write the file can make up.
+    async fn end_leftovers(&self, action: &str) -> usize {
+        let state_file = self.store().state_path(self.id);
+        let mut leftovers = procs::with_marker(&procs::marker_name(&state_file));
+        leftovers.extend(procs::with_env(
+            "LOOPD_STATE_FILE",
+            &state_file.display().to_string(),
+        ));
+        leftovers.sort_unstable();
+        leftovers.dedup();
+        if !leftovers.is_empty() {
+            let grace = self
+                .engine
+                .plans
+                .get(action)
+                .map_or(Duration::from_secs(5), |p| p.supervision.kill_grace);
+            procs::end_processes(&[], 0, &leftovers, grace).await;
+        }
+        leftovers.len()
     }
 
     /// Runs one action with its retries; returns how the loop ends, if it does.
@@ -1192,21 +1196,7 @@ impl LoopRun<'_> {
             result_file: &result_path,
         };
         let prompt = prompt(engine, state, step, attempt, &paths, task.clone());
-        let mut env: Vec<(String, OsString)> = vec![
-            ("LOOPD_LOOP_ID".into(), id.into()),
-            ("LOOPD_ACTION".into(), dispatch.action.clone().into()),
-            ("LOOPD_ITERATION".into(), step.iteration.to_string().into()),
-            ("LOOPD_ATTEMPT".into(), attempt.to_string().into()),
-            ("LOOPD_ROOT".into(), engine.work_tree.clone().into()),
-            ("LOOPD_STATE_FILE".into(), store.state_path(id).into()),
-            ("LOOPD_PROGRESS_DIR".into(), progress_dir.clone().into()),
-            ("LOOPD_RESULT_FILE".into(), result_path.clone().into()),
-        ];
-        if let Some((task_id, description)) = task {
-            env.push(("LOOPD_TASK_ID".into(), task_id.into()));
-            env.push(("LOOPD_TASK".into(), description.into()));
-        }
-        env.extend(step.plan.env.iter().cloned());
+        let env = environment(id, step, attempt, &paths, task);
         let (tokens, cost_usd) = engine.limits().remaining(state);
         let spec = Spec {
             argv: step.plan.argv.clone(),
@@ -1591,6 +1581,32 @@ fn attempt_event(
             },
         ),
     }
+}
+
+/// An attempt's environment: the `LOOPD_*` variables, then the plan's own.
+fn environment(
+    id: &str,
+    step: &Step<'_>,
+    attempt: u32,
+    paths: &Paths<'_>,
+    task: Option<(String, String)>,
+) -> Vec<(String, OsString)> {
+    let mut env: Vec<(String, OsString)> = vec![
+        ("LOOPD_LOOP_ID".into(), id.into()),
+        ("LOOPD_ACTION".into(), step.dispatch.action.clone().into()),
+        ("LOOPD_ITERATION".into(), step.iteration.to_string().into()),
+        ("LOOPD_ATTEMPT".into(), attempt.to_string().into()),
+        ("LOOPD_ROOT".into(), paths.root.into()),
+        ("LOOPD_STATE_FILE".into(), paths.state_file.into()),
+        ("LOOPD_PROGRESS_DIR".into(), paths.progress_dir.into()),
+        ("LOOPD_RESULT_FILE".into(), paths.result_file.into()),
+    ];
+    if let Some((task_id, description)) = task {
+        env.push(("LOOPD_TASK_ID".into(), task_id.into()));
+        env.push(("LOOPD_TASK".into(), description.into()));
+    }
+    env.extend(step.plan.env.iter().cloned());
+    env
 }
 
 /// An attempt's prompt: its action file rendered with the engine's values, the task's and the

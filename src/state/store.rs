@@ -227,8 +227,11 @@ struct Seen {
 struct Orphan {
     id: String,
     name: String,
-    /// What it held when it was replaced.
+    /// What it held when it was replaced: a late write is what differs from it.
     base: Vec<u8>,
+    /// What replaced it: a key the state file no longer holds as written there was changed by
+    /// someone since, and is theirs to keep.
+    written: Vec<u8>,
     since: Instant,
 }
 
@@ -711,8 +714,9 @@ impl Store {
     ) -> Result<Loaded, StoreError> {
         let path = self.state_path(id);
         let name = state_name(id);
-        // What is in place now, and the version to make the change on.
+        // What is in place now, and the version to make the change on (and its bytes).
         let (mut in_place, mut base) = self.read(id)?;
+        let mut made_on = in_place.clone();
         for round in 1.. {
             let Loaded { mut raw, state } = base;
             change(&mut raw, &state);
@@ -725,6 +729,7 @@ impl Store {
             match replaced {
                 Swapped::Raced => {
                     (in_place, base) = self.read(id)?;
+                    made_on = in_place.clone();
                     continue;
                 }
                 Swapped::Replaced { tmp, old } => {
@@ -740,17 +745,21 @@ impl Store {
                         );
                         let _ = dir.remove(&tmp);
                         in_place = bytes;
+                        made_on = old;
                         base = theirs;
                         continue;
                     }
-                    // Kept for a late write; what it held is what this write replaced (or, if a
-                    // writer is half-way through it, what that writer is overwriting).
-                    let base = if Loaded::parse(&path, &old).is_ok() {
-                        old
-                    } else {
-                        in_place
+                    // Kept for a late write. What it held is what this write replaced; a writer
+                    // half-way through it is overwriting what was in place; and a complete
+                    // version another writer put there on the last round (written whatever
+                    // happened) differs from the version this change was made on by that
+                    // writer's changes, merged when the orphan settles.
+                    let base = match Loaded::parse(&path, &old) {
+                        Ok(_) if old != in_place => made_on,
+                        Ok(_) => old,
+                        Err(_) => in_place,
                     };
-                    self.keep_orphan(id, tmp, base);
+                    self.keep_orphan(id, tmp, base, bytes.clone());
                 }
                 Swapped::Renamed => {}
             }
@@ -785,12 +794,13 @@ impl Store {
         unreachable!("the loop returns by its last round")
     }
 
-    fn keep_orphan(&self, id: &str, name: String, base: Vec<u8>) {
+    fn keep_orphan(&self, id: &str, name: String, base: Vec<u8>, written: Vec<u8>) {
         if let Ok(mut orphans) = self.orphans.lock() {
             orphans.push(Orphan {
                 id: id.to_owned(),
                 name,
                 base,
+                written,
                 since: Instant::now(),
             });
         }
@@ -846,11 +856,11 @@ impl Store {
     /// age.
     fn settle_locked(&self, dir: &Dir, id: &str, all: bool) -> usize {
         // Looked at without taking them off the list, which another thread may read meanwhile.
-        let mine: Vec<(String, Vec<u8>, Instant)> = match self.orphans.lock() {
+        let mine: Vec<(String, Vec<u8>, Vec<u8>, Instant)> = match self.orphans.lock() {
             Ok(orphans) => orphans
                 .iter()
                 .filter(|o| o.id == id)
-                .map(|o| (o.name.clone(), o.base.clone(), o.since))
+                .map(|o| (o.name.clone(), o.base.clone(), o.written.clone(), o.since))
                 .collect(),
             Err(_) => return 0,
         };
@@ -860,11 +870,22 @@ impl Store {
         let path = self.state_path(id);
         let mut late = Vec::new();
         let mut done = Vec::new();
-        for (name, base, since) in mine {
-            let Ok(now) = dir.read(&name, MAX_STATE_SIZE) else {
+        for (name, base, written, since) in mine {
+            let read = || dir.read(&name, MAX_STATE_SIZE).ok();
+            let Some(mut now) = read() else {
                 done.push(name); // gone, or made into something else: nothing to merge
                 continue;
             };
+            // A writer is half-way through it (it truncated the file, and is descheduled before
+            // its write): one that must settle now gives it the orphan's life to finish.
+            while all
+                && now != base
+                && serde_json::from_slice::<Value>(&now).is_err()
+                && since.elapsed() < ORPHAN_LIFE
+            {
+                std::thread::sleep(Duration::from_millis(5));
+                now = read().unwrap_or_default();
+            }
             let age = since.elapsed();
             if now == base {
                 if all || age >= ORPHAN_LIFE {
@@ -875,7 +896,6 @@ impl Store {
             }
             match serde_json::from_slice::<Value>(&now) {
                 Ok(Value::Object(theirs)) => {
-                    let written = dir.stat(&name).ok().flatten().map(|s| mtime(&s));
                     late.push((base, theirs, written));
                     let _ = dir.remove(&name);
                     done.push(name);
@@ -897,25 +917,27 @@ impl Store {
         }
         let mut merged = 0;
         for (base, theirs, written) in late {
-            let base = match serde_json::from_slice::<Value>(&base) {
-                Ok(Value::Object(base)) => base,
+            let object = |bytes: &[u8]| match serde_json::from_slice::<Value>(bytes) {
+                Ok(Value::Object(map)) => map,
                 _ => Map::new(),
             };
+            let (base, written) = (object(&base), object(&written));
             let changed = changed_keys(&base, &theirs);
             if changed.is_empty() {
                 continue;
             }
-            // A key someone else changed since too goes to the later write: the state file's
-            // time says when it was last written.
-            let live = dir.stat(&state_name(id)).ok().flatten().map(|s| mtime(&s));
-            let theirs_newer = written.is_some_and(|w| live.is_none_or(|l| w > l));
+            // A key someone changed in the state file since it replaced this version is theirs to
+            // keep: a late write into a replaced version was begun before the exchange, so a
+            // writer's later write of the same key went to the state file after it. (File times
+            // cannot say which came first: they tick by the jiffy, and a file loopd renames in
+            // bears its own time.)
             tracing::debug!(
                 "a late write into a replaced version of {} changed {changed:?}; merging",
                 path.display()
             );
             let result = self.update_locked(dir, id, true, |raw, _| {
                 for key in &changed {
-                    if raw.get(key) != base.get(key) && !theirs_newer {
+                    if raw.get(key) != written.get(key) {
                         continue;
                     }
                     match theirs.get(key) {
@@ -1056,11 +1078,6 @@ fn changed_keys(base: &Map<String, Value>, theirs: &Map<String, Value>) -> Vec<S
     keys.sort();
     keys.dedup();
     keys
-}
-
-/// A file's modification time, to the nanosecond the filesystem keeps.
-fn mtime(stat: &nix::sys::stat::FileStat) -> (i64, i64) {
-    (stat.st_mtime, stat.st_mtime_nsec)
 }
 
 fn state_name(id: &str) -> String {
