@@ -1060,6 +1060,17 @@ mod tests {
     }
 
     #[test]
+    fn a_spent_budget_ends_a_skill_tuning_loop_as_any_other() {
+        let mut s = state(&analysed());
+        s.max_cost_usd = Some(1.0);
+        s.skill().usage.cost_usd = 1.5;
+        match decide(&SkillTuning, &s, LIMITS) {
+            Decision::Abort(reason) => assert!(reason.contains("budget exceeded"), "{reason}"),
+            other => panic!("expected the budget to end it, got {other:?}"),
+        }
+    }
+
+    #[test]
     fn the_error_limit_aborts_and_a_failed_action_is_skipped() {
         let mut s = state(&analysed());
         s.skill().error_count = 3;
