@@ -84,20 +84,24 @@ fn tuning_part(
     } else {
         path.display().to_string()
     };
-    for area in &args.focus {
-        let canonical = area.trim().replace('-', "_").to_ascii_lowercase();
-        if !FOCUS_AREAS.contains(&canonical.as_str()) {
+    // `token-consumption` and `Docs` are `token_consumption` and `docs`.
+    let focus: Vec<String> = args
+        .focus
+        .iter()
+        .map(|a| a.trim().replace('-', "_").to_ascii_lowercase())
+        .collect();
+    for (area, given) in focus.iter().zip(&args.focus) {
+        if !FOCUS_AREAS.contains(&area.as_str()) {
             return Err(usage(format!(
-                "--focus: unknown area {area:?}{} (known: {})",
-                crate::config::did_you_mean(&canonical, FOCUS_AREAS),
+                "--focus: unknown area {given:?}{} (known: {})",
+                crate::config::did_you_mean(area, FOCUS_AREAS),
                 FOCUS_AREAS.join(", ")
             )));
         }
     }
-    if let Some(issue) = &args.issue
-        && issue.len() > crate::state::model::MAX_DESCRIPTION
-    {
-        return Err(usage("--issue is over the limit of 32 KiB"));
+    let max = crate::state::model::MAX_DESCRIPTION;
+    if args.issue.as_ref().is_some_and(|i| i.len() > max) {
+        return Err(usage(format!("--issue is over the limit of {max} bytes")));
     }
     let name = dir
         .file_name()
@@ -106,12 +110,41 @@ fn tuning_part(
     Ok(TuningState::new(
         name,
         path,
-        args.focus
-            .iter()
-            .map(|a| a.trim().replace('-', "_").to_ascii_lowercase())
-            .collect(),
+        focus,
         args.issue.clone().filter(|i| !i.trim().is_empty()),
     ))
+}
+
+/// The title, the description and the tasks: none empty, each within its limit.
+fn check_texts(title: &str, description: &str, tasks: &[String]) -> Result<()> {
+    use crate::state::model::{MAX_DESCRIPTION, MAX_TITLE};
+    use crate::workflow::ccw_loop::state::MAX_TASKS;
+    if tasks.iter().any(|t| t.trim().is_empty()) {
+        return Err(usage("--task must not be empty"));
+    }
+    if tasks.len() > MAX_TASKS {
+        return Err(usage(format!(
+            "{} tasks are over the limit of {MAX_TASKS}",
+            tasks.len()
+        )));
+    }
+    let texts = [
+        ("--title", title, MAX_TITLE),
+        ("--description", description, MAX_DESCRIPTION),
+    ];
+    for (what, text, max) in texts.into_iter().chain(
+        tasks
+            .iter()
+            .map(|t| ("--task", t.as_str(), MAX_DESCRIPTION)),
+    ) {
+        if text.len() > max {
+            return Err(usage(format!(
+                "{what} is {} bytes, over the limit of {max}",
+                text.len()
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// Writes a new loop (and its task list); returns its id.
@@ -162,33 +195,7 @@ pub fn create_loop(p: &Project, args: &CreateArgs) -> Result<String> {
         (Some(_), _) => return Err(usage("--title must not be empty")),
         (None, None) => return Err(usage("--title TEXT is required")),
     };
-    let title = &title;
-    if tasks.iter().any(|t| t.trim().is_empty()) {
-        return Err(usage("--task must not be empty"));
-    }
-    use crate::state::model::{MAX_DESCRIPTION, MAX_TITLE};
-    use crate::workflow::ccw_loop::state::MAX_TASKS;
-    if tasks.len() > MAX_TASKS {
-        return Err(usage(format!(
-            "{} tasks are over the limit of {MAX_TASKS}",
-            tasks.len()
-        )));
-    }
-    for (what, text, max) in std::iter::once(("--title", title, MAX_TITLE))
-        .chain(std::iter::once((
-            "--description",
-            description,
-            MAX_DESCRIPTION,
-        )))
-        .chain(tasks.iter().map(|t| ("--task", t, MAX_DESCRIPTION)))
-    {
-        if text.len() > max {
-            return Err(usage(format!(
-                "{what} is {} bytes, over the limit of {max}",
-                text.len()
-            )));
-        }
-    }
+    check_texts(&title, description, tasks)?;
     // The workflow's own defaults, where it has them, else the config's.
     let defaults = workflow
         .default_limits()
@@ -199,9 +206,9 @@ pub fn create_loop(p: &Project, args: &CreateArgs) -> Result<String> {
         true => Some(crate::worktree::create(&p.root, &p.store, &id)?),
         false => None,
     };
-    let state = LoopState {
+    let mut state = LoopState {
         loop_id: id.clone(),
-        title: title.to_owned(),
+        title,
         description: description.to_owned(),
         max_iterations: Some(max_iterations.unwrap_or(defaults.0)),
         max_errors: Some(max_errors.unwrap_or(defaults.1)),
@@ -224,7 +231,6 @@ pub fn create_loop(p: &Project, args: &CreateArgs) -> Result<String> {
         }),
         ..LoopState::default()
     };
-    let mut state = state;
     if let Some(tuning) = &tuning {
         state.skill().set_part(tuning);
     }
