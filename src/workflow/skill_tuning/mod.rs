@@ -20,7 +20,7 @@ use crate::protocol::ActionResult;
 use crate::state::model::{LoopState, MAX_DESCRIPTION, SkillState};
 use state::{
     AppliedFix, DIAGNOSES, DiagnosisResult, Fix, Gate, Issue, MAX_FIXES, MAX_ISSUES, Report,
-    Severity, SeverityCounts, TuningState, quality,
+    SeverityCounts, TuningState, quality,
 };
 
 pub const NAME: &str = "skill-tuning";
@@ -408,7 +408,7 @@ impl Workflow for SkillTuning {
         }
         for area in DIAGNOSES {
             if t.diagnosis.get(area).is_some_and(|d| d.status == "failed") {
-                clear_diagnosis(&mut t, area);
+                t.diagnosis.set(area, None);
                 reset += 1;
             }
         }
@@ -423,20 +423,6 @@ impl Workflow for SkillTuning {
     fn task_ids(&self, _: &SkillState) -> Option<Vec<String>> {
         None
     }
-}
-
-fn clear_diagnosis(t: &mut TuningState, area: &str) {
-    let mut d = std::mem::take(&mut t.diagnosis);
-    let keep: Vec<(&str, DiagnosisResult)> = DIAGNOSES
-        .iter()
-        .filter(|a| **a != area)
-        .filter_map(|a| Some((*a, d.get(a)?.clone())))
-        .collect();
-    d = Default::default();
-    for (a, r) in keep {
-        d.set(a, r);
-    }
-    t.diagnosis = d;
 }
 
 /// A result's effect on the workflow's fields; how the loop ends, if it does.
@@ -537,15 +523,13 @@ fn apply(
         a => {
             if let Some(area) = diagnosis_area(a) {
                 let found = add_issues(t, updates, area);
-                t.diagnosis.set(
-                    area,
-                    DiagnosisResult {
-                        status: status.into(),
-                        issues_found: found,
-                        summary,
-                        at: Some(now.to_owned()),
-                    },
-                );
+                let result = DiagnosisResult {
+                    status: status.into(),
+                    issues_found: found,
+                    summary,
+                    at: Some(now.to_owned()),
+                };
+                t.diagnosis.set(area, Some(result));
             }
         }
     }
@@ -726,24 +710,13 @@ fn verify_results(v: &Value) -> Result<Vec<(String, bool)>, String> {
         .collect()
 }
 
-impl Severity {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Severity::Critical => "critical",
-            Severity::High => "high",
-            Severity::Medium => "medium",
-            Severity::Low => "low",
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::state::model::{ErrorEntry, Status};
     use crate::workflow::{decide, record_attempt, record_finish};
     use serde_json::json;
-    use state::{Severity::*, SeverityCounts};
+    use state::{Severity, Severity::*, SeverityCounts};
 
     const LIMITS: Limits = Limits {
         max_iterations: 5,
@@ -782,7 +755,7 @@ mod tests {
     fn reported(issues: Vec<Issue>) -> TuningState {
         let mut t = analysed();
         for area in DIAGNOSES {
-            t.diagnosis.set(area, done("completed").unwrap());
+            t.diagnosis.set(area, done("completed"));
         }
         t.issues = issues;
         grade(&mut t);
@@ -866,9 +839,7 @@ mod tests {
         focused.focus_areas = vec!["docs".into()];
         let mut failed_counts_as_done = analysed();
         for area in DIAGNOSES {
-            failed_counts_as_done
-                .diagnosis
-                .set(area, done("failed").unwrap());
+            failed_counts_as_done.diagnosis.set(area, done("failed"));
         }
         let with_issues = reported(vec![issue("ISS-001", High), issue("ISS-002", High)]);
         let mut high = reported(vec![issue("ISS-001", High), issue("ISS-002", High)]);

@@ -229,7 +229,8 @@ impl Diagnosis {
         }
     }
 
-    pub fn set(&mut self, area: &str, result: DiagnosisResult) {
+    /// Sets (`Some`) or clears (`None`) the result of an area.
+    pub fn set(&mut self, area: &str, result: Option<DiagnosisResult>) {
         let slot = match area {
             "context" => &mut self.context,
             "memory" => &mut self.memory,
@@ -239,7 +240,7 @@ impl Diagnosis {
             "token_consumption" => &mut self.token_consumption,
             _ => return,
         };
-        *slot = Some(result);
+        *slot = result;
     }
 }
 
@@ -280,6 +281,17 @@ pub struct Issue {
     pub evidence: Option<String>,
     #[serde(flatten)]
     pub extra: Extra,
+}
+
+impl Severity {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Severity::Critical => "critical",
+            Severity::High => "high",
+            Severity::Medium => "medium",
+            Severity::Low => "low",
+        }
+    }
 }
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
