@@ -459,108 +459,10 @@ impl CcwLoop {
         let now = inputs.now.as_str();
         let updates = result.map(|r| &r.state_updates);
         match dispatch.action.as_str() {
-            "init" => {
-                let mut tasks = inputs.listed_tasks.clone();
-                if tasks.is_empty() {
-                    let planned = updates
-                        .and_then(|u| u.get("tasks"))
-                        .and_then(Value::as_array)
-                        .cloned()
-                        .unwrap_or_default();
-                    for spec in &planned {
-                        if let Ok((desc, tool, mode)) = task_spec(spec) {
-                            tasks.push(new_task(&ccw.develop.tasks, &tasks, desc, tool, mode, now));
-                        }
-                    }
-                }
-                if tasks.is_empty() {
-                    tasks.push(new_task(&[], &[], description, None, None, now));
-                }
-                ccw.develop.tasks = tasks;
-                ccw.develop.recount();
-                ccw.initialized_at = Some(now.to_owned());
-            }
-            "develop" => {
-                let ok = result.is_some();
-                if let Some(task) = dispatch
-                    .task_id
-                    .as_deref()
-                    .and_then(|id| ccw.develop.task_mut(id))
-                {
-                    task.status = if ok {
-                        TaskStatus::Completed
-                    } else {
-                        TaskStatus::Failed
-                    };
-                    task.completed_at = Some(now.to_owned());
-                    if let Some(r) = result {
-                        task.files_changed = r.files_changed.clone();
-                        trim_window(&mut task.files_changed, FILES_CHANGED_WINDOW);
-                    }
-                }
-                if !ok {
-                    ccw.develop_failed_seq = Some(skill.seq + 1);
-                }
-                ccw.develop.last_progress_at = Some(now.to_owned());
-                ccw.develop.recount();
-            }
-            "debug" => {
-                ccw.debug.iteration = ccw.debug.iteration.saturating_add(1);
-                ccw.debug.last_analysis_at = Some(now.to_owned());
-                if let Some(u) = updates {
-                    if let Ok(Some(bug)) = opt_str(u, "active_bug") {
-                        ccw.debug.active_bug = Some(bug.to_owned());
-                    }
-                    if let Ok(Some(h)) = opt_str(u, "confirmed_hypothesis") {
-                        ccw.debug.confirmed_hypothesis = Some(h.to_owned());
-                    }
-                    if let Some(new) = u
-                        .get("hypotheses")
-                        .and_then(|h| serde_json::from_value::<Vec<Hypothesis>>(h.clone()).ok())
-                    {
-                        ccw.debug.hypotheses_count =
-                            ccw.debug.hypotheses_count.saturating_add(new.len() as u64);
-                        ccw.debug.hypotheses.extend(new);
-                        trim_window(&mut ccw.debug.hypotheses, HYPOTHESES_WINDOW);
-                    }
-                    let fixes = u.get("fix_tasks").and_then(Value::as_array).cloned();
-                    for spec in fixes.unwrap_or_default() {
-                        if let Ok((desc, tool, mode)) = task_spec(&spec) {
-                            let task = new_task(&ccw.develop.tasks, &[], desc, tool, mode, now);
-                            if !ccw.develop.add_task(task) {
-                                break; // the list is full of open tasks
-                            }
-                        }
-                    }
-                    ccw.develop.recount();
-                }
-            }
-            "validate" => {
-                let v = &mut ccw.validate;
-                v.last_run_at = Some(now.to_owned());
-                match updates {
-                    Some(u) => {
-                        v.passed = u.get("passed").and_then(Value::as_bool).unwrap_or(false);
-                        if let Some(rate) = u.get("pass_rate").and_then(Value::as_f64) {
-                            v.pass_rate = rate;
-                        }
-                        if let Some(cov) = u.get("coverage").and_then(Value::as_f64) {
-                            v.coverage = cov;
-                        }
-                        v.test_results = u
-                            .get("test_results")
-                            .and_then(|r| serde_json::from_value(r.clone()).ok())
-                            .unwrap_or_default();
-                        trim_window(&mut v.test_results, TEST_RESULTS_WINDOW);
-                        v.failed_tests = u
-                            .get("failed_tests")
-                            .and_then(|r| serde_json::from_value(r.clone()).ok())
-                            .unwrap_or_default();
-                        v.failed_tests.truncate(FAILED_TESTS_WINDOW);
-                    }
-                    None => v.passed = false,
-                }
-            }
+            "init" => planned(ccw, updates, &inputs.listed_tasks, description, now),
+            "develop" => developed(ccw, skill.seq, dispatch, result, now),
+            "debug" => debugged(ccw, updates, now),
+            "validate" => validated(ccw, updates, now),
             "complete" => {
                 let outcome = dispatch.outcome.unwrap_or(Outcome::Incomplete);
                 let text = updates
@@ -575,6 +477,127 @@ impl CcwLoop {
         }
         None
     }
+}
+
+/// init: the task list's tasks, else the planned ones, else one made from the loop's goal.
+fn planned(
+    ccw: &mut CcwState,
+    updates: Option<&Map<String, Value>>,
+    listed: &[DevelopTask],
+    description: &str,
+    now: &str,
+) {
+    let mut tasks = listed.to_vec();
+    if tasks.is_empty() {
+        let planned = updates
+            .and_then(|u| u.get("tasks"))
+            .and_then(Value::as_array)
+            .cloned()
+            .unwrap_or_default();
+        for spec in &planned {
+            if let Ok((desc, tool, mode)) = task_spec(spec) {
+                tasks.push(new_task(&ccw.develop.tasks, &tasks, desc, tool, mode, now));
+            }
+        }
+    }
+    if tasks.is_empty() {
+        tasks.push(new_task(&[], &[], description, None, None, now));
+    }
+    ccw.develop.tasks = tasks;
+    ccw.develop.recount();
+    ccw.initialized_at = Some(now.to_owned());
+}
+
+/// develop: its task completed or failed, with the files it changed.
+fn developed(
+    ccw: &mut CcwState,
+    seq: u64,
+    dispatch: &Dispatch,
+    result: Option<&ActionResult>,
+    now: &str,
+) {
+    let ok = result.is_some();
+    if let Some(task) = dispatch
+        .task_id
+        .as_deref()
+        .and_then(|id| ccw.develop.task_mut(id))
+    {
+        task.status = if ok {
+            TaskStatus::Completed
+        } else {
+            TaskStatus::Failed
+        };
+        task.completed_at = Some(now.to_owned());
+        if let Some(r) = result {
+            task.files_changed = r.files_changed.clone();
+            trim_window(&mut task.files_changed, FILES_CHANGED_WINDOW);
+        }
+    }
+    if !ok {
+        ccw.develop_failed_seq = Some(seq + 1);
+    }
+    ccw.develop.last_progress_at = Some(now.to_owned());
+    ccw.develop.recount();
+}
+
+/// debug: the bug, the hypotheses (bounded), and fix tasks joining as pending.
+fn debugged(ccw: &mut CcwState, updates: Option<&Map<String, Value>>, now: &str) {
+    ccw.debug.iteration = ccw.debug.iteration.saturating_add(1);
+    ccw.debug.last_analysis_at = Some(now.to_owned());
+    let Some(u) = updates else {
+        return;
+    };
+    if let Ok(Some(bug)) = opt_str(u, "active_bug") {
+        ccw.debug.active_bug = Some(bug.to_owned());
+    }
+    if let Ok(Some(h)) = opt_str(u, "confirmed_hypothesis") {
+        ccw.debug.confirmed_hypothesis = Some(h.to_owned());
+    }
+    if let Some(new) = u
+        .get("hypotheses")
+        .and_then(|h| serde_json::from_value::<Vec<Hypothesis>>(h.clone()).ok())
+    {
+        ccw.debug.hypotheses_count = ccw.debug.hypotheses_count.saturating_add(new.len() as u64);
+        ccw.debug.hypotheses.extend(new);
+        trim_window(&mut ccw.debug.hypotheses, HYPOTHESES_WINDOW);
+    }
+    let fixes = u.get("fix_tasks").and_then(Value::as_array).cloned();
+    for spec in fixes.unwrap_or_default() {
+        if let Ok((desc, tool, mode)) = task_spec(&spec) {
+            let task = new_task(&ccw.develop.tasks, &[], desc, tool, mode, now);
+            if !ccw.develop.add_task(task) {
+                break; // the list is full of open tasks
+            }
+        }
+    }
+    ccw.develop.recount();
+}
+
+/// validate: the run's result (a failed action: not passed), its lists bounded.
+fn validated(ccw: &mut CcwState, updates: Option<&Map<String, Value>>, now: &str) {
+    let v = &mut ccw.validate;
+    v.last_run_at = Some(now.to_owned());
+    let Some(u) = updates else {
+        v.passed = false;
+        return;
+    };
+    v.passed = u.get("passed").and_then(Value::as_bool).unwrap_or(false);
+    if let Some(rate) = u.get("pass_rate").and_then(Value::as_f64) {
+        v.pass_rate = rate;
+    }
+    if let Some(cov) = u.get("coverage").and_then(Value::as_f64) {
+        v.coverage = cov;
+    }
+    v.test_results = u
+        .get("test_results")
+        .and_then(|r| serde_json::from_value(r.clone()).ok())
+        .unwrap_or_default();
+    trim_window(&mut v.test_results, TEST_RESULTS_WINDOW);
+    v.failed_tests = u
+        .get("failed_tests")
+        .and_then(|r| serde_json::from_value(r.clone()).ok())
+        .unwrap_or_default();
+    v.failed_tests.truncate(FAILED_TESTS_WINDOW);
 }
 
 /// `{"description", "tool"?, "mode"?}` of an init task or a fix task.

@@ -114,36 +114,17 @@ pub fn notes(state: &LoopState, dispatch: &Dispatch, finish: &Finish, now: &str)
         Finish::Success(r) => (true, r.summary.as_str(), r.files_changed.as_slice()),
         Finish::Failed(e) => (false, e.as_str(), &[][..]),
     };
+    let said = |text: &mut String| {
+        if !summary.is_empty() {
+            text.push_str(&format!("- summary: {summary}\n"));
+        }
+    };
     let iteration = state.current_iteration;
     match dispatch.action.as_str() {
-        "develop" => {
-            let Some(task_id) = dispatch.task_id.as_deref() else {
-                return Vec::new();
-            };
-            let task = ccw.develop.task(task_id);
-            let description = task.map(|t| t.description.as_str()).unwrap_or("");
-            let result = if ok { "completed" } else { "failed" };
-            let mut text = format!(
-                "\n## {task_id}: {description}\n\n- result: {result}\n- iteration: {iteration}\n- at: {now}\n"
-            );
-            if !summary.is_empty() {
-                text.push_str(&format!("- summary: {summary}\n"));
-            }
-            if !files.is_empty() {
-                text.push_str(&format!("- files: {}\n", files.join(", ")));
-            }
-            let line = json!({
-                "timestamp": now,
-                "task_id": task_id,
-                "description": description,
-                "files_changed": files,
-                "result": result,
-            });
-            vec![
-                Note::append("develop.md", text),
-                Note::append("changes.log", format!("{line}\n")),
-            ]
-        }
+        "develop" => match dispatch.task_id.as_deref() {
+            Some(task_id) => develop_notes(&ccw, task_id, ok, files, iteration, now, said),
+            None => Vec::new(),
+        },
         "debug" => {
             let d = &ccw.debug;
             let mut text = format!(
@@ -151,9 +132,7 @@ pub fn notes(state: &LoopState, dispatch: &Dispatch, finish: &Finish, now: &str)
                 d.iteration,
                 if ok { "analysed" } else { "failed" }
             );
-            if !summary.is_empty() {
-                text.push_str(&format!("- summary: {summary}\n"));
-            }
+            said(&mut text);
             if let Some(bug) = &d.active_bug {
                 text.push_str(&format!("- active bug: {bug}\n"));
             }
@@ -165,34 +144,74 @@ pub fn notes(state: &LoopState, dispatch: &Dispatch, finish: &Finish, now: &str)
             }
             vec![Note::append("debug.md", text)]
         }
-        "validate" => {
-            let v = &ccw.validate;
-            let mut text = format!(
-                "# Validation report\n\n- run at: {}\n- iteration: {iteration}\n- result: {}\n- pass rate: {}%\n- coverage: {}%\n",
-                v.last_run_at.as_deref().unwrap_or("-"),
-                if !ok {
-                    "the validate action failed"
-                } else if v.passed {
-                    "passed"
-                } else {
-                    "not passed"
-                },
-                v.pass_rate,
-                v.coverage
-            );
-            if !summary.is_empty() {
-                text.push_str(&format!("- summary: {summary}\n"));
-            }
-            if !v.failed_tests.is_empty() {
-                text.push_str("\n## Failed tests\n\n");
-                for t in &v.failed_tests {
-                    text.push_str(&format!("- {t}\n"));
-                }
-            }
-            vec![Note::replace("validate.md", text)]
-        }
+        "validate" => vec![Note::replace(
+            "validate.md",
+            validate_report(&ccw, ok, iteration, said),
+        )],
         _ => Vec::new(),
     }
+}
+
+/// A develop's section in `develop.md` and its line in `changes.log`.
+fn develop_notes(
+    ccw: &CcwState,
+    task_id: &str,
+    ok: bool,
+    files: &[String],
+    iteration: u64,
+    now: &str,
+    said: impl Fn(&mut String),
+) -> Vec<Note> {
+    let description = ccw
+        .develop
+        .task(task_id)
+        .map(|t| t.description.as_str())
+        .unwrap_or("");
+    let result = if ok { "completed" } else { "failed" };
+    let mut text = format!(
+        "\n## {task_id}: {description}\n\n- result: {result}\n- iteration: {iteration}\n- at: {now}\n"
+    );
+    said(&mut text);
+    if !files.is_empty() {
+        text.push_str(&format!("- files: {}\n", files.join(", ")));
+    }
+    let line = json!({
+        "timestamp": now,
+        "task_id": task_id,
+        "description": description,
+        "files_changed": files,
+        "result": result,
+    });
+    vec![
+        Note::append("develop.md", text),
+        Note::append("changes.log", format!("{line}\n")),
+    ]
+}
+
+/// `validate.md`: the report of the last run.
+fn validate_report(ccw: &CcwState, ok: bool, iteration: u64, said: impl Fn(&mut String)) -> String {
+    let v = &ccw.validate;
+    let result = if !ok {
+        "the validate action failed"
+    } else if v.passed {
+        "passed"
+    } else {
+        "not passed"
+    };
+    let mut text = format!(
+        "# Validation report\n\n- run at: {}\n- iteration: {iteration}\n- result: {result}\n- pass rate: {}%\n- coverage: {}%\n",
+        v.last_run_at.as_deref().unwrap_or("-"),
+        v.pass_rate,
+        v.coverage
+    );
+    said(&mut text);
+    if !v.failed_tests.is_empty() {
+        text.push_str("\n## Failed tests\n\n");
+        for t in &v.failed_tests {
+            text.push_str(&format!("- {t}\n"));
+        }
+    }
+    text
 }
 
 /// The summary `complete` recorded, and the tasks and validation for `summary.md`.

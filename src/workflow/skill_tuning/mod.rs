@@ -466,45 +466,8 @@ fn apply(
             });
             grade(t);
         }
-        "propose-fixes" => {
-            t.proposed_round = t.round;
-            let specs = updates
-                .and_then(|u| u.get("fixes"))
-                .and_then(|v| fix_specs(v).ok())
-                .unwrap_or_default();
-            t.proposed_fixes.clear();
-            for spec in specs.into_iter().take(MAX_FIXES) {
-                t.fix_seq += 1;
-                let fix = Fix {
-                    id: format!("FIX-{:03}", t.fix_seq),
-                    ..spec
-                };
-                t.pending_fixes.push(fix.id.clone());
-                t.proposed_fixes.push(fix);
-            }
-            t.pending_fixes.truncate(MAX_FIXES);
-        }
-        "apply-fix" => {
-            let id = dispatch.task_id.as_deref()?;
-            t.pending_fixes.retain(|f| f != id);
-            let fix = t.proposed_fixes.iter().find(|f| f.id == id).cloned();
-            t.applied_fixes.push(AppliedFix {
-                id: id.to_owned(),
-                issue_ids: fix
-                    .as_ref()
-                    .map(|f| f.issue_ids.clone())
-                    .unwrap_or_default(),
-                description: fix.map(|f| f.description).unwrap_or_default(),
-                applied_at: ok.then(|| now.to_owned()),
-                // A fix that could not be applied has nothing to verify.
-                verification_result: if ok { "pending" } else { "fail" }.into(),
-                round: t.round,
-                files_changed: result.map(|r| r.files_changed.clone()).unwrap_or_default(),
-            });
-            if t.applied_fixes.len() > MAX_FIXES {
-                t.applied_fixes.remove(0);
-            }
-        }
+        "propose-fixes" => propose(t, updates),
+        "apply-fix" => applied(t, dispatch.task_id.as_deref()?, result, now),
         "verify" => {
             verify(t, updates);
             grade(t);
@@ -534,6 +497,49 @@ fn apply(
         }
     }
     None
+}
+
+/// propose-fixes: this round's proposals, each given an id and made pending.
+fn propose(t: &mut TuningState, updates: Option<&Map<String, Value>>) {
+    t.proposed_round = t.round;
+    let specs = updates
+        .and_then(|u| u.get("fixes"))
+        .and_then(|v| fix_specs(v).ok())
+        .unwrap_or_default();
+    t.proposed_fixes.clear();
+    for spec in specs.into_iter().take(MAX_FIXES) {
+        t.fix_seq += 1;
+        let fix = Fix {
+            id: format!("FIX-{:03}", t.fix_seq),
+            ..spec
+        };
+        t.pending_fixes.push(fix.id.clone());
+        t.proposed_fixes.push(fix);
+    }
+    t.pending_fixes.truncate(MAX_FIXES);
+}
+
+/// apply-fix: the fix leaves the pending ones; applied, it waits for a verify (one that could
+/// not be applied has nothing to verify: it failed).
+fn applied(t: &mut TuningState, id: &str, result: Option<&ActionResult>, now: &str) {
+    let ok = result.is_some();
+    t.pending_fixes.retain(|f| f != id);
+    let fix = t.proposed_fixes.iter().find(|f| f.id == id).cloned();
+    t.applied_fixes.push(AppliedFix {
+        id: id.to_owned(),
+        issue_ids: fix
+            .as_ref()
+            .map(|f| f.issue_ids.clone())
+            .unwrap_or_default(),
+        description: fix.map(|f| f.description).unwrap_or_default(),
+        applied_at: ok.then(|| now.to_owned()),
+        verification_result: if ok { "pending" } else { "fail" }.into(),
+        round: t.round,
+        files_changed: result.map(|r| r.files_changed.clone()).unwrap_or_default(),
+    });
+    if t.applied_fixes.len() > MAX_FIXES {
+        t.applied_fixes.remove(0);
+    }
 }
 
 /// Judges the applied fixes waiting for it (a fix the result does not name failed), and drops
@@ -920,7 +926,7 @@ mod tests {
         })
     }
 
-    fn applied(t: &mut TuningState, action: &str, task: Option<&str>, f: &Finish) {
+    fn apply_result(t: &mut TuningState, action: &str, task: Option<&str>, f: &Finish) {
         let d = Dispatch {
             task_id: task.map(str::to_owned),
             ..Dispatch::new(action)
@@ -937,17 +943,17 @@ mod tests {
         // The seed looped on diagnose-context when no fix had been applied.
         let mut t = reported(vec![issue("ISS-001", Critical)]);
         t.gemini_analysis.round = 1;
-        applied(&mut t, "propose-fixes", None, &finish(json!({"fixes": []})));
+        apply_result(&mut t, "propose-fixes", None, &finish(json!({"fixes": []})));
         assert_eq!(action(&t), "complete");
 
         // A fix that fails verification starts no round either.
         let mut t = reported(vec![issue("ISS-001", Critical), issue("ISS-002", High)]);
         t.gemini_analysis.round = 1;
         let fixes = json!({"fixes": [{"issue_ids": ["ISS-001"], "description": "trim it"}]});
-        applied(&mut t, "propose-fixes", None, &finish(fixes));
-        applied(&mut t, "apply-fix", Some("FIX-001"), &finish(json!({})));
+        apply_result(&mut t, "propose-fixes", None, &finish(fixes));
+        apply_result(&mut t, "apply-fix", Some("FIX-001"), &finish(json!({})));
         let failed = json!({"results": [{"fix_id": "FIX-001", "result": "fail"}]});
-        applied(&mut t, "verify", None, &finish(failed));
+        apply_result(&mut t, "verify", None, &finish(failed));
         assert_eq!((t.round, action(&t).as_str()), (1, "complete"));
     }
 
@@ -957,11 +963,11 @@ mod tests {
         let mut t = reported(vec![issue("ISS-001", Critical), issue("ISS-002", High)]);
         t.gemini_analysis.round = 1;
         let fixes = json!({"fixes": [{"issue_ids": ["ISS-001"], "description": "trim it"}]});
-        applied(&mut t, "propose-fixes", None, &finish(fixes));
-        applied(&mut t, "apply-fix", Some("FIX-001"), &finish(json!({})));
+        apply_result(&mut t, "propose-fixes", None, &finish(fixes));
+        apply_result(&mut t, "apply-fix", Some("FIX-001"), &finish(json!({})));
         let verified = json!({"results": [{"fix_id": "FIX-001", "result": "pass"}],
                               "resolved_issues": ["ISS-001"]});
-        applied(&mut t, "verify", None, &finish(verified));
+        apply_result(&mut t, "verify", None, &finish(verified));
         assert_eq!(t.round, 2, "a high issue is left and a fix was verified");
         assert_eq!(t.issues.len(), 1);
         assert_eq!(t.resolved_issues, 1);
@@ -1051,7 +1057,7 @@ mod tests {
         ));
         // Under the limit, a diagnosis that failed after its retries is passed over.
         let mut t = analysed();
-        applied(
+        apply_result(
             &mut t,
             "diagnose-context",
             None,
@@ -1117,13 +1123,13 @@ mod tests {
             .map(|i| issue(&format!("ISS-{i:03}"), if i == 5 { Low } else { Medium }))
             .collect();
         let one = |s: &str| json!({"issues": [{"severity": s, "description": "new"}]});
-        applied(&mut t, "diagnose-docs", None, &finish(one("low")));
+        apply_result(&mut t, "diagnose-docs", None, &finish(one("low")));
         assert_eq!(t.issues.len(), MAX_ISSUES);
         assert!(
             t.issues.iter().all(|i| i.description != "new"),
             "a low one waits"
         );
-        applied(&mut t, "diagnose-agent", None, &finish(one("critical")));
+        apply_result(&mut t, "diagnose-agent", None, &finish(one("critical")));
         assert_eq!(t.issues.len(), MAX_ISSUES);
         assert!(t.issues.iter().any(|i| i.severity == Critical));
         assert!(
