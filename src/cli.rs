@@ -165,6 +165,13 @@ pub enum Command {
         #[arg(long)]
         revoke: bool,
     },
+    /// List the projects whose loops you created or started (recorded in
+    /// $XDG_STATE_HOME/loopd/projects/), with their loops
+    Projects {
+        /// Forget this project (its loops stay where they are)
+        #[arg(long, value_name = "DIR")]
+        remove: Option<PathBuf>,
+    },
     /// Print a shell completion script (bash, zsh, fish, elvish, powershell)
     ///
     /// For bash: `loopd completions bash > ~/.local/share/bash-completion/completions/loopd`.
@@ -294,7 +301,9 @@ pub fn run(cli: Cli) -> Result<i32> {
     let inspect = || Project::open_for_inspection(root.as_deref(), config.as_deref());
     match command {
         Command::Create(args) => {
-            let id = crate::create::create_loop(&project()?, &args)?;
+            let p = project()?;
+            let id = crate::create::create_loop(&p, &args)?;
+            crate::registry::note(&p.root);
             print_result(json, &json!({ "loop_id": id }), &id)?;
             Ok(0)
         }
@@ -324,6 +333,7 @@ pub fn run(cli: Cli) -> Result<i32> {
         Command::Start { id, executor } => {
             let p = project()?;
             let pid = crate::daemon::start(&p, &id, executor.as_deref())?;
+            crate::registry::note(&p.root);
             print_result(
                 json,
                 &json!({ "loop_id": id, "pid": pid }),
@@ -362,6 +372,7 @@ pub fn run(cli: Cli) -> Result<i32> {
             };
             logs(&inspect()?, &id, &shown)
         }
+        Command::Projects { remove } => projects(remove.as_deref(), json),
         Command::Doctor { executor } => crate::doctor::run(&project()?, executor, json),
         Command::Trust { revoke } => trust(&project()?, revoke, json),
         Command::Init(args) => crate::init::run(&inspect()?, &args, json),
@@ -384,6 +395,63 @@ pub fn run(cli: Cli) -> Result<i32> {
         Command::Demo { workflow } => crate::demo::run(workflow.as_deref()),
         Command::DemoAgent { workflow } => crate::demo::agent(workflow.as_deref()),
     }
+}
+
+/// `loopd projects`: the recorded projects and their loops, or `--remove DIR`.
+fn projects(remove: Option<&Path>, as_json: bool) -> Result<i32> {
+    if let Some(dir) = remove {
+        let root = dir.canonicalize().unwrap_or_else(|_| dir.to_owned());
+        let had = crate::registry::remove(&root).context("cannot forget the project")?;
+        if !had {
+            return Err(usage(format!(
+                "{} is not among your projects",
+                root.display()
+            )));
+        }
+        let text = format!("forgot {}", root.display());
+        print_result(as_json, &json!({ "root": root, "removed": true }), &text)?;
+        return Ok(0);
+    }
+    let mut rows = Vec::new();
+    for record in crate::registry::list().context("cannot read your projects")? {
+        // Each project's own state dir, as its config says (or the default, if it does not load).
+        let loops = Project::open_for_inspection(Some(&record.root), None)
+            .ok()
+            .and_then(|p| {
+                let ids = p.store.list_ids().ok()?;
+                let running = ids
+                    .iter()
+                    .filter(|id| crate::daemon::daemon_pid(&p.store, id).is_some())
+                    .count();
+                Some((ids.len(), running))
+            });
+        rows.push(json!({
+            "root": record.root,
+            "added_at": record.added_at,
+            "loops": loops.map(|l| l.0),
+            "driven": loops.map(|l| l.1),
+        }));
+    }
+    if as_json {
+        crate::outln!("{}", serde_json::to_string_pretty(&rows)?)?;
+        return Ok(0);
+    }
+    if rows.is_empty() {
+        eprintln!("no projects yet: `loopd create` records a project's root");
+        return Ok(0);
+    }
+    crate::outln!("{:<7} {:<7} ROOT", "LOOPS", "DRIVEN")?;
+    for row in &rows {
+        let count = |k: &str| row[k].as_u64().map_or("?".to_owned(), |n| n.to_string());
+        let root = row["root"].as_str().unwrap_or_default();
+        crate::outln!(
+            "{:<7} {:<7} {}",
+            count("loops"),
+            count("driven"),
+            printable(root)
+        )?;
+    }
+    Ok(0)
 }
 
 /// Prints a command's result on stdout: `value` with `--json`, else `text` (nothing when empty).

@@ -19,6 +19,7 @@ pub mod init;
 pub mod orchestrator;
 pub mod protocol;
 pub mod recovery;
+pub mod registry;
 pub mod safe_fs;
 pub mod state;
 pub mod trust;

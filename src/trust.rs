@@ -192,16 +192,22 @@ fn records_dir(create: bool) -> io::Result<Dir> {
             "neither $XDG_CONFIG_HOME nor $HOME is set",
         )
     })?;
+    records_in(&user, "trusted", create)
+}
+
+/// `sub` of a directory of the user's (made private, with its parents, when `create` is set).
+pub(crate) fn records_in(user: &Path, sub: &str, create: bool) -> io::Result<Dir> {
     if create {
         std::fs::DirBuilder::new()
             .recursive(true)
             .mode(crate::safe_fs::DIR_MODE)
-            .create(&user)?;
+            .create(user)?;
     }
-    Dir::open(&user)?.subdir("trusted", create)
+    Dir::open(user)?.subdir(sub, create)
 }
 
-fn record_name(root: &Path) -> String {
+/// The name of a project's record among the user's: a hash of its root.
+pub(crate) fn record_name(root: &Path) -> String {
     use std::os::unix::ffi::OsStrExt as _;
     format!("{}.toml", &sha256_hex(root.as_os_str().as_bytes())[..32])
 }

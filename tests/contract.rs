@@ -13,6 +13,7 @@ fn loopd_in(dir: &std::path::Path, home: &std::path::Path) -> Command {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_loopd"));
     cmd.current_dir(dir)
         .env("HOME", home)
+        .env_remove("XDG_STATE_HOME")
         .env_remove("LOOPD_CONFIG")
         .env_remove("LOOPD_ROOT")
         .stdin(Stdio::null());

@@ -714,7 +714,8 @@ fn a_full_disk_is_waited_out_and_nothing_is_lost() {
         cmd.arg("--root")
             .arg(&root)
             .env("HOME", signals.path())
-            .env_remove("XDG_CONFIG_HOME");
+            .env_remove("XDG_CONFIG_HOME")
+            .env_remove("XDG_STATE_HOME");
         cmd
     };
     assert!(loopd().arg("trust").output().unwrap().status.success());

@@ -747,3 +747,75 @@ fn a_fault_gets_one_exit_code_and_one_line_whichever_command_meets_it() {
     });
     wait_for("its daemon to exit", || !alive(pid));
 }
+
+#[test]
+fn create_and_start_record_the_project_and_projects_lists_them() {
+    // Two projects of one user (one home), a third created elsewhere and then deleted.
+    let home = tempfile::tempdir().unwrap();
+    let (a, b, gone) = (
+        Project::new(GOOD_AGENT),
+        Project::new(GOOD_AGENT),
+        Project::new(GOOD_AGENT),
+    );
+    let loopd = |p: &Project, args: &[&str]| {
+        p.loopd()
+            .env("HOME", home.path())
+            .args(args)
+            .output()
+            .unwrap()
+    };
+    for p in [&a, &b, &gone] {
+        // Trusted for this home too: the projects run with it.
+        assert_eq!(code(&loopd(p, &["trust"])), 0);
+    }
+    let id = stdout(&loopd(&a, &["create", "--title", "t"]))
+        .trim()
+        .to_owned();
+    assert_eq!(code(&loopd(&a, &["run", &id])), 0);
+    assert_eq!(code(&loopd(&b, &["create", "--title", "u"])), 0);
+    assert_eq!(code(&loopd(&b, &["create", "--title", "v"])), 0);
+    assert_eq!(code(&loopd(&gone, &["create", "--title", "w"])), 0);
+    let records = home.path().join(".local/state/loopd/projects");
+    use std::os::unix::fs::PermissionsExt as _;
+    assert_eq!(
+        records.metadata().unwrap().permissions().mode() & 0o777,
+        0o700
+    );
+
+    let listed = |p: &Project| -> Vec<(String, u64)> {
+        let out = loopd(p, &["projects", "--json"]);
+        assert_eq!(code(&out), 0, "{}", stderr(&out));
+        let rows: serde_json::Value = serde_json::from_str(&stdout(&out)).unwrap();
+        rows.as_array()
+            .unwrap()
+            .iter()
+            .map(|r| {
+                (
+                    r["root"].as_str().unwrap().to_owned(),
+                    r["loops"].as_u64().unwrap(),
+                )
+            })
+            .collect()
+    };
+    let root = |p: &Project| p.root.display().to_string();
+    let mut expected = vec![(root(&a), 1), (root(&b), 2), (root(&gone), 1)];
+    expected.sort();
+    assert_eq!(listed(&a), expected);
+    let text = stdout(&loopd(&a, &["projects"]));
+    assert!(
+        text.starts_with("LOOPS") && text.contains(&root(&b)),
+        "{text}"
+    );
+
+    // A deleted project is forgotten at the next record; one can be forgotten by hand.
+    let gone_root = root(&gone);
+    drop(gone);
+    assert_eq!(code(&loopd(&a, &["create", "--title", "x"])), 0);
+    let out = loopd(&a, &["projects", "--remove", &root(&b)]);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    assert_eq!(listed(&a), vec![(root(&a), 2)]);
+    assert!(!stdout(&loopd(&a, &["projects"])).contains(&gone_root));
+    let out = loopd(&a, &["projects", "--remove", &root(&b)]);
+    assert_eq!(code(&out), 2);
+    assert_eq!(stderr(&out).trim().lines().count(), 1, "{}", stderr(&out));
+}

@@ -98,6 +98,7 @@ impl Project {
             .current_dir(&self.root)
             .env("HOME", &self.root)
             .env_remove("XDG_CONFIG_HOME")
+            .env_remove("XDG_STATE_HOME")
             .env_remove("LOOPD_CONFIG")
             .env_remove("LOOPD_ROOT")
             .env_remove("LOOPD_LOG")
