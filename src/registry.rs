@@ -97,7 +97,7 @@ pub fn remove(root: &Path) -> io::Result<bool> {
         Err(e) => return Err(e),
     };
     let name = crate::trust::record_name(root);
-    if !read(&dir, &name).is_some_and(|r| r.root == root) {
+    if read(&dir, &name).is_none_or(|r| r.root != root) {
         return Ok(false);
     }
     dir.remove(&name)?;
