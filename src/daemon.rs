@@ -133,7 +133,7 @@ async fn forward_signals(tx: watch::Sender<Option<i32>>) {
                 if at.elapsed() < SAME_REQUEST && crate::executor::procs::endings() == endings => {}
             Some(_) => {
                 tracing::warn!("warning: second signal {sig}: ending the action's processes now");
-                crate::executor::procs::kill_current_group();
+                crate::executor::procs::kill_running_groups();
                 std::thread::spawn(move || {
                     std::thread::sleep(ESCALATED_EXIT);
                     std::process::exit(128 + sig);

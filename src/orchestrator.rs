@@ -880,7 +880,7 @@ impl LoopRun<'_> {
                 .plans
                 .get(action)
                 .map_or(Duration::from_secs(5), |p| p.supervision.kill_grace);
-            procs::end_processes(&[], 0, &leftovers, grace).await;
+            procs::end_processes(&[], &leftovers, grace).await;
         }
         leftovers.len()
     }

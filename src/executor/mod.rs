@@ -248,7 +248,7 @@ impl SubprocessAttempt {
             pgid: pid,
             proc_start: procs::ProcStat::read(pid).map(|s| s.start),
         };
-        procs::set_current_group(spawned.pgid);
+        procs::attempt_started(spawned.pgid);
         // The prompt is fed on its own task, so a child that never reads stdin cannot block the
         // daemon; dropping the pipe closes it.
         if let Some(mut stdin) = child.stdin.take() {
@@ -345,9 +345,8 @@ impl SubprocessAttempt {
         mut stderr: Option<tokio::process::ChildStderr>,
     ) -> io::Result<Run> {
         let spawned = self.spawned;
-        let killed =
-            procs::end_attempt(spawned.pgid, spawned.pid, self.supervision.kill_grace).await;
-        procs::set_current_group(0);
+        let killed = procs::end_attempt(spawned.pgid, self.supervision.kill_grace).await;
+        procs::attempt_ended(spawned.pgid);
         if status.is_none() {
             status = Some(self.child.wait().await?);
         }

@@ -4,6 +4,10 @@
 //! SIGKILL to the group, and a bounded wait until no live member is left. Zombies do not count as
 //! alive: they hold no resources but a pid and cannot be killed, only reaped by their parent.
 //!
+//! The attempts in flight are known by their process groups ([`attempt_started`]): a second
+//! signal ends them all, and reaping a zombie never takes one of their executors from the task
+//! that waits for it, so that one process can run the attempts of several loops.
+//!
 //! The process group alone is not enough: a child can leave it (`setsid`, `setpgid`). The daemon
 //! is therefore a child subreaper, so such a child, once its parent exits, is reparented to the
 //! daemon rather than to init; an attempt's processes are its group, their descendants, and the
@@ -13,15 +17,18 @@
 //! by a pid the state file names.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use nix::errno::Errno;
 use nix::sys::signal::{Signal, killpg};
 use nix::unistd::Pid;
 
-/// The process group of the attempt in flight, for a second signal that must end it at once.
-static CURRENT_GROUP: AtomicU32 = AtomicU32::new(0);
+/// The attempts in flight in this process, by process group (which is also the executor's pid):
+/// for a second signal that must end them at once, and so that ending one attempt never reaps
+/// another's executor, whose owner waits for it.
+static RUNNING: Mutex<Vec<u32>> = Mutex::new(Vec::new());
 
 /// How many times this process has begun ending an attempt's processes: a signal handler compares
 /// it before and after, to tell whether a first signal has been acted on.
@@ -32,16 +39,24 @@ pub fn endings() -> u64 {
     ENDINGS.load(Ordering::SeqCst)
 }
 
-/// Records (or, with 0, clears) the process group of the attempt in flight.
-pub fn set_current_group(pgid: u32) {
-    CURRENT_GROUP.store(pgid, Ordering::SeqCst);
+fn running() -> std::sync::MutexGuard<'static, Vec<u32>> {
+    RUNNING.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// SIGKILLs the process group of the attempt in flight, if there is one.
-pub fn kill_current_group() {
-    let pgid = CURRENT_GROUP.load(Ordering::SeqCst);
-    if pgid > 1 {
-        signal_group(pgid, Signal::SIGKILL);
+/// Records an attempt in flight, by its process group.
+pub fn attempt_started(pgid: u32) {
+    running().push(pgid);
+}
+
+/// Forgets an attempt that ended.
+pub fn attempt_ended(pgid: u32) {
+    running().retain(|g| *g != pgid);
+}
+
+/// SIGKILLs the process group of every attempt in flight.
+pub fn kill_running_groups() {
+    for pgid in running().iter().filter(|g| **g > 1) {
+        signal_group(*pgid, Signal::SIGKILL);
     }
 }
 
@@ -135,8 +150,9 @@ fn no_children() -> bool {
     waitid(Id::All, flags) == Err(Errno::ECHILD)
 }
 
-/// Reaps this process's zombie children, except `keep` (whose owner reaps it).
-fn reap_zombies(keep: u32) {
+/// Reaps this process's zombie children, except the executors of attempts in flight (their
+/// owners reap them).
+fn reap_zombies() {
     let children = own_children().unwrap_or_else(|| {
         let me = std::process::id();
         all()
@@ -145,13 +161,14 @@ fn reap_zombies(keep: u32) {
             .map(|p| p.pid)
             .collect()
     });
-    reap_among(&children, keep);
+    reap_among(&children);
 }
 
-fn reap_among(children: &[u32], keep: u32) {
+fn reap_among(children: &[u32]) {
     use nix::sys::wait::{WaitPidFlag, waitpid};
+    let keep = running().clone();
     for &pid in children {
-        if pid != keep && ProcStat::read(pid).is_some_and(|p| !p.is_alive()) {
+        if !keep.contains(&pid) && ProcStat::read(pid).is_some_and(|p| !p.is_alive()) {
             let _ = waitpid(Pid::from_raw(pid as i32), Some(WaitPidFlag::WNOHANG));
         }
     }
@@ -209,8 +226,9 @@ fn signal_each(pids: &[u32], signal: Signal) {
 }
 
 /// Ends every process of an attempt whose process group is `pgid` (see [`attempt_processes`]).
-/// `main` is the executor's own pid, reaped by its owner. Returns whether SIGKILL was needed.
-pub async fn end_attempt(pgid: u32, main: u32, grace: Duration) -> bool {
+/// The executors of attempts in flight, this one's included, are left for their owners to reap.
+/// Returns whether SIGKILL was needed.
+pub async fn end_attempt(pgid: u32, grace: Duration) -> bool {
     ENDINGS.fetch_add(1, Ordering::SeqCst);
     // The common case, in two system calls: the group is empty and this process has no child
     // left at all (the executor was reaped already).
@@ -223,12 +241,12 @@ pub async fn end_attempt(pgid: u32, main: u32, grace: Duration) -> bool {
         if children.is_empty() {
             return false;
         }
-        reap_among(&children, main);
+        reap_among(&children);
         if own_children().is_some_and(|c| c.is_empty()) {
             return false;
         }
     }
-    end_processes(&[pgid], main, &[], grace).await
+    end_processes(&[pgid], &[], grace).await
 }
 
 /// The name of the marker every executor of the loop whose state file is `state_file` inherits:
@@ -267,8 +285,8 @@ pub fn with_marker(name: &str) -> Vec<u32> {
 /// Ends the processes `extra`, the members of the groups `pgids` and of the groups that a
 /// process of `extra` leads, and the descendants of all of them: SIGTERM, up to `grace` for
 /// them to go, then SIGKILL.
-/// `main` is not reaped here (its owner does). Returns whether SIGKILL was needed.
-pub async fn end_processes(pgids: &[u32], main: u32, extra: &[u32], grace: Duration) -> bool {
+/// Returns whether SIGKILL was needed.
+pub async fn end_processes(pgids: &[u32], extra: &[u32], grace: Duration) -> bool {
     ENDINGS.fetch_add(1, Ordering::SeqCst);
     let own = nix::unistd::getpgrp().as_raw() as u32;
     let mut groups: Vec<u32> = pgids
@@ -305,7 +323,7 @@ pub async fn end_processes(pgids: &[u32], main: u32, extra: &[u32], grace: Durat
     loop {
         let pids = procs(extra);
         if pids.is_empty() {
-            reap_zombies(main);
+            reap_zombies();
             return false;
         }
         // Newcomers get their SIGTERM too.
@@ -331,7 +349,7 @@ pub async fn end_processes(pgids: &[u32], main: u32, extra: &[u32], grace: Durat
         signal_each(&pids, Signal::SIGKILL);
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    reap_zombies(main);
+    reap_zombies();
     true
 }
 
@@ -354,6 +372,28 @@ mod tests {
                 start: 98765
             }
         );
+    }
+
+    #[test]
+    fn ending_an_attempt_reaps_strays_but_never_the_executor_of_an_attempt_in_flight() {
+        // Two children that exit at once: the executor of an attempt in flight, and a stray.
+        let spawn = || std::process::Command::new("true").spawn().unwrap();
+        let (mut executor, stray) = (spawn(), spawn());
+        attempt_started(executor.id());
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let zombie = |pid: u32| ProcStat::read(pid).is_some_and(|p| !p.is_alive());
+        while !(zombie(executor.id()) && zombie(stray.id())) {
+            assert!(Instant::now() < deadline, "the children did not exit");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        reap_zombies();
+        assert!(
+            ProcStat::read(stray.id()).is_none(),
+            "the stray was not reaped"
+        );
+        // The executor's owner still gets its exit status.
+        assert!(executor.wait().unwrap().success());
+        attempt_ended(executor.id());
     }
 
     #[test]
