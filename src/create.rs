@@ -62,7 +62,7 @@ fn tuning_part(
     p: &Project,
     args: &TuningArgs,
 ) -> Result<crate::workflow::skill_tuning::state::TuningState> {
-    use crate::workflow::skill_tuning::{FOCUS_AREAS, state::TuningState};
+    use crate::workflow::skill_tuning::{focus_areas, state::TuningState};
     let Some(target) = &args.target_skill else {
         return Err(usage(
             "--target-skill PATH is required for a skill-tuning loop (a directory with a SKILL.md)",
@@ -91,11 +91,12 @@ fn tuning_part(
         .map(|a| a.trim().replace('-', "_").to_ascii_lowercase())
         .collect();
     for (area, given) in focus.iter().zip(&args.focus) {
-        if !FOCUS_AREAS.contains(&area.as_str()) {
+        let known = focus_areas();
+        if !known.contains(&area.as_str()) {
             return Err(usage(format!(
                 "--focus: unknown area {given:?}{} (known: {})",
-                crate::config::did_you_mean(area, FOCUS_AREAS),
-                FOCUS_AREAS.join(", ")
+                crate::config::did_you_mean(area, &known),
+                known.join(", ")
             )));
         }
     }

@@ -1,9 +1,10 @@
 //! Workflows: what to do next, and what a result does to the state. Pure functions of the state,
 //! no I/O.
 //!
-//! A workflow decides ([`Workflow::check`], [`Workflow::select`]) and applies action-specific
-//! results ([`Workflow::apply`]). What every workflow shares — interactive choices, the error
-//! windows, the action history, the iteration count — lives here ([`decide`], [`record_attempt`],
+//! A workflow says when its goal is met ([`Workflow::goal_met`]), selects ([`Workflow::select`])
+//! and applies action-specific results ([`Workflow::apply`]). What every workflow shares — the
+//! termination checks, interactive choices, questions, the error windows, the action history,
+//! the iteration count — lives here ([`check`], [`decide`], [`record_attempt`],
 //! [`record_finish`]), so the orchestrator knows no workflow's rules and a workflow knows no
 //! bookkeeping.
 
@@ -65,6 +66,23 @@ impl Dispatch {
             task_id: None,
             outcome: None,
         }
+    }
+
+    /// The final action, `complete`, with why the loop completes.
+    pub fn complete(outcome: Outcome) -> Dispatch {
+        Dispatch {
+            outcome: Some(outcome),
+            ..Dispatch::new("complete")
+        }
+    }
+
+    /// `complete` now, when nothing is left to do: `passed` if the goal is met.
+    pub fn complete_if_done(goal_met: bool) -> Dispatch {
+        Dispatch::complete(if goal_met {
+            Outcome::Passed
+        } else {
+            Outcome::Incomplete
+        })
     }
 }
 
@@ -140,6 +158,16 @@ pub enum Finish {
     Failed(String),
 }
 
+impl Finish {
+    /// The result of a success.
+    pub fn result(&self) -> Option<&ActionResult> {
+        match self {
+            Finish::Success(result) => Some(result),
+            Finish::Failed(_) => None,
+        }
+    }
+}
+
 /// What applying a result did to the loop as a whole.
 #[derive(Clone, Debug, PartialEq)]
 pub enum LoopEnd {
@@ -210,8 +238,8 @@ pub trait Workflow: Send + Sync {
     fn default_limits(&self) -> Option<(u64, u64)> {
         None
     }
-    /// Termination checks after the status check: `None` means go on to selection.
-    fn check(&self, state: &LoopState, limits: Limits) -> Option<Decision>;
+    /// Whether the loop's goal is met: the last of the termination checks ([`check`]).
+    fn goal_met(&self, state: &LoopState) -> bool;
     /// The next action in auto mode.
     fn select(&self, state: &LoopState) -> Dispatch;
     /// The dispatch for an action a controller chose in interactive mode, or why it cannot run
@@ -303,12 +331,39 @@ pub fn by_name(name: &str) -> Option<&'static dyn Workflow> {
 /// The names [`by_name`] knows.
 pub const WORKFLOWS: &[&str] = &[ccw_loop::NAME, skill_tuning::NAME];
 
+/// The termination checks after the status check, the same for every workflow (the seeds'
+/// order): the error limit fails the loop; the iteration limit completes it (`passed` if the
+/// goal was met on that last iteration); a goal met completes it. `None`: go on to selection.
+pub fn check(workflow: &dyn Workflow, state: &LoopState, limits: Limits) -> Option<Decision> {
+    let skill = state.skill_state.as_ref();
+    let max_errors = state.max_errors_or(limits.max_errors);
+    if skill.map_or(0, |s| s.error_count) >= max_errors {
+        let last = skill
+            .and_then(|s| s.errors.last())
+            .map(|e| format!("; last error: {}: {}", e.action, e.message))
+            .unwrap_or_default();
+        return Some(Decision::Abort(format!(
+            "max_errors ({max_errors}) reached{last}"
+        )));
+    }
+    let goal_met = workflow.goal_met(state);
+    if state.current_iteration >= state.max_iterations_or(limits.max_iterations) {
+        let outcome = if goal_met {
+            Outcome::Passed
+        } else {
+            Outcome::IterationLimit
+        };
+        return Some(Decision::Run(Dispatch::complete(outcome)));
+    }
+    goal_met.then(|| Decision::Run(Dispatch::complete(Outcome::Passed)))
+}
+
 /// Termination checks, then selection: auto mode selects, interactive mode waits for a choice.
 pub fn decide(workflow: &dyn Workflow, state: &LoopState, limits: Limits) -> Decision {
     if let Some(reason) = limits.budget_spent(state) {
         return Decision::Abort(reason);
     }
-    if let Some(decision) = workflow.check(state, limits) {
+    if let Some(decision) = check(workflow, state, limits) {
         return decision;
     }
     let skill = state.skill_state.as_ref();

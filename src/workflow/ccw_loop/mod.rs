@@ -10,7 +10,7 @@ use serde_json::{Map, Value, json};
 pub mod state;
 mod view;
 
-use super::{Decision, Dispatch, Finish, Inputs, Limits, LoopEnd, Outcome, Workflow, opt_str};
+use super::{Dispatch, Finish, Inputs, LoopEnd, Outcome, Workflow, opt_str};
 use crate::protocol::ActionResult;
 use crate::state::model::{LoopState, MAX_DESCRIPTION, SkillState, trim_window};
 use state::{
@@ -30,7 +30,7 @@ impl CcwLoop {
     }
 
     /// Validation passed after the last develop and no task waits.
-    fn goal_met(skill: &SkillState) -> bool {
+    fn passed(skill: &SkillState) -> bool {
         let ccw: CcwState = skill.part();
         let validated_after_develop = match skill.finished.get("validate") {
             Some(v) => v.ok && Some(v.seq) > Self::seq_of(skill, "develop"),
@@ -48,13 +48,6 @@ fn first_open_task(ccw: &CcwState) -> Option<&DevelopTask> {
         .find(|t| matches!(t.status, TaskStatus::Pending | TaskStatus::InProgress))
 }
 
-fn complete(outcome: Outcome) -> Dispatch {
-    Dispatch {
-        outcome: Some(outcome),
-        ..Dispatch::new("complete")
-    }
-}
-
 impl Workflow for CcwLoop {
     fn name(&self) -> &'static str {
         NAME
@@ -68,30 +61,8 @@ impl Workflow for CcwLoop {
         matches!(action, "develop" | "debug" | "validate")
     }
 
-    fn check(&self, state: &LoopState, limits: Limits) -> Option<Decision> {
-        let skill = state.skill_state.as_ref();
-        let error_count = skill.map_or(0, |s| s.error_count);
-        let max_errors = state.max_errors_or(limits.max_errors);
-        if error_count >= max_errors {
-            let last = skill
-                .and_then(|s| s.errors.last())
-                .map(|e| format!("; last error: {}: {}", e.action, e.message))
-                .unwrap_or_default();
-            return Some(Decision::Abort(format!(
-                "max_errors ({max_errors}) reached{last}"
-            )));
-        }
-        let goal_met = skill.is_some_and(Self::goal_met);
-        if state.current_iteration >= state.max_iterations_or(limits.max_iterations) {
-            // The limit wins, but a goal met on the last iteration is still reported as met.
-            let outcome = if goal_met {
-                Outcome::Passed
-            } else {
-                Outcome::IterationLimit
-            };
-            return Some(Decision::Run(complete(outcome)));
-        }
-        goal_met.then(|| Decision::Run(complete(Outcome::Passed)))
+    fn goal_met(&self, state: &LoopState) -> bool {
+        state.skill_state.as_ref().is_some_and(Self::passed)
     }
 
     fn select(&self, state: &LoopState) -> Dispatch {
@@ -137,11 +108,7 @@ impl Workflow for CcwLoop {
             return Dispatch::new("debug");
         }
         // 7. Nothing else to do.
-        complete(if Self::goal_met(skill) {
-            Outcome::Passed
-        } else {
-            Outcome::Incomplete
-        })
+        Dispatch::complete_if_done(Self::passed(skill))
     }
 
     fn choose(&self, state: &LoopState, action: &str) -> Result<Dispatch, String> {
@@ -159,14 +126,7 @@ impl Workflow for CcwLoop {
                 }),
                 None => Err("no task is pending".into()),
             },
-            "complete" => {
-                let met = skill.is_some_and(Self::goal_met);
-                Ok(complete(if met {
-                    Outcome::Passed
-                } else {
-                    Outcome::Incomplete
-                }))
-            }
+            "complete" => Ok(Dispatch::complete_if_done(self.goal_met(state))),
             other => Ok(Dispatch::new(other)),
         }
     }
@@ -266,10 +226,7 @@ impl Workflow for CcwLoop {
         finish: &Finish,
         inputs: &Inputs,
     ) -> Option<LoopEnd> {
-        let result = match finish {
-            Finish::Success(result) => Some(result),
-            Finish::Failed(_) => None,
-        };
+        let result = finish.result();
         let description = if state.description.trim().is_empty() {
             state.title.clone()
         } else {
@@ -687,7 +644,7 @@ fn summary(
 mod tests {
     use super::*;
     use crate::state::model::{Finished, Mode, Status};
-    use crate::workflow::{decide, record_finish};
+    use crate::workflow::{Decision, Limits, decide, record_finish};
 
     /// Edits the workflow's own fields of a state.
     fn ccw(s: &mut LoopState, edit: impl FnOnce(&mut CcwState)) {

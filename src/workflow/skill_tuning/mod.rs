@@ -15,7 +15,7 @@ mod view;
 
 use serde_json::{Map, Value};
 
-use super::{Decision, Dispatch, Finish, Inputs, Limits, LoopEnd, Outcome, Workflow, opt_str};
+use super::{Dispatch, Finish, Inputs, LoopEnd, Outcome, Workflow, opt_str};
 use crate::protocol::ActionResult;
 use crate::state::model::{LoopState, MAX_DESCRIPTION, SkillState};
 use state::{
@@ -49,18 +49,13 @@ const SECOND_OPINION_AREAS: &[&str] = &["architecture", "prompt", "performance",
 
 /// Every focus area `create --focus` takes: the diagnoses, and those that ask for a second
 /// opinion.
-pub const FOCUS_AREAS: &[&str] = &[
-    "context",
-    "memory",
-    "dataflow",
-    "agent",
-    "docs",
-    "token_consumption",
-    "architecture",
-    "prompt",
-    "performance",
-    "custom",
-];
+pub fn focus_areas() -> Vec<&'static str> {
+    DIAGNOSES
+        .iter()
+        .chain(SECOND_OPINION_AREAS)
+        .copied()
+        .collect()
+}
 
 /// Its defaults where neither `create` nor the loop says: 5 iterations, 3 errors.
 pub const DEFAULT_LIMITS: (u64, u64) = (5, 3);
@@ -120,20 +115,9 @@ fn second_opinion_due(t: &TuningState) -> bool {
         || (t.round >= 2 && !t.issues.is_empty())
 }
 
-fn complete(outcome: Outcome) -> Dispatch {
-    Dispatch {
-        outcome: Some(outcome),
-        ..Dispatch::new("complete")
-    }
-}
-
-/// How the loop completes now: `passed` when the gate passes.
-fn completion(t: &TuningState) -> Outcome {
-    if t.quality_gate == Some(Gate::Pass) {
-        Outcome::Passed
-    } else {
-        Outcome::Incomplete
-    }
+/// `complete` now, when nothing is left to do: `passed` when the gate passes.
+fn complete(t: &TuningState) -> Dispatch {
+    Dispatch::complete_if_done(t.quality_gate == Some(Gate::Pass))
 }
 
 /// The seed's selection, priorities 1 to 13 (3, waiting for a clarification, and 6, waiting for a
@@ -187,7 +171,7 @@ pub fn select(t: &TuningState) -> Dispatch {
     }
     // 12 starts a new round in verify's result (see `new_round`), so that selection never comes
     // back here without a verified fix; 13. Nothing else to do.
-    complete(completion(t))
+    complete(t)
 }
 
 impl Workflow for SkillTuning {
@@ -207,28 +191,8 @@ impl Workflow for SkillTuning {
         Some(DEFAULT_LIMITS)
     }
 
-    fn check(&self, state: &LoopState, limits: Limits) -> Option<Decision> {
-        let skill = state.skill_state.as_ref();
-        let error_count = skill.map_or(0, |s| s.error_count);
-        let max_errors = state.max_errors_or(limits.max_errors);
-        if error_count >= max_errors {
-            let last = skill
-                .and_then(|s| s.errors.last())
-                .map(|e| format!("; last error: {}: {}", e.action, e.message))
-                .unwrap_or_default();
-            return Some(Decision::Abort(format!(
-                "max_errors ({max_errors}) reached{last}"
-            )));
-        }
-        let t = part(state);
-        if state.current_iteration >= state.max_iterations_or(limits.max_iterations) {
-            let outcome = match completion(&t) {
-                Outcome::Passed => Outcome::Passed,
-                _ => Outcome::IterationLimit,
-            };
-            return Some(Decision::Run(complete(outcome)));
-        }
-        (t.quality_gate == Some(Gate::Pass)).then(|| Decision::Run(complete(Outcome::Passed)))
+    fn goal_met(&self, state: &LoopState) -> bool {
+        part(state).quality_gate == Some(Gate::Pass)
     }
 
     fn select(&self, state: &LoopState) -> Dispatch {
@@ -256,7 +220,7 @@ impl Workflow for SkillTuning {
             {
                 Err("no applied fix waits for verification".into())
             }
-            "complete" => Ok(complete(completion(&t))),
+            "complete" => Ok(complete(&t)),
             other => Ok(Dispatch::new(other)),
         }
     }
@@ -325,10 +289,7 @@ impl Workflow for SkillTuning {
         finish: &Finish,
         inputs: &Inputs,
     ) -> Option<LoopEnd> {
-        let result = match finish {
-            Finish::Success(r) => Some(r),
-            Finish::Failed(_) => None,
-        };
+        let result = finish.result();
         let skill = state.skill();
         let mut t: TuningState = skill.part();
         let end = apply(&mut t, dispatch, result, &inputs.now);
@@ -476,7 +437,10 @@ fn apply(
             }
         }
         "complete" => {
-            let outcome = dispatch.outcome.unwrap_or_else(|| completion(t));
+            let outcome = dispatch
+                .outcome
+                .or_else(|| complete(t).outcome)
+                .unwrap_or(Outcome::Incomplete);
             t.summary = updates
                 .and_then(|u| opt_str(u, "summary").ok().flatten())
                 .map(str::to_owned)
@@ -634,44 +598,36 @@ fn add_issues(t: &mut TuningState, updates: Option<&Map<String, Value>>, area: &
 
 /// The issues of a result: each `{severity, description, category?, location?, evidence?}`.
 fn issue_specs(v: &Value) -> Result<Vec<Issue>, String> {
-    let Value::Array(items) = v else {
-        return Err("state_updates.issues must be an array".into());
-    };
-    items
-        .iter()
-        .enumerate()
-        .map(|(i, item)| {
-            let mut item = item.clone();
-            if let Value::Object(map) = &mut item {
-                map.entry("id")
-                    .or_insert_with(|| Value::String(String::new()));
-            }
-            let issue: Issue = serde_json::from_value(item)
-                .map_err(|e| format!("state_updates.issues[{i}]: {e}"))?;
-            checked_text(&issue.description, &format!("state_updates.issues[{i}]"))?;
-            Ok(issue)
-        })
-        .collect()
+    specs(v, "issues", |issue: &Issue| &issue.description)
 }
 
 /// The fixes of a result: each `{description, issue_ids?, strategy?, risk?}`.
 fn fix_specs(v: &Value) -> Result<Vec<Fix>, String> {
+    specs(v, "fixes", |fix: &Fix| &fix.description)
+}
+
+/// `state_updates[key]`: a list of objects whose id loopd gives, each with a description.
+fn specs<T: serde::de::DeserializeOwned>(
+    v: &Value,
+    key: &str,
+    description: impl Fn(&T) -> &str,
+) -> Result<Vec<T>, String> {
     let Value::Array(items) = v else {
-        return Err("state_updates.fixes must be an array".into());
+        return Err(format!("state_updates.{key} must be an array"));
     };
     items
         .iter()
         .enumerate()
         .map(|(i, item)| {
+            let at = format!("state_updates.{key}[{i}]");
             let mut item = item.clone();
             if let Value::Object(map) = &mut item {
                 map.entry("id")
                     .or_insert_with(|| Value::String(String::new()));
             }
-            let fix: Fix = serde_json::from_value(item)
-                .map_err(|e| format!("state_updates.fixes[{i}]: {e}"))?;
-            checked_text(&fix.description, &format!("state_updates.fixes[{i}]"))?;
-            Ok(fix)
+            let spec: T = serde_json::from_value(item).map_err(|e| format!("{at}: {e}"))?;
+            checked_text(description(&spec), &at)?;
+            Ok(spec)
         })
         .collect()
 }
@@ -720,7 +676,7 @@ fn verify_results(v: &Value) -> Result<Vec<(String, bool)>, String> {
 mod tests {
     use super::*;
     use crate::state::model::{ErrorEntry, Status};
-    use crate::workflow::{decide, record_attempt, record_finish};
+    use crate::workflow::{Decision, Limits, check, decide, record_attempt, record_finish};
     use serde_json::json;
     use state::{Severity, Severity::*, SeverityCounts};
 
@@ -810,7 +766,7 @@ mod tests {
                 timestamp: "t".into(),
                 extra: Default::default(),
             });
-            let got = match SkillTuning.check(&s, LIMITS) {
+            let got = match check(&SkillTuning, &s, LIMITS) {
                 None => "select".to_owned(),
                 Some(Decision::Abort(_)) => "abort".to_owned(),
                 Some(Decision::Run(d)) => format!("{}:{}", d.action, d.outcome.unwrap().as_str()),
