@@ -321,20 +321,9 @@ fn a_ccw_loop_state_file_is_written_key_for_key_as_before() {
     // The demo's loop, run by the real binary; the fixture is the same loop's file as loopd wrote
     // it before the workflow's fields moved out of the engine's (normalized the same way).
     let dir = tempfile::tempdir().unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_loopd"))
-        .arg("demo")
-        .env("TMPDIR", dir.path())
-        .env("HOME", dir.path())
-        .env_remove("LOOPD_CONFIG")
-        .env_remove("LOOPD_ROOT")
-        .stdin(Stdio::null())
-        .output()
-        .unwrap();
+    let out = demo(dir.path(), &[]);
     assert_eq!(code(&out), 0, "{}", stderr(&out));
-    let path = stdout(&out)
-        .lines()
-        .find_map(|l| l.trim().strip_prefix("state").map(|p| p.trim().to_owned()))
-        .expect("the demo names its state file");
+    let path = demo_state_file(&out);
     let mut written: Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
     let id = written["loop_id"].as_str().unwrap().to_owned();
     normalized(&mut written, &id);

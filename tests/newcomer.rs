@@ -620,11 +620,12 @@ fn git(dir: &std::path::Path, args: &[&str]) -> String {
 
 #[test]
 fn two_loops_never_edit_one_work_tree_at_once_unless_one_has_a_worktree_of_its_own() {
-    // Develop leaves a mark in the work tree it runs in, then waits for `go` in the project root.
+    // Develop leaves a mark in the work tree it runs in (its working directory, and its
+    // LOOPD_ROOT), then waits for `go` in the project root.
     let p = Project::new("");
     let go = p.root.join("go");
     p.agent(&format!(
-        "if [ \"$LOOPD_ACTION\" = develop ]; then touch \"mark-$LOOPD_LOOP_ID\"; \
+        "if [ \"$LOOPD_ACTION\" = develop ]; then [ \"$(pwd -P)\" = \"$LOOPD_ROOT\" ] && touch \"$LOOPD_ROOT/mark-$LOOPD_LOOP_ID\"; \
          while [ ! -f '{}' ]; do sleep 0.02; done; fi\n{GOOD_AGENT}",
         go.display()
     ));

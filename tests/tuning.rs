@@ -4,8 +4,6 @@
 
 mod common;
 
-use std::process::{Command, Stdio};
-
 use common::*;
 use serde_json::Value;
 
@@ -51,25 +49,14 @@ fn actions_started(p: &Project, id: &str) -> Vec<String> {
 #[test]
 fn the_demo_tunes_its_skill_until_the_gate_passes() {
     let dir = tempfile::tempdir().unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_loopd"))
-        .args(["demo", "--workflow", "skill-tuning"])
-        .env("TMPDIR", dir.path())
-        .env("HOME", dir.path())
-        .env_remove("LOOPD_CONFIG")
-        .env_remove("LOOPD_ROOT")
-        .stdin(Stdio::null())
-        .output()
-        .unwrap();
+    let out = demo(dir.path(), &["--workflow", "skill-tuning"]);
     assert_eq!(code(&out), 0, "{}", stderr(&out));
     assert!(
         stdout(&out).contains("quality gate pass"),
         "{}",
         stdout(&out)
     );
-    let path = stdout(&out)
-        .lines()
-        .find_map(|l| l.trim().strip_prefix("state").map(|p| p.trim().to_owned()))
-        .unwrap();
+    let path = demo_state_file(&out);
     let state: Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
     let skill = &state["skill_state"];
     assert_eq!(skill["quality_gate"], "pass");
@@ -92,12 +79,7 @@ fn the_demo_tunes_its_skill_until_the_gate_passes() {
     let md = std::fs::read_to_string(root.join("skills/changelog-writer/SKILL.md")).unwrap();
     assert!(!md.contains("again") && !md.contains("03-publish"), "{md}");
     // The demo of the other workflow is still there.
-    let out = Command::new(env!("CARGO_BIN_EXE_loopd"))
-        .args(["demo", "--workflow", "nope"])
-        .env("TMPDIR", dir.path())
-        .output()
-        .unwrap();
-    assert_eq!(code(&out), 2);
+    assert_eq!(code(&demo(dir.path(), &["--workflow", "nope"])), 2);
 }
 
 #[test]

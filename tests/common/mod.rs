@@ -331,3 +331,28 @@ pub fn read_pid(path: &Path) -> u32 {
     });
     pid
 }
+
+/// `loopd demo ARGS...` with its temporary project in `dir` and the user's environment isolated.
+pub fn demo(dir: &Path, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_loopd"))
+        .arg("demo")
+        .args(args)
+        .env("TMPDIR", dir)
+        .env("HOME", dir)
+        .env_remove("XDG_CONFIG_HOME")
+        .env_remove("XDG_STATE_HOME")
+        .env_remove("LOOPD_CONFIG")
+        .env_remove("LOOPD_ROOT")
+        .stdin(Stdio::null())
+        .output()
+        .expect("run loopd demo")
+}
+
+/// The state file a demo names in its output.
+pub fn demo_state_file(out: &Output) -> PathBuf {
+    let path = stdout(out)
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("state").map(|p| p.trim().to_owned()))
+        .expect("the demo names its state file");
+    PathBuf::from(path)
+}
