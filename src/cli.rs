@@ -13,8 +13,7 @@ pub use crate::error::{UsageError, exit_code_of};
 use crate::events::{printable, render};
 use crate::state::model::{LoopState, Mode, Status};
 use crate::state::store::{Store, validate_id};
-use crate::view::LoopView;
-pub use crate::view::standing;
+use crate::view::{LoopView, standing};
 
 /// `println!` that returns an error instead of panicking when the reader of stdout has gone away
 /// (`loopd list | head -1`); `main` ends such a command quietly.

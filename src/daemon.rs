@@ -171,7 +171,12 @@ fn holder_pid(text: &str) -> u32 {
 /// Who holds a loop's daemon lock, if anyone: the pid written in it.
 pub fn daemon_pid(store: &Store, id: &str) -> Option<u32> {
     crate::state::store::validate_id(id).ok()?;
-    holder(store, &format!("{id}.daemon")).map(|text| holder_pid(&text))
+    holder(store, &daemon_lock(id)).map(|text| holder_pid(&text))
+}
+
+/// The lock file of a loop's daemon.
+fn daemon_lock(id: &str) -> String {
+    format!("{id}.daemon")
 }
 
 fn pid_alive(pid: u32) -> bool {
@@ -229,7 +234,7 @@ impl Held {
         crate::state::store::validate_id(id)?;
         Held::take(
             store,
-            &format!("{id}.daemon"),
+            &daemon_lock(id),
             &std::process::id().to_string(),
             |holder| {
                 let pid = holder_pid(holder);
@@ -267,8 +272,12 @@ fn work_tree_busy(id: &str, root: &Path, holder: &str) -> anyhow::Error {
 }
 
 /// Refuses a loop that would run in the project root while another loop runs there.
-fn check_work_tree_free(p: &Project, state: &LoopState) -> Result<()> {
-    if crate::worktree::of(p, state)?.own {
+fn check_work_tree_free(
+    p: &Project,
+    state: &LoopState,
+    work_tree: &crate::worktree::WorkTree,
+) -> Result<()> {
+    if work_tree.own {
         return Ok(());
     }
     match holder(&p.store, WORK_TREE_LOCK) {
@@ -285,9 +294,9 @@ fn check_work_tree_free(p: &Project, state: &LoopState) -> Result<()> {
 /// Refuses now, where the user sees it, what a daemon would refuse at its start: a bad action
 /// file or executor, project files that are not trusted, programs that are not installed.
 pub fn check_runnable(p: &Project, state: &LoopState, executor: Option<&str>) -> Result<()> {
-    let (daemon, _) = build_for(p, state, executor.map(str::to_owned), false)?;
+    let (daemon, work_tree) = build_for(p, state, executor.map(str::to_owned), false)?;
     preflight(p, &state.loop_id, &daemon)?;
-    check_work_tree_free(p, state)
+    check_work_tree_free(p, state, &work_tree)
 }
 
 /// A daemon for one loop: its workflow's, running its actions in the loop's work tree.

@@ -8,8 +8,9 @@
 use anyhow::Result;
 use serde_json::{Value, json};
 
-use crate::cli::{Project, print_result, standing, usage};
+use crate::cli::{Project, print_result, usage};
 use crate::state::model::{MAX_DESCRIPTION, SkillState, Status, now_rfc3339};
+use crate::view::standing;
 
 /// A loop's limits and budgets, as `create` and `set` take them; `None` leaves one as it is (for
 /// a new loop: the config's).

@@ -5,7 +5,7 @@
 use serde::Serialize;
 
 use crate::cli::{Project, loop_workflow};
-use crate::state::model::{LoopState, Status};
+use crate::state::model::{LoopState, SkillState, Status};
 use crate::workflow::Row;
 
 /// A loop, as `status` and `list` show it.
@@ -41,9 +41,10 @@ impl LoopView {
                 .unwrap_or_default();
             format!("{}{age}", f.action)
         });
-        let mut rows = engine_rows(p, s, daemon_pid);
+        let standing = standing(s, daemon_pid);
+        let mut rows = engine_rows(p, s, &skill, &standing, daemon_pid);
         rows.extend(wf_view.as_ref().map(|v| v.rows.clone()).unwrap_or_default());
-        rows.extend(ending_rows(p, s, daemon_pid));
+        rows.extend(ending_rows(p, s, &skill, daemon_pid));
         LoopView {
             loop_id: s.loop_id.clone(),
             title: s.title.clone(),
@@ -51,7 +52,7 @@ impl LoopView {
                 || skill.workflow.clone().unwrap_or_default(),
                 |w| w.name().to_owned(),
             ),
-            standing: standing(s, daemon_pid),
+            standing,
             daemon_pid,
             iteration: s.current_iteration,
             max_iterations,
@@ -71,10 +72,14 @@ fn row(label: &'static str, value: String) -> Row {
 }
 
 /// Status, iteration, errors, and what the loop does or waits for.
-fn engine_rows(p: &Project, s: &LoopState, daemon_pid: Option<u32>) -> Vec<Row> {
+fn engine_rows(
+    p: &Project,
+    s: &LoopState,
+    skill: &SkillState,
+    standing: &str,
+    daemon_pid: Option<u32>,
+) -> Vec<Row> {
     let id = &s.loop_id;
-    let skill = s.skill_state.clone().unwrap_or_default();
-    let standing = standing(s, daemon_pid);
     let daemon = match daemon_pid {
         Some(pid) => format!(" (daemon pid {pid})"),
         None if standing.ends_with("(no daemon)") => String::new(),
@@ -147,8 +152,12 @@ fn engine_rows(p: &Project, s: &LoopState, daemon_pid: Option<u32>) -> Vec<Row> 
 }
 
 /// How the loop ended, its last errors, its files, and what to do next.
-fn ending_rows(p: &Project, s: &LoopState, daemon_pid: Option<u32>) -> Vec<Row> {
-    let skill = s.skill_state.clone().unwrap_or_default();
+fn ending_rows(
+    p: &Project,
+    s: &LoopState,
+    skill: &SkillState,
+    daemon_pid: Option<u32>,
+) -> Vec<Row> {
     let mut rows = Vec::new();
     if let Some(outcome) = &skill.outcome {
         rows.push(row("outcome", outcome.clone()));
