@@ -262,7 +262,14 @@ fn a_requirement_analysis_that_asks_waits_for_the_answer() {
         p.state(&id)["skill_state"]["question"]["text"],
         "Must it support monorepos?"
     );
-    assert_eq!(code(&p.output(&["answer", &id, "no"])), 0);
+    // Answered as a dashboard would: the documented field, the whole file rewritten in place.
+    let mut state = p.state(&id);
+    state["skill_state"]["question"]["answer"] = Value::from("no");
+    std::fs::write(
+        p.state_path(&id),
+        serde_json::to_vec_pretty(&state).unwrap(),
+    )
+    .unwrap();
     wait_for("the loop to complete", || {
         p.state(&id)["status"] == "completed"
     });
