@@ -60,9 +60,10 @@ pub fn is_broken_pipe(e: &anyhow::Error) -> bool {
         130/143 ended by SIGINT/SIGTERM with the loop left running."
 )]
 pub struct Cli {
-    /// The project root [default: $LOOPD_ROOT, else the git top level, else the current directory]
+    /// The project root [default: $LOOPD_ROOT, else the git top level, else the current
+    /// directory]; `serve` takes it more than once
     #[arg(long, global = true, value_name = "DIR")]
-    pub root: Option<PathBuf>,
+    pub root: Vec<PathBuf>,
     /// A config file layered over the others [default: $LOOPD_CONFIG]
     #[arg(long, global = true, value_name = "FILE")]
     pub config: Option<PathBuf>,
@@ -82,6 +83,8 @@ pub enum ModeArg {
 
 #[derive(Debug, Subcommand)]
 pub enum Command {
+    /// Run the service that drives every loop of your projects (see README, "Run as a service")
+    Serve(crate::serve::ServeArgs),
     /// Write a new loop (status `created`) and print its id
     Create(crate::create::CreateArgs),
     /// Drive a loop in the foreground until it ends
@@ -129,7 +132,11 @@ pub enum Command {
     /// Show one loop (with --json: its state file)
     Status { id: String },
     /// List every loop of the project
-    List,
+    List {
+        /// Every loop of every project: yours, and those a running service serves
+        #[arg(long)]
+        all: bool,
+    },
     /// Show a loop's events
     Logs {
         id: String,
@@ -290,15 +297,22 @@ impl Project {
 /// Runs a parsed command line; returns the exit code.
 pub fn run(cli: Cli) -> Result<i32> {
     let Cli {
-        root,
+        root: roots,
         config,
         json,
         command,
     } = cli;
+    let root = match (&command, roots.as_slice()) {
+        (Command::Serve(_), _) | (_, []) => None,
+        (_, [root]) => Some(root.clone()),
+        _ => return Err(usage("--root is given once, except to serve")),
+    };
     let project = || Project::open(root.as_deref(), config.as_deref());
     // Commands that run nothing work on a config that does not load: they need no executor.
     let inspect = || Project::open_for_inspection(root.as_deref(), config.as_deref());
     match command {
+        Command::Serve(_) if json => Err(usage("--json: serve prints a log, not a result")),
+        Command::Serve(args) => crate::serve::run(&roots, config.as_deref(), &args),
         Command::Create(args) => {
             let p = project()?;
             let id = crate::create::create_loop(&p, &args)?;
@@ -351,7 +365,7 @@ pub fn run(cli: Cli) -> Result<i32> {
             crate::recovery::task_add(&project()?, &id, &text, json)
         }
         Command::Status { id } => status(&inspect()?, &id, json),
-        Command::List => list(&inspect()?, json),
+        Command::List { all } => list(&inspect()?, all, json),
         Command::Logs {
             id,
             follow,
@@ -725,7 +739,8 @@ fn status(p: &Project, id: &str, as_json: bool) -> Result<i32> {
         )?;
         return Ok(0);
     }
-    let view = LoopView::of(p, &loaded.state);
+    let service = crate::serve::files::running();
+    let view = LoopView::of(p, &loaded.state, service.as_ref());
     // Values come from the state file and executors: shown with their control characters escaped.
     let mut out = format!("{}  {}\n", view.loop_id, printable(&view.title));
     for row in &view.rows {
@@ -738,14 +753,26 @@ fn status(p: &Project, id: &str, as_json: bool) -> Result<i32> {
     Ok(0)
 }
 
-fn list(p: &Project, as_json: bool) -> Result<i32> {
-    let ids = p.store.list_ids()?;
-    if ids.is_empty() && !as_json {
-        eprintln!("no loops in {}", p.store.dir().display());
-        return Ok(0);
-    }
-    let mut rows = Vec::new();
-    let mut table = vec![[
+/// `list`: the project's loops, or with `all` every loop of every project (yours, and those
+/// a running service serves), with a PROJECT column.
+fn list(p: &Project, all: bool, as_json: bool) -> Result<i32> {
+    let service = crate::serve::files::running();
+    let roots = if all {
+        let mut roots: Vec<PathBuf> = crate::registry::list()
+            .context("cannot read your projects")?
+            .into_iter()
+            .map(|r| r.root)
+            .collect();
+        roots.extend(service.iter().flat_map(|s| s.roots.iter().cloned()));
+        roots.push(p.root.clone());
+        roots.sort();
+        roots.dedup();
+        roots
+    } else {
+        vec![p.root.clone()]
+    };
+    let mut values = Vec::new();
+    let mut table = vec![vec![
         "LOOP".to_owned(),
         "STATUS".to_owned(),
         "ITER".to_owned(),
@@ -753,41 +780,45 @@ fn list(p: &Project, as_json: bool) -> Result<i32> {
         "ACTION".to_owned(),
         "TITLE".to_owned(),
     ]];
-    for id in &ids {
-        match p.store.load(id) {
-            Ok(loaded) if as_json => rows.push(Value::Object(loaded.raw)),
-            Ok(loaded) => {
-                let v = LoopView::of(p, &loaded.state);
-                table.push([
-                    v.loop_id,
-                    v.standing,
-                    format!("{}/{}", v.iteration, v.max_iterations),
-                    v.progress,
-                    v.action.unwrap_or_default(),
-                    v.title,
-                ]);
+    if all {
+        table[0].insert(0, "PROJECT".to_owned());
+    }
+    for root in &roots {
+        let other;
+        let project = if *root == p.root {
+            p
+        } else {
+            other = Project::open_for_inspection(Some(root), None)?;
+            &other
+        };
+        let (rows, loops) = list_project(project, service.as_ref(), as_json)?;
+        for mut row in rows {
+            if all {
+                row.insert(0, root.display().to_string());
             }
-            Err(e) if as_json => rows.push(json!({"loop_id": id, "error": e.to_string()})),
-            Err(e) => table.push([
-                id.clone(),
-                "unreadable".to_owned(),
-                String::new(),
-                String::new(),
-                String::new(),
-                e.to_string(),
-            ]),
+            table.push(row);
         }
+        values.push(json!({ "root": root, "loops": loops }));
     }
     if as_json {
-        crate::outln!("{}", serde_json::to_string_pretty(&rows)?)?;
+        let value = match values.pop() {
+            Some(only) if !all => only["loops"].clone(),
+            last => Value::Array(values.into_iter().chain(last).collect()),
+        };
+        crate::outln!("{}", serde_json::to_string_pretty(&value)?)?;
+        return Ok(0);
+    }
+    if table.len() == 1 {
+        eprintln!("no loops in {}", p.store.dir().display());
         return Ok(0);
     }
     // Columns as wide as their widest cell; the title (last) as it is.
-    let cells: Vec<[String; 6]> = table
+    let cells: Vec<Vec<String>> = table
         .into_iter()
-        .map(|row| row.map(|c| printable(&c).into_owned()))
+        .map(|row| row.iter().map(|c| printable(c).into_owned()).collect())
         .collect();
-    let widths: Vec<usize> = (0..5)
+    let columns = cells[0].len();
+    let widths: Vec<usize> = (0..columns - 1)
         .map(|i| {
             cells
                 .iter()
@@ -801,10 +832,45 @@ fn list(p: &Project, as_json: bool) -> Result<i32> {
         for (cell, width) in row.iter().zip(&widths) {
             line.push_str(&format!("{cell:<width$}  "));
         }
-        line.push_str(&row[5]);
+        line.push_str(&row[columns - 1]);
         crate::outln!("{}", line.trim_end())?;
     }
     Ok(0)
+}
+
+/// One project's loops: the table's rows, and the state files as they are (for `--json`).
+fn list_project(
+    p: &Project,
+    service: Option<&crate::serve::ServiceInfo>,
+    as_json: bool,
+) -> Result<(Vec<Vec<String>>, Vec<Value>)> {
+    let (mut rows, mut values) = (Vec::new(), Vec::new());
+    for id in &p.store.list_ids()? {
+        match p.store.load(id) {
+            Ok(loaded) if as_json => values.push(Value::Object(loaded.raw)),
+            Ok(loaded) => {
+                let v = LoopView::of(p, &loaded.state, service);
+                rows.push(vec![
+                    v.loop_id,
+                    v.standing,
+                    format!("{}/{}", v.iteration, v.max_iterations),
+                    v.progress,
+                    v.action.unwrap_or_default(),
+                    v.title,
+                ]);
+            }
+            Err(e) if as_json => values.push(json!({"loop_id": id, "error": e.to_string()})),
+            Err(e) => rows.push(vec![
+                id.clone(),
+                "unreadable".to_owned(),
+                String::new(),
+                String::new(),
+                String::new(),
+                e.to_string(),
+            ]),
+        }
+    }
+    Ok((rows, values))
 }
 
 /// What `logs` shows, and how.

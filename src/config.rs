@@ -40,6 +40,8 @@ pub struct Config {
     pub rate_limit_wait: f64,
     /// The longest wait for a rate limit's reset, in seconds.
     pub rate_limit_max_wait: f64,
+    /// `loopd serve`: how many loops run at once; the others wait in a queue.
+    pub max_running_loops: u64,
     pub executor_defaults: ExecutorDefaults,
     pub executors: BTreeMap<String, ExecutorConfig>,
     pub actions: BTreeMap<String, ActionConfig>,
@@ -180,17 +182,28 @@ struct Layer {
 impl Config {
     /// Loads every layer for a project root; `explicit` is `--config` (else `$LOOPD_CONFIG`).
     pub fn load(root: &Path, explicit: Option<&Path>) -> Result<Config, ConfigError> {
+        Self::load_layers(Some(root), explicit)
+    }
+
+    /// The configuration of `loopd serve`, which belongs to no project: the built-in defaults,
+    /// the user's file, then `$LOOPD_CONFIG` or `--config FILE`.
+    pub fn load_service(explicit: Option<&Path>) -> Result<Config, ConfigError> {
+        Self::load_layers(None, explicit)
+    }
+
+    fn load_layers(root: Option<&Path>, explicit: Option<&Path>) -> Result<Config, ConfigError> {
         let mut layers = vec![parse_layer("built-in config.toml", DEFAULT_CONFIG)?];
-        let project = Self::project_file(root);
+        let project = root.map(Self::project_file);
         let mut project_file = None;
         for (file, required) in Self::layer_files(root, explicit) {
             match crate::safe_fs::read_text(&file) {
                 Ok(text) => {
                     layers.push(parse_layer(&file.display().to_string(), &text)?);
-                    if required && same_file(&file, &project) {
+                    let is_project = project.as_ref().is_some_and(|p| same_file(&file, p));
+                    if required && is_project {
                         // Named by `--config`: the user's own choice.
                         project_file = None;
-                    } else if file == project {
+                    } else if project.as_ref() == Some(&file) {
                         project_file = Some(crate::trust::ProjectFile::new(&file, &text));
                     }
                 }
@@ -216,12 +229,12 @@ impl Config {
 
     /// The config files layered over the built-in defaults, in order, and whether each must
     /// exist (`--config` / `$LOOPD_CONFIG` must; the others are optional).
-    pub fn layer_files(root: &Path, explicit: Option<&Path>) -> Vec<(PathBuf, bool)> {
+    pub fn layer_files(root: Option<&Path>, explicit: Option<&Path>) -> Vec<(PathBuf, bool)> {
         let mut files = Vec::new();
         if let Some(user) = user_dir() {
             files.push((user.join("config.toml"), false));
         }
-        files.push((Self::project_file(root), false));
+        files.extend(root.map(|root| (Self::project_file(root), false)));
         let explicit = explicit
             .map(Path::to_owned)
             .or_else(|| std::env::var_os("LOOPD_CONFIG").map(PathBuf::from));
@@ -274,6 +287,9 @@ impl Config {
                 ))
             }
         };
+        if self.max_running_loops == 0 {
+            return Err(("max_running_loops".into(), "must be at least 1".into()));
+        }
         if self.state_dir.trim().is_empty() {
             return Err(("state_dir".into(), "must not be empty".into()));
         }

@@ -32,34 +32,13 @@ pub fn run_foreground(
 
 /// Drives a loop in this process with a fresh runtime, holding its daemon lock.
 pub fn drive(p: &Project, id: &str, executor: Option<String>, exit_on_pause: bool) -> Result<Exit> {
-    crate::state::store::validate_id(id)?;
-    // Before touching anything: another daemon may be driving this loop.
-    if let Some(pid) = daemon_pid(&p.store, id)
-        && pid_alive(pid)
-    {
-        return Err(crate::cli::UsageError(format!(
-            "loop {id} is already driven by a daemon (pid {pid})"
-        ))
-        .into());
-    }
-    // A state file spoilt since the last run is restored from its backup before anything else.
-    let restored = p.store.restore(id)?.map(|(reason, from)| {
-        let message = format!(
-            "{} was unusable ({reason}); restored from {from}",
-            p.store.state_path(id).display()
-        );
-        eprintln!("loopd: {message}");
-        message
-    });
-    let state = p.load(id)?;
-    let (mut daemon, work_tree) = build_for(p, &state, executor, exit_on_pause)?;
-    preflight(p, id, &daemon)?;
-    daemon.restored = restored;
-    let _lock = Held::daemon(&p.store, id)?;
-    let _shared_work_tree = match work_tree.own {
-        true => None,
-        false => Some(Held::work_tree(&p.store, id, &p.root)?),
-    };
+    let taken = take(
+        p,
+        id,
+        executor,
+        exit_on_pause,
+        &std::process::id().to_string(),
+    )?;
     crate::executor::procs::become_subreaper();
     // The loop runs on this thread; signals and the watcher's re-check on a worker of their own,
     // so that a wait for a full disk or a held lock still sees a signal.
@@ -70,9 +49,64 @@ pub fn drive(p: &Project, id: &str, executor: Option<String>, exit_on_pause: boo
         .context("cannot start the async runtime")?;
     runtime.block_on(async {
         let (tx, rx) = watch::channel(None);
-        tokio::spawn(forward_signals(tx));
-        daemon.run(id, rx).await
+        tokio::spawn(forward_signals(tx, None));
+        taken.engine.run(id, rx).await
     })
+}
+
+/// A loop taken by a daemon: its engine, and the locks that say so, held until it is dropped.
+pub struct Taken {
+    pub engine: Engine,
+    _locks: Vec<Held>,
+}
+
+/// Takes a loop for a daemon whose lock text is `me` (`PID`, or `PID serve`): refuses what it
+/// could not run (another daemon drives it, a bad action file or executor, untrusted project
+/// files, missing programs, a work tree another loop runs in), restores a state file spoilt
+/// since the last run from its backup, and takes the loop's locks. Blocking: up to 2 s for the
+/// lock of a daemon that was just killed.
+pub fn take(
+    p: &Project,
+    id: &str,
+    executor: Option<String>,
+    exit_on_pause: bool,
+    me: &str,
+) -> Result<Taken> {
+    crate::state::store::validate_id(id)?;
+    // Before touching anything: another daemon may be driving this loop.
+    if let Some(pid) = daemon_pid(&p.store, id)
+        && pid_alive(pid)
+    {
+        return Err(already_driven(id, pid));
+    }
+    // A state file spoilt since the last run is restored from its backup before anything else.
+    let restored = p.store.restore(id)?.map(|(reason, from)| {
+        let message = format!(
+            "{} was unusable ({reason}); restored from {from}",
+            p.store.state_path(id).display()
+        );
+        tracing::warn!("loopd: {message}");
+        message
+    });
+    let state = p.load(id)?;
+    let (mut engine, work_tree) = build_for(p, &state, executor, exit_on_pause)?;
+    preflight(p, id, &engine)?;
+    engine.restored = restored;
+    let mut locks = vec![Held::daemon(&p.store, id, me)?];
+    if !work_tree.own {
+        locks.push(Held::work_tree(&p.store, id, &p.root, me)?);
+    }
+    Ok(Taken {
+        engine,
+        _locks: locks,
+    })
+}
+
+/// The refusal of a loop another daemon drives.
+pub fn already_driven(id: &str, pid: u32) -> anyhow::Error {
+    crate::cli::usage(format!(
+        "loop {id} is already driven by a daemon (pid {pid})"
+    ))
 }
 
 /// A daemon for a project's loops, with real subprocess executors; a bad action file or executor
@@ -105,8 +139,12 @@ const ESCALATED_EXIT: Duration = Duration::from_secs(2);
 /// SIGINT and SIGTERM ask the daemon to stop (the attempt in flight is ended and recorded). A
 /// second one, coming after the first was acted on, escalates: the attempt's processes are
 /// SIGKILLed at once, the attempt is still recorded, and the process exits within
-/// [`ESCALATED_EXIT`] whatever happens. SIGHUP is ignored: a daemon outlives its terminal.
-async fn forward_signals(tx: watch::Sender<Option<i32>>) {
+/// [`ESCALATED_EXIT`] whatever happens. SIGHUP is sent on `hangup` when given (the service
+/// reloads its configuration), else ignored: a daemon outlives its terminal.
+pub async fn forward_signals(
+    tx: watch::Sender<Option<i32>>,
+    hangup: Option<tokio::sync::mpsc::UnboundedSender<()>>,
+) {
     let (Ok(mut int), Ok(mut term), Ok(mut hup)) = (
         signal(SignalKind::interrupt()),
         signal(SignalKind::terminate()),
@@ -121,7 +159,12 @@ async fn forward_signals(tx: watch::Sender<Option<i32>>) {
         let sig = tokio::select! {
             _ = int.recv() => Signal::SIGINT as i32,
             _ = term.recv() => Signal::SIGTERM as i32,
-            _ = hup.recv() => continue,
+            _ = hup.recv() => {
+                if let Some(hangup) = &hangup {
+                    let _ = hangup.send(());
+                }
+                continue;
+            }
         };
         match first {
             None => {
@@ -143,10 +186,15 @@ async fn forward_signals(tx: watch::Sender<Option<i32>>) {
     }
 }
 
-/// Who holds a lock file of the state dir, if anyone: what the holder wrote in it. A holder
-/// writes right after it takes the lock; an empty file is read again for up to 100 ms.
+/// Who holds a lock file of the state dir, if anyone: what the holder wrote in it.
 fn holder(store: &Store, name: &str) -> Option<String> {
-    let mut file = store.existing_lock(name)?;
+    holder_of(store.existing_lock(name)?)
+}
+
+/// Who holds the lock of `file` (opened anew, for reading), if anyone: what the holder wrote in
+/// it. A holder writes right after it takes the lock; an empty file is read again for up to
+/// 100 ms.
+pub fn holder_of(mut file: File) -> Option<String> {
     let deadline = Instant::now() + Duration::from_millis(100);
     loop {
         file.try_lock_shared().err()?;
@@ -161,7 +209,7 @@ fn holder(store: &Store, name: &str) -> Option<String> {
 }
 
 /// The process a lock's holder text names (its first word), or 0 when it names none.
-fn holder_pid(text: &str) -> u32 {
+pub fn holder_pid(text: &str) -> u32 {
     text.split_whitespace()
         .next()
         .and_then(|pid| pid.parse().ok())
@@ -179,7 +227,7 @@ fn daemon_lock(id: &str) -> String {
     format!("{id}.daemon")
 }
 
-fn pid_alive(pid: u32) -> bool {
+pub fn pid_alive(pid: u32) -> bool {
     pid > 0 && crate::executor::procs::ProcStat::read(pid).is_some_and(|p| p.is_alive())
 }
 
@@ -203,22 +251,18 @@ pub struct Held {
 }
 
 impl Held {
-    /// Takes the lock and writes `me` in it (`PID`, or `PID LOOP`), or returns `busy(holder)`
-    /// with what its holder wrote. A holder whose process is gone is passing through: `status`
-    /// or `resume` probing the lock, or a dead daemon's executor between fork and exec. It is
-    /// waited out for up to 2 s.
-    fn take(
-        store: &Store,
-        name: &str,
-        me: &str,
-        busy: impl Fn(&str) -> anyhow::Error,
-    ) -> Result<Held> {
-        let mut file = store.open_lock(name)?;
+    /// Takes the lock of `file` and writes `me` in it (`PID`, `PID serve`, or `PID LOOP`), or
+    /// returns `busy(holder)` with what its holder wrote. A holder whose process is gone is
+    /// passing through: `status` or `resume` probing the lock, or a dead daemon's executor
+    /// between fork and exec. It is waited out for up to 2 s.
+    pub fn take(mut file: File, me: &str, busy: impl Fn(&str) -> anyhow::Error) -> Result<Held> {
         let deadline = Instant::now() + Duration::from_secs(2);
         while file.try_lock().is_err() {
-            let text = holder(store, name).unwrap_or_default();
+            let mut text = String::new();
+            file.seek(SeekFrom::Start(0))?;
+            file.read_to_string(&mut text)?;
             if pid_alive(holder_pid(&text)) || Instant::now() > deadline {
-                return Err(busy(&text));
+                return Err(busy(text.trim()));
             }
             std::thread::sleep(Duration::from_millis(5));
         }
@@ -230,28 +274,20 @@ impl Held {
     }
 
     /// The lock that says "a daemon drives this loop", held for the daemon's lifetime.
-    pub fn daemon(store: &Store, id: &str) -> Result<Held> {
+    pub fn daemon(store: &Store, id: &str, me: &str) -> Result<Held> {
         crate::state::store::validate_id(id)?;
-        Held::take(
-            store,
-            &daemon_lock(id),
-            &std::process::id().to_string(),
-            |holder| {
-                let pid = holder_pid(holder);
-                crate::cli::usage(format!(
-                    "loop {id} is already driven by a daemon (pid {pid})"
-                ))
-            },
-        )
+        Held::take(store.open_lock(&daemon_lock(id))?, me, |holder| {
+            already_driven(id, holder_pid(holder))
+        })
     }
 
     /// The lock that says "a loop runs in the project root", held for the daemon's lifetime by
     /// a loop without a worktree of its own: two loops never edit one work tree at once.
-    pub fn work_tree(store: &Store, id: &str, root: &Path) -> Result<Held> {
+    pub fn work_tree(store: &Store, id: &str, root: &Path, me: &str) -> Result<Held> {
+        let pid = holder_pid(me);
         Held::take(
-            store,
-            WORK_TREE_LOCK,
-            &format!("{} {id}", std::process::id()),
+            store.open_lock(WORK_TREE_LOCK)?,
+            &format!("{pid} {id}"),
             |holder| work_tree_busy(id, root, holder),
         )
     }
@@ -335,9 +371,7 @@ fn preflight(p: &Project, id: &str, daemon: &crate::orchestrator::Engine) -> Res
 pub fn start(p: &Project, id: &str, executor: Option<&str>) -> Result<u32> {
     let state = p.load(id)?;
     if let Some(pid) = driving_daemon(&p.store, id) {
-        return Err(crate::cli::usage(format!(
-            "loop {id} is already driven by a daemon (pid {pid})"
-        )));
+        return Err(already_driven(id, pid));
     }
     if state.status == Status::Completed {
         return Err(crate::cli::usage(format!(
@@ -345,6 +379,13 @@ pub fn start(p: &Project, id: &str, executor: Option<&str>) -> Result<u32> {
         )));
     }
     check_runnable(p, &state, executor)?;
+    // A running service drives the loop rather than a process of its own, unless the loop is
+    // to run with a config file of the command line's, which the service does not know.
+    if p.config_flag.is_none()
+        && let Some(service) = crate::serve::files::running()
+    {
+        return crate::serve::hand_over(p, &state, executor, &service);
+    }
     let progress = p.store.progress(id)?;
     let log_path = progress.join("daemon.log");
     let log = progress.append("daemon.log")?;
@@ -373,9 +414,7 @@ pub fn start(p: &Project, id: &str, executor: Option<&str>) -> Result<u32> {
         if let Some(status) = child.try_wait()? {
             // Another `start` won the race: the same refusal as when it had won before.
             if let Some(other) = daemon_pid(&p.store, id) {
-                return Err(crate::cli::usage(format!(
-                    "loop {id} is already driven by a daemon (pid {other})"
-                )));
+                return Err(already_driven(id, other));
             }
             let tail = std::fs::read_to_string(&log_path).unwrap_or_default();
             let last = tail.lines().last().unwrap_or("").to_owned();

@@ -75,7 +75,7 @@ fn examine(p: &Project, executor: Option<String>) -> Result<Report> {
     let workflow = crate::workflow::by_name(&p.config.workflow)
         .ok_or_else(|| anyhow::anyhow!("unknown workflow {}", p.config.workflow))?;
     let daemon = crate::daemon::build(p, workflow, executor, false)?;
-    let config_files = crate::config::Config::layer_files(&p.root, p.config_flag.as_deref())
+    let config_files = crate::config::Config::layer_files(Some(&p.root), p.config_flag.as_deref())
         .into_iter()
         .map(|(path, _)| ConfigFile {
             present: path.exists(),

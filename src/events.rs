@@ -7,10 +7,10 @@
 //! Both go through a [`ProgressDir`]: the loop's progress directory opened safely (see
 //! [`crate::safe_fs`]) and opened again, recreated, if someone removes it while the loop runs.
 
-use std::cell::RefCell;
 use std::fs::File;
 use std::io::{self, Write};
 use std::path::PathBuf;
+use std::sync::Mutex;
 
 use serde_json::{Map, Value, json};
 
@@ -66,11 +66,20 @@ pub const KEEP_ACTIONS: u64 = 200;
 
 /// A loop's progress directory (`{id}.progress`), opened on first use and again after it was
 /// removed.
-#[derive(Clone)]
 pub struct ProgressDir {
     store: Store,
     id: String,
-    dir: RefCell<Option<Dir>>,
+    dir: Mutex<Option<Dir>>,
+}
+
+impl Clone for ProgressDir {
+    fn clone(&self) -> ProgressDir {
+        ProgressDir {
+            store: self.store.clone(),
+            id: self.id.clone(),
+            dir: Mutex::new(self.cached()),
+        }
+    }
 }
 
 impl ProgressDir {
@@ -78,17 +87,25 @@ impl ProgressDir {
         ProgressDir {
             store: store.clone(),
             id: id.to_owned(),
-            dir: RefCell::new(None),
+            dir: Mutex::new(None),
         }
+    }
+
+    fn cache(&self) -> std::sync::MutexGuard<'_, Option<Dir>> {
+        self.dir.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn cached(&self) -> Option<Dir> {
+        self.cache().clone()
     }
 
     /// The directory, created (0700) if missing.
     pub fn dir(&self) -> Result<Dir, StoreError> {
-        if let Some(dir) = &*self.dir.borrow() {
-            return Ok(dir.clone());
+        if let Some(dir) = self.cached() {
+            return Ok(dir);
         }
         let dir = self.store.progress(&self.id)?;
-        *self.dir.borrow_mut() = Some(dir.clone());
+        *self.cache() = Some(dir.clone());
         Ok(dir)
     }
 
@@ -101,7 +118,7 @@ impl ProgressDir {
         let dir = self.dir().map_err(StoreError::into_io)?;
         match f(&dir) {
             Err(e) if e.kind() == io::ErrorKind::NotFound => {
-                *self.dir.borrow_mut() = None;
+                *self.cache() = None;
                 let dir = self.dir().map_err(StoreError::into_io)?;
                 f(&dir)
             }

@@ -26,18 +26,7 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    // LOOPD_LOG: error, warn, info (the default), debug or trace.
-    let level = std::env::var("LOOPD_LOG")
-        .ok()
-        .and_then(|l| l.parse::<tracing_subscriber::filter::LevelFilter>().ok())
-        .unwrap_or(tracing_subscriber::filter::LevelFilter::INFO);
-    tracing_subscriber::fmt()
-        .with_max_level(level)
-        .with_writer(std::io::stderr)
-        .without_time()
-        .with_target(false)
-        .with_level(false)
-        .init();
+    loopd::logging::init();
     match loopd::cli::run(cli) {
         Ok(code) => ExitCode::from(u8::try_from(code).unwrap_or(1)),
         // The reader of stdout went away (`loopd list | head -1`): nothing more to say.

@@ -456,7 +456,17 @@ impl LoopRun<'_> {
     /// should: a full disk or a lock held by someone else (retried with a backoff, said once in
     /// the log, until it goes away or a signal comes), and a state file another program spoilt or
     /// deleted (the last good version is put back, what was there kept as `{id}.json.corrupt`).
+    ///
+    /// It blocks (a lock wait, a backoff), so it runs off the async runtime's workers: in
+    /// `loopd serve`, one loop waiting for its disk never stalls the others.
     fn survive(&mut self, op: impl Fn(&Store) -> Result<Loaded, StoreError>) -> Result<Loaded> {
+        tokio::task::block_in_place(|| self.survive_blocking(op))
+    }
+
+    fn survive_blocking(
+        &mut self,
+        op: impl Fn(&Store) -> Result<Loaded, StoreError>,
+    ) -> Result<Loaded> {
         let mut pause = Duration::from_millis(50);
         let mut waiting = false;
         let mut put_back = false;
@@ -573,14 +583,16 @@ impl LoopRun<'_> {
             self.events
                 .emit(Event::new(name::RECOVERED).with("message", message.clone()));
         }
-        let swept = self.store().sweep_temp_files(self.id)?;
+        let store = self.store();
+        let swept = tokio::task::block_in_place(|| store.sweep_temp_files(self.id))?;
         if swept > 0 {
             self.events.emit(Event::new(name::WARNING).with(
                 "message",
                 format!("removed {swept} temporary file(s) left by an interrupted write"),
             ));
         }
-        let mut state = self.store().load(self.id)?.state;
+        let id = self.id;
+        let mut state = self.survive(|store| store.load(id))?.state;
         // A state a controller wrote may lack the workflow's fields: the first write adds them.
         self.engine.workflow.init_part(state.skill());
         self.ours = Some(state.clone());
@@ -702,10 +714,12 @@ impl LoopRun<'_> {
             _ => match &state.failure_reason {
                 Some(r) => r.clone(),
                 None => {
-                    self.store().update(self.id, true, |raw, current| {
-                        if current.failure_reason.is_none() {
-                            raw.insert("failure_reason".into(), "stopped by user".into());
-                        }
+                    tokio::task::block_in_place(|| {
+                        self.store().update(self.id, true, |raw, current| {
+                            if current.failure_reason.is_none() {
+                                raw.insert("failure_reason".into(), "stopped by user".into());
+                            }
+                        })
                     })?;
                     "stopped by user".to_owned()
                 }
@@ -861,28 +875,16 @@ impl LoopRun<'_> {
         Ok(())
     }
 
-    /// Ends the processes a daemon that died left of this loop; returns how many. Only processes
-    /// that prove they are this loop's executors are ended: by the marker every executor
-    /// inherits, or by this loop's state file in their environment. The recorded pid and group
-    /// are the file's word, which anyone who can write the file can make up.
+    /// Ends the processes a daemon that died left of this loop (see
+    /// [`Executor::end_leftovers`]); returns how many.
     async fn end_leftovers(&self, action: &str) -> usize {
+        let grace = self
+            .engine
+            .plans
+            .get(action)
+            .map_or(Duration::from_secs(5), |p| p.supervision.kill_grace);
         let state_file = self.store().state_path(self.id);
-        let mut leftovers = procs::with_marker(&procs::marker_name(&state_file));
-        leftovers.extend(procs::with_env(
-            "LOOPD_STATE_FILE",
-            &state_file.display().to_string(),
-        ));
-        leftovers.sort_unstable();
-        leftovers.dedup();
-        if !leftovers.is_empty() {
-            let grace = self
-                .engine
-                .plans
-                .get(action)
-                .map_or(Duration::from_secs(5), |p| p.supervision.kill_grace);
-            procs::end_processes(&[], &leftovers, grace).await;
-        }
-        leftovers.len()
+        self.engine.executor.end_leftovers(&state_file, grace).await
     }
 
     /// Runs one action with its retries; returns how the loop ends, if it does.

@@ -33,7 +33,28 @@ fn state_home() -> Option<PathBuf> {
         .or_else(|| absolute("HOME").map(|h| h.join(".local/state/loopd")))
 }
 
-fn projects_dir(create: bool) -> io::Result<Dir> {
+/// Where the service keeps what lives only while it runs (its lock, its status, the API's socket
+/// and token): `$XDG_RUNTIME_DIR/loopd`, else `run` in loopd's state directory. Private (0700).
+pub fn runtime_dir(create: bool) -> io::Result<Dir> {
+    let runtime = std::env::var_os("XDG_RUNTIME_DIR")
+        .map(PathBuf::from)
+        .filter(|p| p.is_absolute());
+    match runtime {
+        Some(dir) => crate::trust::records_in(&dir, "loopd", create),
+        None => {
+            let home = state_home().ok_or_else(|| {
+                io::Error::new(
+                    io::ErrorKind::NotFound,
+                    "none of $XDG_RUNTIME_DIR, $XDG_STATE_HOME and $HOME is set",
+                )
+            })?;
+            crate::trust::records_in(&home, "run", create)
+        }
+    }
+}
+
+/// The directory of the projects' records (made when `create` is set).
+pub fn projects_dir(create: bool) -> io::Result<Dir> {
     let home = state_home().ok_or_else(|| {
         io::Error::new(
             io::ErrorKind::NotFound,

@@ -5,6 +5,7 @@
 use serde::Serialize;
 
 use crate::cli::{Project, loop_workflow};
+use crate::serve::{LoopKey, ServiceInfo};
 use crate::state::model::{LoopState, SkillState, Status};
 use crate::workflow::Row;
 
@@ -18,6 +19,8 @@ pub struct LoopView {
     /// daemon)`).
     pub standing: String,
     pub daemon_pid: Option<u32>,
+    /// Where the loop waits in a service's queue (1 is next), if it does.
+    pub queued: Option<usize>,
     pub iteration: u64,
     pub max_iterations: u64,
     /// The action in flight and how long it has run.
@@ -29,8 +32,15 @@ pub struct LoopView {
 }
 
 impl LoopView {
-    pub fn of(p: &Project, s: &LoopState) -> LoopView {
+    /// The view of a loop; `service` is the running service, if one runs, which may queue it.
+    pub fn of(p: &Project, s: &LoopState, service: Option<&ServiceInfo>) -> LoopView {
         let daemon_pid = crate::daemon::daemon_pid(&p.store, &s.loop_id);
+        let queued = service.and_then(|service| {
+            service.queue_position(&LoopKey {
+                root: p.root.clone(),
+                loop_id: s.loop_id.clone(),
+            })
+        });
         let skill = s.skill_state.clone().unwrap_or_default();
         let workflow = loop_workflow(p, s).ok();
         let wf_view = workflow.map(|w| w.view(s));
@@ -41,7 +51,10 @@ impl LoopView {
                 .unwrap_or_default();
             format!("{}{age}", f.action)
         });
-        let standing = standing(s, daemon_pid);
+        let standing = match queued {
+            Some(n) if daemon_pid.is_none() => format!("queued ({n})"),
+            _ => standing(s, daemon_pid),
+        };
         let mut rows = engine_rows(p, s, &skill, &standing, daemon_pid);
         rows.extend(wf_view.as_ref().map(|v| v.rows.clone()).unwrap_or_default());
         rows.extend(ending_rows(p, s, &skill, daemon_pid));
@@ -54,6 +67,7 @@ impl LoopView {
             ),
             standing,
             daemon_pid,
+            queued,
             iteration: s.current_iteration,
             max_iterations,
             action,
@@ -82,7 +96,9 @@ fn engine_rows(
     let id = &s.loop_id;
     let daemon = match daemon_pid {
         Some(pid) => format!(" (daemon pid {pid})"),
-        None if standing.ends_with("(no daemon)") => String::new(),
+        None if standing.ends_with("(no daemon)") || standing.starts_with("queued") => {
+            String::new()
+        }
         None => " (no daemon)".to_owned(),
     };
     let max_iter = s.max_iterations_or(p.config.max_iterations);

@@ -8,9 +8,14 @@
 //! change those fields, wake nobody. A slow periodic re-check covers missed or overflowed events,
 //! and when inotify cannot be used (its limits reached, or `LOOPD_WATCH=poll`) a polling watcher
 //! takes over.
+//!
+//! One process may watch many loops (`loopd serve`): every directory is watched by one inotify
+//! instance ([`subscribe`]), whose events are handed to the subscribers of the directory they
+//! name; each subscriber filters the names it cares about before reading anything.
 
-use std::path::Path;
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, LazyLock, Mutex};
 use std::time::{Duration, SystemTime};
 
 use notify::event::{AccessKind, AccessMode};
@@ -47,7 +52,7 @@ impl Snapshot {
 /// A running watch of one loop; dropping it stops watching.
 pub struct Watch {
     rx: watch::Receiver<Option<Snapshot>>,
-    _watcher: Box<dyn notify::Watcher + Send>,
+    _subscription: Subscription,
     recheck: tokio::task::JoinHandle<()>,
 }
 
@@ -74,15 +79,13 @@ impl Watch {
             }
         };
         let names = Names::of(id);
+        let refresh_now = refresh.clone();
         let on_event = {
             let refresh = refresh.clone();
             let (store, id) = (store.clone(), id.to_owned());
-            move |event: notify::Result<notify::Event>| match event {
+            move |event: &notify::Result<notify::Event>| match event {
                 Ok(event) => {
-                    // Opening or reading the file is no change; closing it after writing is.
-                    let no_change = matches!(event.kind, EventKind::Access(kind)
-                        if kind != AccessKind::Close(AccessMode::Write));
-                    if no_change {
+                    if !is_change(event) {
                         return;
                     }
                     // A late write into a version the daemon replaced: merge it.
@@ -96,7 +99,9 @@ impl Watch {
                 Err(_) => refresh(),
             }
         };
-        let watcher = watch_dir(store.dir(), on_event);
+        let subscription = subscribe(store.dir(), Arc::new(on_event));
+        // A change made before the subscription is seen now rather than at the re-check.
+        refresh_now();
         let recheck = {
             let (store, id) = (store.clone(), id.to_owned());
             tokio::spawn(async move {
@@ -116,7 +121,7 @@ impl Watch {
         };
         Watch {
             rx,
-            _watcher: watcher,
+            _subscription: subscription,
             recheck,
         }
     }
@@ -160,62 +165,165 @@ impl Names {
     }
 }
 
-/// Watches `dir` with inotify, or by polling when inotify is unavailable.
-fn watch_dir<F>(dir: &Path, on_event: F) -> Box<dyn notify::Watcher + Send>
-where
-    F: notify::EventHandler + Clone,
-{
-    // LOOPD_WATCH=poll: no inotify (filesystems that do not report changes, such as NFS).
-    let forced = std::env::var("LOOPD_WATCH").is_ok_and(|w| w == "poll");
-    let inotify = if forced {
-        Err(notify::Error::generic("LOOPD_WATCH=poll"))
-    } else {
-        notify::recommended_watcher(on_event.clone()).and_then(|mut w| {
+/// Whether an event may mean a changed file: opening or reading one is no change; closing it
+/// after writing is.
+pub fn is_change(event: &notify::Event) -> bool {
+    !matches!(event.kind, EventKind::Access(kind) if kind != AccessKind::Close(AccessMode::Write))
+}
+
+/// What a subscriber of a directory is told: an event of notify, or its error (events may have
+/// been lost: look again).
+pub type Handler = Arc<dyn Fn(&notify::Result<notify::Event>) + Send + Sync>;
+
+/// The handlers of each watched directory. Kept apart from [`WATCHERS`]: notify's thread takes
+/// this lock to deliver an event while a subscriber, holding [`WATCHERS`], waits for notify's
+/// thread to add a watch.
+static HANDLERS: LazyLock<Mutex<Handlers>> = LazyLock::new(Default::default);
+
+/// Each watched directory's handlers, by subscription key.
+type Handlers = HashMap<PathBuf, Vec<(u64, Handler)>>;
+
+/// The process's watchers: one inotify instance for every directory, and a polling watcher for
+/// each directory inotify cannot watch (its limits reached, or `LOOPD_WATCH=poll`).
+static WATCHERS: LazyLock<Mutex<Watchers>> = LazyLock::new(|| Mutex::new(Watchers::new()));
+
+struct Watchers {
+    inotify: Option<notify::RecommendedWatcher>,
+    polls: HashMap<PathBuf, Box<dyn notify::Watcher + Send>>,
+    next_key: u64,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Hands an event to the handlers of the directories it names; an error or a rescan to all.
+fn dispatch(event: notify::Result<notify::Event>) {
+    let handlers: Vec<Handler> = {
+        let all = lock(&HANDLERS);
+        let everyone = match &event {
+            Ok(e) => e.need_rescan() || e.paths.is_empty(),
+            Err(_) => true,
+        };
+        if everyone {
+            all.values().flatten().map(|(_, h)| h.clone()).collect()
+        } else {
+            let paths = event
+                .as_ref()
+                .map(|e| e.paths.as_slice())
+                .unwrap_or_default();
+            let mut dirs: Vec<&Path> = paths.iter().filter_map(|p| p.parent()).collect();
+            dirs.dedup();
+            dirs.iter()
+                .filter_map(|d| all.get(*d))
+                .flatten()
+                .map(|(_, h)| h.clone())
+                .collect()
+        }
+    };
+    for handler in handlers {
+        handler(&event);
+    }
+}
+
+impl Watchers {
+    fn new() -> Watchers {
+        // LOOPD_WATCH=poll: no inotify (filesystems that do not report changes, such as NFS).
+        let forced = std::env::var("LOOPD_WATCH").is_ok_and(|w| w == "poll");
+        let inotify = if forced {
+            None
+        } else {
+            notify::recommended_watcher(dispatch)
+                .inspect_err(|e| tracing::warn!("cannot use inotify ({e}); polling instead"))
+                .ok()
+        };
+        Watchers {
+            inotify,
+            polls: HashMap::new(),
+            next_key: 0,
+        }
+    }
+
+    /// Starts watching `dir`: with inotify, else by polling, else only the periodic re-checks.
+    fn watch(&mut self, dir: &Path) {
+        let inotify = match &mut self.inotify {
+            Some(w) => w.watch(dir, RecursiveMode::NonRecursive),
+            None => Err(notify::Error::generic("LOOPD_WATCH=poll")),
+        };
+        let Err(e) = inotify else { return };
+        tracing::warn!(
+            "cannot watch {} with inotify ({e}); polling every {}ms instead",
+            dir.display(),
+            POLL.as_millis()
+        );
+        let config = notify::Config::default().with_poll_interval(POLL);
+        match notify::PollWatcher::new(dispatch, config).and_then(|mut w| {
             w.watch(dir, RecursiveMode::NonRecursive)?;
             Ok(w)
-        })
-    };
-    match inotify {
-        Ok(w) => Box::new(w),
-        Err(e) => {
-            tracing::warn!(
-                "cannot watch {} with inotify ({e}); polling every {}ms instead",
-                dir.display(),
-                POLL.as_millis()
-            );
-            let config = notify::Config::default().with_poll_interval(POLL);
-            match notify::PollWatcher::new(on_event, config).and_then(|mut w| {
-                w.watch(dir, RecursiveMode::NonRecursive)?;
-                Ok(w)
-            }) {
-                Ok(w) => Box::new(w),
-                Err(e) => {
-                    tracing::warn!(
-                        "cannot poll {} either ({e}); relying on the {}s re-check",
-                        dir.display(),
-                        RECHECK.as_secs()
-                    );
-                    Box::new(NoWatcher)
-                }
+        }) {
+            Ok(w) => {
+                self.polls.insert(dir.to_owned(), Box::new(w));
             }
+            Err(e) => tracing::warn!(
+                "cannot poll {} either ({e}); relying on the {}s re-check",
+                dir.display(),
+                RECHECK.as_secs()
+            ),
+        }
+    }
+
+    fn unwatch(&mut self, dir: &Path) {
+        if self.polls.remove(dir).is_none()
+            && let Some(w) = &mut self.inotify
+        {
+            let _ = w.unwatch(dir);
         }
     }
 }
 
-/// The watcher of last resort: nothing but the periodic re-check.
-struct NoWatcher;
+/// A subscription to the events of one directory; dropping it unsubscribes, and the directory
+/// is no longer watched once nobody is subscribed to it.
+pub struct Subscription {
+    dir: PathBuf,
+    key: u64,
+}
 
-impl notify::Watcher for NoWatcher {
-    fn new<F: notify::EventHandler>(_: F, _: notify::Config) -> notify::Result<Self> {
-        Ok(NoWatcher)
+/// Calls `handler` for every event in `dir` (not recursive), and for every error of the
+/// watcher. Every directory of the process is watched by one inotify instance.
+pub fn subscribe(dir: &Path, handler: Handler) -> Subscription {
+    let mut watchers = lock(&WATCHERS);
+    let key = watchers.next_key;
+    watchers.next_key += 1;
+    let first = {
+        let mut all = lock(&HANDLERS);
+        let list = all.entry(dir.to_owned()).or_default();
+        list.push((key, handler));
+        list.len() == 1
+    };
+    if first {
+        watchers.watch(dir);
     }
-    fn watch(&mut self, _: &Path, _: RecursiveMode) -> notify::Result<()> {
-        Ok(())
+    Subscription {
+        dir: dir.to_owned(),
+        key,
     }
-    fn unwatch(&mut self, _: &Path) -> notify::Result<()> {
-        Ok(())
-    }
-    fn kind() -> notify::WatcherKind {
-        notify::WatcherKind::NullWatcher
+}
+
+impl Drop for Subscription {
+    fn drop(&mut self) {
+        let mut watchers = lock(&WATCHERS);
+        let last = {
+            let mut all = lock(&HANDLERS);
+            let list = all.entry(self.dir.clone()).or_default();
+            list.retain(|(k, _)| *k != self.key);
+            let empty = list.is_empty();
+            if empty {
+                all.remove(&self.dir);
+            }
+            empty
+        };
+        if last {
+            watchers.unwatch(&self.dir);
+        }
     }
 }

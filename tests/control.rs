@@ -20,44 +20,6 @@ use serde_json::{Value, json};
 // Fake executors
 // ---------------------------------------------------------------------------------------------
 
-/// An agent like the harness's `GOOD_AGENT` (init plans two tasks, develop succeeds, validation
-/// passes), except that action `A` first runs the shell snippet given for it in `before`.
-fn agent(before: &[(&str, &str)]) -> String {
-    let hook = |action: &str| {
-        before
-            .iter()
-            .find(|(a, _)| *a == action)
-            .map_or(":", |(_, snippet)| *snippet)
-    };
-    format!(
-        r#"
-cat > /dev/null
-case "$LOOPD_ACTION" in
-  init)
-    {init}
-    echo '{{"status":"success","summary":"planned","state_updates":{{"tasks":[{{"description":"first"}},{{"description":"second"}}]}}}}' > "$LOOPD_RESULT_FILE" ;;
-  develop)
-    {develop}
-    echo "{{\"status\":\"success\",\"summary\":\"did $LOOPD_TASK_ID\",\"files_changed\":[\"f.txt\"]}}" > "$LOOPD_RESULT_FILE" ;;
-  validate)
-    {validate}
-    echo '{{"status":"success","summary":"ok","state_updates":{{"passed":true,"pass_rate":100}}}}' > "$LOOPD_RESULT_FILE" ;;
-  debug)
-    {debug}
-    echo '{{"status":"success","summary":"nothing"}}' > "$LOOPD_RESULT_FILE" ;;
-  complete)
-    {complete}
-    echo '{{"status":"success","summary":"done","state_updates":{{"summary":"all done"}}}}' > "$LOOPD_RESULT_FILE" ;;
-esac
-"#,
-        init = hook("init"),
-        develop = hook("develop"),
-        validate = hook("validate"),
-        debug = hook("debug"),
-        complete = hook("complete"),
-    )
-}
-
 /// Records its pid in `agent.pid` and hangs (for longer than any test).
 const HANG: &str = "echo $$ > agent.pid; sleep 100";
 
@@ -67,11 +29,6 @@ const HANG_WITH_GRANDCHILD: &str =
 
 /// Ignores SIGTERM (so does its `sleep`: an ignored signal stays ignored across exec) and hangs.
 const HANG_IGNORING_TERM: &str = "trap '' TERM; echo $$ > agent.pid; sleep 100";
-
-/// Waits (at most 20 s) until the file `$1` exists in the project root.
-fn wait_for_file(name: &str) -> String {
-    format!("i=0; while [ ! -e {name} ] && [ $i -lt 2000 ]; do sleep 0.01; i=$((i+1)); done")
-}
 
 // ---------------------------------------------------------------------------------------------
 // Helpers
@@ -109,18 +66,6 @@ fn wait_in_flight(p: &Project, id: &str) -> u32 {
         p.state(id)["skill_state"]["in_flight"]["pid"].as_u64() == Some(u64::from(pid))
     });
     pid
-}
-
-/// Rewrites the state file the way the CCW dashboard API does: read, edit, and a plain
-/// truncate-and-write of the whole file (no temp file, no lock).
-fn edit_raw(p: &Project, id: &str, edit: impl FnOnce(&mut Value)) {
-    let mut state = p.state(id);
-    edit(&mut state);
-    std::fs::write(
-        p.state_path(id),
-        serde_json::to_vec_pretty(&state).expect("serialise"),
-    )
-    .expect("rewrite the state file");
 }
 
 /// The exit code of a finished `loopd run`, with its stderr on failure.

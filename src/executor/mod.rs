@@ -118,10 +118,15 @@ pub struct Run {
 /// Starts attempts. Two phases, so that the daemon records the attempt in flight (and learns that
 /// it could not) before it supervises it: [`Executor::spawn`] starts the process and returns at
 /// once; [`Attempt::supervise`] then runs it to its end.
+#[async_trait::async_trait]
 pub trait Executor: Send + Sync {
     /// Starts one attempt: its files and its process, in a process group of its own. No output is
     /// read yet.
     fn spawn(&self, spec: Spec) -> io::Result<Box<dyn Attempt>>;
+
+    /// Ends whatever a daemon that died left running of the loop whose state file is
+    /// `state_file`, giving each process `grace` to go; returns how many processes there were.
+    async fn end_leftovers(&self, state_file: &std::path::Path, grace: Duration) -> usize;
 }
 
 /// An attempt whose process runs.
@@ -142,9 +147,28 @@ pub trait Attempt: Send {
 /// The executor of real subprocesses.
 pub struct Subprocess;
 
+#[async_trait::async_trait]
 impl Executor for Subprocess {
     fn spawn(&self, spec: Spec) -> io::Result<Box<dyn Attempt>> {
         Ok(Box::new(SubprocessAttempt::start(spec)?))
+    }
+
+    /// Only processes that prove they are the loop's executors are ended: by the marker every
+    /// executor inherits, or by the loop's state file in their environment. A pid or group the
+    /// state file records is the file's word, which anyone who can write the file can make up.
+    async fn end_leftovers(&self, state_file: &std::path::Path, grace: Duration) -> usize {
+        let marker = procs::marker_name(state_file);
+        let mut leftovers = procs::with_marker(&marker);
+        leftovers.extend(procs::with_env(
+            "LOOPD_STATE_FILE",
+            &state_file.display().to_string(),
+        ));
+        leftovers.sort_unstable();
+        leftovers.dedup();
+        if !leftovers.is_empty() {
+            procs::end_processes(&[], &leftovers, &marker, grace).await;
+        }
+        leftovers.len()
     }
 }
 
@@ -155,6 +179,9 @@ struct SubprocessAttempt {
     started: Instant,
     supervision: Supervision,
     output: Output,
+    /// The marker its processes inherit: how those reparented to this process are told apart
+    /// from other attempts'.
+    marker: String,
 }
 
 /// What an attempt's output goes to: the log, the tails, the agent's stream.
@@ -269,6 +296,7 @@ impl SubprocessAttempt {
                 agent: spec.agent,
                 budget: spec.budget,
             },
+            marker: spec.marker,
         })
     }
 }
@@ -345,7 +373,8 @@ impl SubprocessAttempt {
         mut stderr: Option<tokio::process::ChildStderr>,
     ) -> io::Result<Run> {
         let spawned = self.spawned;
-        let killed = procs::end_attempt(spawned.pgid, self.supervision.kill_grace).await;
+        let killed =
+            procs::end_attempt(spawned.pgid, &self.marker, self.supervision.kill_grace).await;
         procs::attempt_ended(spawned.pgid);
         if status.is_none() {
             status = Some(self.child.wait().await?);

@@ -10,8 +10,8 @@
 //!
 //! The process group alone is not enough: a child can leave it (`setsid`, `setpgid`). The daemon
 //! is therefore a child subreaper, so such a child, once its parent exits, is reparented to the
-//! daemon rather than to init; an attempt's processes are its group, their descendants, and the
-//! daemon's descendants ([`attempt_processes`]). A daemon that died leaves its executors to init;
+//! daemon rather than to init; an attempt's processes are its group, the orphans reparented to the
+//! daemon that hold its marker, and their descendants ([`attempt_processes`]). A daemon that died leaves its executors to init;
 //! the next one finds them by the marker every executor inherits ([`with_marker`]), which
 //! `setsid env -i` keeps, or by the `LOOPD_STATE_FILE` in their environment ([`with_env`]), never
 //! by a pid the state file names.
@@ -174,22 +174,39 @@ fn reap_among(children: &[u32]) {
     }
 }
 
-/// The live processes of an attempt: the members of its process groups, their descendants, and
-/// every descendant of this daemon (an executor's orphans are reparented to it, a subreaper), so
+/// The live processes of an attempt: the members of its process groups, the processes reparented
+/// to this process (a subreaper) that are the attempt's, and the descendants of all of them, so
 /// that a child that left the group or the session is still found.
-pub fn attempt_processes(pgids: &[u32]) -> Vec<u32> {
+///
+/// A process reparented here is the attempt's when it holds the attempt's `marker` (see
+/// [`marker_name`]), or when no other attempt is in flight in this process: then nobody else's it
+/// can be. The executors of other attempts, and whatever holds their markers, are never counted:
+/// one process may run the attempts of many loops.
+pub fn attempt_processes(pgids: &[u32], marker: &str) -> Vec<u32> {
     let me = std::process::id();
     let procs = all();
     let mut children: HashMap<u32, Vec<u32>> = HashMap::new();
     for p in &procs {
         children.entry(p.ppid).or_default().push(p.pid);
     }
+    let others = {
+        let running = running();
+        running.iter().any(|g| !pgids.contains(g))
+    };
+    let target = marker_link(marker);
+    let orphans = procs.iter().filter(|p| {
+        p.ppid == me
+            && p.is_alive()
+            && !pgids.contains(&p.pgid)
+            && !running().contains(&p.pid)
+            && (!others || holds_marker(p.pid, &target))
+    });
     let mut stack: Vec<u32> = procs
         .iter()
         .filter(|p| pgids.contains(&p.pgid))
+        .chain(orphans)
         .map(|p| p.pid)
         .collect();
-    stack.extend(children.get(&me).into_iter().flatten());
     let mut found = HashSet::new();
     while let Some(pid) = stack.pop() {
         if pid != me && found.insert(pid) {
@@ -228,7 +245,7 @@ fn signal_each(pids: &[u32], signal: Signal) {
 /// Ends every process of an attempt whose process group is `pgid` (see [`attempt_processes`]).
 /// The executors of attempts in flight, this one's included, are left for their owners to reap.
 /// Returns whether SIGKILL was needed.
-pub async fn end_attempt(pgid: u32, grace: Duration) -> bool {
+pub async fn end_attempt(pgid: u32, marker: &str, grace: Duration) -> bool {
     ENDINGS.fetch_add(1, Ordering::SeqCst);
     // The common case, in two system calls: the group is empty and this process has no child
     // left at all (the executor was reaped already).
@@ -236,17 +253,21 @@ pub async fn end_attempt(pgid: u32, grace: Duration) -> bool {
     if group_empty && no_children() {
         return false;
     }
-    // Perhaps only zombies reparented here.
+    // Perhaps only zombies reparented here, or the executors of other attempts.
     if group_empty && let Some(children) = own_children() {
-        if children.is_empty() {
+        let strays = |children: &[u32]| {
+            let running = running();
+            children.iter().any(|c| !running.contains(c))
+        };
+        if !strays(&children) {
             return false;
         }
         reap_among(&children);
-        if own_children().is_some_and(|c| c.is_empty()) {
+        if own_children().is_some_and(|c| !strays(&c)) {
             return false;
         }
     }
-    end_processes(&[pgid], &[], grace).await
+    end_processes(&[pgid], &[], marker, grace).await
 }
 
 /// The name of the marker every executor of the loop whose state file is `state_file` inherits:
@@ -263,30 +284,36 @@ pub fn marker_name(state_file: &std::path::Path) -> String {
     format!("loopd-attempt:{hash:016x}")
 }
 
+/// What `/proc/PID/fd/N` links to for a process that holds the marker `name`.
+fn marker_link(name: &str) -> String {
+    format!("/memfd:{name} (deleted)")
+}
+
+fn holds_marker(pid: u32, link: &str) -> bool {
+    std::fs::read_dir(format!("/proc/{pid}/fd")).is_ok_and(|fds| {
+        fds.filter_map(Result::ok)
+            .any(|fd| std::fs::read_link(fd.path()).is_ok_and(|l| l.as_os_str() == link))
+    })
+}
+
 /// The live processes that hold the marker `name` (see [`marker_name`]) open: an executor of
 /// that loop and whatever it started, whatever session, group or environment they moved to.
 pub fn with_marker(name: &str) -> Vec<u32> {
-    let target = format!("/memfd:{name} (deleted)");
+    let link = marker_link(name);
     let me = std::process::id();
     all()
         .into_iter()
-        .filter(|p| p.pid != me && p.is_alive())
-        .filter(|p| {
-            std::fs::read_dir(format!("/proc/{}/fd", p.pid)).is_ok_and(|fds| {
-                fds.filter_map(Result::ok).any(|fd| {
-                    std::fs::read_link(fd.path()).is_ok_and(|l| l.as_os_str() == target.as_str())
-                })
-            })
-        })
+        .filter(|p| p.pid != me && p.is_alive() && holds_marker(p.pid, &link))
         .map(|p| p.pid)
         .collect()
 }
 
 /// Ends the processes `extra`, the members of the groups `pgids` and of the groups that a
-/// process of `extra` leads, and the descendants of all of them: SIGTERM, up to `grace` for
-/// them to go, then SIGKILL.
+/// process of `extra` leads, the processes reparented here that hold `marker`, and the
+/// descendants of all of them (see [`attempt_processes`]): SIGTERM, up to `grace` for them to
+/// go, then SIGKILL.
 /// Returns whether SIGKILL was needed.
-pub async fn end_processes(pgids: &[u32], extra: &[u32], grace: Duration) -> bool {
+pub async fn end_processes(pgids: &[u32], extra: &[u32], marker: &str, grace: Duration) -> bool {
     ENDINGS.fetch_add(1, Ordering::SeqCst);
     let own = nix::unistd::getpgrp().as_raw() as u32;
     let mut groups: Vec<u32> = pgids
@@ -307,7 +334,7 @@ pub async fn end_processes(pgids: &[u32], extra: &[u32], grace: Duration) -> boo
         signal_group(*g, Signal::SIGTERM);
     }
     let procs = |extra: &[u32]| {
-        let mut pids = attempt_processes(&groups);
+        let mut pids = attempt_processes(&groups, marker);
         pids.extend(
             extra
                 .iter()

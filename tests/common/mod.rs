@@ -40,16 +40,31 @@ esac
 pub struct Project {
     _dir: tempfile::TempDir,
     pub root: PathBuf,
+    /// `$HOME` of its commands: the root, or another project's, to share one user's service.
+    pub home: PathBuf,
 }
 
 impl Project {
     /// A project whose `.loop/config.toml` is [`TEST_CONFIG`] and whose agent is `agent`.
     pub fn new(agent: &str) -> Project {
+        Project::make(agent, None)
+    }
+
+    /// A project of the same user as `other` (its `$HOME`): one service serves both.
+    pub fn beside(other: &Project, agent: &str) -> Project {
+        Project::make(agent, Some(&other.home))
+    }
+
+    fn make(agent: &str, home: Option<&Path>) -> Project {
         let dir = tempfile::tempdir().expect("tempdir");
         let root = dir.path().canonicalize().expect("canonical tempdir");
         std::fs::create_dir_all(root.join(".loop")).expect("mkdir .loop");
         std::fs::create_dir_all(root.join("bin")).expect("mkdir bin");
-        let p = Project { _dir: dir, root };
+        let p = Project {
+            _dir: dir,
+            home: home.map_or_else(|| root.clone(), Path::to_owned),
+            root,
+        };
         p.config(TEST_CONFIG);
         p.agent(agent);
         p
@@ -96,9 +111,12 @@ impl Project {
         cmd.arg("--root")
             .arg(&self.root)
             .current_dir(&self.root)
-            .env("HOME", &self.root)
+            .env("HOME", &self.home)
             .env_remove("XDG_CONFIG_HOME")
             .env_remove("XDG_STATE_HOME")
+            .env_remove("XDG_RUNTIME_DIR")
+            .env_remove("NOTIFY_SOCKET")
+            .env_remove("JOURNAL_STREAM")
             .env_remove("LOOPD_CONFIG")
             .env_remove("LOOPD_ROOT")
             .env_remove("LOOPD_LOG")
@@ -341,6 +359,7 @@ pub fn demo(dir: &Path, args: &[&str]) -> Output {
         .env("HOME", dir)
         .env_remove("XDG_CONFIG_HOME")
         .env_remove("XDG_STATE_HOME")
+        .env_remove("XDG_RUNTIME_DIR")
         .env_remove("LOOPD_CONFIG")
         .env_remove("LOOPD_ROOT")
         .stdin(Stdio::null())
@@ -355,4 +374,133 @@ pub fn demo_state_file(out: &Output) -> PathBuf {
         .find_map(|l| l.trim().strip_prefix("state").map(|p| p.trim().to_owned()))
         .expect("the demo names its state file");
     PathBuf::from(path)
+}
+
+/// An agent like the harness's `GOOD_AGENT` (init plans two tasks, develop succeeds, validation
+/// passes), except that action `A` first runs the shell snippet given for it in `before`.
+pub fn agent(before: &[(&str, &str)]) -> String {
+    let hook = |action: &str| {
+        before
+            .iter()
+            .find(|(a, _)| *a == action)
+            .map_or(":", |(_, snippet)| *snippet)
+    };
+    format!(
+        r#"
+cat > /dev/null
+case "$LOOPD_ACTION" in
+  init)
+    {init}
+    echo '{{"status":"success","summary":"planned","state_updates":{{"tasks":[{{"description":"first"}},{{"description":"second"}}]}}}}' > "$LOOPD_RESULT_FILE" ;;
+  develop)
+    {develop}
+    echo "{{\"status\":\"success\",\"summary\":\"did $LOOPD_TASK_ID\",\"files_changed\":[\"f.txt\"]}}" > "$LOOPD_RESULT_FILE" ;;
+  validate)
+    {validate}
+    echo '{{"status":"success","summary":"ok","state_updates":{{"passed":true,"pass_rate":100}}}}' > "$LOOPD_RESULT_FILE" ;;
+  debug)
+    {debug}
+    echo '{{"status":"success","summary":"nothing"}}' > "$LOOPD_RESULT_FILE" ;;
+  complete)
+    {complete}
+    echo '{{"status":"success","summary":"done","state_updates":{{"summary":"all done"}}}}' > "$LOOPD_RESULT_FILE" ;;
+esac
+"#,
+        init = hook("init"),
+        develop = hook("develop"),
+        validate = hook("validate"),
+        debug = hook("debug"),
+        complete = hook("complete"),
+    )
+}
+
+/// Waits (at most 20 s) until the file `$1` exists in the project root.
+pub fn wait_for_file(name: &str) -> String {
+    format!("i=0; while [ ! -e {name} ] && [ $i -lt 2000 ]; do sleep 0.01; i=$((i+1)); done")
+}
+
+/// Rewrites the state file the way the CCW dashboard API does: read, edit, and a plain
+/// truncate-and-write of the whole file (no temp file, no lock).
+pub fn edit_raw(p: &Project, id: &str, edit: impl FnOnce(&mut Value)) {
+    let mut state = p.state(id);
+    edit(&mut state);
+    std::fs::write(
+        p.state_path(id),
+        serde_json::to_vec_pretty(&state).expect("serialise"),
+    )
+    .expect("rewrite the state file");
+}
+
+/// A `loopd serve` of a test's user (`$HOME`), ended when dropped.
+pub struct Service {
+    pub child: Running,
+    pub home: PathBuf,
+}
+
+impl Project {
+    /// Starts `loopd serve ARGS...` for this project's user, and waits until it has published
+    /// its status (it has looked at every loop it serves).
+    pub fn serve(&self, args: &[&str]) -> Service {
+        self.serve_with(args, |_| {})
+    }
+
+    /// [`Project::serve`], with more of the command set by `with`.
+    pub fn serve_with(&self, args: &[&str], with: impl FnOnce(&mut Command)) -> Service {
+        let mut cmd = self.loopd();
+        cmd.arg("serve")
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        with(&mut cmd);
+        let service = Service {
+            child: cmd.spawn().expect("spawn loopd serve").into(),
+            home: self.home.clone(),
+        };
+        wait_for("the service's status", || service.info().is_some());
+        service
+    }
+}
+
+impl Service {
+    /// What the service says about itself in `serve.json`, once it is there.
+    pub fn info(&self) -> Option<Value> {
+        let path = self.home.join(".local/state/loopd/run/serve.json");
+        let info: Value = serde_json::from_slice(&std::fs::read(path).ok()?).ok()?;
+        (info["pid"] == self.child.id()).then_some(info)
+    }
+
+    pub fn signal(&self, signal: nix::sys::signal::Signal) {
+        let pid = nix::unistd::Pid::from_raw(self.child.id() as i32);
+        nix::sys::signal::kill(pid, signal).expect("signal the service");
+    }
+
+    /// SIGTERM, then its output once it exited.
+    pub fn stop(mut self) -> Output {
+        self.signal(nix::sys::signal::Signal::SIGTERM);
+        let child = std::mem::replace(&mut self.child, dummy_running());
+        wait_output(child, DEADLINE)
+    }
+}
+
+/// A finished child in place of one taken out of a [`Service`].
+fn dummy_running() -> Running {
+    let mut child = Command::new("true").spawn().expect("spawn true");
+    let _ = child.wait();
+    child.into()
+}
+
+impl Drop for Service {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Sets a loop's status by an atomic rewrite of its state file, as a person's tool would.
+pub fn set_status(p: &Project, id: &str, status: &str) {
+    let mut state = p.state(id);
+    state["status"] = status.into();
+    let tmp = p.root.join(".loop").join(format!(".{id}.edit"));
+    std::fs::write(&tmp, serde_json::to_vec_pretty(&state).expect("serialise")).expect("write");
+    std::fs::rename(&tmp, p.state_path(id)).expect("rename");
 }

@@ -1,0 +1,91 @@
+//! What a running service leaves for others to see, in its runtime directory (see
+//! [`crate::registry::runtime_dir`]): `serve.lock`, held for the service's lifetime with its pid in
+//! it, and `serve.json`, what it drives and what waits, rewritten atomically on every change.
+//! The CLI reads them to hand a loop to the service and to show queued loops.
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::daemon::Held;
+use crate::safe_fs::Dir;
+
+const LOCK: &str = "serve.lock";
+const STATUS: &str = "serve.json";
+
+/// A loop, named by its project and id.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct LoopKey {
+    pub root: PathBuf,
+    pub loop_id: String,
+}
+
+impl std::fmt::Display for LoopKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} in {}", self.loop_id, self.root.display())
+    }
+}
+
+/// What a running service says about itself.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct ServiceInfo {
+    pub pid: u32,
+    pub started_at: String,
+    /// The project roots it watches.
+    pub roots: Vec<PathBuf>,
+    /// The loops it drives.
+    pub running: Vec<LoopKey>,
+    /// The loops waiting for a place, first first.
+    pub queued: Vec<LoopKey>,
+    /// One line: "4 running, 1 paused, 2 queued".
+    pub summary: String,
+    /// The API's Unix socket, and its TCP address when it listens on one.
+    pub socket: Option<PathBuf>,
+    pub listen: Option<String>,
+}
+
+impl ServiceInfo {
+    pub fn serves(&self, root: &Path) -> bool {
+        self.roots.iter().any(|r| r == root)
+    }
+
+    /// Where `key` stands in the queue (1 is next), if it waits there.
+    pub fn queue_position(&self, key: &LoopKey) -> Option<usize> {
+        self.queued.iter().position(|k| k == key).map(|i| i + 1)
+    }
+}
+
+/// The service lock, taken: only one service per user.
+pub fn lock(dir: &Dir) -> anyhow::Result<Held> {
+    let file = dir.open_rw(LOCK)?;
+    Held::take(file, &std::process::id().to_string(), |holder| {
+        crate::cli::usage(format!(
+            "a service already runs (pid {})",
+            crate::daemon::holder_pid(holder)
+        ))
+    })
+}
+
+/// Writes what the service says about itself (0600, atomically).
+pub fn publish(dir: &Dir, info: &ServiceInfo) -> std::io::Result<()> {
+    let text = serde_json::to_vec_pretty(info).map_err(std::io::Error::other)?;
+    dir.write_atomic(STATUS, &text, false)
+}
+
+/// Removes the status file at a clean exit.
+pub fn withdraw(dir: &Dir) {
+    let _ = dir.remove(STATUS);
+}
+
+/// The running service of this user, if one runs: what it last said about itself.
+pub fn running() -> Option<ServiceInfo> {
+    let dir = crate::registry::runtime_dir(false).ok()?;
+    let holder = crate::daemon::holder_of(dir.open_read(LOCK).ok()?)?;
+    let pid = crate::daemon::holder_pid(&holder);
+    if !crate::daemon::pid_alive(pid) {
+        return None;
+    }
+    let bytes = dir.read(STATUS, crate::safe_fs::USER_FILE_CAP).ok()?;
+    let info: ServiceInfo = serde_json::from_slice(&bytes).ok()?;
+    (info.pid == pid).then_some(info)
+}

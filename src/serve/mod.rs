@@ -1,0 +1,602 @@
+//! `loopd serve`: one background service that drives every loop of the projects it knows.
+//!
+//! Theory of operation: the supervisor is one task that owns the service's bookkeeping (the
+//! projects, the loops it drives, the queue). Everything that happens reaches it as a [`Wake`]
+//! on one channel: a state file changed (one subscription per state directory, all on the
+//! process's one inotify instance), the registry of projects changed, a loop's task ended,
+//! SIGHUP, the safety tick. A loop whose status is `running` and that no daemon drives is taken
+//! with the locks `loopd run` takes (the lock is the one truth: a loop driven in a terminal is
+//! never also driven here) and driven by a task of its own, with the engine of a daemon. Beyond
+//! `max_running_loops` it waits in the queue, in order. A loop that pauses ends its task and
+//! frees its place; resumed, it is taken again. A loop that errs or panics ends alone.
+//!
+//! SIGTERM ends every action in flight, records it as interrupted and leaves the loops
+//! `running`, so that the next start takes them up again, as it takes up every loop it finds
+//! `running` whose daemon died (its executors found by their marker and ended first).
+
+pub mod files;
+mod systemd;
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, Result};
+use tokio::sync::{mpsc, watch};
+
+use crate::cli::Project;
+use crate::orchestrator::Exit;
+use crate::safe_fs::Dir;
+use crate::state::model::Status;
+use crate::watch::Subscription;
+pub use files::{LoopKey, ServiceInfo};
+
+/// `loopd serve`'s own options (the roots come from the global `--root`, repeatable here).
+#[derive(Debug, Default, clap::Args)]
+pub struct ServeArgs {
+    /// How many loops run at once; others wait in a queue [default: max_running_loops]
+    #[arg(long, value_name = "N")]
+    pub max_running_loops: Option<u64>,
+}
+
+/// How often every known loop is looked at even without an event, in case one was missed.
+const RESCAN: Duration = Duration::from_secs(10);
+/// How long a loop that could not be taken is left alone before it is tried again.
+const REFUSED_HOLD: Duration = Duration::from_secs(2);
+/// How long a loop whose task failed or panicked is left alone before it is tried again.
+const FAILED_HOLD: Duration = Duration::from_secs(30);
+
+/// What the supervisor hears.
+enum Wake {
+    /// A loop's state file changed.
+    Changed(LoopKey),
+    /// Events may have been lost: look at every loop.
+    Rescan,
+    /// The registry of projects changed.
+    Projects,
+    /// A loop's task ended.
+    Ended(LoopKey, Ending),
+    /// SIGHUP: reload the configuration.
+    Reload,
+}
+
+/// How a loop's task ended.
+enum Ending {
+    Exit(Exit),
+    /// The loop could not be taken (driven elsewhere, untrusted files, a missing program...).
+    Refused(String),
+    Error(String),
+    Panicked(String),
+}
+
+/// A project the service watches.
+struct Watched {
+    project: Project,
+    _events: Subscription,
+}
+
+struct Supervisor {
+    config_flag: Option<PathBuf>,
+    root_flags: Vec<PathBuf>,
+    max_flag: Option<u64>,
+    max_running: usize,
+    projects: BTreeMap<PathBuf, Watched>,
+    /// The loops whose task runs (taking them, driving them, or ending).
+    active: BTreeSet<LoopKey>,
+    queue: VecDeque<LoopKey>,
+    /// Loops not to try again before a time, with what was said about them.
+    held: HashMap<LoopKey, (Instant, String)>,
+    /// Each loop's status as last read.
+    statuses: BTreeMap<LoopKey, Status>,
+    tx: mpsc::UnboundedSender<Wake>,
+    shutdown: watch::Receiver<Option<i32>>,
+    notifier: systemd::Notifier,
+    runtime_dir: Dir,
+    info: ServiceInfo,
+    /// `info` as last written.
+    published: Option<String>,
+    _registry: Option<Subscription>,
+}
+
+/// `loopd serve`: runs until SIGTERM or SIGINT; returns the exit code.
+pub fn run(roots: &[PathBuf], config_flag: Option<&Path>, args: &ServeArgs) -> Result<i32> {
+    let root_flags = roots
+        .iter()
+        .map(|r| crate::cli::resolve_root(Some(r)))
+        .collect::<Result<Vec<_>>>()?;
+    let config = crate::config::Config::load_service(config_flag)?;
+    let runtime_dir = crate::registry::runtime_dir(true)
+        .context("cannot make the service's runtime directory")?;
+    let _lock = files::lock(&runtime_dir)?;
+    crate::executor::procs::become_subreaper();
+    raise_open_file_limit();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")?;
+    runtime.block_on(async {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let (signals, shutdown) = watch::channel(None);
+        let (hangup, mut hangups) = mpsc::unbounded_channel();
+        tokio::spawn(crate::daemon::forward_signals(signals, Some(hangup)));
+        let reload = tx.clone();
+        tokio::spawn(async move {
+            while hangups.recv().await.is_some() {
+                let _ = reload.send(Wake::Reload);
+            }
+        });
+        let mut supervisor = Supervisor {
+            config_flag: config_flag.map(Path::to_owned),
+            root_flags,
+            max_flag: args.max_running_loops,
+            max_running: 0,
+            projects: BTreeMap::new(),
+            active: BTreeSet::new(),
+            queue: VecDeque::new(),
+            held: HashMap::new(),
+            statuses: BTreeMap::new(),
+            tx,
+            shutdown,
+            notifier: systemd::Notifier::from_env(),
+            runtime_dir,
+            info: ServiceInfo {
+                pid: std::process::id(),
+                started_at: crate::state::model::now_rfc3339(),
+                ..ServiceInfo::default()
+            },
+            published: None,
+            _registry: None,
+        };
+        supervisor.configure(&config);
+        supervisor.run(rx).await
+    })
+}
+
+impl Supervisor {
+    fn configure(&mut self, config: &crate::config::Config) {
+        let max = self.max_flag.unwrap_or(config.max_running_loops).max(1);
+        self.max_running = usize::try_from(max).unwrap_or(usize::MAX);
+    }
+
+    async fn run(mut self, mut rx: mpsc::UnboundedReceiver<Wake>) -> Result<i32> {
+        tracing::info!(
+            "loopd serve (pid {}): at most {} loops at once",
+            std::process::id(),
+            self.max_running
+        );
+        self._registry = self.watch_registry();
+        self.load_projects();
+        self.publish();
+        self.notifier.ready();
+        let beat = self.notifier.watchdog.map(|w| w / 2);
+        let mut tick = tokio::time::interval(beat.unwrap_or(RESCAN).min(RESCAN));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut last_scan = Instant::now();
+        let mut shutdown = self.shutdown.clone();
+        loop {
+            tokio::select! {
+                Some(wake) = rx.recv() => {
+                    self.on(wake);
+                    // What came meanwhile is handled before the status is published.
+                    while let Ok(wake) = rx.try_recv() {
+                        self.on(wake);
+                    }
+                    self.publish();
+                }
+                _ = tick.tick() => {
+                    if beat.is_some() {
+                        self.notifier.watchdog();
+                    }
+                    if last_scan.elapsed() >= RESCAN {
+                        last_scan = Instant::now();
+                        self.scan_all();
+                        self.publish();
+                    }
+                }
+                _ = shutdown.changed() => break,
+            }
+        }
+        self.notifier.stopping();
+        self.queue.clear();
+        tracing::info!(
+            "stopping: ending {} loop(s); their actions in flight are recorded as interrupted",
+            self.active.len()
+        );
+        self.publish();
+        while !self.active.is_empty() {
+            match rx.recv().await {
+                Some(Wake::Ended(key, ending)) => self.ended(key, ending),
+                Some(_) => {}
+                None => break,
+            }
+        }
+        files::withdraw(&self.runtime_dir);
+        tracing::info!("stopped");
+        Ok(0)
+    }
+
+    fn stopping(&self) -> bool {
+        self.shutdown.borrow().is_some()
+    }
+
+    fn on(&mut self, wake: Wake) {
+        match wake {
+            Wake::Changed(key) => self.consider(key),
+            Wake::Rescan => self.scan_all(),
+            Wake::Projects => self.load_projects(),
+            Wake::Ended(key, ending) => {
+                self.ended(key.clone(), ending);
+                self.consider(key);
+                self.admit();
+            }
+            Wake::Reload => self.reload(),
+        }
+    }
+
+    /// SIGHUP: the service's configuration and its projects, read again. Each loop's project
+    /// configuration is read whenever the loop is taken.
+    fn reload(&mut self) {
+        self.notifier.reloading();
+        match crate::config::Config::load_service(self.config_flag.as_deref()) {
+            Ok(config) => {
+                self.configure(&config);
+                tracing::info!(
+                    "configuration reloaded: at most {} loops at once",
+                    self.max_running
+                );
+            }
+            Err(e) => tracing::warn!("warning: {e}; keeping the configuration as it was"),
+        }
+        self.load_projects();
+        self.admit();
+        self.notifier.ready();
+    }
+
+    /// Watches the registry of projects, so that a project recorded by `create` or `start` is
+    /// served at once.
+    fn watch_registry(&self) -> Option<Subscription> {
+        let dir = crate::registry::projects_dir(true)
+            .inspect_err(|e| tracing::warn!("warning: cannot watch your projects: {e}"))
+            .ok()?;
+        let tx = self.tx.clone();
+        Some(crate::watch::subscribe(
+            dir.path(),
+            Arc::new(move |event: &notify::Result<notify::Event>| {
+                // Reading the records (as the service does) is no change.
+                if event.as_ref().is_ok_and(|e| !crate::watch::is_change(e)) {
+                    return;
+                }
+                let _ = tx.send(Wake::Projects);
+            }),
+        ))
+    }
+
+    /// Adds the projects of `--root` and of the registry that are not served yet, and looks at
+    /// their loops.
+    fn load_projects(&mut self) {
+        let mut roots = self.root_flags.clone();
+        match crate::registry::list() {
+            Ok(records) => roots.extend(records.into_iter().map(|r| r.root)),
+            Err(e) => tracing::warn!("warning: cannot read your projects: {e}"),
+        }
+        for root in roots {
+            if self.projects.contains_key(&root) {
+                continue;
+            }
+            let project = match Project::open_for_inspection(Some(&root), None) {
+                Ok(p) => p,
+                Err(e) => {
+                    tracing::warn!("warning: cannot serve {}: {e:#}", root.display());
+                    continue;
+                }
+            };
+            // The state directory is made now, so that it can be watched before its first loop.
+            if let Err(e) = project.store.state_dir(true) {
+                tracing::warn!("warning: cannot serve {}: {e}", root.display());
+                continue;
+            }
+            let events = crate::watch::subscribe(project.store.dir(), self.handler(&root));
+            tracing::info!("serving {}", root.display());
+            self.projects.insert(
+                root.clone(),
+                Watched {
+                    project,
+                    _events: events,
+                },
+            );
+            self.scan(&root);
+        }
+        self.info.roots = self.projects.keys().cloned().collect();
+    }
+
+    /// The handler of a project's state directory: a loop's state file changed.
+    fn handler(&self, root: &Path) -> crate::watch::Handler {
+        let (tx, root) = (self.tx.clone(), root.to_owned());
+        Arc::new(move |event: &notify::Result<notify::Event>| {
+            let event = match event {
+                Ok(e) if !e.need_rescan() => e,
+                _ => {
+                    let _ = tx.send(Wake::Rescan);
+                    return;
+                }
+            };
+            if !crate::watch::is_change(event) {
+                return;
+            }
+            for path in &event.paths {
+                if let Some(id) = loop_of(path) {
+                    let _ = tx.send(Wake::Changed(LoopKey {
+                        root: root.clone(),
+                        loop_id: id.to_owned(),
+                    }));
+                }
+            }
+        })
+    }
+
+    fn scan_all(&mut self) {
+        let roots: Vec<PathBuf> = self.projects.keys().cloned().collect();
+        for root in roots {
+            self.scan(&root);
+        }
+    }
+
+    /// Looks at every loop of a project.
+    fn scan(&mut self, root: &Path) {
+        let Some(watched) = self.projects.get(root) else {
+            return;
+        };
+        let ids = match watched.project.store.list_ids() {
+            Ok(ids) => ids,
+            Err(e) => {
+                tracing::warn!("warning: cannot list the loops of {}: {e}", root.display());
+                return;
+            }
+        };
+        for id in ids {
+            self.consider(LoopKey {
+                root: root.to_owned(),
+                loop_id: id,
+            });
+        }
+    }
+
+    /// Looks at one loop: one whose status is `running` and that nobody drives joins the queue.
+    fn consider(&mut self, key: LoopKey) {
+        if self.stopping() || self.active.contains(&key) {
+            return;
+        }
+        let Some(watched) = self.projects.get(&key.root) else {
+            return;
+        };
+        let store = &watched.project.store;
+        let (control, driver) = tokio::task::block_in_place(|| {
+            let control = store.read_control(&key.loop_id);
+            let running = control
+                .as_ref()
+                .is_some_and(|c| c.status == Status::Running);
+            let driver = running
+                .then(|| crate::daemon::daemon_pid(store, &key.loop_id))
+                .flatten()
+                .filter(|pid| crate::daemon::pid_alive(*pid));
+            (control, driver)
+        });
+        // Unreadable now (a writer half-way, a file gone): its next event comes.
+        let Some(control) = control else { return };
+        let wanted = control.status == Status::Running && driver.is_none();
+        self.statuses.insert(key.clone(), control.status);
+        if !wanted {
+            self.queue.retain(|k| *k != key);
+            return;
+        }
+        if self
+            .held
+            .get(&key)
+            .is_some_and(|(until, _)| Instant::now() < *until)
+        {
+            return;
+        }
+        if !self.queue.contains(&key) {
+            self.queue.push_back(key.clone());
+            if self.active.len() >= self.max_running {
+                tracing::info!(
+                    "loop {key} waits in the queue (position {}; {} loops run, at most {})",
+                    self.queue.len(),
+                    self.active.len(),
+                    self.max_running
+                );
+            }
+        }
+        self.admit();
+    }
+
+    /// Takes loops from the queue, in order, while there is room.
+    fn admit(&mut self) {
+        while self.active.len() < self.max_running && !self.stopping() {
+            let Some(key) = self.queue.pop_front() else {
+                return;
+            };
+            self.launch(key);
+        }
+    }
+
+    /// Takes a loop and drives it in a task of its own.
+    fn launch(&mut self, key: LoopKey) {
+        self.active.insert(key.clone());
+        let shutdown = self.shutdown.clone();
+        let config_flag = self.config_flag.clone();
+        let (root, id) = (key.root.clone(), key.loop_id.clone());
+        // Every log line of the loop's task names the loop.
+        let span = tracing::info_span!("loop", id = %key.loop_id);
+        let task = tokio::spawn(tracing::Instrument::instrument(
+            async move {
+                let me = format!("{} serve", std::process::id());
+                let taken = tokio::task::spawn_blocking(move || {
+                    let p = Project::open(Some(&root), config_flag.as_deref())?;
+                    let state = p.load(&id)?;
+                    // The executor it was started with, as `resume` remembers it.
+                    let executor = state.skill_state.as_ref().and_then(|s| s.executor.clone());
+                    let taken = crate::daemon::take(&p, &id, executor, true, &me)?;
+                    anyhow::Ok((taken, id))
+                })
+                .await;
+                let (taken, id) = match taken {
+                    Ok(Ok(taken)) => taken,
+                    Ok(Err(e)) => return Ending::Refused(format!("{e:#}")),
+                    Err(e) => return Ending::Panicked(e.to_string()),
+                };
+                tracing::info!("driving loop {id} in {}", taken.engine.root.display());
+                match taken.engine.run(&id, shutdown).await {
+                    Ok(exit) => Ending::Exit(exit),
+                    Err(e) => Ending::Error(format!("{e:#}")),
+                }
+            },
+            span,
+        ));
+        let tx = self.tx.clone();
+        tokio::spawn(async move {
+            let ending = task
+                .await
+                .unwrap_or_else(|e| Ending::Panicked(e.to_string()));
+            let _ = tx.send(Wake::Ended(key, ending));
+        });
+    }
+
+    /// A loop's task ended: say how, and hold off one that failed.
+    fn ended(&mut self, key: LoopKey, ending: Ending) {
+        self.active.remove(&key);
+        let hold = |this: &mut Self, pause: Duration, message: String| {
+            let said = this.held.get(&key).is_some_and(|(_, m)| *m == message);
+            this.held
+                .insert(key.clone(), (Instant::now() + pause, message.clone()));
+            !said
+        };
+        match ending {
+            Ending::Exit(exit) => {
+                self.held.remove(&key);
+                tracing::info!("loop {key}: {} (exit {})", exit.label(), exit.code());
+            }
+            Ending::Refused(message) => {
+                if hold(self, REFUSED_HOLD, message.clone()) {
+                    tracing::warn!("loop {key} cannot be driven here: {message}");
+                }
+            }
+            Ending::Error(message) => {
+                hold(self, FAILED_HOLD, message.clone());
+                tracing::error!("loop {key} ended in an error: {message}; the others go on");
+            }
+            Ending::Panicked(message) => {
+                hold(self, FAILED_HOLD, message.clone());
+                tracing::error!("loop {key} panicked: {message}; the others go on");
+            }
+        }
+    }
+
+    /// Says what the service does, where the CLI and systemd read it, when it changed.
+    fn publish(&mut self) {
+        let paused = self
+            .statuses
+            .iter()
+            .filter(|(k, s)| **s == Status::Paused && !self.active.contains(*k))
+            .count();
+        let summary = format!(
+            "{} running, {paused} paused, {} queued",
+            self.active.len(),
+            self.queue.len()
+        );
+        if summary != self.info.summary {
+            self.notifier.status(&summary);
+        }
+        self.info.summary = summary;
+        self.info.running = self.active.iter().cloned().collect();
+        self.info.queued = self.queue.iter().cloned().collect();
+        let text = match serde_json::to_string(&self.info) {
+            Ok(text) if Some(&text) != self.published.as_ref() => text,
+            _ => return,
+        };
+        match files::publish(&self.runtime_dir, &self.info) {
+            Ok(()) => self.published = Some(text),
+            Err(e) => tracing::warn!("warning: cannot write the service's status: {e}"),
+        }
+    }
+}
+
+/// `loopd start` (and `resume`) where a service runs: the loop is made `running` (from
+/// `created`; the executor named remembered for it) and the service takes it. Returns the
+/// service's pid once it drives the loop or queues it.
+pub fn hand_over(
+    p: &Project,
+    state: &crate::state::model::LoopState,
+    executor: Option<&str>,
+    service: &ServiceInfo,
+) -> Result<u32> {
+    let id = state.loop_id.as_str();
+    crate::registry::note(&p.root);
+    p.store.update(id, true, |raw, current| {
+        if let Some(name) = executor
+            && let Some(skill) = raw
+                .entry("skill_state")
+                .or_insert_with(|| serde_json::json!({}))
+                .as_object_mut()
+        {
+            skill.insert("executor".into(), name.into());
+        }
+        if current.status == Status::Created {
+            raw.insert("status".into(), Status::Running.as_str().into());
+        }
+    })?;
+    let key = LoopKey {
+        root: p.root.clone(),
+        loop_id: id.to_owned(),
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let status = p.load(id)?.status;
+        if status != Status::Running {
+            eprintln!(
+                "loop {id} is {status}; the service (pid {}) drives it once it is resumed",
+                service.pid
+            );
+            return Ok(service.pid);
+        }
+        if crate::daemon::daemon_pid(&p.store, id) == Some(service.pid) {
+            eprintln!("loop {id}: driven by the service (pid {})", service.pid);
+            return Ok(service.pid);
+        }
+        let now = files::running();
+        if let Some(position) = now.as_ref().and_then(|s| s.queue_position(&key)) {
+            eprintln!(
+                "loop {id}: queued by the service (pid {}), position {position}",
+                service.pid
+            );
+            return Ok(service.pid);
+        }
+        if now.is_none() || Instant::now() > deadline {
+            anyhow::bail!(
+                "the service (pid {}) did not take loop {id} within 10s; see its log                  (`journalctl --user -u loopd`)",
+                service.pid
+            );
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// Raises the soft limit of open files to the hard one: each loop keeps a few files open (its
+/// locks, its event log), per thread that writes its state.
+fn raise_open_file_limit() {
+    use nix::sys::resource::{Resource, getrlimit, setrlimit};
+    if let Ok((soft, hard)) = getrlimit(Resource::RLIMIT_NOFILE)
+        && soft < hard
+        && let Err(e) = setrlimit(Resource::RLIMIT_NOFILE, hard, hard)
+    {
+        tracing::warn!("warning: cannot raise the limit of open files ({soft}): {e}");
+    }
+}
+
+/// The loop whose state file `path` names, if it names one (`{id}.json`).
+fn loop_of(path: &Path) -> Option<&str> {
+    let id = path.file_name()?.to_str()?.strip_suffix(".json")?;
+    crate::state::store::validate_id(id).ok()?;
+    Some(id)
+}
