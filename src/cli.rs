@@ -514,19 +514,65 @@ fn trust(p: &Project, revoke: bool, as_json: bool) -> Result<i32> {
     Ok(0)
 }
 
-enum Control {
+/// A status change a person asks for.
+#[derive(Clone, Copy, Debug)]
+pub enum Control {
     Pause,
     Resume,
     Stop,
 }
 
+/// What a status change did.
+pub struct Controlled {
+    pub from: Status,
+    pub to: Status,
+    /// False when the loop had that status already.
+    pub changed: bool,
+    /// A resumed loop that no daemon drives: the executor it was started with, to start one.
+    pub needs_daemon: Option<Option<String>>,
+}
+
 /// pause / resume / stop: write the status the way the CCW dashboard API does.
 fn control(p: &Project, id: &str, what: Control, as_json: bool) -> Result<i32> {
-    let state = match p.load(id) {
-        Ok(state) => state,
-        Err(e) if matches!(what, Control::Stop) => return stop_unloadable(p, id, e, as_json),
+    let done = match set_control(p, id, what) {
+        Ok(done) => done,
+        Err(e) if matches!(what, Control::Stop) && p.load(id).is_err() => {
+            return stop_unloadable(p, id, e, as_json);
+        }
         Err(e) => return Err(e),
     };
+    let report = |pid: Option<u32>| {
+        let value = json!({
+            "loop_id": id, "from": done.from.as_str(), "status": done.to.as_str(), "pid": pid
+        });
+        print_result(
+            as_json,
+            &value,
+            &pid.map(|p| p.to_string()).unwrap_or_default(),
+        )
+    };
+    if !done.changed {
+        eprintln!("loop {id} is already {}", done.to);
+        report(None)?;
+        return Ok(0);
+    }
+    eprintln!("loop {id}: {} → {}", done.from, done.to);
+    let mut started = None;
+    if let Some(executor) = &done.needs_daemon
+        && crate::daemon::daemon_pid(&p.store, id).is_none()
+    {
+        let pid = crate::daemon::start(p, id, executor.as_deref())?;
+        eprintln!("started daemon pid {pid}");
+        started = Some(pid);
+    }
+    report(started)?;
+    Ok(0)
+}
+
+/// Writes a status change under the loop's lock, refused in one line where it makes no sense
+/// (a completed loop paused, a loop at its error limit resumed). Starts nothing.
+pub fn set_control(p: &Project, id: &str, what: Control) -> Result<Controlled> {
+    let state = p.load(id)?;
     let status = state.status.clone();
     let allowed: &[Status] = match what {
         Control::Pause => &[Status::Running, Status::Created],
@@ -549,20 +595,13 @@ fn control(p: &Project, id: &str, what: Control, as_json: bool) -> Result<i32> {
         Control::Stop => Status::Failed,
     };
     let resumable = |s: &Status| allowed.contains(s) || matches!(what, Control::Resume);
-    let report = |pid: Option<u32>| {
-        let value = json!({
-            "loop_id": id, "from": status.as_str(), "status": target.as_str(), "pid": pid
-        });
-        print_result(
-            as_json,
-            &value,
-            &pid.map(|p| p.to_string()).unwrap_or_default(),
-        )
-    };
     if status == target && !matches!(what, Control::Resume) {
-        eprintln!("loop {id} is already {status}");
-        report(None)?;
-        return Ok(0);
+        return Ok(Controlled {
+            from: status,
+            to: target,
+            changed: false,
+            needs_daemon: None,
+        });
     }
     // A loop completed without meeting its goal goes on once there is room: a raised
     // iteration limit, or tasks added to one that had nothing left to try.
@@ -635,15 +674,12 @@ fn control(p: &Project, id: &str, what: Control, as_json: bool) -> Result<i32> {
             "cannot {verb} loop {id}: it became {now} meanwhile"
         )));
     }
-    eprintln!("loop {id}: {status} → {target}");
-    let mut started = None;
-    if start_daemon && crate::daemon::daemon_pid(&p.store, id).is_none() {
-        let pid = crate::daemon::start(p, id, executor.as_deref())?;
-        eprintln!("started daemon pid {pid}");
-        started = Some(pid);
-    }
-    report(started)?;
-    Ok(0)
+    Ok(Controlled {
+        from: status,
+        to: target,
+        changed: true,
+        needs_daemon: start_daemon.then_some(executor),
+    })
 }
 
 /// `stop` on a loop whose state file does not load: restored from its backup (or rebuilt) it is
@@ -677,6 +713,14 @@ fn stop_unloadable(p: &Project, id: &str, error: anyhow::Error, as_json: bool) -
 }
 
 fn next(p: &Project, id: &str, action: &str, as_json: bool) -> Result<i32> {
+    let value = choose_next(p, id, action)?;
+    eprintln!("loop {id}: next action {action}");
+    print_result(as_json, &value, "")?;
+    Ok(0)
+}
+
+/// Chooses the next action of a loop in interactive mode; returns `{loop_id, next_action}`.
+pub fn choose_next(p: &Project, id: &str, action: &str) -> Result<Value> {
     let state = p.load(id)?;
     let workflow = loop_workflow(p, &state)?;
     if state.mode() != Mode::Interactive {
@@ -701,13 +745,7 @@ fn next(p: &Project, id: &str, action: &str, as_json: bool) -> Result<i32> {
     p.store.update(id, true, |raw, _| {
         raw.insert("next_action".into(), json!(action));
     })?;
-    eprintln!("loop {id}: next action {action}");
-    print_result(
-        as_json,
-        &json!({ "loop_id": id, "next_action": action }),
-        "",
-    )?;
-    Ok(0)
+    Ok(json!({ "loop_id": id, "next_action": action }))
 }
 
 /// The workflow a loop runs.

@@ -1144,7 +1144,13 @@ impl LoopRun<'_> {
             Err(e) => return self.not_started(state, &done, e).await,
         };
         let spawned = running.spawned();
-        if let Err(e) = self.record_in_flight(state, &done, spawned, consumed_choice.as_deref()) {
+        let log = files
+            .log_path
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned());
+        if let Err(e) =
+            self.record_in_flight(state, &done, spawned, log, consumed_choice.as_deref())
+        {
             // Nothing may run that the state file does not know of: end it, then fail.
             let cancel = CancellationToken::new();
             cancel.cancel();
@@ -1231,6 +1237,7 @@ impl LoopRun<'_> {
         state: &mut LoopState,
         done: &Done<'_>,
         spawned: crate::executor::Spawned,
+        log: Option<String>,
         consumed_choice: Option<&str>,
     ) -> Result<()> {
         state.skill().in_flight = Some(InFlight {
@@ -1243,6 +1250,7 @@ impl LoopRun<'_> {
             pgid: spawned.pgid,
             proc_start: spawned.proc_start,
             daemon_pid: std::process::id(),
+            log,
             extra: Default::default(),
         });
         match self

@@ -155,6 +155,17 @@ pub fn set(p: &Project, id: &str, limits: &Limits, as_json: bool) -> Result<i32>
 /// `loopd task add ID TEXT`: appends a task to the loop's task list, where a daemon driving the
 /// loop picks it up before its next selection (event `tasks_added`); prints the task's id.
 pub fn task_add(p: &Project, id: &str, text: &str, as_json: bool) -> Result<i32> {
+    let value = add_task(p, id, text)?;
+    print_result(
+        as_json,
+        &value,
+        value["task_id"].as_str().unwrap_or_default(),
+    )?;
+    Ok(0)
+}
+
+/// Appends a task to a loop's task list (see [`task_add`]); returns `{loop_id, task_id}`.
+pub fn add_task(p: &Project, id: &str, text: &str) -> Result<Value> {
     let state = p.load(id)?;
     let workflow = crate::cli::loop_workflow(p, &state)?;
     if workflow.task_ids(&SkillState::default()).is_none() {
@@ -212,14 +223,24 @@ pub fn task_add(p: &Project, id: &str, text: &str, as_json: bool) -> Result<i32>
             "created_at": now_rfc3339(),
         })],
     )?;
-    let value = json!({ "loop_id": id, "task_id": task_id });
-    print_result(as_json, &value, &task_id)?;
-    Ok(0)
+    Ok(json!({ "loop_id": id, "task_id": task_id }))
 }
 
 /// `loopd answer ID TEXT`: answers the question an executor asked (`needs_input`); the daemon
 /// goes on, and the next prompt gets the question and the answer.
 pub fn answer(p: &Project, id: &str, text: &str, as_json: bool) -> Result<i32> {
+    let value = give_answer(p, id, text)?;
+    eprintln!(
+        "loop {id}: answered {}'s question",
+        value["action"].as_str().unwrap_or_default()
+    );
+    print_result(as_json, &value, "")?;
+    Ok(0)
+}
+
+/// Answers the question a loop's executor asked (see [`answer`]); returns `{loop_id, action,
+/// question, answer}`.
+pub fn give_answer(p: &Project, id: &str, text: &str) -> Result<Value> {
     p.load(id)?;
     if text.trim().is_empty() {
         return Err(usage("the answer is empty"));
@@ -251,8 +272,7 @@ pub fn answer(p: &Project, id: &str, text: &str, as_json: bool) -> Result<i32> {
     let Some(question) = question else {
         return Err(usage(format!("loop {id} is waiting for no answer")));
     };
-    eprintln!("loop {id}: answered {}'s question", question.action);
-    let value = json!({ "loop_id": id, "question": question.text, "answer": text });
-    print_result(as_json, &value, "")?;
-    Ok(0)
+    Ok(json!({
+        "loop_id": id, "action": question.action, "question": question.text, "answer": text
+    }))
 }

@@ -72,9 +72,12 @@ pub fn publish(dir: &Dir, info: &ServiceInfo) -> std::io::Result<()> {
     dir.write_atomic(STATUS, &text, false)
 }
 
-/// Removes the status file at a clean exit.
+/// Removes what the service left for others at a clean exit: its status, the API's socket and
+/// token.
 pub fn withdraw(dir: &Dir) {
-    let _ = dir.remove(STATUS);
+    for name in [STATUS, "api.sock", "token"] {
+        let _ = dir.remove(name);
+    }
 }
 
 /// The running service of this user, if one runs: what it last said about itself.

@@ -14,6 +14,7 @@
 //! `running`, so that the next start takes them up again, as it takes up every loop it finds
 //! `running` whose daemon died (its executors found by their marker and ended first).
 
+pub mod api;
 pub mod files;
 mod systemd;
 
@@ -38,6 +39,10 @@ pub struct ServeArgs {
     /// How many loops run at once; others wait in a queue [default: max_running_loops]
     #[arg(long, value_name = "N")]
     pub max_running_loops: Option<u64>,
+    /// Serve the API on this loopback address too (127.0.0.1:PORT; port 0 picks one), where
+    /// every request needs the token the service writes to its runtime directory
+    #[arg(long, value_name = "ADDR")]
+    pub listen: Option<std::net::SocketAddr>,
 }
 
 /// How often every known loop is looked at even without an event, in case one was missed.
@@ -94,6 +99,8 @@ struct Supervisor {
     notifier: systemd::Notifier,
     runtime_dir: Dir,
     info: ServiceInfo,
+    /// `info` as the API shows it.
+    shared: api::Shared,
     /// `info` as last written.
     published: Option<String>,
     _registry: Option<Subscription>,
@@ -105,6 +112,9 @@ pub fn run(roots: &[PathBuf], config_flag: Option<&Path>, args: &ServeArgs) -> R
         .iter()
         .map(|r| crate::cli::resolve_root(Some(r)))
         .collect::<Result<Vec<_>>>()?;
+    if let Some(addr) = &args.listen {
+        api::check_listen(addr)?;
+    }
     let config = crate::config::Config::load_service(config_flag)?;
     let runtime_dir = crate::registry::runtime_dir(true)
         .context("cannot make the service's runtime directory")?;
@@ -145,10 +155,21 @@ pub fn run(roots: &[PathBuf], config_flag: Option<&Path>, args: &ServeArgs) -> R
                 started_at: crate::state::model::now_rfc3339(),
                 ..ServiceInfo::default()
             },
+            shared: api::Shared {
+                info: Default::default(),
+            },
             published: None,
             _registry: None,
         };
         supervisor.configure(&config);
+        let listening = api::start(
+            supervisor.shared.clone(),
+            &supervisor.runtime_dir,
+            args.listen,
+        )
+        .await?;
+        supervisor.info.socket = Some(listening.socket);
+        supervisor.info.listen = listening.listen.map(|a| a.to_string());
         supervisor.run(rx).await
     })
 }
@@ -515,6 +536,7 @@ impl Supervisor {
             Ok(text) if Some(&text) != self.published.as_ref() => text,
             _ => return,
         };
+        *self.shared.info.write().unwrap_or_else(|e| e.into_inner()) = self.info.clone();
         match files::publish(&self.runtime_dir, &self.info) {
             Ok(()) => self.published = Some(text),
             Err(e) => tracing::warn!("warning: cannot write the service's status: {e}"),

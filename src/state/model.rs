@@ -509,6 +509,9 @@ pub struct InFlight {
     pub proc_start: Option<u64>,
     /// The pid of the daemon that started it.
     pub daemon_pid: u32,
+    /// The name of its log in the progress directory's `actions/`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub log: Option<String>,
     #[serde(flatten)]
     pub extra: Extra,
 }

@@ -1,0 +1,667 @@
+//! The service's local API: HTTP/JSON over a Unix socket in the runtime directory (mode 0600,
+//! in a directory only its user can enter) and, with `--listen`, over TCP on a loopback address,
+//! where every request needs the bearer token the service writes to `token` (0600) beside it.
+//!
+//! Every route is in `openapi.json` (served at `/openapi.json`). Loops are named by id, found in
+//! the projects the service serves (`?root=` tells two of the same id apart). Handlers call the
+//! same functions as the CLI (`set_control`, `choose_next`, `give_answer`, `add_task`,
+//! `create_loop`), on a blocking thread. A bad request gets a 4xx with `{"error": "..."}` and
+//! changes nothing.
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use anyhow::{Context as _, Result};
+use axum::Router;
+use axum::extract::rejection::{JsonRejection, PathRejection, QueryRejection};
+use axum::extract::{Json, Path as UrlPath, Query, Request, State};
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::middleware::Next;
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use serde::Deserialize;
+use serde_json::{Value, json};
+
+use super::ServiceInfo;
+use crate::cli::{Control, Project};
+use crate::safe_fs::Dir;
+use crate::state::store::StoreError;
+
+/// The OpenAPI document of this API, kept in the repository beside this file.
+pub const OPENAPI: &str = include_str!("openapi.json");
+
+/// What the handlers share: the service's status, as the supervisor last published it.
+#[derive(Clone)]
+pub struct Shared {
+    pub info: Arc<RwLock<ServiceInfo>>,
+}
+
+impl Shared {
+    fn info(&self) -> ServiceInfo {
+        self.info.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+}
+
+/// Where the API listens.
+pub struct Listening {
+    pub socket: PathBuf,
+    pub listen: Option<SocketAddr>,
+}
+
+/// Starts the API: on the Unix socket `api.sock` of `runtime_dir`, and on `listen` (loopback
+/// only) with the token, which is made anew and written to `token` (0600) there.
+pub async fn start(
+    shared: Shared,
+    runtime_dir: &Dir,
+    listen: Option<SocketAddr>,
+) -> Result<Listening> {
+    let socket = runtime_dir.join("api.sock");
+    // A socket left by a service that died; the directory is the user's own (0700).
+    if std::fs::symlink_metadata(&socket)
+        .is_ok_and(|m| std::os::unix::fs::FileTypeExt::is_socket(&m.file_type()))
+    {
+        let _ = runtime_dir.remove("api.sock");
+    }
+    let unix = tokio::net::UnixListener::bind(&socket)
+        .with_context(|| format!("cannot listen on {}", socket.display()))?;
+    std::fs::set_permissions(&socket, std::os::unix::fs::PermissionsExt::from_mode(0o600))?;
+    let local = router(shared.clone());
+    tokio::spawn(async move {
+        if let Err(e) = axum::serve(unix, local).await {
+            tracing::error!("the API's socket failed: {e}");
+        }
+    });
+    let mut bound = None;
+    if let Some(addr) = listen {
+        let token = new_token()?;
+        runtime_dir.write_atomic("token", token.as_bytes(), false)?;
+        let tcp = tokio::net::TcpListener::bind(addr)
+            .await
+            .with_context(|| format!("cannot listen on {addr}"))?;
+        let addr = tcp.local_addr()?;
+        let guarded = router(shared).layer(axum::middleware::from_fn_with_state(
+            Arc::<str>::from(token.as_str()),
+            require_token,
+        ));
+        tokio::spawn(async move {
+            if let Err(e) = axum::serve(tcp, guarded).await {
+                tracing::error!("the API's listener failed: {e}");
+            }
+        });
+        tracing::info!(
+            "API on http://{addr}/ (token in {})",
+            runtime_dir.join("token").display()
+        );
+        bound = Some(addr);
+    }
+    tracing::info!("API on {}", socket.display());
+    Ok(Listening {
+        socket,
+        listen: bound,
+    })
+}
+
+/// Refuses an address that is not loopback: the API drives processes on this machine.
+pub fn check_listen(addr: &SocketAddr) -> Result<()> {
+    if addr.ip().is_loopback() {
+        return Ok(());
+    }
+    Err(crate::cli::usage(format!(
+        "--listen {addr}: the API listens on a loopback address only (127.0.0.1 or [::1])"
+    )))
+}
+
+/// 32 random bytes from the kernel, in hex.
+fn new_token() -> Result<String> {
+    use std::io::Read as _;
+    let mut bytes = [0u8; 32];
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(&mut bytes))
+        .context("cannot make a token")?;
+    Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
+}
+
+/// Every request over TCP shows the token: `Authorization: Bearer TOKEN`.
+async fn require_token(State(token): State<Arc<str>>, request: Request, next: Next) -> Response {
+    let given = request
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "));
+    match given {
+        Some(given) if same(given.as_bytes(), token.as_bytes()) => next.run(request).await,
+        _ => ApiError::new(StatusCode::UNAUTHORIZED, "a bearer token is required").into_response(),
+    }
+}
+
+/// Compares in time that does not depend on where the two differ.
+fn same(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |d, (x, y)| d | (x ^ y)) == 0
+}
+
+fn router(shared: Shared) -> Router {
+    Router::new()
+        .route("/openapi.json", get(openapi))
+        .route("/v1/service", get(service))
+        .route("/v1/loops", get(list_loops).post(create))
+        .route("/v1/loops/{id}", get(one_loop))
+        .route("/v1/loops/{id}/pause", post(pause))
+        .route("/v1/loops/{id}/resume", post(resume))
+        .route("/v1/loops/{id}/stop", post(stop))
+        .route("/v1/loops/{id}/next", post(next))
+        .route("/v1/loops/{id}/answer", post(answer))
+        .route("/v1/loops/{id}/tasks", post(add_task))
+        .route("/v1/loops/{id}/events", get(events))
+        .route("/v1/loops/{id}/tail", get(tail))
+        .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "no such route") })
+        .method_not_allowed_fallback(|| async {
+            ApiError::new(
+                StatusCode::METHOD_NOT_ALLOWED,
+                "method not allowed on this route",
+            )
+        })
+        .with_state(shared)
+}
+
+/// A failed request: its status and one line.
+#[derive(Debug)]
+pub struct ApiError {
+    status: StatusCode,
+    message: String,
+}
+
+impl ApiError {
+    fn new(status: StatusCode, message: impl Into<String>) -> ApiError {
+        ApiError {
+            status,
+            message: message.into(),
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (self.status, Json(json!({ "error": self.message }))).into_response()
+    }
+}
+
+/// A refusal (bad input, a status change that makes no sense) is the caller's; an unknown loop
+/// is not found; a state file that does not load is a conflict; the rest is the service's.
+impl From<anyhow::Error> for ApiError {
+    fn from(e: anyhow::Error) -> ApiError {
+        let status = if e.is::<crate::error::UsageError>() {
+            StatusCode::BAD_REQUEST
+        } else {
+            match e.downcast_ref::<StoreError>() {
+                Some(StoreError::BadId(_)) => StatusCode::BAD_REQUEST,
+                Some(StoreError::NotFound { .. }) => StatusCode::NOT_FOUND,
+                Some(StoreError::Corrupt { .. } | StoreError::Refused(_)) => StatusCode::CONFLICT,
+                Some(StoreError::Locked { .. }) => StatusCode::SERVICE_UNAVAILABLE,
+                _ if e.is::<crate::config::ConfigError>() => StatusCode::CONFLICT,
+                _ => StatusCode::INTERNAL_SERVER_ERROR,
+            }
+        };
+        ApiError::new(status, format!("{e:#}"))
+    }
+}
+
+macro_rules! rejection {
+    ($($t:ty),*) => {$(
+        impl From<$t> for ApiError {
+            fn from(r: $t) -> ApiError {
+                ApiError::new(r.status(), r.body_text())
+            }
+        }
+    )*};
+}
+rejection!(JsonRejection, PathRejection, QueryRejection);
+
+type ApiResult<T> = std::result::Result<T, ApiError>;
+
+/// Runs `f` on a blocking thread: the store waits for locks, and reads and writes files.
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T> + Send + 'static,
+) -> ApiResult<T> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?
+        .map_err(ApiError::from)
+}
+
+/// `?root=DIR`: which project, where two have a loop of the same id.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Where {
+    root: Option<PathBuf>,
+}
+
+/// The project of the service that holds loop `id`.
+fn find(info: &ServiceInfo, id: &str, root: Option<&Path>) -> Result<Project> {
+    crate::state::store::validate_id(id)?;
+    if let Some(root) = root
+        && !info.serves(root)
+    {
+        return Err(crate::cli::usage(format!(
+            "{} is not a project of this service",
+            root.display()
+        )));
+    }
+    let mut found = Vec::new();
+    for r in info
+        .roots
+        .iter()
+        .filter(|r| root.is_none_or(|root| root == *r))
+    {
+        let p = Project::open_for_inspection(Some(r), None)?;
+        if p.store.state_path(id).exists() {
+            found.push(p);
+        }
+    }
+    match found.len() {
+        0 => Err(StoreError::NotFound {
+            id: id.to_owned(),
+            path: PathBuf::from(id),
+        }
+        .into()),
+        1 => Ok(found.remove(0)),
+        _ => Err(crate::cli::usage(format!(
+            "loop {id} is in more than one project; name one with ?root="
+        ))),
+    }
+}
+
+/// A loop as the API shows it: where it is, its status and usage, and its view.
+fn summary(p: &Project, state: &crate::state::model::LoopState, info: &ServiceInfo) -> Value {
+    let view = crate::view::LoopView::of(p, state, Some(info));
+    let skill = state.skill_state.as_ref();
+    json!({
+        "root": p.root,
+        "status": state.status.as_str(),
+        "errors": skill.map_or(0, |s| s.error_count),
+        "max_errors": state.max_errors_or(p.config.max_errors),
+        "usage": skill.map(|s| &s.usage),
+        "view": view,
+    })
+}
+
+async fn openapi() -> Response {
+    ([(header::CONTENT_TYPE, "application/json")], OPENAPI).into_response()
+}
+
+async fn service(State(shared): State<Shared>) -> Json<ServiceInfo> {
+    Json(shared.info())
+}
+
+async fn list_loops(State(shared): State<Shared>) -> ApiResult<Json<Value>> {
+    let info = shared.info();
+    blocking(move || {
+        let mut loops = Vec::new();
+        for root in &info.roots {
+            let p = Project::open_for_inspection(Some(root), None)?;
+            for id in p.store.list_ids()? {
+                match p.store.load(&id) {
+                    Ok(loaded) => loops.push(summary(&p, &loaded.state, &info)),
+                    Err(e) => loops.push(json!({
+                        "root": root, "status": "unreadable", "error": e.to_string(),
+                        "view": { "loop_id": id },
+                    })),
+                }
+            }
+        }
+        Ok(Json(Value::Array(loops)))
+    })
+    .await
+}
+
+async fn one_loop(
+    State(shared): State<Shared>,
+    id: std::result::Result<UrlPath<String>, PathRejection>,
+    place: std::result::Result<Query<Where>, QueryRejection>,
+) -> ApiResult<Json<Value>> {
+    let (UrlPath(id), Query(place), info) = (id?, place?, shared.info());
+    blocking(move || {
+        let p = find(&info, &id, place.root.as_deref())?;
+        let loaded = p.store.load(&id)?;
+        let mut value = summary(&p, &loaded.state, &info);
+        value["state"] = Value::Object(loaded.raw);
+        Ok(Json(value))
+    })
+    .await
+}
+
+/// What `POST /v1/loops` takes: `loopd create`'s options.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct CreateRequest {
+    root: PathBuf,
+    title: Option<String>,
+    #[serde(default)]
+    description: String,
+    workflow: Option<String>,
+    #[serde(default)]
+    interactive: bool,
+    #[serde(default)]
+    tasks: Vec<String>,
+    max_iterations: Option<u64>,
+    max_errors: Option<u64>,
+    max_cost_usd: Option<f64>,
+    max_tokens: Option<u64>,
+}
+
+async fn create(
+    State(shared): State<Shared>,
+    body: std::result::Result<Json<CreateRequest>, JsonRejection>,
+) -> ApiResult<(StatusCode, Json<Value>)> {
+    let (Json(request), info) = (body?, shared.info());
+    blocking(move || {
+        if !info.serves(&request.root) {
+            return Err(crate::cli::usage(format!(
+                "{} is not a project of this service",
+                request.root.display()
+            )));
+        }
+        let p = Project::open(Some(&request.root), None)?;
+        let args = crate::create::CreateArgs {
+            title: request.title,
+            description: request.description,
+            limits: crate::recovery::Limits {
+                max_iterations: request.max_iterations,
+                max_errors: request.max_errors,
+                max_cost_usd: request.max_cost_usd,
+                max_tokens: request.max_tokens,
+            },
+            mode: if request.interactive {
+                crate::cli::ModeArg::Interactive
+            } else {
+                crate::cli::ModeArg::Auto
+            },
+            workflow: request.workflow,
+            tasks: request.tasks,
+            ..Default::default()
+        };
+        let id = crate::create::create_loop(&p, &args)?;
+        Ok((
+            StatusCode::CREATED,
+            Json(json!({ "loop_id": id, "root": p.root })),
+        ))
+    })
+    .await
+}
+
+/// pause, resume, stop: as the CLI does; the service takes up a resumed loop itself.
+async fn control(
+    shared: Shared,
+    id: std::result::Result<UrlPath<String>, PathRejection>,
+    place: std::result::Result<Query<Where>, QueryRejection>,
+    what: Control,
+) -> ApiResult<Json<Value>> {
+    let (UrlPath(id), Query(place), info) = (id?, place?, shared.info());
+    blocking(move || {
+        let p = find(&info, &id, place.root.as_deref())?;
+        let done = crate::cli::set_control(&p, &id, what)?;
+        Ok(Json(json!({
+            "loop_id": id,
+            "from": done.from.as_str(),
+            "status": done.to.as_str(),
+            "changed": done.changed,
+        })))
+    })
+    .await
+}
+
+async fn pause(
+    State(shared): State<Shared>,
+    id: std::result::Result<UrlPath<String>, PathRejection>,
+    place: std::result::Result<Query<Where>, QueryRejection>,
+) -> ApiResult<Json<Value>> {
+    control(shared, id, place, Control::Pause).await
+}
+
+async fn resume(
+    State(shared): State<Shared>,
+    id: std::result::Result<UrlPath<String>, PathRejection>,
+    place: std::result::Result<Query<Where>, QueryRejection>,
+) -> ApiResult<Json<Value>> {
+    control(shared, id, place, Control::Resume).await
+}
+
+async fn stop(
+    State(shared): State<Shared>,
+    id: std::result::Result<UrlPath<String>, PathRejection>,
+    place: std::result::Result<Query<Where>, QueryRejection>,
+) -> ApiResult<Json<Value>> {
+    control(shared, id, place, Control::Stop).await
+}
+
+/// A body of one text: `{"action": ...}` or `{"text": ...}`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Choice {
+    action: String,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Text {
+    text: String,
+}
+
+async fn next(
+    State(shared): State<Shared>,
+    id: std::result::Result<UrlPath<String>, PathRejection>,
+    place: std::result::Result<Query<Where>, QueryRejection>,
+    body: std::result::Result<Json<Choice>, JsonRejection>,
+) -> ApiResult<Json<Value>> {
+    let (UrlPath(id), Query(place), Json(choice)) = (id?, place?, body?);
+    let info = shared.info();
+    blocking(move || {
+        let p = find(&info, &id, place.root.as_deref())?;
+        Ok(Json(crate::cli::choose_next(&p, &id, &choice.action)?))
+    })
+    .await
+}
+
+async fn answer(
+    State(shared): State<Shared>,
+    id: std::result::Result<UrlPath<String>, PathRejection>,
+    place: std::result::Result<Query<Where>, QueryRejection>,
+    body: std::result::Result<Json<Text>, JsonRejection>,
+) -> ApiResult<Json<Value>> {
+    let (UrlPath(id), Query(place), Json(text)) = (id?, place?, body?);
+    let info = shared.info();
+    blocking(move || {
+        let p = find(&info, &id, place.root.as_deref())?;
+        Ok(Json(crate::recovery::give_answer(&p, &id, &text.text)?))
+    })
+    .await
+}
+
+async fn add_task(
+    State(shared): State<Shared>,
+    id: std::result::Result<UrlPath<String>, PathRejection>,
+    place: std::result::Result<Query<Where>, QueryRejection>,
+    body: std::result::Result<Json<Text>, JsonRejection>,
+) -> ApiResult<(StatusCode, Json<Value>)> {
+    let (UrlPath(id), Query(place), Json(text)) = (id?, place?, body?);
+    let info = shared.info();
+    blocking(move || {
+        let p = find(&info, &id, place.root.as_deref())?;
+        let value = crate::recovery::add_task(&p, &id, &text.text)?;
+        Ok((StatusCode::CREATED, Json(value)))
+    })
+    .await
+}
+
+/// `?after=OFFSET`: events after this one (what `Last-Event-ID` says, for clients that cannot
+/// set headers).
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct After {
+    root: Option<PathBuf>,
+    after: Option<u64>,
+}
+
+/// The events of a loop as Server-Sent Events: each event's id is the offset in the event log
+/// after it, so that a client that reconnects with `Last-Event-ID` gets what it missed and
+/// nothing twice. New events come as they are written (the progress directory is watched).
+async fn events(
+    State(shared): State<Shared>,
+    id: std::result::Result<UrlPath<String>, PathRejection>,
+    query: std::result::Result<Query<After>, QueryRejection>,
+    headers: HeaderMap,
+) -> ApiResult<impl IntoResponse> {
+    let (UrlPath(id), Query(query), info) = (id?, query?, shared.info());
+    let last = headers
+        .get("last-event-id")
+        .map(|v| {
+            v.to_str()
+                .ok()
+                .and_then(|v| v.trim().parse::<u64>().ok())
+                .ok_or_else(|| {
+                    ApiError::new(StatusCode::BAD_REQUEST, "Last-Event-ID: not an event id")
+                })
+        })
+        .transpose()?;
+    let offset = last.or(query.after).unwrap_or(0);
+    let root = query.root;
+    let dir = blocking(move || {
+        let p = find(&info, &id, root.as_deref())?;
+        Ok(p.store.progress(&id)?)
+    })
+    .await?;
+    let wake = Arc::new(tokio::sync::Notify::new());
+    let subscription = {
+        let wake = wake.clone();
+        crate::watch::subscribe(
+            dir.path(),
+            Arc::new(move |_: &notify::Result<notify::Event>| wake.notify_one()),
+        )
+    };
+    let tail = EventTail {
+        dir,
+        offset,
+        pending: std::collections::VecDeque::new(),
+        wake,
+        _subscription: subscription,
+    };
+    let stream = futures_util::stream::unfold(tail, |mut tail| async move {
+        let event = tail.next().await;
+        Some((Ok::<_, Infallible>(event), tail))
+    });
+    Ok(Sse::new(stream).keep_alive(KeepAlive::default()))
+}
+
+/// The event log of one loop, read from an offset on as it grows.
+struct EventTail {
+    dir: Dir,
+    offset: u64,
+    pending: std::collections::VecDeque<(u64, String)>,
+    wake: Arc<tokio::sync::Notify>,
+    _subscription: crate::watch::Subscription,
+}
+
+impl EventTail {
+    async fn next(&mut self) -> SseEvent {
+        loop {
+            if let Some((end, line)) = self.pending.pop_front() {
+                return SseEvent::default().id(end.to_string()).data(line);
+            }
+            let (dir, offset) = (self.dir.clone(), self.offset);
+            let read = tokio::task::spawn_blocking(move || new_lines(&dir, offset))
+                .await
+                .ok()
+                .flatten();
+            if let Some((offset, lines)) = read {
+                self.offset = offset;
+                self.pending.extend(lines);
+            }
+            if self.pending.is_empty() {
+                // A rare look even without an event, in case one was missed.
+                let _ = tokio::time::timeout(Duration::from_secs(5), self.wake.notified()).await;
+            }
+        }
+    }
+}
+
+/// The whole lines of `events.jsonl` after `offset`, each with the offset after it, and the
+/// offset to read from next. A log smaller than `offset` was rotated: read from its start.
+fn new_lines(dir: &Dir, offset: u64) -> Option<(u64, Vec<(u64, String)>)> {
+    use std::io::{Read as _, Seek as _, SeekFrom};
+    let mut file = dir.open_read(crate::events::EVENTS).ok()?;
+    let len = file.metadata().ok()?.len();
+    let mut at = if len < offset { 0 } else { offset };
+    file.seek(SeekFrom::Start(at)).ok()?;
+    let mut bytes = Vec::new();
+    file.take(1 << 20).read_to_end(&mut bytes).ok()?;
+    let mut lines = Vec::new();
+    let mut rest = bytes.as_slice();
+    while let Some(end) = rest.iter().position(|b| *b == b'\n') {
+        at += end as u64 + 1;
+        let line = String::from_utf8_lossy(&rest[..end]).into_owned();
+        if !line.trim().is_empty() {
+            lines.push((at, line));
+        }
+        rest = &rest[end + 1..];
+    }
+    Some((at, lines))
+}
+
+/// `?bytes=N`: how much of the tail (at most 1 MiB).
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TailQuery {
+    root: Option<PathBuf>,
+    bytes: Option<u64>,
+}
+
+/// The tail of the log of the attempt in flight (`null` text when none is in flight).
+async fn tail(
+    State(shared): State<Shared>,
+    id: std::result::Result<UrlPath<String>, PathRejection>,
+    query: std::result::Result<Query<TailQuery>, QueryRejection>,
+) -> ApiResult<Json<Value>> {
+    let (UrlPath(id), Query(query), info) = (id?, query?, shared.info());
+    let want = query.bytes.unwrap_or(16 * 1024).min(1 << 20);
+    blocking(move || {
+        let p = find(&info, &id, query.root.as_deref())?;
+        let state = p.store.load(&id)?.state;
+        let flight = state.skill_state.as_ref().and_then(|s| s.in_flight.clone());
+        let Some(flight) = flight else {
+            return Ok(Json(
+                json!({ "loop_id": id, "in_flight": null, "text": null }),
+            ));
+        };
+        // The attempt's log, by its name alone, in the progress directory.
+        let text = flight.log.as_deref().and_then(|name| {
+            let actions = p.store.progress(&id).ok()?.subdir("actions", false).ok()?;
+            read_tail(&actions, name, want)
+        });
+        Ok(Json(json!({
+            "loop_id": id,
+            "in_flight": {
+                "action": flight.action,
+                "iteration": flight.iteration,
+                "attempt": flight.attempt,
+                "pid": flight.pid,
+                "started_at": flight.started_at,
+            },
+            "text": text,
+        })))
+    })
+    .await
+}
+
+/// The last `want` bytes of a file of `dir`, as text.
+fn read_tail(dir: &Dir, name: &str, want: u64) -> Option<String> {
+    use std::io::{Read as _, Seek as _, SeekFrom};
+    let mut file = dir.open_read(name).ok()?;
+    let len = file.metadata().ok()?.len();
+    file.seek(SeekFrom::Start(len.saturating_sub(want))).ok()?;
+    let mut bytes = Vec::new();
+    file.read_to_end(&mut bytes).ok()?;
+    Some(String::from_utf8_lossy(&bytes).into_owned())
+}
