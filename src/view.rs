@@ -35,12 +35,11 @@ impl LoopView {
     /// The view of a loop; `service` is the running service, if one runs, which may queue it.
     pub fn of(p: &Project, s: &LoopState, service: Option<&ServiceInfo>) -> LoopView {
         let daemon_pid = crate::daemon::daemon_pid(&p.store, &s.loop_id);
-        let queued = service.and_then(|service| {
-            service.queue_position(&LoopKey {
-                root: p.root.clone(),
-                loop_id: s.loop_id.clone(),
-            })
-        });
+        let key = LoopKey {
+            root: p.root.clone(),
+            loop_id: s.loop_id.clone(),
+        };
+        let queued = service.and_then(|service| service.queue_position(&key));
         let skill = s.skill_state.clone().unwrap_or_default();
         let workflow = loop_workflow(p, s).ok();
         let wf_view = workflow.map(|w| w.view(s));
@@ -56,6 +55,13 @@ impl LoopView {
             _ => standing(s, daemon_pid),
         };
         let mut rows = engine_rows(p, s, &skill, &standing, daemon_pid);
+        // A loop set to run that the service could not take says why.
+        if let Some(refused) = service.and_then(|v| v.refused.iter().find(|r| r.key == key)) {
+            rows.insert(
+                1,
+                row("service", format!("cannot take it: {}", refused.reason)),
+            );
+        }
         rows.extend(wf_view.as_ref().map(|v| v.rows.clone()).unwrap_or_default());
         rows.extend(ending_rows(p, s, &skill, daemon_pid));
         LoopView {

@@ -493,3 +493,38 @@ fn which(program: &str) -> Option<std::path::PathBuf> {
         .map(|dir| dir.join(program))
         .find(|p| p.is_file())
 }
+
+#[test]
+fn a_loop_refused_for_a_busy_work_tree_runs_once_the_other_loop_ends() {
+    let p = Project::new(&held_agent());
+    let (first, second) = (p.create(&["--title", "a"]), p.create(&["--title", "b"]));
+    let service = p.serve(&["--root", p.root.to_str().unwrap()]);
+    set_status(&p, &first, "running");
+    read_pid(&p.root.join("agent-develop.pid"));
+    set_status(&p, &second, "running");
+    let mut reason = String::new();
+    wait_for("the second loop to be refused", || {
+        let refused = service
+            .info()
+            .map(|i| i["refused"].clone())
+            .unwrap_or_default();
+        reason = refused[0]["reason"].as_str().unwrap_or_default().to_owned();
+        refused[0]["loop_id"] == second.as_str()
+    });
+    assert!(
+        reason.contains(&format!("loop {first} runs there")),
+        "{reason}"
+    );
+    assert!(p.events(&second).is_empty());
+    let shown = stdout(&p.output(&["status", &second]));
+    assert!(shown.contains("service    cannot take it: "), "{shown}");
+    std::fs::write(p.root.join("go"), "").expect("go");
+    wait_status(&p, &first, "completed");
+    wait_status(&p, &second, "completed");
+    assert_eq!(
+        service.info().expect("info")["refused"],
+        serde_json::json!([])
+    );
+    let log = stderr(&service.stop());
+    assert!(log.contains(&format!("loop {second} in")), "{log}");
+}

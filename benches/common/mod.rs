@@ -27,10 +27,17 @@ pub fn tempdir() -> tempfile::TempDir {
 pub struct Project {
     _dir: tempfile::TempDir,
     pub root: PathBuf,
+    /// `$HOME` of its commands: the root, or a home shared by several projects (one service).
+    pub home: PathBuf,
 }
 
 impl Project {
     pub fn new(config: &str, agent: Option<&str>) -> Project {
+        Project::in_home(config, agent, None)
+    }
+
+    /// A project whose commands run with `$HOME` set to `home` (else its root).
+    pub fn in_home(config: &str, agent: Option<&str>, home: Option<&std::path::Path>) -> Project {
         let dir = tempdir();
         let root = dir.path().canonicalize().expect("canonical tempdir");
         std::fs::create_dir_all(root.join(".loop")).expect("mkdir .loop");
@@ -39,7 +46,11 @@ impl Project {
         if let Some(agent) = agent {
             std::fs::write(root.join("bin/agent.sh"), agent).expect("write agent");
         }
-        let p = Project { _dir: dir, root };
+        let p = Project {
+            _dir: dir,
+            home: home.map_or_else(|| root.clone(), ToOwned::to_owned),
+            root,
+        };
         let trusted = p.loopd().arg("trust").output().expect("run loopd trust");
         assert!(trusted.status.success(), "loopd trust failed");
         p
@@ -51,8 +62,10 @@ impl Project {
         cmd.arg("--root")
             .arg(&self.root)
             .current_dir(&self.root)
-            .env("HOME", &self.root)
+            .env("HOME", &self.home)
             .env_remove("XDG_CONFIG_HOME")
+            .env_remove("XDG_STATE_HOME")
+            .env_remove("XDG_RUNTIME_DIR")
             .env_remove("LOOPD_CONFIG")
             .env_remove("LOOPD_ROOT")
             .env_remove("LOOPD_LOG")

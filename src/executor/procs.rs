@@ -253,17 +253,18 @@ pub async fn end_attempt(pgid: u32, marker: &str, grace: Duration) -> bool {
     if group_empty && no_children() {
         return false;
     }
-    // Perhaps only zombies reparented here, or the executors of other attempts.
+    // Perhaps only zombies reparented here, or the executors of other attempts (being spawned,
+    // or running): then nothing of this attempt is left. Only the orphans are looked at.
     if group_empty && let Some(children) = own_children() {
-        let strays = |children: &[u32]| {
-            let running = running();
-            children.iter().any(|c| !running.contains(c))
-        };
-        if !strays(&children) {
-            return false;
-        }
         reap_among(&children);
-        if own_children().is_some_and(|c| !strays(&c)) {
+        let others_in_flight = running().iter().any(|g| *g != pgid);
+        let link = marker_link(marker);
+        let mine = |pid: &u32| {
+            !running().contains(pid)
+                && ProcStat::read(*pid).is_some_and(|p| p.is_alive())
+                && (!others_in_flight || holds_marker(*pid, &link))
+        };
+        if !own_children().unwrap_or(children).iter().any(mine) {
             return false;
         }
     }

@@ -26,6 +26,14 @@ impl std::fmt::Display for LoopKey {
     }
 }
 
+/// A loop the service could not take.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RefusedLoop {
+    #[serde(flatten)]
+    pub key: LoopKey,
+    pub reason: String,
+}
+
 /// What a running service says about itself.
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct ServiceInfo {
@@ -37,6 +45,10 @@ pub struct ServiceInfo {
     pub running: Vec<LoopKey>,
     /// The loops waiting for a place, first first.
     pub queued: Vec<LoopKey>,
+    /// The loops set to run that the service could not take, and why (another loop runs in
+    /// their work tree, their project's files are not trusted...). They are tried again.
+    #[serde(default)]
+    pub refused: Vec<RefusedLoop>,
     /// One line: "4 running, 1 paused, 2 queued".
     pub summary: String,
     /// The API's Unix socket, and its TCP address when it listens on one.

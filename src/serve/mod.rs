@@ -45,9 +45,14 @@ pub struct ServeArgs {
     pub listen: Option<std::net::SocketAddr>,
 }
 
-/// How often every known loop is looked at even without an event, in case one was missed.
-const RESCAN: Duration = Duration::from_secs(10);
-/// How long a loop that could not be taken is left alone before it is tried again.
+/// The most threads for blocking sections at once.
+const MAX_BLOCKING_THREADS: usize = 16;
+
+/// How often every known loop is looked at even without an event, in case one was missed
+/// (inotify says when it dropped events: then every loop is looked at at once).
+const RESCAN: Duration = Duration::from_secs(60);
+/// How long a loop that could not be taken is left alone before a change of its state file is
+/// looked at again (its project's next loop to end, or the rescan, look anyway).
 const REFUSED_HOLD: Duration = Duration::from_secs(2);
 /// How long a loop whose task failed or panicked is left alone before it is tried again.
 const FAILED_HOLD: Duration = Duration::from_secs(30);
@@ -64,6 +69,16 @@ enum Wake {
     Ended(LoopKey, Ending),
     /// SIGHUP: reload the configuration.
     Reload,
+}
+
+/// A loop left alone for a while.
+struct Hold {
+    until: Instant,
+    /// What was said about it, said again only when it changes.
+    message: String,
+    /// It could not be taken (rather than failed while it ran): another loop's end may be what
+    /// it waits for.
+    refused: bool,
 }
 
 /// How a loop's task ended.
@@ -91,7 +106,7 @@ struct Supervisor {
     active: BTreeSet<LoopKey>,
     queue: VecDeque<LoopKey>,
     /// Loops not to try again before a time, with what was said about them.
-    held: HashMap<LoopKey, (Instant, String)>,
+    held: HashMap<LoopKey, Hold>,
     /// Each loop's status as last read.
     statuses: BTreeMap<LoopKey, Status>,
     tx: mpsc::UnboundedSender<Wake>,
@@ -121,7 +136,10 @@ pub fn run(roots: &[PathBuf], config_flag: Option<&Path>, args: &ServeArgs) -> R
     let _lock = files::lock(&runtime_dir)?;
     crate::executor::procs::become_subreaper();
     raise_open_file_limit();
+    // Blocking sections (store writes, lock waits) run on threads of their own; a bounded
+    // number, as each thread costs memory, however many loops there are.
     let runtime = tokio::runtime::Builder::new_multi_thread()
+        .max_blocking_threads(MAX_BLOCKING_THREADS)
         .enable_all()
         .build()
         .context("cannot start the async runtime")?;
@@ -247,8 +265,17 @@ impl Supervisor {
             Wake::Rescan => self.scan_all(),
             Wake::Projects => self.load_projects(),
             Wake::Ended(key, ending) => {
+                // A loop that ran frees its work tree: its project's loops refused for it may
+                // go now.
+                if !matches!(ending, Ending::Refused(_)) {
+                    for (other, hold) in &mut self.held {
+                        if hold.refused && other.root == key.root {
+                            hold.until = Instant::now();
+                        }
+                    }
+                }
                 self.ended(key.clone(), ending);
-                self.consider(key);
+                self.scan(&key.root);
                 self.admit();
             }
             Wake::Reload => self.reload(),
@@ -409,12 +436,13 @@ impl Supervisor {
         self.statuses.insert(key.clone(), control.status);
         if !wanted {
             self.queue.retain(|k| *k != key);
+            self.held.remove(&key);
             return;
         }
         if self
             .held
             .get(&key)
-            .is_some_and(|(until, _)| Instant::now() < *until)
+            .is_some_and(|hold| Instant::now() < hold.until)
         {
             return;
         }
@@ -487,10 +515,14 @@ impl Supervisor {
     /// A loop's task ended: say how, and hold off one that failed.
     fn ended(&mut self, key: LoopKey, ending: Ending) {
         self.active.remove(&key);
-        let hold = |this: &mut Self, pause: Duration, message: String| {
-            let said = this.held.get(&key).is_some_and(|(_, m)| *m == message);
-            this.held
-                .insert(key.clone(), (Instant::now() + pause, message.clone()));
+        let hold = |this: &mut Self, pause: Duration, message: String, refused: bool| {
+            let said = this.held.get(&key).is_some_and(|h| h.message == message);
+            let hold = Hold {
+                until: Instant::now() + pause,
+                message,
+                refused,
+            };
+            this.held.insert(key.clone(), hold);
             !said
         };
         match ending {
@@ -499,16 +531,16 @@ impl Supervisor {
                 tracing::info!("loop {key}: {} (exit {})", exit.label(), exit.code());
             }
             Ending::Refused(message) => {
-                if hold(self, REFUSED_HOLD, message.clone()) {
+                if hold(self, REFUSED_HOLD, message.clone(), true) {
                     tracing::warn!("loop {key} cannot be driven here: {message}");
                 }
             }
             Ending::Error(message) => {
-                hold(self, FAILED_HOLD, message.clone());
+                hold(self, FAILED_HOLD, message.clone(), false);
                 tracing::error!("loop {key} ended in an error: {message}; the others go on");
             }
             Ending::Panicked(message) => {
-                hold(self, FAILED_HOLD, message.clone());
+                hold(self, FAILED_HOLD, message.clone(), false);
                 tracing::error!("loop {key} panicked: {message}; the others go on");
             }
         }
@@ -532,6 +564,16 @@ impl Supervisor {
         self.info.summary = summary;
         self.info.running = self.active.iter().cloned().collect();
         self.info.queued = self.queue.iter().cloned().collect();
+        self.info.refused = self
+            .held
+            .iter()
+            .filter(|(key, hold)| hold.refused && !self.active.contains(*key))
+            .map(|(key, hold)| files::RefusedLoop {
+                key: key.clone(),
+                reason: hold.message.clone(),
+            })
+            .collect();
+        self.info.refused.sort_by(|a, b| a.key.cmp(&b.key));
         let text = match serde_json::to_string(&self.info) {
             Ok(text) if Some(&text) != self.published.as_ref() => text,
             _ => return,

@@ -1,0 +1,356 @@
+//! Benchmark: one `loopd serve` driving many loops at once.
+//!
+//! N projects (one loop each: a loop without a worktree of its own has its project's work tree
+//! to itself) share one user's service. Each action of each loop is a shell agent that records
+//! its pid and sleeps 0.2 s. Measured:
+//!   - the service's memory while every loop runs (peak RSS, PSS, threads) and its inotify
+//!     instances;
+//!   - its own CPU per action (utime + stime of the service over a window, divided by the
+//!     actions finished in it) and the throughput against the ideal N / 0.2 s;
+//!   - a raw write of `"status": "paused"` or `"failed"` (as the dashboard does), from the write
+//!     to the executor gone, while every loop runs;
+//!   - its CPU ticks over 10 s once every loop is paused;
+//!   - a raw write of `"status": "running"` to the executor spawned (its pid file written), with
+//!     N loops known.
+//!
+//! Run: `cargo bench --bench service`. Environment:
+//!   LOOPD_BENCH_LOOPS    loops (default 200)
+//!   LOOPD_BENCH_WINDOW   seconds of the measured window under load (default 10)
+//!   LOOPD_BENCH_TRIALS   pause, stop and pick-up trials each (default 25)
+//!   LOOPD_BENCH_DIR      where the temporary projects go (default: the system temp dir)
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{Project, env_num, tempdir};
+
+const CONFIG: &str = r#"
+retry_backoff = 0.01
+executor = "agent"
+
+[executor_defaults]
+kill_grace = 0.5
+
+[executors.agent]
+command = ["sh", "bin/agent.sh"]
+prompt = "stdin"
+format = "json"
+"#;
+
+/// Plans 20 tasks, then every action records its pid and takes 0.2 s; validation never passes,
+/// so the loop goes on (debug, develop...) until its iteration limit.
+fn agent() -> String {
+    let tasks = vec![r#"{"description":"t"}"#; 20].join(",");
+    format!(
+        r#"#!/bin/sh
+echo $$ > "$LOOPD_PROGRESS_DIR/agent.pid"
+cat > /dev/null
+case "$LOOPD_ACTION" in
+  init) echo '{{"status":"success","summary":"planned","state_updates":{{"tasks":[{tasks}]}}}}' ;;
+  validate) sleep 0.2; echo '{{"status":"success","summary":"not yet","state_updates":{{"passed":false,"pass_rate":50}}}}' ;;
+  *) sleep 0.2; echo '{{"status":"success","summary":"done"}}' ;;
+esac
+"#
+    )
+}
+
+const POLL: Duration = Duration::from_micros(100);
+const DEADLINE: Duration = Duration::from_secs(60);
+
+struct Loop {
+    project: Project,
+    id: String,
+}
+
+impl Loop {
+    fn state_path(&self) -> PathBuf {
+        self.project
+            .root
+            .join(".loop")
+            .join(format!("{}.json", self.id))
+    }
+
+    fn agent_pid_file(&self) -> PathBuf {
+        self.project.progress(&self.id).join("agent.pid")
+    }
+
+    /// Sets the status by an atomic rewrite of the state file; returns when the rename is done.
+    fn set_status(&self, status: &str) -> Instant {
+        let path = self.state_path();
+        let mut state: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(&path).expect("read state")).expect("parse");
+        state["status"] = status.into();
+        let tmp = path.with_extension("bench");
+        std::fs::write(&tmp, serde_json::to_vec(&state).expect("json")).expect("write");
+        std::fs::rename(&tmp, &path).expect("rename");
+        Instant::now()
+    }
+
+    fn actions_finished(&self) -> usize {
+        std::fs::read_to_string(self.project.progress(&self.id).join("events.jsonl"))
+            .unwrap_or_default()
+            .matches("\"action_finished\"")
+            .count()
+    }
+}
+
+fn alive(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
+        let state = s
+            .rfind(')')
+            .and_then(|i| s[i + 1..].split_whitespace().next())
+            .unwrap_or("X");
+        !matches!(state, "Z" | "X")
+    })
+}
+
+fn wait(what: &str, mut cond: impl FnMut() -> bool) {
+    let deadline = Instant::now() + DEADLINE;
+    while !cond() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(POLL);
+    }
+}
+
+/// The service's own CPU time (utime + stime) in clock ticks.
+fn cpu_ticks(pid: u32) -> u64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).expect("stat");
+    let fields: Vec<&str> = stat[stat.rfind(')').expect("comm") + 2..]
+        .split_whitespace()
+        .collect();
+    fields[11].parse::<u64>().expect("utime") + fields[12].parse::<u64>().expect("stime")
+}
+
+fn status_kib(pid: u32, key: &str) -> u64 {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("status");
+    text.lines()
+        .find_map(|l| l.strip_prefix(key))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or(0)
+}
+
+fn pss_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup"))
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("Pss:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or(0)
+}
+
+fn inotify_instances(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .map(|fds| {
+            fds.filter_map(Result::ok)
+                .filter(|fd| {
+                    std::fs::read_link(fd.path())
+                        .is_ok_and(|l| l.to_string_lossy().contains("inotify"))
+                })
+                .count()
+        })
+        .unwrap_or(0)
+}
+
+fn service_info(home: &Path) -> Option<serde_json::Value> {
+    let path = home.join(".local/state/loopd/run/serve.json");
+    serde_json::from_slice(&std::fs::read(path).ok()?).ok()
+}
+
+fn running_count(home: &Path) -> usize {
+    service_info(home)
+        .and_then(|i| i["running"].as_array().map(Vec::len))
+        .unwrap_or(0)
+}
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[i.min(sorted.len() - 1)]
+}
+
+fn summary(name: &str, mut ms: Vec<f64>) {
+    ms.sort_by(f64::total_cmp);
+    println!(
+        "| {name} | {:.1} ms | {:.1} ms | {:.1} ms |",
+        percentile(&ms, 0.5),
+        percentile(&ms, 0.99),
+        ms.last().copied().unwrap_or(0.0)
+    );
+}
+
+/// Waits for the executor of a loop to be up (its pid file names a live agent); returns it.
+fn executor(l: &Loop) -> u32 {
+    let mut pid = 0;
+    wait("an executor", || {
+        pid = std::fs::read_to_string(l.agent_pid_file())
+            .ok()
+            .and_then(|t| t.trim().parse().ok())
+            .unwrap_or(0);
+        pid != 0
+            && alive(pid)
+            && std::fs::read(format!("/proc/{pid}/cmdline"))
+                .is_ok_and(|c| String::from_utf8_lossy(&c).contains("agent.sh"))
+    });
+    pid
+}
+
+fn main() {
+    let n = env_num("LOOPD_BENCH_LOOPS", 200);
+    let window = Duration::from_secs(env_num("LOOPD_BENCH_WINDOW", 10) as u64);
+    // Pause trials and stop trials each take loops of their own.
+    let trials = env_num("LOOPD_BENCH_TRIALS", 25).clamp(1, (n / 2).max(1));
+    let home_dir = tempdir();
+    let home = home_dir.path().canonicalize().expect("home");
+    let agent = agent();
+
+    let setup = Instant::now();
+    let loops: Vec<Loop> = (0..n)
+        .map(|_| {
+            let project = Project::in_home(CONFIG, Some(&agent), Some(&home));
+            let id = project.create(100_000);
+            Loop { project, id }
+        })
+        .collect();
+    eprintln!(
+        "{n} projects with a loop each, made in {:.1}s",
+        setup.elapsed().as_secs_f64()
+    );
+
+    let service: Child = loops[0]
+        .project
+        .loopd()
+        .args(["serve", "--max-running-loops"])
+        .arg(n.to_string())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn loopd serve");
+    let pid = service.id();
+    let mut service = Guard(service);
+    wait("the service", || {
+        service_info(&home).is_some_and(|i| i["roots"].as_array().map(Vec::len) == Some(n))
+    });
+
+    let start = Instant::now();
+    for l in &loops {
+        l.set_status("running");
+    }
+    wait("every loop running", || running_count(&home) == n);
+    let all_running = start.elapsed();
+    std::thread::sleep(Duration::from_secs(3));
+
+    // The window under load.
+    let (ticks0, actions0) = (
+        cpu_ticks(pid),
+        loops.iter().map(Loop::actions_finished).sum::<usize>(),
+    );
+    let begun = Instant::now();
+    let mut peak_rss = 0;
+    while begun.elapsed() < window {
+        peak_rss = peak_rss.max(status_kib(pid, "VmRSS:"));
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let elapsed = begun.elapsed().as_secs_f64();
+    let (ticks1, actions1) = (
+        cpu_ticks(pid),
+        loops.iter().map(Loop::actions_finished).sum::<usize>(),
+    );
+    let pss = pss_kib(pid);
+    let threads = status_kib(pid, "Threads:");
+    let actions = actions1 - actions0;
+    let tick_ms = 1000.0
+        / nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK)
+            .ok()
+            .flatten()
+            .unwrap_or(100) as f64;
+    let cpu_per_action = (ticks1 - ticks0) as f64 * tick_ms / actions as f64;
+
+    // Pause and stop under load: from the raw write to the executor gone.
+    let mut paused = Vec::new();
+    let mut stopped = Vec::new();
+    for (i, l) in loops.iter().take(2 * trials).enumerate() {
+        let agent = executor(l);
+        let written = l.set_status(if i < trials { "paused" } else { "failed" });
+        wait("the executor to go", || !alive(agent));
+        let ms = written.elapsed().as_secs_f64() * 1000.0;
+        if i < trials {
+            &mut paused
+        } else {
+            &mut stopped
+        }
+        .push(ms);
+    }
+
+    // Idle: every loop paused.
+    for l in loops.iter().skip(2 * trials) {
+        l.set_status("paused");
+    }
+    wait("every loop to stop running", || running_count(&home) == 0);
+    std::thread::sleep(Duration::from_secs(1));
+    let idle0 = cpu_ticks(pid);
+    std::thread::sleep(Duration::from_secs(10));
+    let idle_ticks = cpu_ticks(pid) - idle0;
+
+    // Pick-up: a raw write of "running" to the executor's pid file, with N loops known.
+    let mut picked = Vec::new();
+    for l in loops.iter().take(trials) {
+        let _ = std::fs::remove_file(l.agent_pid_file());
+        let written = l.set_status("running");
+        wait("the executor to start", || l.agent_pid_file().exists());
+        picked.push(written.elapsed().as_secs_f64() * 1000.0);
+        l.set_status("paused");
+        wait("the loop to pause", || running_count(&home) == 0);
+    }
+
+    println!("\n{n} loops in one `loopd serve`, each action a 0.2 s shell agent:\n");
+    println!("| measure | value |");
+    println!("|---|---|");
+    println!(
+        "| every loop taken after its raw write of `running` | {:.2} s |",
+        all_running.as_secs_f64()
+    );
+    println!(
+        "| service RSS, peak under load | {:.1} MiB |",
+        peak_rss as f64 / 1024.0
+    );
+    println!(
+        "| service PSS under load | {:.1} MiB |",
+        pss as f64 / 1024.0
+    );
+    println!("| service threads | {threads} |");
+    println!("| inotify instances | {} |", inotify_instances(pid));
+    println!(
+        "| actions per second | {:.0} of an ideal {:.0} |",
+        actions as f64 / elapsed,
+        n as f64 / 0.2
+    );
+    println!("| service CPU per action | {cpu_per_action:.2} ms |");
+    println!("| service CPU ticks over 10 s, every loop paused | {idle_ticks} |");
+    println!("\n| raw write | p50 | p99 | max |");
+    println!("|---|---|---|---|");
+    summary("`paused` → executor gone, under load", paused);
+    summary("`failed` (stop) → executor gone, under load", stopped);
+    summary(
+        &format!("`running` → executor spawned, {n} loops known"),
+        picked,
+    );
+
+    let _ = nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    );
+    let status = service.0.wait().expect("wait");
+    eprintln!("service exited: {status}");
+}
+
+/// The service, killed if the benchmark panics.
+struct Guard(Child);
+
+impl Drop for Guard {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
