@@ -91,45 +91,71 @@ fn call(to: &To<'_>, method: &str, path: &str, body: Option<Value>) -> (u16, Val
     })
 }
 
-/// Reads Server-Sent Events from `path` until `n` have come: each one's id and data.
-fn sse(to: &To<'_>, path: &str, last_id: Option<&str>, n: usize) -> Vec<(String, Value)> {
-    runtime().block_on(async {
+/// A stream of Server-Sent Events, open: the server has answered (and subscribed).
+struct Events {
+    rt: tokio::runtime::Runtime,
+    response: hyper::Response<hyper::body::Incoming>,
+    text: String,
+}
+
+impl Events {
+    fn open(to: &To<'_>, path: &str, last_id: Option<&str>) -> Events {
+        let rt = runtime();
         let headers: Vec<(&str, &str)> = last_id
             .map(|id| ("last-event-id", id))
             .into_iter()
             .collect();
-        let mut response = send(to, "GET", path, None, &headers).await;
+        let response = rt.block_on(send(to, "GET", path, None, &headers));
         assert_eq!(response.status(), 200);
         assert_eq!(response.headers()["content-type"], "text/event-stream");
-        let mut text = String::new();
-        let mut events = Vec::new();
-        while events.len() < n {
-            let frame = tokio::time::timeout(DEADLINE, response.body_mut().frame())
-                .await
-                .expect("no event within the deadline")
-                .expect("the stream ended")
-                .expect("frame");
-            if let Some(data) = frame.data_ref() {
-                text.push_str(&String::from_utf8_lossy(data));
-            }
-            while let Some(end) = text.find("\n\n") {
-                let block: String = text.drain(..end + 2).collect();
-                let (mut id, mut data) = (None, None);
-                for line in block.lines() {
-                    if let Some(v) = line.strip_prefix("id: ").or(line.strip_prefix("id:")) {
-                        id = Some(v.to_owned());
-                    }
-                    if let Some(v) = line.strip_prefix("data: ").or(line.strip_prefix("data:")) {
-                        data = Some(serde_json::from_str(v).expect("event data is JSON"));
-                    }
-                }
-                if let (Some(id), Some(data)) = (id, data) {
-                    events.push((id, data));
-                }
-            }
+        Events {
+            rt,
+            response,
+            text: String::new(),
         }
-        events
-    })
+    }
+
+    /// The next `n` events with data: each one's id (empty when it has none) and data.
+    fn next(&mut self, n: usize) -> Vec<(String, Value)> {
+        let Events { rt, response, text } = self;
+        rt.block_on(async {
+            let mut events = Vec::new();
+            while events.len() < n {
+                while let Some(end) = text.find("\n\n") {
+                    let block: String = text.drain(..end + 2).collect();
+                    let (mut id, mut data) = (String::new(), None);
+                    for line in block.lines() {
+                        if let Some(v) = line.strip_prefix("id:") {
+                            id = v.trim().to_owned();
+                        }
+                        if let Some(v) = line.strip_prefix("data:") {
+                            data = Some(serde_json::from_str(v.trim()).expect("data is JSON"));
+                        }
+                    }
+                    if let Some(data) = data {
+                        events.push((id, data));
+                    }
+                }
+                if events.len() >= n {
+                    break;
+                }
+                let frame = tokio::time::timeout(DEADLINE, response.body_mut().frame())
+                    .await
+                    .expect("no event within the deadline")
+                    .expect("the stream ended")
+                    .expect("frame");
+                if let Some(data) = frame.data_ref() {
+                    text.push_str(&String::from_utf8_lossy(data));
+                }
+            }
+            events
+        })
+    }
+}
+
+/// The first `n` events of `path`.
+fn sse(to: &To<'_>, path: &str, last_id: Option<&str>, n: usize) -> Vec<(String, Value)> {
+    Events::open(to, path, last_id).next(n)
 }
 
 fn socket(service: &Service) -> PathBuf {
@@ -169,6 +195,8 @@ fn every_route_works_over_the_unix_socket() {
     assert_eq!(doc, kept);
     hit("/openapi.json");
 
+    // Changes of served loops, live: one comes when a loop is created below.
+    let mut changes = Events::open(&to, "/v1/stream", None);
     let (status, info) = call(&to, "GET", "/v1/service", None);
     assert_eq!((status, info["roots"][0].as_str()), (200, p.root.to_str()));
     hit("/v1/service");
@@ -183,6 +211,10 @@ fn every_route_works_over_the_unix_socket() {
     assert_eq!(status, 201, "{created}");
     let id = created["loop_id"].as_str().expect("id").to_owned();
     assert_eq!(p.state(&id)["title"], "from the API");
+    let change = changes.next(1);
+    assert_eq!(change[0].1["loop_id"], id.as_str(), "{change:?}");
+    assert_eq!(change[0].1["root"], root, "{change:?}");
+    hit("/v1/stream");
     let (status, listed) = call(&to, "GET", "/v1/loops", None);
     assert_eq!(status, 200);
     assert_eq!(listed[0]["view"]["loop_id"], id.as_str());
@@ -274,9 +306,10 @@ fn every_route_works_over_the_unix_socket() {
         let all = sse(&to, &events_path, None, count);
         all.last().expect("events").0.clone()
     };
+    let mut stream = Events::open(&to, &events_path, Some(&last));
     let (status, _) = call(&to, "POST", &format!("/v1/loops/{id}/resume"), None);
     assert_eq!(status, 200);
-    let live = sse(&to, &events_path, Some(&last), 1);
+    let live = stream.next(1);
     assert!(
         ["resumed", "daemon_started"].contains(&live[0].1["event"].as_str().unwrap_or("")),
         "{live:?}"

@@ -34,10 +34,21 @@ use crate::state::store::StoreError;
 /// The OpenAPI document of this API, kept in the repository beside this file.
 pub const OPENAPI: &str = include_str!("openapi.json");
 
-/// What the handlers share: the service's status, as the supervisor last published it.
+/// What the handlers share: the service's status, as the supervisor last published it, and
+/// every change of a served loop's state file, as the supervisor hears it.
 #[derive(Clone)]
 pub struct Shared {
     pub info: Arc<RwLock<ServiceInfo>>,
+    pub changes: tokio::sync::broadcast::Sender<super::LoopKey>,
+}
+
+impl Default for Shared {
+    fn default() -> Shared {
+        Shared {
+            info: Arc::default(),
+            changes: tokio::sync::broadcast::channel(1024).0,
+        }
+    }
 }
 
 impl Shared {
@@ -87,6 +98,8 @@ pub async fn start(
             Arc::<str>::from(token.as_str()),
             require_token,
         ));
+        // As Jupyter does: the link that logs a browser in.
+        tracing::info!("dashboard: http://{}/?token={token}", tcp.local_addr()?);
         tokio::spawn(async move {
             if let Err(e) = axum::serve(tcp, guarded).await {
                 tracing::error!("the API's listener failed: {e}");
@@ -125,17 +138,66 @@ fn new_token() -> Result<String> {
     Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
 }
 
-/// Every request over TCP shows the token: `Authorization: Bearer TOKEN`.
+/// The cookie a browser logged in with the token holds.
+const SESSION_COOKIE: &str = "loopd_token";
+/// The header every state-changing request of the dashboard sends: a cross-site form cannot.
+const REQUEST_HEADER: &str = "x-loopd-request";
+
+/// Every request over TCP shows the token: `Authorization: Bearer TOKEN`, or the session cookie
+/// a browser got from the login link (`/?token=TOKEN`, which sets it and leaves the token out of
+/// the address). A request on the cookie that changes anything must also carry
+/// `X-Loopd-Request`, which no cross-site form or image can send.
 async fn require_token(State(token): State<Arc<str>>, request: Request, next: Next) -> Response {
-    let given = request
-        .headers()
+    let valid = |given: &str| same(given.as_bytes(), token.as_bytes());
+    let headers = request.headers();
+    let bearer = headers
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "));
-    match given {
-        Some(given) if same(given.as_bytes(), token.as_bytes()) => next.run(request).await,
-        _ => ApiError::new(StatusCode::UNAUTHORIZED, "a bearer token is required").into_response(),
+    if bearer.is_some_and(valid) {
+        return next.run(request).await;
     }
+    let login = request
+        .uri()
+        .query()
+        .and_then(|q| q.split('&').find_map(|kv| kv.strip_prefix("token=")));
+    if request.uri().path() == "/" && login.is_some_and(valid) {
+        let cookie = format!("{SESSION_COOKIE}={token}; HttpOnly; SameSite=Strict; Path=/");
+        return (
+            StatusCode::SEE_OTHER,
+            [
+                (header::LOCATION, "/"),
+                (header::SET_COOKIE, cookie.as_str()),
+            ],
+        )
+            .into_response();
+    }
+    let cookie = headers
+        .get_all(header::COOKIE)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(';'))
+        .find_map(|c| c.trim().strip_prefix(SESSION_COOKIE)?.strip_prefix('='));
+    if cookie.is_some_and(valid) {
+        let safe = matches!(
+            *request.method(),
+            axum::http::Method::GET | axum::http::Method::HEAD
+        );
+        if safe || headers.contains_key(REQUEST_HEADER) {
+            return next.run(request).await;
+        }
+        return ApiError::new(
+            StatusCode::FORBIDDEN,
+            "a change from the dashboard must carry X-Loopd-Request (cross-site requests are refused)",
+        )
+        .into_response();
+    }
+    ApiError::new(
+        StatusCode::UNAUTHORIZED,
+        "a token is required: open the login link the service printed (http://ADDR/?token=...), \
+         or send Authorization: Bearer TOKEN",
+    )
+    .into_response()
 }
 
 /// Compares in time that does not depend on where the two differ.
@@ -145,7 +207,20 @@ fn same(a: &[u8], b: &[u8]) -> bool {
 
 fn router(shared: Shared) -> Router {
     Router::new()
+        .route(
+            "/",
+            get(|| async { page("text/html; charset=utf-8", INDEX) }),
+        )
+        .route(
+            "/app.js",
+            get(|| async { page("text/javascript; charset=utf-8", APP_JS) }),
+        )
+        .route(
+            "/app.css",
+            get(|| async { page("text/css; charset=utf-8", APP_CSS) }),
+        )
         .route("/openapi.json", get(openapi))
+        .route("/v1/stream", get(stream))
         .route("/v1/service", get(service))
         .route("/v1/loops", get(list_loops).post(create))
         .route("/v1/loops/{id}", get(one_loop))
@@ -284,8 +359,60 @@ fn summary(p: &Project, state: &crate::state::model::LoopState, info: &ServiceIn
         "errors": skill.map_or(0, |s| s.error_count),
         "max_errors": state.max_errors_or(p.config.max_errors),
         "usage": skill.map(|s| &s.usage),
+        "last_event": last_event(p, &state.loop_id),
         "view": view,
     })
+}
+
+/// The last line of a loop's event log, if it has one (the log is not made by looking).
+fn last_event(p: &Project, id: &str) -> Option<Value> {
+    let progress = p
+        .store
+        .state_dir(false)
+        .ok()?
+        .subdir(&format!("{id}.progress"), false)
+        .ok()?;
+    let text = read_tail(&progress, crate::events::EVENTS, 4096)?;
+    let line = text.lines().rev().find(|l| !l.trim().is_empty())?;
+    serde_json::from_str(line).ok()
+}
+
+/// The dashboard, embedded in the binary.
+const INDEX: &str = include_str!("web/index.html");
+const APP_JS: &str = include_str!("web/app.js");
+const APP_CSS: &str = include_str!("web/app.css");
+
+fn page(content_type: &'static str, body: &'static str) -> Response {
+    (
+        [
+            (header::CONTENT_TYPE, content_type),
+            (header::CACHE_CONTROL, "no-cache"),
+            (header::X_CONTENT_TYPE_OPTIONS, "nosniff"),
+            (
+                header::CONTENT_SECURITY_POLICY,
+                "default-src 'self'; frame-ancestors 'none'",
+            ),
+        ],
+        body,
+    )
+        .into_response()
+}
+
+/// Every change of a served loop's state file, as Server-Sent Events: `{root, loop_id}` each
+/// (a `rescan` event when some were missed). The dashboard refreshes on them.
+async fn stream(State(shared): State<Shared>) -> impl IntoResponse {
+    let changes = shared.changes.subscribe();
+    let stream = futures_util::stream::unfold(changes, |mut changes| async move {
+        let event = match changes.recv().await {
+            Ok(key) => SseEvent::default().data(json!(key).to_string()),
+            Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {
+                SseEvent::default().event("rescan").data("{}")
+            }
+            Err(tokio::sync::broadcast::error::RecvError::Closed) => return None,
+        };
+        Some((Ok::<_, Infallible>(event), changes))
+    });
+    Sse::new(stream).keep_alive(KeepAlive::default())
 }
 
 async fn openapi() -> Response {

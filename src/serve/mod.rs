@@ -173,9 +173,7 @@ pub fn run(roots: &[PathBuf], config_flag: Option<&Path>, args: &ServeArgs) -> R
                 started_at: crate::state::model::now_rfc3339(),
                 ..ServiceInfo::default()
             },
-            shared: api::Shared {
-                info: Default::default(),
-            },
+            shared: api::Shared::default(),
             published: None,
             _registry: None,
         };
@@ -261,7 +259,11 @@ impl Supervisor {
 
     fn on(&mut self, wake: Wake) {
         match wake {
-            Wake::Changed(key) => self.consider(key),
+            Wake::Changed(key) => {
+                // For the dashboards: nobody listening is no error.
+                let _ = self.shared.changes.send(key.clone());
+                self.consider(key);
+            }
             Wake::Rescan => self.scan_all(),
             Wake::Projects => self.load_projects(),
             Wake::Ended(key, ending) => {
@@ -496,10 +498,18 @@ impl Supervisor {
                     Err(e) => return Ending::Panicked(e.to_string()),
                 };
                 tracing::info!("driving loop {id} in {}", taken.engine.root.display());
-                match taken.engine.run(&id, shutdown).await {
+                let ending = match taken.engine.run(&id, shutdown).await {
                     Ok(exit) => Ending::Exit(exit),
                     Err(e) => Ending::Error(format!("{e:#}")),
-                }
+                };
+                // The versions its writes replaced are settled before the loop is let go, as
+                // a daemon does before it exits.
+                let _ = tokio::task::spawn_blocking(move || {
+                    taken.engine.store.close();
+                    drop(taken);
+                })
+                .await;
+                ending
             },
             span,
         ));

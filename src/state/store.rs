@@ -212,7 +212,7 @@ pub struct Store {
     /// that finds the same bytes again skips the parse.
     last: Arc<Mutex<HashMap<String, Arc<Seen>>>>,
     /// Versions this store replaced, kept for a late write into them.
-    orphans: Arc<Mutex<Vec<Orphan>>>,
+    orphans: Orphans,
 }
 
 /// A version of a state file, and its parse.
@@ -223,6 +223,19 @@ struct Seen {
 }
 
 /// A replaced version of a state file, still linked under its temporary name.
+/// The replaced versions kept in one state directory.
+type Orphans = Arc<Mutex<Vec<Orphan>>>;
+
+/// The replaced versions kept by this process's stores of the state directory `path`: one list
+/// however many stores the process has of it (the service's loops and its API each have one), so
+/// that a sweep by one never removes a version another keeps for a late write.
+fn shared_orphans(path: &Path) -> Orphans {
+    static ALL: std::sync::LazyLock<Mutex<HashMap<PathBuf, Orphans>>> =
+        std::sync::LazyLock::new(Default::default);
+    let mut all = ALL.lock().unwrap_or_else(|e| e.into_inner());
+    all.entry(path.to_owned()).or_default().clone()
+}
+
 #[derive(Debug)]
 struct Orphan {
     id: String,
@@ -263,7 +276,7 @@ impl Store {
             path: root.join(state_dir),
             dir: Arc::default(),
             last: Arc::default(),
-            orphans: Arc::default(),
+            orphans: shared_orphans(&root.join(state_dir)),
         }
     }
 

@@ -1,0 +1,145 @@
+// The dashboard in a real browser (Chromium through playwright-core), driven by tests/dashboard.rs,
+// which starts `loopd serve` and passes, in the environment:
+//   LOOPD_URL     the service's base address (http://127.0.0.1:PORT)
+//   LOOPD_TOKEN   its token
+//   LOOPD_ROOT    the project the service serves (its agent pauses, asks, then hangs)
+//   LOOPD_SHOTS   where the screenshots go
+//   LOOPD_BROWSER_DIR  where playwright-core is installed; CHROMIUM the browser
+// Every wait has a generous deadline that catches a hang; none is a measure.
+import { createRequire } from "node:module";
+import fs from "node:fs";
+import path from "node:path";
+import assert from "node:assert/strict";
+
+const env = (k) => { const v = process.env[k]; assert.ok(v, `${k} is not set`); return v; };
+const base = env("LOOPD_URL"), token = env("LOOPD_TOKEN"), root = env("LOOPD_ROOT");
+const shots = env("LOOPD_SHOTS");
+const { chromium } = createRequire(path.join(env("LOOPD_BROWSER_DIR"), "noop.js"))("playwright-core");
+const DEADLINE = 30_000;
+
+const statePath = (id) => path.join(root, ".loop", `${id}.json`);
+const state = (id) => JSON.parse(fs.readFileSync(statePath(id), "utf8"));
+async function until(what, cond) {
+  const end = Date.now() + DEADLINE;
+  for (;;) {
+    try { if (await cond()) return; } catch { /* a file half-written: look again */ }
+    if (Date.now() > end) throw new Error(`timed out waiting for ${what}`);
+    await new Promise((r) => setTimeout(r, 20));
+  }
+}
+const step = (text) => console.log(`dashboard test: ${text}`);
+
+const browser = await chromium.launch({
+  executablePath: env("CHROMIUM"),
+  args: ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+    "--disable-dev-shm-usage"],
+});
+try {
+  // Without the token nothing is served.
+  const stranger = await browser.newPage();
+  for (const route of ["/", "/v1/loops", "/app.js"]) {
+    const r = await stranger.goto(base + route);
+    assert.equal(r.status(), 401, `${route} without the token`);
+  }
+  const wrong = await stranger.goto(`${base}/?token=not-the-token`);
+  assert.equal(wrong.status(), 401);
+  await stranger.close();
+  step("a request without the token is refused (401)");
+
+  const context = await browser.newContext({ viewport: { width: 1280, height: 900 } });
+  const page = await context.newPage();
+  const pageErrors = [];
+  page.on("pageerror", (e) => pageErrors.push(e.message));
+  await page.goto(`${base}/?token=${token}`);
+  assert.equal(new URL(page.url()).search, "", "the token is left out of the address");
+  const cookies = await context.cookies();
+  const session = cookies.find((c) => c.name === "loopd_token");
+  assert.ok(session && session.httpOnly && session.sameSite === "Strict", JSON.stringify(cookies));
+  await page.waitForSelector("#summary:has-text('running')", { timeout: DEADLINE });
+  step("logged in with the link; the session cookie is HttpOnly and SameSite=Strict");
+
+  // Every control has a label; the page fits a narrow window.
+  const unlabelled = await page.evaluate(() =>
+    [...document.querySelectorAll("input, select, textarea")].filter((e) => e.labels.length === 0).map((e) => e.id));
+  assert.deepEqual(unlabelled, []);
+
+  // A loop from the form, started at once.
+  await page.selectOption("#create-root", root);
+  await page.fill("#create-name", "Browser loop");
+  await page.fill("#create-tasks", "first\nsecond");
+  await page.click("#create button[type=submit]");
+  await page.waitForURL(/#\/loop\//, { timeout: DEADLINE });
+  const id = decodeURIComponent(page.url().match(/#\/loop\/([^?]+)/)[1]);
+  step(`created and started ${id} from the form`);
+  await page.evaluate(() => { window.__stayed = true; });
+
+  // It progresses live: develop in flight, its output in the tail.
+  await page.waitForSelector("#detail-status:has-text('develop')", { timeout: DEADLINE });
+  await page.waitForSelector("#tail:has-text('working on task-001')", { timeout: DEADLINE });
+  await page.waitForSelector("#events li:has-text('action_started')", { timeout: DEADLINE });
+  step("the page shows develop in flight, its output and its events, live");
+
+  await page.click("#btn-pause");
+  await until("the state file to say paused", () => state(id).status === "paused");
+  await page.waitForSelector("#detail-status:has-text('paused')", { timeout: DEADLINE });
+  step("paused from the page: the state file says paused");
+
+  await page.click("#btn-resume");
+  await until("the state file to say running", () => state(id).status === "running");
+  await page.waitForSelector("#answer-form:not([hidden])", { timeout: DEADLINE });
+  await page.waitForSelector("#question:has-text('Postgres or SQLite?')", { timeout: DEADLINE });
+  step("resumed; the question waits on the page");
+  await page.screenshot({ path: path.join(shots, "dashboard-loop.png"), fullPage: true });
+
+  await page.fill("#answer-text", "SQLite");
+  await page.click("#answer-form button[type=submit]");
+  await until("the answer in the state file", () => state(id).skill_state.question?.answer === "SQLite"
+    || (state(id).skill_state.action_history || []).some((h) => (h.summary || "").includes("SQLite")));
+  await page.waitForSelector("#tail:has-text('still working')", { timeout: DEADLINE });
+  step("answered from the page; the loop went on");
+
+  // A change made on the cookie without the dashboard's header is refused.
+  const forged = await page.evaluate((p) => fetch(p, { method: "POST" }).then((r) => r.status),
+    `/v1/loops/${encodeURIComponent(id)}/pause?root=${encodeURIComponent(root)}`);
+  assert.equal(forged, 403);
+  assert.equal(state(id).status, "running");
+
+  await page.click("#btn-stop");
+  await until("the state file to say failed", () => state(id).status === "failed");
+  await page.waitForSelector("#detail-status:has-text('stopped')", { timeout: DEADLINE });
+  step("stopped from the page");
+
+  // The overview: a raw write to the state file shows without a reload.
+  await page.click("text=← every loop");
+  await page.waitForSelector(`tr[data-loop='${id}']`, { timeout: DEADLINE });
+  const raw = state(id);
+  raw.title = "Renamed by hand";
+  fs.writeFileSync(statePath(id), JSON.stringify(raw, null, 2));
+  const written = Date.now();
+  await page.waitForSelector(`tr[data-loop='${id}'] :text('Renamed by hand')`, { timeout: DEADLINE });
+  step(`a raw write of the title showed on the open page after ${Date.now() - written} ms`);
+  assert.equal(await page.evaluate(() => window.__stayed), true, "the page was reloaded");
+
+  await page.selectOption("#filter-status", "failed");
+  await page.waitForSelector(`tr[data-loop='${id}']`, { timeout: DEADLINE });
+  await page.selectOption("#filter-status", "");
+  await page.screenshot({ path: path.join(shots, "dashboard-overview.png"), fullPage: true });
+
+  await page.setViewportSize({ width: 380, height: 800 });
+  const overflow = await page.evaluate(() => document.documentElement.scrollWidth - window.innerWidth);
+  assert.ok(overflow <= 0, `the page is ${overflow}px wider than a narrow window`);
+  // From the top of the page, Tab reaches the links and then the filters.
+  await page.evaluate(() => { document.activeElement?.blur(); window.scrollTo(0, 0); });
+  const reached = [];
+  for (let i = 0; i < 4; i++) {
+    await page.keyboard.press("Tab");
+    reached.push(await page.evaluate(() => document.activeElement?.id || document.activeElement?.tagName));
+  }
+  assert.ok(reached.includes("filter-status"), `Tab reached ${reached.join(", ")}`);
+  step("narrow window: no horizontal overflow; the keyboard reaches the controls");
+  assert.deepEqual(pageErrors, [], "the page's script failed");
+  console.log("dashboard test: passed");
+} finally {
+  await browser.close();
+}
