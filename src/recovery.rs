@@ -241,7 +241,17 @@ pub fn answer(p: &Project, id: &str, text: &str, as_json: bool) -> Result<i32> {
 /// Answers the question a loop's executor asked (see [`answer`]); returns `{loop_id, action,
 /// question, answer}`.
 pub fn give_answer(p: &Project, id: &str, text: &str) -> Result<Value> {
-    p.load(id)?;
+    let state = p.load(id)?;
+    let waiting = |s: &crate::state::model::LoopState| {
+        s.skill_state
+            .as_ref()
+            .and_then(|k| k.question.clone())
+            .filter(|q| q.waiting())
+    };
+    // Refused before anything is written (and again under the lock, if it changed meanwhile).
+    if waiting(&state).is_none() {
+        return Err(usage(format!("loop {id} is waiting for no answer")));
+    }
     if text.trim().is_empty() {
         return Err(usage("the answer is empty"));
     }
@@ -253,11 +263,7 @@ pub fn give_answer(p: &Project, id: &str, text: &str) -> Result<Value> {
     }
     let mut question = None;
     p.store.update(id, true, |raw, current| {
-        question = current
-            .skill_state
-            .as_ref()
-            .and_then(|s| s.question.clone())
-            .filter(|q| q.waiting());
+        question = waiting(current);
         if question.is_none() {
             return;
         }

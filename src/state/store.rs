@@ -695,8 +695,7 @@ impl Store {
             .map_err(io_err(&path))
     }
 
-    /// Read-modify-write under the lock: `change` edits the raw JSON object. Returns the new state;
-    /// a change that edits nothing writes nothing.
+    /// Read-modify-write under the lock: `change` edits the raw JSON object. Returns the new state.
     ///
     /// Writers that take no lock (the CCW dashboard rewrites the file in place) are caught: the
     /// new version is swapped in with `renameat2(RENAME_EXCHANGE)`, which hands back the version
@@ -733,12 +732,7 @@ impl Store {
         let mut made_on = in_place.clone();
         for round in 1.. {
             let Loaded { mut raw, state } = base;
-            let before = raw.clone();
             change(&mut raw, &state);
-            // A change that changed nothing (refused, or written meanwhile) writes nothing.
-            if raw == before {
-                return Ok(Loaded { raw, state });
-            }
             raw.insert("updated_at".into(), Value::String(now_rfc3339()));
             let value = Value::Object(raw);
             let bytes = to_pretty(&path, &value)?;
