@@ -83,7 +83,8 @@ pub enum ModeArg {
 
 #[derive(Debug, Subcommand)]
 pub enum Command {
-    /// Run the service that drives every loop of your projects (see README, "Run as a service")
+    /// Run the service that drives every loop of your projects: those `create` and `start`
+    /// recorded (`loopd projects`), and each `--root DIR` (see README, "Run as a service")
     Serve(crate::serve::ServeArgs),
     /// Write a new loop (status `created`) and print its id
     Create(crate::create::CreateArgs),

@@ -39,8 +39,8 @@ pub struct ServeArgs {
     /// How many loops run at once; others wait in a queue [default: max_running_loops]
     #[arg(long, value_name = "N")]
     pub max_running_loops: Option<u64>,
-    /// Serve the API on this loopback address too (127.0.0.1:PORT; port 0 picks one), where
-    /// every request needs the token the service writes to its runtime directory
+    /// Serve the API and the dashboard on this loopback address too (127.0.0.1:PORT; port 0
+    /// picks one); every request needs the token, and the log prints the dashboard's login link
     #[arg(long, value_name = "ADDR")]
     pub listen: Option<std::net::SocketAddr>,
 }
