@@ -18,7 +18,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, LazyLock, Mutex};
 use std::time::{Duration, SystemTime};
 
-use notify::event::{AccessKind, AccessMode};
+use notify::event::{AccessKind, AccessMode, ModifyKind};
 use notify::{EventKind, RecursiveMode, Watcher as _};
 use tokio::sync::watch;
 
@@ -88,8 +88,20 @@ impl Watch {
                     if !is_change(event) {
                         return;
                     }
-                    // A late write into a version the daemon replaced: merge it.
-                    if event.paths.iter().any(|p| names.is_orphan(p)) {
+                    // A late write into a version the daemon replaced: merge it. Only a write
+                    // into one it keeps counts; its own renames and the writes of its next
+                    // version (not kept yet) do not, and take no lock.
+                    let wrote = matches!(
+                        event.kind,
+                        EventKind::Access(AccessKind::Close(AccessMode::Write))
+                    ) || matches!(event.kind, EventKind::Modify(kind) if !matches!(kind, ModifyKind::Name(_)))
+                        || matches!(event.kind, EventKind::Any | EventKind::Other);
+                    let late = wrote
+                        && event
+                            .paths
+                            .iter()
+                            .any(|p| names.is_orphan(p) && store.keeps(Names::name(p)));
+                    if late {
                         let _ = store.settle(&id);
                     }
                     if event.need_rescan() || event.paths.iter().any(|p| names.is_watched(p)) {

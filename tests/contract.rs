@@ -215,7 +215,7 @@ fn user_exit_written_by_someone_else_stops_the_loop() {
 #[test]
 fn tasks_appended_while_the_loop_runs_join_as_pending() {
     let p = Project::new(&format!(
-        "[ \"$LOOPD_TASK_ID\" = task-001 ] && [ ! -f go ] && {{ touch waiting; while [ ! -f go ]; do sleep 0.01; done; }}\n{GOOD_AGENT}"
+        "[ \"$LOOPD_TASK_ID\" = task-001 ] && [ ! -f go ] && {{ touch waiting; i=0; while [ ! -f go ] && [ $i -lt 3000 ]; do sleep 0.01; i=$((i+1)); done; }}\n{GOOD_AGENT}"
     ));
     let id = p.create(&["--title", "t", "--task", "first"]);
     let run = p.spawn_run(&id, &[]);

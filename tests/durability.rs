@@ -139,7 +139,7 @@ fn sigkill_at_random_moments_loses_nothing_and_orphans_nothing() {
 #[test]
 fn a_stale_external_write_is_repaired_and_keeps_its_own_edit() {
     let p = Project::new(&format!(
-        "[ \"$LOOPD_TASK_ID\" = task-003 ] && {{ touch waiting; while [ ! -f go ]; do sleep 0.01; done; }}\n{GOOD_AGENT}"
+        "[ \"$LOOPD_TASK_ID\" = task-003 ] && {{ touch waiting; i=0; while [ ! -f go ] && [ $i -lt 3000 ]; do sleep 0.01; i=$((i+1)); done; }}\n{GOOD_AGENT}"
     ));
     let id = p.create(&["--title", "t", "--task", "a", "--task", "b", "--task", "c"]);
     let stale = std::fs::read_to_string(p.state_path(&id)).unwrap();
@@ -474,7 +474,7 @@ fn a_reader_never_sees_a_torn_or_empty_state_file() {
 #[test]
 fn fields_another_program_adds_inside_skill_state_are_kept() {
     let p = Project::new(&format!(
-        "[ \"$LOOPD_TASK_ID\" = task-001 ] && {{ touch waiting; while [ ! -f go ]; do sleep 0.01; done; }}\n{GOOD_AGENT}"
+        "[ \"$LOOPD_TASK_ID\" = task-001 ] && {{ touch waiting; i=0; while [ ! -f go ] && [ $i -lt 3000 ]; do sleep 0.01; i=$((i+1)); done; }}\n{GOOD_AGENT}"
     ));
     let id = p.create(&["--title", "t", "--task", "a", "--task", "b"]);
     let child = p.spawn_run(&id, &[]);
@@ -600,7 +600,7 @@ case "$LOOPD_ACTION" in
   init) echo '{"status":"success","state_updates":{"tasks":[{"description":"a"}]}}' > "$LOOPD_RESULT_FILE" ;;
   develop)
     touch waiting
-    while [ ! -f go ]; do sleep 0.01; done
+    i=0; while [ ! -f go ] && [ $i -lt 3000 ]; do sleep 0.01; i=$((i+1)); done
     echo '{"status":"success","summary":"done"}' ;;
   validate) echo '{"status":"success","state_updates":{"passed":true}}' ;;
   *) echo '{"status":"success"}' ;;

@@ -498,7 +498,7 @@ fn bad_input_exits_2_with_one_line_and_changes_nothing() {
 #[test]
 fn logs_follow_reads_across_a_rotation_of_the_event_log() {
     let p = Project::new(&format!(
-        "[ \"$LOOPD_ACTION\" = develop ] && [ ! -f go ] && {{ touch waiting; while [ ! -f go ]; do sleep 0.01; done; }}\n{GOOD_AGENT}"
+        "[ \"$LOOPD_ACTION\" = develop ] && [ ! -f go ] && {{ touch waiting; i=0; while [ ! -f go ] && [ $i -lt 3000 ]; do sleep 0.01; i=$((i+1)); done; }}\n{GOOD_AGENT}"
     ));
     let id = p.create(&["--title", "t"]);
     // An event log a few events short of its rotation size (16 MiB).
@@ -541,7 +541,7 @@ fn logs_follow_reads_across_a_rotation_of_the_event_log() {
 #[test]
 fn start_detaches_one_daemon_per_loop_and_logs_follow_returns_at_the_end() {
     let p = Project::new(&format!(
-        "[ \"$LOOPD_ACTION\" = develop ] && [ ! -f go ] && {{ touch waiting; while [ ! -f go ]; do sleep 0.01; done; }}\n{GOOD_AGENT}"
+        "[ \"$LOOPD_ACTION\" = develop ] && [ ! -f go ] && {{ touch waiting; i=0; while [ ! -f go ] && [ $i -lt 3000 ]; do sleep 0.01; i=$((i+1)); done; }}\n{GOOD_AGENT}"
     ));
     let id = p.create(&["--title", "t"]);
     let out = p.output(&["start", &id]);

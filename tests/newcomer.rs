@@ -128,10 +128,12 @@ fn row_of(listing: &str, id: &str) -> String {
 
 #[test]
 fn list_has_a_header_and_tells_the_ways_loops_end_and_status_the_next_step() {
+    // The wait for `go` is bounded: the test's directory may be gone before the agent looks.
     let p = Project::new(&format!(
         "if [ \"$LOOPD_ACTION\" = develop ] && grep -q HANGS-HERE \"$LOOPD_STATE_FILE\"; then\n\
-           touch waiting; while [ ! -f go ]; do sleep 0.05; done\n\
-         fi\n{GOOD_AGENT}"
+           touch waiting; {}\n\
+         fi\n{GOOD_AGENT}",
+        wait_for_file("go")
     ));
     let passed = p.create(&["--title", "passes"]);
     assert_eq!(code(&p.run(&passed, &[])), 0);
@@ -626,7 +628,7 @@ fn two_loops_never_edit_one_work_tree_at_once_unless_one_has_a_worktree_of_its_o
     let go = p.root.join("go");
     p.agent(&format!(
         "if [ \"$LOOPD_ACTION\" = develop ]; then [ \"$(pwd -P)\" = \"$LOOPD_ROOT\" ] && touch \"$LOOPD_ROOT/mark-$LOOPD_LOOP_ID\"; \
-         while [ ! -f '{}' ]; do sleep 0.02; done; fi\n{GOOD_AGENT}",
+         i=0; while [ ! -f '{}' ] && [ $i -lt 3000 ]; do sleep 0.02; i=$((i+1)); done; fi\n{GOOD_AGENT}",
         go.display()
     ));
     git(&p.root, &["init", "-q"]);
@@ -699,7 +701,7 @@ fn a_fault_gets_one_exit_code_and_one_line_whichever_command_meets_it() {
     let p = Project::new("");
     let go = p.root.join("go");
     p.agent(&format!(
-        "while [ ! -f '{}' ]; do sleep 0.02; done\n{GOOD_AGENT}",
+        "i=0; while [ ! -f '{}' ] && [ $i -lt 3000 ]; do sleep 0.02; i=$((i+1)); done\n{GOOD_AGENT}",
         go.display()
     ));
     let id = p.create(&["--title", "t"]);

@@ -14,7 +14,7 @@ const TUNING_AGENT: &str = r#"
 cat > /dev/null
 if [ "$LOOPD_ACTION" = diagnose-memory ] && [ -f hold ]; then
   echo $$ > agent.pid
-  while [ ! -f go ]; do sleep 0.02; done
+  i=0; while [ ! -f go ] && [ $i -lt 3000 ]; do sleep 0.02; i=$((i+1)); done
 fi
 case "$LOOPD_ACTION" in
   analyze-requirements) r='{"status":"success","summary":"clear","state_updates":{"coverage":"satisfied"}}' ;;

@@ -38,7 +38,24 @@ impl Project {
 
     /// A project whose commands run with `$HOME` set to `home` (else its root).
     pub fn in_home(config: &str, agent: Option<&str>, home: Option<&std::path::Path>) -> Project {
-        let dir = tempdir();
+        Project::make(config, agent, home, None)
+    }
+
+    /// A project in a new temporary directory of `parent` (a filesystem to measure).
+    pub fn in_dir(config: &str, agent: Option<&str>, parent: &std::path::Path) -> Project {
+        Project::make(config, agent, None, Some(parent))
+    }
+
+    fn make(
+        config: &str,
+        agent: Option<&str>,
+        home: Option<&std::path::Path>,
+        parent: Option<&std::path::Path>,
+    ) -> Project {
+        let dir = match parent {
+            Some(parent) => tempfile::tempdir_in(parent).expect("tempdir"),
+            None => tempdir(),
+        };
         let root = dir.path().canonicalize().expect("canonical tempdir");
         std::fs::create_dir_all(root.join(".loop")).expect("mkdir .loop");
         std::fs::create_dir_all(root.join("bin")).expect("mkdir bin");

@@ -443,11 +443,15 @@ impl Store {
             })
             .map_err(io_err(&path))?;
         let deadline = Instant::now() + LOCK_TIMEOUT;
+        // Holders keep the lock for a read or a write, tens of microseconds: the first looks
+        // come soon, then less and less often.
+        let mut pause = Duration::from_micros(10);
         loop {
             match file.try_lock() {
                 Ok(()) => return Ok(WriteLock { file }),
                 Err(std::fs::TryLockError::WouldBlock) if Instant::now() < deadline => {
-                    std::thread::sleep(Duration::from_millis(1));
+                    std::thread::sleep(pause);
+                    pause = (pause * 2).min(Duration::from_millis(1));
                 }
                 Err(std::fs::TryLockError::WouldBlock) => return Err(StoreError::Locked { path }),
                 Err(std::fs::TryLockError::Error(e)) => return Err(io_err(&path)(e)),
@@ -828,6 +832,13 @@ impl Store {
         let dir = self.state_dir(false)?;
         let _lock = self.lock(id)?;
         Ok(self.settle_locked(&dir, id, false))
+    }
+
+    /// Whether `name` (a file of the state directory) is a replaced version this store keeps.
+    pub fn keeps(&self, name: &str) -> bool {
+        self.orphans
+            .lock()
+            .is_ok_and(|o| o.iter().any(|o| o.name == name))
     }
 
     /// Whether this store keeps replaced versions (of `id`, or of any loop).
