@@ -272,7 +272,13 @@ fn sigterm_interrupts_every_action_records_it_and_leaves_the_loops_running() {
     assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
     for (p, id) in [(&a, &ia), (&b, &ib)] {
         let state = p.state(id);
-        assert_eq!(state["status"], "running");
+        assert_eq!(
+            state["status"],
+            "running",
+            "{state:#}\n{:#?}\n{}",
+            p.events(id),
+            stderr(&out)
+        );
         assert!(state["skill_state"]["in_flight"].is_null(), "{state}");
         let last = state["skill_state"]["action_history"]
             .as_array()

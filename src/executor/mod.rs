@@ -275,7 +275,6 @@ impl SubprocessAttempt {
             pgid: pid,
             proc_start: procs::ProcStat::read(pid).map(|s| s.start),
         };
-        procs::attempt_started(spawned.pgid);
         // The prompt is fed on its own task, so a child that never reads stdin cannot block the
         // daemon; dropping the pipe closes it.
         if let Some(mut stdin) = child.stdin.take() {
@@ -375,10 +374,14 @@ impl SubprocessAttempt {
         let spawned = self.spawned;
         let killed =
             procs::end_attempt(spawned.pgid, &self.marker, self.supervision.kill_grace).await;
+        // The executor stays among the attempts in flight until it is reaped here: another
+        // attempt's end reaps stray zombies, and must not take this one's exit status.
+        let waited = match status {
+            Some(status) => Ok(status),
+            None => self.child.wait().await,
+        };
         procs::attempt_ended(spawned.pgid);
-        if status.is_none() {
-            status = Some(self.child.wait().await?);
-        }
+        status = Some(waited?);
         let mut buf = vec![0u8; 16 * 1024];
         let mut out = self.output;
         drain(&mut stdout, &mut buf, |bytes| {
@@ -408,14 +411,18 @@ impl SubprocessAttempt {
 
 /// Spawns `command` with the marker `name` inherited: a memfd opened without close-on-exec just
 /// before the spawn and closed just after, so the child (and whatever it starts) holds it open
-/// and this process does not. Spawns are serialized so no other child inherits it.
+/// and this process does not. Spawns are serialized so no other child inherits it, and the new
+/// executor is counted among the attempts in flight before anyone may reap a zombie (see
+/// [`procs::spawning`]).
 fn spawn_marked(command: &mut Command, name: &str) -> io::Result<tokio::process::Child> {
-    static SPAWN: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    let _one_at_a_time = SPAWN.lock().unwrap_or_else(|e| e.into_inner());
+    let _one_at_a_time = procs::spawning();
     let marker = nix::sys::memfd::memfd_create(name, nix::sys::memfd::MFdFlags::empty())
         .map_err(io::Error::from)?;
     let child = command.spawn();
     drop(marker);
+    if let Some(pid) = child.as_ref().ok().and_then(tokio::process::Child::id) {
+        procs::attempt_started(pid);
+    }
     child
 }
 

@@ -43,6 +43,16 @@ fn running() -> std::sync::MutexGuard<'static, Vec<u32>> {
     RUNNING.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// Held while an executor is spawned and counted in flight, and while zombies are reaped: a
+/// reap never runs between an executor's birth and its count, when it would take its exit status
+/// from its owner.
+static SPAWN: Mutex<()> = Mutex::new(());
+
+/// See [`SPAWN`].
+pub fn spawning() -> std::sync::MutexGuard<'static, ()> {
+    SPAWN.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// Records an attempt in flight, by its process group.
 pub fn attempt_started(pgid: u32) {
     running().push(pgid);
@@ -166,6 +176,7 @@ fn reap_zombies() {
 
 fn reap_among(children: &[u32]) {
     use nix::sys::wait::{WaitPidFlag, waitpid};
+    let _no_spawn = spawning();
     let keep = running().clone();
     for &pid in children {
         if !keep.contains(&pid) && ProcStat::read(pid).is_some_and(|p| !p.is_alive()) {

@@ -493,6 +493,12 @@ impl Drop for Service {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+        // A failed test shows what the service logged.
+        if std::thread::panicking()
+            && let Some(log) = self.child.stderr.take().and_then(|h| h.join().ok())
+        {
+            eprintln!("the service's log:\n{}", String::from_utf8_lossy(&log));
+        }
     }
 }
 
