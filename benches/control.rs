@@ -29,7 +29,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
-use common::env_num;
+use common::{alive, env_num};
 
 const CONFIG: &str = r#"
 retry_backoff = 0.01
@@ -61,20 +61,6 @@ const DEADLINE: Duration = Duration::from_secs(10);
 /// write, in ms (LOOPD_BENCH_SETTLE_MS, default 10).
 fn settle() -> Duration {
     Duration::from_millis(env_num("LOOPD_BENCH_SETTLE_MS", 10) as u64)
-}
-
-/// Whether a process is alive (not a zombie).
-fn alive(pid: u32) -> bool {
-    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        Ok(stat) => {
-            let state = stat
-                .rfind(')')
-                .and_then(|i| stat[i + 1..].split_whitespace().next())
-                .unwrap_or("X");
-            !matches!(state, "Z" | "X" | "x")
-        }
-        Err(_) => false,
-    }
 }
 
 /// The live children of `pid`, from every thread's `children` list.

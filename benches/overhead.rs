@@ -24,7 +24,7 @@ use std::io::Write as _;
 use std::path::Path;
 use std::process::{Command, Stdio};
 
-use common::{Project, env_num, tempdir};
+use common::{Project, env_num, median, tempdir};
 use std::time::{Duration, Instant};
 
 /// The trivial executor's argv: `/bin/true`, or a shell agent with `LOOPD_BENCH_AGENT=shell`.
@@ -199,19 +199,6 @@ fn write_ms(dir: &Path, size: usize, n: usize, durable: bool) -> f64 {
         })
         .collect();
     median(&mut times)
-}
-
-fn median(v: &mut [f64]) -> f64 {
-    v.sort_by(f64::total_cmp);
-    let n = v.len();
-    if n == 0 {
-        return f64::NAN;
-    }
-    if n % 2 == 1 {
-        v[n / 2]
-    } else {
-        (v[n / 2 - 1] + v[n / 2]) / 2.0
-    }
 }
 
 fn fs_type(path: &Path) -> String {

@@ -32,7 +32,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{Project, env_num};
+use common::{Project, env_num, median};
 
 const RALPH_VERSION: &str = "2.10.1";
 
@@ -255,18 +255,9 @@ fn ralph() -> Result<PathBuf, String> {
     }
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    match v.len() {
-        0 => f64::NAN,
-        n if n % 2 == 1 => v[n / 2],
-        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
-    }
-}
-
 /// Medians of a system's rounds: wall ms per action, total CPU ms per action, peak MiB.
 fn medians(runs: &[Run]) -> (f64, f64, f64) {
-    let per = |f: &dyn Fn(&Run) -> f64| median(runs.iter().map(f).collect());
+    let per = |f: &dyn Fn(&Run) -> f64| median(&mut runs.iter().map(f).collect::<Vec<_>>());
     (
         per(&|r| r.wall.as_secs_f64() * 1000.0 / r.actions as f64),
         per(&|r| r.cpu.as_secs_f64() * 1000.0 / r.actions as f64),

@@ -25,7 +25,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{Project, env_num, tempdir};
+use common::{Project, alive, env_num, tempdir};
 
 const CONFIG: &str = r#"
 retry_backoff = 0.01
@@ -95,16 +95,6 @@ impl Loop {
             .matches("\"action_finished\"")
             .count()
     }
-}
-
-fn alive(pid: u32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
-        let state = s
-            .rfind(')')
-            .and_then(|i| s[i + 1..].split_whitespace().next())
-            .unwrap_or("X");
-        !matches!(state, "Z" | "X")
-    })
 }
 
 fn wait(what: &str, mut cond: impl FnMut() -> bool) {

@@ -558,13 +558,18 @@ fn control(p: &Project, id: &str, what: Control, as_json: bool) -> Result<i32> {
         return Ok(0);
     }
     eprintln!("loop {id}: {} → {}", done.from, done.to);
+    // The pid of what drives the resumed loop: a daemon started now, or a service that took it
+    // as soon as the status changed.
     let mut started = None;
-    if let Some(executor) = &done.needs_daemon
-        && crate::daemon::daemon_pid(&p.store, id).is_none()
-    {
-        let pid = crate::daemon::start(p, id, executor.as_deref())?;
-        eprintln!("started daemon pid {pid}");
-        started = Some(pid);
+    if let Some(executor) = &done.needs_daemon {
+        started = Some(match crate::daemon::daemon_pid(&p.store, id) {
+            Some(pid) => pid,
+            None => {
+                let pid = crate::daemon::start(p, id, executor.as_deref())?;
+                eprintln!("started daemon pid {pid}");
+                pid
+            }
+        });
     }
     report(started)?;
     Ok(0)

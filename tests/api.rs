@@ -300,7 +300,11 @@ fn every_route_works_over_the_unix_socket() {
     assert_eq!(rest[1], first[3]);
     hit("/v1/loops/{id}/events");
 
-    // Live: an event written after the stream opened comes on it.
+    // Live: an event written after the stream opened comes on it. The paused loop's task has
+    // ended first (its last event), so nothing of the pause comes after the stream opens.
+    wait_for("the service to let the paused loop go", || {
+        p.event_names(&id).last().map(String::as_str) == Some("daemon_exited")
+    });
     let count = p.events(&id).len();
     let last = {
         let all = sse(&to, &events_path, None, count);
@@ -377,6 +381,7 @@ fn bad_requests_get_a_4xx_with_a_json_error_and_change_nothing() {
         ("GET", "/v1/nothing".into(), None, 404),
         ("DELETE", "/v1/loops".into(), None, 405),
         ("GET", "/v1/loops/no-such-loop".into(), None, 404),
+        ("POST", format!("/v1/loops/{id}/frobnicate"), None, 404),
         ("GET", "/v1/loops/..%2F..%2Fetc".into(), None, 400),
         (
             "POST",

@@ -33,13 +33,8 @@ fn browser_agent() -> String {
 /// What the browser test needs, or why it cannot run.
 fn browser() -> Result<(PathBuf, PathBuf), String> {
     let chromium = ["chromium", "chromium-browser"]
-        .iter()
-        .filter_map(|name| {
-            std::env::split_paths(&std::env::var_os("PATH")?)
-                .map(|dir| dir.join(name))
-                .find(|p| p.is_file())
-        })
-        .next()
+        .into_iter()
+        .find_map(which)
         .ok_or("chromium is not installed")?;
     let dir = std::env::var_os("LOOPD_BROWSER_DIR")
         .map(PathBuf::from)

@@ -21,6 +21,14 @@ fn held_agent() -> String {
     )])
 }
 
+/// `--root DIR` for each project.
+fn roots(projects: &[&Project]) -> Vec<String> {
+    projects
+        .iter()
+        .flat_map(|p| ["--root".to_owned(), p.root.display().to_string()])
+        .collect()
+}
+
 fn status(p: &Project, id: &str) -> Value {
     p.state(id)["status"].clone()
 }
@@ -61,7 +69,7 @@ fn a_loop_resumed_by_a_raw_file_write_is_driven_to_completion_by_the_service() {
 fn start_hands_the_loop_to_a_running_service_and_list_all_shows_every_project() {
     let a = Project::new(GOOD_AGENT);
     let b = Project::beside(&a, GOOD_AGENT);
-    let service = a.serve(&[]);
+    let service = a.serve::<&str>(&[]);
     let (ia, ib) = (a.create(&["--title", "a"]), b.create(&["--title", "b"]));
     for (p, id) in [(&a, &ia), (&b, &ib)] {
         let out = p.output(&["start", id]);
@@ -74,6 +82,14 @@ fn start_hands_the_loop_to_a_running_service_and_list_all_shows_every_project() 
     let pid = u64::from(service.child.id());
     assert_eq!(daemon_started_pids(&a, &ia), vec![pid]);
     assert_eq!(daemon_started_pids(&b, &ib), vec![pid]);
+    // `resume` hands a paused loop over the same way.
+    let ic = a.create(&["--title", "c"]);
+    assert_eq!(code(&a.output(&["pause", &ic])), 0);
+    let out = a.output(&["resume", &ic]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(stdout(&out).trim(), service.child.id().to_string());
+    wait_status(&a, &ic, "completed");
+    assert_eq!(daemon_started_pids(&a, &ic), vec![pid]);
     let out = a.output(&["list", "--all"]);
     let table = stdout(&out);
     assert!(table.starts_with("PROJECT"), "{table}");
@@ -93,7 +109,7 @@ fn start_hands_the_loop_to_a_running_service_and_list_all_shows_every_project() 
         .iter()
         .map(|p| p["loops"].as_array().map_or(0, Vec::len))
         .sum();
-    assert_eq!(loops, 2, "{all}");
+    assert_eq!(loops, 3, "{all}");
 }
 
 #[test]
@@ -132,10 +148,8 @@ fn loops_beyond_max_running_loops_wait_in_a_queue_in_order() {
         .iter()
         .map(|p| p.create(&["--title", "q"]))
         .collect();
-    let mut args = vec!["--max-running-loops", "1"];
-    for p in &projects {
-        args.extend(["--root", p.root.to_str().unwrap()]);
-    }
+    let mut args = roots(&projects);
+    args.extend(["--max-running-loops".to_owned(), "1".to_owned()]);
     let service = a.serve(&args);
     // Made running one after the other: the queue keeps that order.
     for (i, (p, id)) in projects.iter().zip(&ids).enumerate() {
@@ -187,12 +201,7 @@ fn stopping_one_loop_ends_its_processes_and_leaves_the_other_loops_alone() {
     let a = Project::new(&agent(&[("develop", escape)]));
     let b = Project::beside(&a, &held_agent());
     let (ia, ib) = (a.create(&["--title", "a"]), b.create(&["--title", "b"]));
-    let service = a.serve(&[
-        "--root",
-        a.root.to_str().unwrap(),
-        "--root",
-        b.root.to_str().unwrap(),
-    ]);
+    let service = a.serve(&roots(&[&a, &b]));
     set_status(&a, &ia, "running");
     set_status(&b, &ib, "running");
     let a_agent = read_pid(&a.root.join("agent-develop.pid"));
@@ -256,12 +265,7 @@ fn sigterm_interrupts_every_action_records_it_and_leaves_the_loops_running() {
     let a = Project::new(&held_agent());
     let b = Project::beside(&a, &held_agent());
     let (ia, ib) = (a.create(&["--title", "a"]), b.create(&["--title", "b"]));
-    let service = a.serve(&[
-        "--root",
-        a.root.to_str().unwrap(),
-        "--root",
-        b.root.to_str().unwrap(),
-    ]);
+    let service = a.serve(&roots(&[&a, &b]));
     set_status(&a, &ia, "running");
     set_status(&b, &ib, "running");
     let agents = [
@@ -303,13 +307,13 @@ fn a_loop_that_cannot_run_is_reported_and_the_others_go_on() {
         format!("{TEST_CONFIG}\nmax_iterations = 9\n"),
     )
     .expect("config");
-    let service = a.serve(&[
-        "--root",
-        a.root.to_str().unwrap(),
-        "--root",
-        b.root.to_str().unwrap(),
-    ]);
+    let service = a.serve(&roots(&[&a, &b]));
     set_status(&b, &ib, "running");
+    wait_for("loop B to be refused", || {
+        service
+            .info()
+            .is_some_and(|i| i["refused"][0]["loop_id"] == ib.as_str())
+    });
     set_status(&a, &ia, "running");
     wait_status(&a, &ia, "completed");
     assert_eq!(status(&b, &ib), "running");
@@ -331,12 +335,7 @@ fn sighup_reloads_the_configuration() {
     std::fs::create_dir_all(user_config.parent().unwrap()).expect("mkdir");
     std::fs::write(&user_config, "max_running_loops = 1\n").expect("config");
     let (ia, ib) = (a.create(&["--title", "a"]), b.create(&["--title", "b"]));
-    let service = a.serve(&[
-        "--root",
-        a.root.to_str().unwrap(),
-        "--root",
-        b.root.to_str().unwrap(),
-    ]);
+    let service = a.serve(&roots(&[&a, &b]));
     set_status(&a, &ia, "running");
     read_pid(&a.root.join("agent-develop.pid"));
     set_status(&b, &ib, "running");
@@ -429,7 +428,7 @@ fn log_lines_carry_journal_priorities_when_stderr_is_the_journal() {
     let log = std::fs::File::create(&log_path).expect("log file");
     let meta = log.metadata().expect("stat");
     let stream = format!("{}:{}", meta.dev(), meta.ino());
-    let service = p.serve_with(&[], |cmd| {
+    let service = p.serve_with::<&str>(&[], |cmd| {
         cmd.env("JOURNAL_STREAM", &stream).stderr(log);
     });
     service.stop();
@@ -446,7 +445,7 @@ fn log_lines_carry_journal_priorities_when_stderr_is_the_journal() {
 #[test]
 fn a_second_service_for_the_same_user_is_refused() {
     let p = Project::new(GOOD_AGENT);
-    let service = p.serve(&[]);
+    let service = p.serve::<&str>(&[]);
     let out = p.output(&["serve"]);
     assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
     assert!(
@@ -491,13 +490,6 @@ fn the_user_unit_passes_systemd_analyze_verify() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-}
-
-/// The path of a program on `$PATH`.
-fn which(program: &str) -> Option<std::path::PathBuf> {
-    std::env::split_paths(&std::env::var_os("PATH")?)
-        .map(|dir| dir.join(program))
-        .find(|p| p.is_file())
 }
 
 #[test]

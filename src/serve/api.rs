@@ -224,9 +224,8 @@ fn router(shared: Shared) -> Router {
         .route("/v1/service", get(service))
         .route("/v1/loops", get(list_loops).post(create))
         .route("/v1/loops/{id}", get(one_loop))
-        .route("/v1/loops/{id}/pause", post(pause))
-        .route("/v1/loops/{id}/resume", post(resume))
-        .route("/v1/loops/{id}/stop", post(stop))
+        // pause, resume and stop; the other routes' names come first.
+        .route("/v1/loops/{id}/{control}", post(control))
         .route("/v1/loops/{id}/next", post(next))
         .route("/v1/loops/{id}/answer", post(answer))
         .route("/v1/loops/{id}/tasks", post(add_task))
@@ -521,12 +520,17 @@ async fn create(
 
 /// pause, resume, stop: as the CLI does; the service takes up a resumed loop itself.
 async fn control(
-    shared: Shared,
-    id: std::result::Result<UrlPath<String>, PathRejection>,
+    State(shared): State<Shared>,
+    path: std::result::Result<UrlPath<(String, String)>, PathRejection>,
     place: std::result::Result<Query<Where>, QueryRejection>,
-    what: Control,
 ) -> ApiResult<Json<Value>> {
-    let (UrlPath(id), Query(place), info) = (id?, place?, shared.info());
+    let (UrlPath((id, verb)), Query(place), info) = (path?, place?, shared.info());
+    let what = match verb.as_str() {
+        "pause" => Control::Pause,
+        "resume" => Control::Resume,
+        "stop" => Control::Stop,
+        _ => return Err(ApiError::new(StatusCode::NOT_FOUND, "no such route")),
+    };
     blocking(move || {
         let p = find(&info, &id, place.root.as_deref())?;
         let done = crate::cli::set_control(&p, &id, what)?;
@@ -538,30 +542,6 @@ async fn control(
         })))
     })
     .await
-}
-
-async fn pause(
-    State(shared): State<Shared>,
-    id: std::result::Result<UrlPath<String>, PathRejection>,
-    place: std::result::Result<Query<Where>, QueryRejection>,
-) -> ApiResult<Json<Value>> {
-    control(shared, id, place, Control::Pause).await
-}
-
-async fn resume(
-    State(shared): State<Shared>,
-    id: std::result::Result<UrlPath<String>, PathRejection>,
-    place: std::result::Result<Query<Where>, QueryRejection>,
-) -> ApiResult<Json<Value>> {
-    control(shared, id, place, Control::Resume).await
-}
-
-async fn stop(
-    State(shared): State<Shared>,
-    id: std::result::Result<UrlPath<String>, PathRejection>,
-    place: std::result::Result<Query<Where>, QueryRejection>,
-) -> ApiResult<Json<Value>> {
-    control(shared, id, place, Control::Stop).await
 }
 
 /// A body of one text: `{"action": ...}` or `{"text": ...}`.
@@ -623,8 +603,8 @@ async fn add_task(
     .await
 }
 
-/// `?after=OFFSET`: events after this one (what `Last-Event-ID` says, for clients that cannot
-/// set headers).
+/// `?after=N`: events after the Nth (what `Last-Event-ID` says, for clients that cannot set
+/// headers).
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct After {
@@ -632,9 +612,10 @@ struct After {
     after: Option<u64>,
 }
 
-/// The events of a loop as Server-Sent Events: each event's id is the offset in the event log
-/// after it, so that a client that reconnects with `Last-Event-ID` gets what it missed and
-/// nothing twice. New events come as they are written (the progress directory is watched).
+/// The events of a loop as Server-Sent Events: each event's id is its number in the event log
+/// (from 1), so that a client that reconnects with `Last-Event-ID` gets what it missed and
+/// nothing twice. The log is read as `logs --follow` reads it ([`crate::events::EventTail`],
+/// across rotations); new events come as they are written (the progress directory is watched).
 async fn events(
     State(shared): State<Shared>,
     id: std::result::Result<UrlPath<String>, PathRejection>,
@@ -653,11 +634,11 @@ async fn events(
                 })
         })
         .transpose()?;
-    let offset = last.or(query.after).unwrap_or(0);
     let root = query.root;
-    let dir = blocking(move || {
+    let (store, dir) = blocking(move || {
         let p = find(&info, &id, root.as_deref())?;
-        Ok(p.store.progress(&id)?)
+        let dir = p.store.progress(&id)?;
+        Ok((crate::events::EventTail::new(&p.store, &id), dir))
     })
     .await?;
     let wake = Arc::new(tokio::sync::Notify::new());
@@ -668,43 +649,55 @@ async fn events(
             Arc::new(move |_: &notify::Result<notify::Event>| wake.notify_one()),
         )
     };
-    let tail = EventTail {
-        dir,
-        offset,
+    let events = Events {
+        tail: Some(store),
+        skip: last.or(query.after).unwrap_or(0),
+        seen: 0,
         pending: std::collections::VecDeque::new(),
         wake,
         _subscription: subscription,
     };
-    let stream = futures_util::stream::unfold(tail, |mut tail| async move {
-        let event = tail.next().await;
-        Some((Ok::<_, Infallible>(event), tail))
+    let stream = futures_util::stream::unfold(events, |mut events| async move {
+        let event = events.next().await?;
+        Some((Ok::<_, Infallible>(event), events))
     });
     Ok(Sse::new(stream).keep_alive(KeepAlive::default()))
 }
 
-/// The event log of one loop, read from an offset on as it grows.
-struct EventTail {
-    dir: Dir,
-    offset: u64,
-    pending: std::collections::VecDeque<(u64, String)>,
+/// A loop's events for one client: the lines read, numbered, those it has seen left out.
+struct Events {
+    /// Taken while a blocking thread reads.
+    tail: Option<crate::events::EventTail>,
+    /// The client has seen the events up to this number.
+    skip: u64,
+    /// The number of the last line read.
+    seen: u64,
+    pending: std::collections::VecDeque<SseEvent>,
     wake: Arc<tokio::sync::Notify>,
     _subscription: crate::watch::Subscription,
 }
 
-impl EventTail {
-    async fn next(&mut self) -> SseEvent {
+impl Events {
+    /// The next event; `None` ends the stream (the log cannot be read).
+    async fn next(&mut self) -> Option<SseEvent> {
         loop {
-            if let Some((end, line)) = self.pending.pop_front() {
-                return SseEvent::default().id(end.to_string()).data(line);
+            if let Some(event) = self.pending.pop_front() {
+                return Some(event);
             }
-            let (dir, offset) = (self.dir.clone(), self.offset);
-            let read = tokio::task::spawn_blocking(move || new_lines(&dir, offset))
-                .await
-                .ok()
-                .flatten();
-            if let Some((offset, lines)) = read {
-                self.offset = offset;
-                self.pending.extend(lines);
+            let mut tail = self.tail.take()?;
+            let (tail, read) = tokio::task::spawn_blocking(move || {
+                let read = tail.read_lines();
+                (tail, read)
+            })
+            .await
+            .ok()?;
+            self.tail = Some(tail);
+            for line in read.ok()? {
+                self.seen += 1;
+                if self.seen > self.skip {
+                    let event = SseEvent::default().id(self.seen.to_string()).data(line);
+                    self.pending.push_back(event);
+                }
             }
             if self.pending.is_empty() {
                 // A rare look even without an event, in case one was missed.
@@ -712,29 +705,6 @@ impl EventTail {
             }
         }
     }
-}
-
-/// The whole lines of `events.jsonl` after `offset`, each with the offset after it, and the
-/// offset to read from next. A log smaller than `offset` was rotated: read from its start.
-fn new_lines(dir: &Dir, offset: u64) -> Option<(u64, Vec<(u64, String)>)> {
-    use std::io::{Read as _, Seek as _, SeekFrom};
-    let mut file = dir.open_read(crate::events::EVENTS).ok()?;
-    let len = file.metadata().ok()?.len();
-    let mut at = if len < offset { 0 } else { offset };
-    file.seek(SeekFrom::Start(at)).ok()?;
-    let mut bytes = Vec::new();
-    file.take(1 << 20).read_to_end(&mut bytes).ok()?;
-    let mut lines = Vec::new();
-    let mut rest = bytes.as_slice();
-    while let Some(end) = rest.iter().position(|b| *b == b'\n') {
-        at += end as u64 + 1;
-        let line = String::from_utf8_lossy(&rest[..end]).into_owned();
-        if !line.trim().is_empty() {
-            lines.push((at, line));
-        }
-        rest = &rest[end + 1..];
-    }
-    Some((at, lines))
 }
 
 /// `?bytes=N`: how much of the tail (at most 1 MiB).

@@ -440,12 +440,16 @@ pub struct Service {
 impl Project {
     /// Starts `loopd serve ARGS...` for this project's user, and waits until it has published
     /// its status (it has looked at every loop it serves).
-    pub fn serve(&self, args: &[&str]) -> Service {
+    pub fn serve<S: AsRef<std::ffi::OsStr>>(&self, args: &[S]) -> Service {
         self.serve_with(args, |_| {})
     }
 
     /// [`Project::serve`], with more of the command set by `with`.
-    pub fn serve_with(&self, args: &[&str], with: impl FnOnce(&mut Command)) -> Service {
+    pub fn serve_with<S: AsRef<std::ffi::OsStr>>(
+        &self,
+        args: &[S],
+        with: impl FnOnce(&mut Command),
+    ) -> Service {
         let mut cmd = self.loopd();
         cmd.arg("serve")
             .args(args)
@@ -509,4 +513,11 @@ pub fn set_status(p: &Project, id: &str, status: &str) {
     let tmp = p.root.join(".loop").join(format!(".{id}.edit"));
     std::fs::write(&tmp, serde_json::to_vec_pretty(&state).expect("serialise")).expect("write");
     std::fs::rename(&tmp, p.state_path(id)).expect("rename");
+}
+
+/// The path of a program on `$PATH`.
+pub fn which(program: &str) -> Option<PathBuf> {
+    std::env::split_paths(&std::env::var_os("PATH")?)
+        .map(|dir| dir.join(program))
+        .find(|p| p.is_file())
 }
