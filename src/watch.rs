@@ -13,10 +13,10 @@
 //! instance ([`subscribe`]), whose events are handed to the subscribers of the directory they
 //! name; each subscriber filters the names it cares about before reading anything.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, LazyLock, Mutex};
-use std::time::{Duration, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 
 use notify::event::{AccessKind, AccessMode, ModifyKind};
 use notify::{EventKind, RecursiveMode, Watcher as _};
@@ -25,8 +25,10 @@ use tokio::sync::watch;
 use crate::state::model::Control;
 use crate::state::store::Store;
 
-/// How often the state is re-read even without a file event.
-const RECHECK: Duration = Duration::from_secs(1);
+/// How often the state is re-read even without a file event, in case one was lost.
+const RECHECK: Duration = Duration::from_secs(30);
+/// How many renamed temporary names a watch remembers at most.
+const MAX_RENAMED: usize = 4096;
 /// The polling interval when inotify is not available.
 const POLL: Duration = Duration::from_millis(100);
 
@@ -80,6 +82,10 @@ impl Watch {
         };
         let names = Names::of(id);
         let refresh_now = refresh.clone();
+        // The temporary names of the state file seen renamed: after the exchange that replaced
+        // it, such a name holds a replaced version, and a write into it is a late write. (The
+        // writes before, which made the new version, are the writer's own.)
+        let renamed = Mutex::new(HashSet::<String>::new());
         let on_event = {
             let refresh = refresh.clone();
             let (store, id) = (store.clone(), id.to_owned());
@@ -88,19 +94,40 @@ impl Watch {
                     if !is_change(event) {
                         return;
                     }
-                    // A late write into a version the daemon replaced: merge it. Only a write
-                    // into one it keeps counts; its own renames and the writes of its next
-                    // version (not kept yet) do not, and take no lock.
-                    let wrote = matches!(
-                        event.kind,
-                        EventKind::Access(AccessKind::Close(AccessMode::Write))
-                    ) || matches!(event.kind, EventKind::Modify(kind) if !matches!(kind, ModifyKind::Name(_)))
-                        || matches!(event.kind, EventKind::Any | EventKind::Other);
-                    let late = wrote
-                        && event
-                            .paths
-                            .iter()
-                            .any(|p| names.is_orphan(p) && store.keeps(Names::name(p)));
+                    if event.need_rescan() {
+                        store.touch_orphans(&id);
+                        let _ = store.settle(&id);
+                    }
+                    let late = match event.kind {
+                        EventKind::Modify(ModifyKind::Name(_)) | EventKind::Remove(_) => {
+                            let mut renamed = lock(&renamed);
+                            for p in event.paths.iter().filter(|p| names.is_orphan(p)) {
+                                let name = Names::name(p).to_owned();
+                                if matches!(event.kind, EventKind::Remove(_)) {
+                                    renamed.remove(&name);
+                                } else {
+                                    // Names go when their versions are removed; a bound in
+                                    // case those events are lost (the versions are then read
+                                    // when their time is up).
+                                    if renamed.len() >= MAX_RENAMED {
+                                        renamed.clear();
+                                    }
+                                    renamed.insert(name);
+                                }
+                            }
+                            false
+                        }
+                        EventKind::Create(_) | EventKind::Modify(ModifyKind::Metadata(_)) => false,
+                        _ => {
+                            let renamed = lock(&renamed);
+                            let mut late = false;
+                            for p in event.paths.iter().filter(|p| names.is_orphan(p)) {
+                                let name = Names::name(p);
+                                late |= renamed.contains(name) && store.written_into(name);
+                            }
+                            late
+                        }
+                    };
                     if late {
                         let _ = store.settle(&id);
                     }
@@ -108,24 +135,46 @@ impl Watch {
                         refresh();
                     }
                 }
-                Err(_) => refresh(),
+                Err(_) => {
+                    store.touch_orphans(&id);
+                    let _ = store.settle(&id);
+                    refresh();
+                }
             }
         };
+        let orphans = store.watch_orphans(id);
         let subscription = subscribe(store.dir(), Arc::new(on_event));
         // A change made before the subscription is seen now rather than at the re-check.
         refresh_now();
+        // Replaced versions are settled when their time is up; the state is looked at again
+        // now and then, in case an event was lost.
         let recheck = {
             let (store, id) = (store.clone(), id.to_owned());
+            let kept = store.orphan_kept();
             tokio::spawn(async move {
-                let mut tick = tokio::time::interval(RECHECK);
-                tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                let _orphans = orphans;
+                let mut next_look = Instant::now() + RECHECK;
                 loop {
-                    tick.tick().await;
+                    let added = kept.notified();
+                    tokio::pin!(added);
+                    added.as_mut().enable();
+                    let due = store
+                        .next_settle(&id)
+                        .map_or(next_look, |d| d.min(next_look));
+                    tokio::select! {
+                        () = tokio::time::sleep_until(due.into()) => {}
+                        () = added => continue,
+                    }
+                    let look = Instant::now() >= next_look;
+                    if look {
+                        next_look = Instant::now() + RECHECK;
+                    }
                     let (refresh, store, id) = (refresh.clone(), store.clone(), id.clone());
                     let _ = tokio::task::spawn_blocking(move || {
-                        // Replaced versions past their time go.
                         let _ = store.settle(&id);
-                        refresh();
+                        if look {
+                            refresh();
+                        }
                     })
                     .await;
                 }

@@ -222,9 +222,24 @@ struct Seen {
     loaded: Loaded,
 }
 
-/// A replaced version of a state file, still linked under its temporary name.
-/// The replaced versions kept in one state directory.
-type Orphans = Arc<Mutex<Vec<Orphan>>>;
+/// The replaced versions kept in one state directory by this process.
+type Orphans = Arc<Mutex<Kept>>;
+
+/// The replaced versions kept in one state directory, and what this process's watchers saw
+/// written into them.
+#[derive(Debug, Default)]
+struct Kept {
+    orphans: Vec<Orphan>,
+    /// Replaced versions a watcher saw written into before they were kept (the late write's event
+    /// can overtake the writer's bookkeeping), and when.
+    early: Vec<(String, Instant)>,
+    /// The loops whose writes into replaced versions a watcher of this process reports
+    /// ([`Store::watch_orphans`]), and by how many watchers. A settle reads their versions only
+    /// when one was written into or its time is up; any other loop's, every time.
+    watched: HashMap<String, usize>,
+    /// Woken when a version is kept: a watcher sleeps until the oldest one's time is up.
+    added: Arc<tokio::sync::Notify>,
+}
 
 /// The replaced versions kept by this process's stores of the state directory `path`: one list
 /// however many stores the process has of it (the service's loops and its API each have one), so
@@ -246,6 +261,30 @@ struct Orphan {
     /// someone since, and is theirs to keep.
     written: Vec<u8>,
     since: Instant,
+    /// A watcher saw a write into it since it was last read.
+    touched: bool,
+}
+
+/// A watcher's report of the writes into one loop's replaced versions; dropping it ends that.
+pub struct OrphanWatch {
+    orphans: Orphans,
+    id: String,
+}
+
+impl Drop for OrphanWatch {
+    fn drop(&mut self) {
+        let mut kept = lock(&self.orphans);
+        if let Some(n) = kept.watched.get_mut(&self.id) {
+            *n -= 1;
+            if *n == 0 {
+                kept.watched.remove(&self.id);
+            }
+        }
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// An exclusive lock on a loop's sidecar lock file, released on drop.
@@ -655,11 +694,11 @@ impl Store {
         let _lock = self.lock(id)?;
         self.settle_locked(&dir, id, false);
         let prefix = format!(".{}.", state_name(id));
-        let kept: Vec<String> = self
+        let kept: Vec<String> = lock(&self.orphans)
             .orphans
-            .lock()
-            .map(|o| o.iter().map(|o| o.name.clone()).collect())
-            .unwrap_or_default();
+            .iter()
+            .map(|o| o.name.clone())
+            .collect();
         let mut removed = 0;
         let progress = dir.subdir(&progress_name(id), false).ok();
         for (dir, ours) in [(Some(&dir), true), (progress.as_ref(), false)] {
@@ -812,15 +851,23 @@ impl Store {
     }
 
     fn keep_orphan(&self, id: &str, name: String, base: Vec<u8>, written: Vec<u8>) {
-        if let Ok(mut orphans) = self.orphans.lock() {
-            orphans.push(Orphan {
-                id: id.to_owned(),
-                name,
-                base,
-                written,
-                since: Instant::now(),
-            });
-        }
+        let mut kept = lock(&self.orphans);
+        let touched = match kept.early.iter().position(|(n, _)| *n == name) {
+            Some(i) => {
+                kept.early.swap_remove(i);
+                true
+            }
+            None => false,
+        };
+        kept.orphans.push(Orphan {
+            id: id.to_owned(),
+            name,
+            base,
+            written,
+            since: Instant::now(),
+            touched,
+        });
+        kept.added.notify_waiters();
     }
 
     /// Merges late writes into this loop's replaced versions and removes the versions past their
@@ -834,18 +881,65 @@ impl Store {
         Ok(self.settle_locked(&dir, id, false))
     }
 
-    /// Whether `name` (a file of the state directory) is a replaced version this store keeps.
-    pub fn keeps(&self, name: &str) -> bool {
-        self.orphans
-            .lock()
-            .is_ok_and(|o| o.iter().any(|o| o.name == name))
+    /// A watcher saw `name` (a file of the state directory) written into after it was renamed:
+    /// a late write into a replaced version. Returns whether this store keeps that version (then
+    /// [`Store::settle`] merges it); else it may not be kept yet, and is marked when it is.
+    pub fn written_into(&self, name: &str) -> bool {
+        let mut kept = lock(&self.orphans);
+        if let Some(o) = kept.orphans.iter_mut().find(|o| o.name == name) {
+            o.touched = true;
+            return true;
+        }
+        kept.early.retain(|(_, at)| at.elapsed() < ORPHAN_LIFE);
+        kept.early.push((name.to_owned(), Instant::now()));
+        false
+    }
+
+    /// Events may have been lost: every replaced version of `id` is read at the next settle.
+    pub fn touch_orphans(&self, id: &str) {
+        let mut kept = lock(&self.orphans);
+        kept.orphans
+            .iter_mut()
+            .filter(|o| o.id == id)
+            .for_each(|o| o.touched = true);
+    }
+
+    /// Declares that a watcher of this process reports the writes into the replaced versions of
+    /// `id` ([`Store::written_into`]) for as long as the returned value lives: a settle then reads
+    /// only the versions written into and those whose time is up, not every kept version at
+    /// every write.
+    pub fn watch_orphans(&self, id: &str) -> OrphanWatch {
+        *lock(&self.orphans)
+            .watched
+            .entry(id.to_owned())
+            .or_default() += 1;
+        OrphanWatch {
+            orphans: self.orphans.clone(),
+            id: id.to_owned(),
+        }
+    }
+
+    /// When the oldest replaced version of `id` this store keeps is due to be settled.
+    pub fn next_settle(&self, id: &str) -> Option<Instant> {
+        let kept = lock(&self.orphans);
+        kept.orphans
+            .iter()
+            .filter(|o| o.id == id)
+            .map(|o| o.since + ORPHAN_LIFE)
+            .min()
+    }
+
+    /// Woken whenever a replaced version is kept in this state directory.
+    pub fn orphan_kept(&self) -> Arc<tokio::sync::Notify> {
+        lock(&self.orphans).added.clone()
     }
 
     /// Whether this store keeps replaced versions (of `id`, or of any loop).
     pub fn has_orphans(&self, id: Option<&str>) -> bool {
-        self.orphans
-            .lock()
-            .is_ok_and(|o| o.iter().any(|o| id.is_none_or(|id| o.id == id)))
+        lock(&self.orphans)
+            .orphans
+            .iter()
+            .any(|o| id.is_none_or(|id| o.id == id))
     }
 
     /// Settles every replaced version before a short-lived process exits: each is kept until it
@@ -853,11 +947,11 @@ impl Store {
     pub fn close(&self) {
         // A merge writes a new version, itself kept: a few rounds settle everything.
         for _ in 0..WRITE_RACE_RETRIES {
-            let orphans: Vec<(String, Instant)> = self
+            let orphans: Vec<(String, Instant)> = lock(&self.orphans)
                 .orphans
-                .lock()
-                .map(|o| o.iter().map(|o| (o.id.clone(), o.since)).collect())
-                .unwrap_or_default();
+                .iter()
+                .map(|o| (o.id.clone(), o.since))
+                .collect();
             let Some(youngest) = orphans.iter().map(|(_, since)| *since).max() else {
                 return;
             };
@@ -880,13 +974,20 @@ impl Store {
     /// age.
     fn settle_locked(&self, dir: &Dir, id: &str, all: bool) -> usize {
         // Looked at without taking them off the list, which another thread may read meanwhile.
-        let mine: Vec<(String, Vec<u8>, Vec<u8>, Instant)> = match self.orphans.lock() {
-            Ok(orphans) => orphans
-                .iter()
+        // Where a watcher reports the writes into them, only those written into and those whose
+        // time is up are read.
+        let mine: Vec<(String, Vec<u8>, Vec<u8>, Instant)> = {
+            let mut kept = lock(&self.orphans);
+            let watched = !all && kept.watched.contains_key(id);
+            kept.orphans
+                .iter_mut()
                 .filter(|o| o.id == id)
-                .map(|o| (o.name.clone(), o.base.clone(), o.written.clone(), o.since))
-                .collect(),
-            Err(_) => return 0,
+                .filter(|o| !watched || o.touched || o.since.elapsed() >= ORPHAN_LIFE)
+                .map(|o| {
+                    o.touched = false;
+                    (o.name.clone(), o.base.clone(), o.written.clone(), o.since)
+                })
+                .collect()
         };
         if mine.is_empty() {
             return 0;
@@ -936,9 +1037,9 @@ impl Store {
                 }
             }
         }
-        if let Ok(mut orphans) = self.orphans.lock() {
-            orphans.retain(|o| !done.contains(&o.name));
-        }
+        lock(&self.orphans)
+            .orphans
+            .retain(|o| !done.contains(&o.name));
         let mut merged = 0;
         for (base, theirs, written) in late {
             let object = |bytes: &[u8]| match serde_json::from_slice::<Value>(bytes) {
