@@ -14,7 +14,8 @@ use std::sync::Mutex;
 
 use serde_json::{Map, Value, json};
 
-use crate::safe_fs::Dir;
+use crate::lock;
+use crate::safe_fs::{self, Dir};
 use crate::state::model::{LoopState, now_rfc3339};
 use crate::state::store::{Store, StoreError};
 
@@ -63,6 +64,8 @@ pub const ROTATED: &str = "events.1.jsonl";
 
 /// Actions whose attempt files `actions/` keeps (the oldest go).
 pub const KEEP_ACTIONS: u64 = 200;
+/// How many logs of pruned attempts are kept for reuse.
+const MAX_SPARE_LOGS: usize = 64;
 
 /// A loop's progress directory (`{id}.progress`), opened on first use and again after it was
 /// removed.
@@ -92,7 +95,7 @@ impl ProgressDir {
     }
 
     fn cache(&self) -> std::sync::MutexGuard<'_, Option<Dir>> {
-        self.dir.lock().unwrap_or_else(|e| e.into_inner())
+        lock(&self.dir)
     }
 
     fn cached(&self) -> Option<Dir> {
@@ -464,31 +467,64 @@ pub fn render(event: &Value, clock: Clock) -> String {
 /// The Markdown and NDJSON files of `{id}.progress/` written for people.
 pub struct Progress {
     dir: ProgressDir,
+    /// Logs of pruned attempts, renamed to `.NAME.spare.tmp`, for the next attempts' logs (see
+    /// [`Dir::reuse_temp`] for why).
+    spare_logs: Mutex<Vec<String>>,
 }
 
 impl Progress {
     pub fn new(dir: &ProgressDir) -> Progress {
-        Progress { dir: dir.clone() }
+        Progress {
+            dir: dir.clone(),
+            spare_logs: Mutex::default(),
+        }
     }
 
     /// Removes the files of all but the last [`KEEP_ACTIONS`] actions from `actions/` (their
-    /// names start with the action's number).
+    /// names start with the action's number). Their logs are kept, hidden, for the next attempts'
+    /// logs ([`Progress::reuse_log`]), up to [`MAX_SPARE_LOGS`].
     pub fn prune_actions(&self) {
         let Ok(dir) = self.dir.actions() else {
             return;
         };
-        let numbered: Vec<(u64, String)> = dir
-            .entries()
-            .unwrap_or_default()
-            .into_iter()
+        let names = dir.entries().unwrap_or_default();
+        let mut spares = lock(&self.spare_logs);
+        // Spares of an earlier run of the loop.
+        for name in names.iter().filter(|n| n.starts_with('.')) {
+            if name.ends_with(safe_fs::TEMP_SUFFIX) && !spares.contains(name) {
+                let _ = dir.remove(name);
+            }
+        }
+        let numbered: Vec<(u64, &String)> = names
+            .iter()
             .filter_map(|name| Some((name.split('-').next()?.parse().ok()?, name)))
             .collect();
         let Some(newest) = numbered.iter().map(|(n, _)| *n).max() else {
             return;
         };
         for (n, name) in numbered {
-            if n + KEEP_ACTIONS <= newest {
-                let _ = dir.remove(&name);
+            if n + KEEP_ACTIONS > newest {
+                continue;
+            }
+            let spare = format!(".{name}.spare{}", safe_fs::TEMP_SUFFIX);
+            if name.ends_with(".log")
+                && spares.len() < MAX_SPARE_LOGS
+                && dir.rename(name, &spare).is_ok()
+            {
+                spares.push(spare);
+            } else {
+                let _ = dir.remove(name);
+            }
+        }
+    }
+
+    /// Makes a spare log (see [`Progress::prune_actions`]) the file `name` of `actions/`, to be
+    /// opened and emptied as a new one would be created.
+    pub fn reuse_log(&self, actions: &Dir, name: &str) {
+        let mut spares = lock(&self.spare_logs);
+        while let Some(spare) = spares.pop() {
+            if actions.rename(&spare, name).is_ok() {
+                return;
             }
         }
     }
@@ -504,10 +540,7 @@ impl Progress {
     }
 
     fn replace(&self, file: &str, text: &str) {
-        if let Err(e) = self
-            .dir
-            .with(|d| d.write_atomic(file, text.as_bytes(), false))
-        {
+        if let Err(e) = self.dir.with(|d| d.replace_reusing(file, text.as_bytes())) {
             tracing::warn!("cannot write progress file {file}: {e}");
         }
     }
@@ -540,5 +573,60 @@ impl Progress {
         }
         text.push_str(sections);
         self.replace("summary.md", &text);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::MetadataExt as _;
+
+    #[test]
+    fn pruned_logs_become_the_next_attempts_logs() {
+        let tmp = tempfile::tempdir().unwrap();
+        let store = Store::new(tmp.path(), ".");
+        let progress = Progress::new(&ProgressDir::new(&store, "l1"));
+        let actions = progress.dir.actions().unwrap();
+        let path = actions.path().to_owned();
+        let newest = KEEP_ACTIONS + 3;
+        for n in 1..=newest {
+            std::fs::write(path.join(format!("{n:04}-develop-1.log")), "out").unwrap();
+            std::fs::write(path.join(format!("{n:04}-develop-1.result.json")), "{}").unwrap();
+        }
+        std::fs::write(path.join(".0001-old.log.spare.tmp"), "").unwrap();
+        let first = std::fs::metadata(path.join("0001-develop-1.log"))
+            .unwrap()
+            .ino();
+        progress.prune_actions();
+        let mut names: Vec<String> = std::fs::read_dir(&path)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        names.sort();
+        assert_eq!(names.len() as u64, 2 * KEEP_ACTIONS + 3, "{names:?}");
+        assert_eq!(
+            names[..3],
+            [
+                ".0001-develop-1.log.spare.tmp",
+                ".0002-develop-1.log.spare.tmp",
+                ".0003-develop-1.log.spare.tmp",
+            ]
+        );
+        assert!(names.contains(&"0004-develop-1.log".to_owned()));
+        // The next attempt's log is a spare, renamed: the same file, no new one.
+        let spares: Vec<(PathBuf, u64)> = names[..3]
+            .iter()
+            .map(|n| (path.join(n), std::fs::metadata(path.join(n)).unwrap().ino()))
+            .collect();
+        let next = format!("{:04}-validate-1.log", newest + 1);
+        progress.reuse_log(&actions, &next);
+        let reused = std::fs::metadata(path.join(&next)).unwrap().ino();
+        let taken: Vec<u64> = spares
+            .iter()
+            .filter(|(p, _)| !p.exists())
+            .map(|(_, ino)| *ino)
+            .collect();
+        assert_eq!(taken, [reused]);
+        assert!(spares.iter().any(|(_, ino)| *ino == first));
     }
 }

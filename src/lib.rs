@@ -29,3 +29,9 @@ pub mod view;
 pub mod watch;
 pub mod workflow;
 pub mod worktree;
+
+/// Takes `m`'s lock even if a holder panicked: a poisoned lock still guards usable data here
+/// (lists and caches that every change leaves whole).
+pub fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}

@@ -1196,6 +1196,7 @@ impl LoopRun<'_> {
         let result_name = format!("{stem}.result.json");
         let result_path = actions.join(&result_name);
         let _ = actions.remove(&result_name);
+        self.progress.reuse_log(&actions, &format!("{stem}.log"));
         let task = engine.workflow.task(state, dispatch);
         let paths = Paths {
             root: &engine.work_tree,

@@ -18,10 +18,11 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, LazyLock, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
-use notify::event::{AccessKind, AccessMode, ModifyKind};
+use notify::event::{AccessKind, AccessMode, ModifyKind, RenameMode};
 use notify::{EventKind, RecursiveMode, Watcher as _};
 use tokio::sync::watch;
 
+use crate::lock;
 use crate::state::model::Control;
 use crate::state::store::Store;
 
@@ -49,6 +50,26 @@ impl Snapshot {
             tasks_file,
         })
     }
+
+    /// This snapshot after `change`.
+    fn after(&self, change: Change, store: &Store, id: &str) -> Option<Snapshot> {
+        match change {
+            Change::Any => Snapshot::read(store, id),
+            Change::Renamed => Some(Snapshot {
+                control: store.control_after_rename(id)?,
+                tasks_file: self.tasks_file,
+            }),
+        }
+    }
+}
+
+/// What an event says of the loop's files.
+#[derive(Clone, Copy)]
+enum Change {
+    /// Anything may have changed.
+    Any,
+    /// The state file was renamed into place, and nothing was written.
+    Renamed,
 }
 
 /// A running watch of one loop; dropping it stops watching.
@@ -70,8 +91,13 @@ impl Watch {
         let tx = Arc::new(tx);
         let refresh = {
             let (store, id, tx) = (store.clone(), id.to_owned(), tx.clone());
-            move || {
-                if let Some(snapshot) = Snapshot::read(&store, &id) {
+            move |change: Change| {
+                let last = tx.borrow().clone();
+                let snapshot = match &last {
+                    Some(last) => last.after(change, &store, &id),
+                    None => Snapshot::read(&store, &id),
+                };
+                if let Some(snapshot) = snapshot {
                     tx.send_if_modified(|old| {
                         let changed = old.as_ref() != Some(&snapshot);
                         *old = Some(snapshot);
@@ -82,9 +108,10 @@ impl Watch {
         };
         let names = Names::of(id);
         let refresh_now = refresh.clone();
-        // The temporary names of the state file seen renamed: after the exchange that replaced
-        // it, such a name holds a replaced version, and a write into it is a late write. (The
-        // writes before, which made the new version, are the writer's own.)
+        // The temporary names of the state file that the state file was renamed to: each holds
+        // a replaced version (the exchange that put a new version in place moved the old one
+        // there), and a write into it is a late write. (The writes before, which made the new
+        // version, and those into a reused spare, renamed to a new name first, are the writer's.)
         let renamed = Mutex::new(HashSet::<String>::new());
         let on_event = {
             let refresh = refresh.clone();
@@ -99,21 +126,26 @@ impl Watch {
                         let _ = store.settle(&id);
                     }
                     let late = match event.kind {
-                        EventKind::Modify(ModifyKind::Name(_)) | EventKind::Remove(_) => {
-                            let mut renamed = lock(&renamed);
-                            for p in event.paths.iter().filter(|p| names.is_orphan(p)) {
-                                let name = Names::name(p).to_owned();
-                                if matches!(event.kind, EventKind::Remove(_)) {
-                                    renamed.remove(&name);
-                                } else {
-                                    // Names go when their versions are removed; a bound in
-                                    // case those events are lost (the versions are then read
-                                    // when their time is up).
+                        EventKind::Modify(ModifyKind::Name(mode)) => {
+                            if let (RenameMode::Both, [from, to]) = (mode, event.paths.as_slice()) {
+                                let mut renamed = lock(&renamed);
+                                renamed.remove(Names::name(from));
+                                if Names::name(from) == names.state && names.is_orphan(to) {
+                                    // Names go when their versions are removed or reused; a
+                                    // bound in case those events are lost (the versions are
+                                    // then read when their time is up).
                                     if renamed.len() >= MAX_RENAMED {
                                         renamed.clear();
                                     }
-                                    renamed.insert(name);
+                                    renamed.insert(Names::name(to).to_owned());
                                 }
+                            }
+                            false
+                        }
+                        EventKind::Remove(_) => {
+                            let mut renamed = lock(&renamed);
+                            for p in &event.paths {
+                                renamed.remove(Names::name(p));
                             }
                             false
                         }
@@ -131,21 +163,29 @@ impl Watch {
                     if late {
                         let _ = store.settle(&id);
                     }
-                    if event.need_rescan() || event.paths.iter().any(|p| names.is_watched(p)) {
-                        refresh();
+                    if event.need_rescan() {
+                        refresh(Change::Any);
+                    } else if event.paths.iter().any(|p| names.is_watched(p)) {
+                        let renamed = matches!(event.kind, EventKind::Modify(ModifyKind::Name(_)))
+                            && !event.paths.iter().any(|p| Names::name(p) == names.tasks);
+                        refresh(if renamed {
+                            Change::Renamed
+                        } else {
+                            Change::Any
+                        });
                     }
                 }
                 Err(_) => {
                     store.touch_orphans(&id);
                     let _ = store.settle(&id);
-                    refresh();
+                    refresh(Change::Any);
                 }
             }
         };
         let orphans = store.watch_orphans(id);
         let subscription = subscribe(store.dir(), Arc::new(on_event));
         // A change made before the subscription is seen now rather than at the re-check.
-        refresh_now();
+        refresh_now(Change::Any);
         // Replaced versions are settled when their time is up; the state is looked at again
         // now and then, in case an event was lost.
         let recheck = {
@@ -173,7 +213,7 @@ impl Watch {
                     let _ = tokio::task::spawn_blocking(move || {
                         let _ = store.settle(&id);
                         if look {
-                            refresh();
+                            refresh(Change::Any);
                         }
                     })
                     .await;
@@ -252,10 +292,6 @@ struct Watchers {
     inotify: Option<notify::RecommendedWatcher>,
     polls: HashMap<PathBuf, Box<dyn notify::Watcher + Send>>,
     next_key: u64,
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// Hands an event to the handlers of the directories it names; an error or a rescan to all.

@@ -40,7 +40,7 @@ pub fn endings() -> u64 {
 }
 
 fn running() -> std::sync::MutexGuard<'static, Vec<u32>> {
-    RUNNING.lock().unwrap_or_else(|e| e.into_inner())
+    crate::lock(&RUNNING)
 }
 
 /// Held while an executor is spawned and counted in flight, and while zombies are reaped: a
@@ -50,7 +50,7 @@ static SPAWN: Mutex<()> = Mutex::new(());
 
 /// See [`SPAWN`].
 pub fn spawning() -> std::sync::MutexGuard<'static, ()> {
-    SPAWN.lock().unwrap_or_else(|e| e.into_inner())
+    crate::lock(&SPAWN)
 }
 
 /// Records an attempt in flight, by its process group.

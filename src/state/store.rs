@@ -36,6 +36,7 @@ use std::time::{Duration, Instant, SystemTime};
 use serde_json::{Map, Value};
 
 use super::model::{Control, LoopState, MAX_DESCRIPTION, Status, now_rfc3339};
+use crate::lock;
 use crate::safe_fs::{self, Dir, TEMP_SUFFIX};
 use crate::workflow::ccw_loop::state::{DevelopTask, MAX_TASKS};
 
@@ -59,8 +60,11 @@ const MAX_PROGRESS_READ: u64 = 16 << 20;
 /// How often a read-modify-write starts over when a writer that takes no lock changed the file
 /// under it.
 const WRITE_RACE_RETRIES: usize = 5;
-/// How long a replaced version is kept for a late write into it by a writer that takes no lock.
-pub const ORPHAN_LIFE: Duration = Duration::from_secs(2);
+/// How long a replaced version is kept for a late write into it by a writer that takes no lock
+/// (which writes within microseconds of opening the file, unless it is descheduled).
+pub const ORPHAN_LIFE: Duration = Duration::from_millis(300);
+/// How many settled versions of one loop are left for the next writes to reuse.
+const MAX_SPARES: usize = 8;
 /// How long a short-lived command keeps its replaced versions before it exits ([`Store::close`]):
 /// a lockless writer that opened the file before the exchange writes within microseconds.
 const ORPHAN_LIFE_SHORT: Duration = Duration::from_millis(30);
@@ -220,6 +224,8 @@ pub struct Store {
 struct Seen {
     bytes: Vec<u8>,
     loaded: Loaded,
+    /// The inode of the file, when this store wrote it.
+    ino: Option<u64>,
 }
 
 /// The replaced versions kept in one state directory by this process.
@@ -239,6 +245,9 @@ struct Kept {
     watched: HashMap<String, usize>,
     /// Woken when a version is kept: a watcher sleeps until the oldest one's time is up.
     added: Arc<tokio::sync::Notify>,
+    /// Settled versions, nobody's any more, left in place for the next writes to reuse
+    /// ([`Dir::reuse_temp`]): by loop, their temporary names.
+    spares: Vec<(String, String)>,
 }
 
 /// The replaced versions kept by this process's stores of the state directory `path`: one list
@@ -247,7 +256,7 @@ struct Kept {
 fn shared_orphans(path: &Path) -> Orphans {
     static ALL: std::sync::LazyLock<Mutex<HashMap<PathBuf, Orphans>>> =
         std::sync::LazyLock::new(Default::default);
-    let mut all = ALL.lock().unwrap_or_else(|e| e.into_inner());
+    let mut all = lock(&ALL);
     all.entry(path.to_owned()).or_default().clone()
 }
 
@@ -281,10 +290,6 @@ impl Drop for OrphanWatch {
             }
         }
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// An exclusive lock on a loop's sidecar lock file, released on drop.
@@ -322,7 +327,7 @@ impl Store {
     /// The state directory, opened from the root one component at a time (none may be a
     /// symlink); created (0700) when `create` is set.
     pub fn state_dir(&self, create: bool) -> Result<Dir, StoreError> {
-        let mut cached = self.dir.lock().unwrap_or_else(|e| e.into_inner());
+        let mut cached = lock(&self.dir);
         if let Some(dir) = &*cached {
             return Ok(dir.clone());
         }
@@ -369,10 +374,10 @@ impl Store {
         (seen.bytes == bytes).then(|| seen.loaded.clone())
     }
 
-    fn remember(&self, id: &str, bytes: Vec<u8>, loaded: &Loaded) {
+    fn remember(&self, id: &str, bytes: Vec<u8>, loaded: &Loaded, ino: Option<u64>) {
         if let Ok(mut last) = self.last.lock() {
             let loaded = loaded.clone();
-            last.insert(id.to_owned(), Arc::new(Seen { bytes, loaded }));
+            last.insert(id.to_owned(), Arc::new(Seen { bytes, loaded, ino }));
         }
     }
 
@@ -537,7 +542,7 @@ impl Store {
             }
             match Loaded::parse(&path, &bytes) {
                 Ok(loaded) => {
-                    self.remember(id, bytes.clone(), &loaded);
+                    self.remember(id, bytes.clone(), &loaded, None);
                     return Ok((bytes, loaded));
                 }
                 // Another program may be half-way through rewriting the file in place.
@@ -554,6 +559,22 @@ impl Store {
         let dir = self.existing_dir().ok()??;
         let bytes = self.read_bytes(&dir, id).ok()?;
         serde_json::from_slice(&bytes).ok()
+    }
+
+    /// [`Store::read_control`] after a change that renamed files but wrote none: when the state
+    /// file in place is the version this store last wrote (the same inode; a write into it would
+    /// be a change of its own), that version's fields, without reading the file.
+    pub fn control_after_rename(&self, id: &str) -> Option<Control> {
+        let own = || {
+            let seen = self.last.lock().ok()?.get(id)?.clone();
+            let dir = self.existing_dir().ok()??;
+            let stat = dir.stat(&state_name(id)).ok()??;
+            (seen.ino == Some(stat.st_ino)).then_some(seen)
+        };
+        match own() {
+            Some(seen) => serde_json::from_slice(&seen.bytes).ok(),
+            None => self.read_control(id),
+        }
     }
 
     /// The backup of a loop's state: a copy of the last durable write of a loopd writer.
@@ -694,11 +715,15 @@ impl Store {
         let _lock = self.lock(id)?;
         self.settle_locked(&dir, id, false);
         let prefix = format!(".{}.", state_name(id));
-        let kept: Vec<String> = lock(&self.orphans)
-            .orphans
-            .iter()
-            .map(|o| o.name.clone())
-            .collect();
+        let kept: Vec<String> = {
+            let kept = lock(&self.orphans);
+            let spares = kept.spares.iter().map(|(_, name)| name.clone());
+            kept.orphans
+                .iter()
+                .map(|o| o.name.clone())
+                .chain(spares)
+                .collect()
+        };
         let mut removed = 0;
         let progress = dir.subdir(&progress_name(id), false).ok();
         for (dir, ours) in [(Some(&dir), true), (progress.as_ref(), false)] {
@@ -779,9 +804,22 @@ impl Store {
             raw.insert("updated_at".into(), Value::String(now_rfc3339()));
             let value = Value::Object(raw);
             let bytes = to_pretty(&path, &value)?;
+            let Value::Object(raw) = value else {
+                unreachable!("built as an object")
+            };
+            let state = serde_json::from_slice(&bytes).map_err(|e| StoreError::Corrupt {
+                path: path.clone(),
+                reason: e.to_string(),
+            })?;
+            let loaded = Loaded { raw, state };
             // The last round writes whatever happened, rather than fail the write.
             let expected = (round < WRITE_RACE_RETRIES).then_some(in_place.as_slice());
-            let replaced = swap_in(dir, &name, &bytes, durable, expected).map_err(io_err(&path))?;
+            // Known as this store's version before it is in place: a watcher that sees it
+            // renamed in need not read it (see [`Store::control_after_rename`]).
+            let remember = |ino| self.remember(id, bytes.clone(), &loaded, ino);
+            let spare = self.take_spare(id);
+            let replaced = swap_in(dir, &name, &bytes, durable, expected, spare, remember)
+                .map_err(io_err(&path))?;
             match replaced {
                 Swapped::Raced => {
                     (in_place, base) = self.read(id)?;
@@ -834,17 +872,6 @@ impl Store {
                     );
                 }
             }
-            let Value::Object(raw) = value else {
-                unreachable!("built as an object")
-            };
-            let state = serde_json::from_value(Value::Object(raw.clone())).map_err(|e| {
-                StoreError::Corrupt {
-                    path: path.clone(),
-                    reason: e.to_string(),
-                }
-            })?;
-            let loaded = Loaded { raw, state };
-            self.remember(id, bytes, &loaded);
             return Ok(loaded);
         }
         unreachable!("the loop returns by its last round")
@@ -942,16 +969,42 @@ impl Store {
             .any(|o| id.is_none_or(|id| o.id == id))
     }
 
+    /// Leaves the settled version `name` of `id` for a later write to reuse; false when enough
+    /// are left already.
+    fn spare(&self, id: &str, name: &str) -> bool {
+        let mut kept = lock(&self.orphans);
+        let room = kept.spares.iter().filter(|(of, _)| of == id).count() < MAX_SPARES;
+        if room {
+            kept.spares.push((id.to_owned(), name.to_owned()));
+        }
+        room
+    }
+
+    /// A settled version of `id` to write the next version into, if one is left.
+    fn take_spare(&self, id: &str) -> Option<String> {
+        let mut kept = lock(&self.orphans);
+        let i = kept.spares.iter().position(|(of, _)| of == id)?;
+        Some(kept.spares.swap_remove(i).1)
+    }
+
     /// Settles every replaced version before a short-lived process exits: each is kept until it
     /// is [`ORPHAN_LIFE_SHORT`] old, then merged if written into, else removed.
     pub fn close(&self) {
         // A merge writes a new version, itself kept: a few rounds settle everything.
         for _ in 0..WRITE_RACE_RETRIES {
-            let orphans: Vec<(String, Instant)> = lock(&self.orphans)
-                .orphans
-                .iter()
-                .map(|o| (o.id.clone(), o.since))
-                .collect();
+            let orphans: Vec<(String, Instant)> = {
+                let kept = lock(&self.orphans);
+                let spares = kept
+                    .spares
+                    .iter()
+                    .map(|(id, _)| (id.clone(), Instant::now()));
+                let spares = spares.map(|(id, now)| (id, now - ORPHAN_LIFE_SHORT));
+                kept.orphans
+                    .iter()
+                    .map(|o| (o.id.clone(), o.since))
+                    .chain(spares)
+                    .collect()
+            };
             let Some(youngest) = orphans.iter().map(|(_, since)| *since).max() else {
                 return;
             };
@@ -1014,7 +1067,9 @@ impl Store {
             let age = since.elapsed();
             if now == base {
                 if all || age >= ORPHAN_LIFE {
-                    let _ = dir.remove(&name);
+                    if all || !self.spare(id, &name) {
+                        let _ = dir.remove(&name);
+                    }
                     done.push(name);
                 }
                 continue;
@@ -1037,9 +1092,18 @@ impl Store {
                 }
             }
         }
-        lock(&self.orphans)
-            .orphans
-            .retain(|o| !done.contains(&o.name));
+        {
+            let mut kept = lock(&self.orphans);
+            kept.orphans.retain(|o| !done.contains(&o.name));
+            if all {
+                kept.spares.retain(|(of, name)| {
+                    of != id || {
+                        let _ = dir.remove(name);
+                        false
+                    }
+                });
+            }
+        }
         let mut merged = 0;
         for (base, theirs, written) in late {
             let object = |bytes: &[u8]| match serde_json::from_slice::<Value>(bytes) {
@@ -1358,9 +1422,11 @@ enum Swapped {
     Raced,
 }
 
-/// Puts `bytes` in place of `name` atomically: a new temp file in the same directory (mode 0600),
+/// Puts `bytes` in place of `name` atomically: a new temp file in the same directory (mode 0600,
+/// made of `spare` if given: see [`Dir::reuse_temp`]),
 /// fsync if `durable`, exchanged with `name`, fsync of the directory if `durable`. `expected` is
-/// what should be in place; `None` writes whatever is there.
+/// what should be in place; `None` writes whatever is there. `written` is told the new version's
+/// inode once it is written, before it is put in place. Returns what was replaced.
 ///
 /// The exchange (`renameat2(RENAME_EXCHANGE)`) hands back exactly what it replaced, under the
 /// temp file's name: a reader that opened the old version still reads it whole. (A version is
@@ -1371,16 +1437,31 @@ fn swap_in(
     bytes: &[u8],
     durable: bool,
     expected: Option<&[u8]>,
+    spare: Option<String>,
+    written: impl FnOnce(Option<u64>),
 ) -> io::Result<Swapped> {
-    let (tmp, mut file) = dir.temp_file(name)?;
-    let written = file
+    use std::os::unix::fs::MetadataExt as _;
+    let reused = spare.and_then(|spare| {
+        dir.reuse_temp(&spare, name)
+            .inspect_err(|_| {
+                let _ = dir.remove(&spare);
+            })
+            .ok()
+    });
+    let (tmp, mut file) = match reused {
+        Some(reused) => reused,
+        None => dir.temp_file(name)?,
+    };
+    let done = file
         .write_all(bytes)
         .and_then(|()| if durable { file.sync_data() } else { Ok(()) });
+    let ino = file.metadata().ok().map(|m| m.ino());
     drop(file);
-    if let Err(e) = written {
+    if let Err(e) = done {
         let _ = dir.remove(&tmp);
         return Err(e);
     }
+    written(ino);
     let swapped = match dir.exchange(&tmp, name) {
         Ok(()) => {
             let old = dir.read(&tmp, MAX_STATE_SIZE).unwrap_or_default();
@@ -1549,6 +1630,71 @@ mod tests {
         );
         store.close();
         assert!(!store.has_orphans(None));
+        let names: Vec<String> = fs::read_dir(dir.path())
+            .unwrap()
+            .filter_map(|e| e.ok()?.file_name().into_string().ok())
+            .filter(|n| n.ends_with(TEMP_SUFFIX))
+            .collect();
+        assert!(names.is_empty(), "{names:?}");
+    }
+
+    #[test]
+    fn under_a_watcher_only_versions_written_into_are_read_and_settled_ones_are_reused() {
+        use std::os::unix::fs::MetadataExt as _;
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::new(dir.path(), ".");
+        let state = LoopState {
+            loop_id: "l1".into(),
+            status: Status::Running,
+            ..LoopState::default()
+        };
+        store.create(&state).unwrap();
+        let _watch = store.watch_orphans("l1");
+        let path = store.state_path("l1");
+        let ino = |p: &Path| fs::metadata(p).unwrap().ino();
+        let mut late = fs::OpenOptions::new().write(true).open(&path).unwrap();
+        let replaced = ino(&path);
+        let write = |n: u64| {
+            store
+                .update("l1", true, |raw, _| {
+                    raw.insert("current_iteration".into(), n.into());
+                })
+                .unwrap()
+        };
+        write(1);
+        let kept = lock(&store.orphans).orphans[0].name.clone();
+        assert_eq!(ino(&dir.path().join(&kept)), replaced);
+        late.set_len(0).unwrap();
+        late.write_all(br#"{"loop_id":"l1","status":"running","notes":"late"}"#)
+            .unwrap();
+        // Not reported: not read, so not merged yet.
+        assert_eq!(store.settle("l1").unwrap(), 0);
+        assert!(store.written_into(&kept));
+        assert_eq!(store.settle("l1").unwrap(), 1);
+        let on_disk: Value = serde_json::from_slice(&fs::read(&path).unwrap()).unwrap();
+        assert_eq!(on_disk["notes"], "late");
+        // Once their time is up, unchanged versions are left for the next writes: no new file.
+        let kept: Vec<u64> = lock(&store.orphans)
+            .orphans
+            .iter()
+            .map(|o| ino(&dir.path().join(&o.name)))
+            .collect();
+        assert!(!kept.is_empty());
+        std::thread::sleep(ORPHAN_LIFE);
+        write(2);
+        assert!(
+            kept.contains(&ino(&path)),
+            "the new version is written into a settled one"
+        );
+        let on_disk: Value = serde_json::from_slice(&fs::read(&path).unwrap()).unwrap();
+        assert_eq!(
+            (
+                on_disk["notes"].clone(),
+                on_disk["current_iteration"].clone()
+            ),
+            ("late".into(), 2.into())
+        );
+        store.close();
         let names: Vec<String> = fs::read_dir(dir.path())
             .unwrap()
             .filter_map(|e| e.ok()?.file_name().into_string().ok())
