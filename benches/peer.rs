@@ -8,7 +8,8 @@
 //! iteration limit); ralph runs it as a `custom` backend (`ralph run --no-tui`, prompt as an
 //! argument) until the promise; the bare round spawns it N times as loopd does (a process group of
 //! its own, pipes read to EOF). Rounds interleave the three, so that a slow moment of the machine
-//! hits them alike.
+//! hits them alike. Every round's directory is removed at the end, not after the round (see
+//! [`Leftovers`]).
 //!
 //! Per system: wall time per action; its own CPU per action (the CPU of the run with its
 //! children, from `getrusage(RUSAGE_CHILDREN)`, less the bare round's: the backend's own CPU);
@@ -137,7 +138,12 @@ fn watch(mut child: Child, started: Instant, cpu0: Duration) -> (std::process::E
     (status, run)
 }
 
-fn loopd_round(dir: &Path, n: usize) -> Run {
+/// What a round leaves on the filesystem, removed when the benchmark ends: on ext4 without a
+/// journal a new file's inode is searched for past every inode released in the last minutes,
+/// so a round would otherwise pay for the files of the rounds before it.
+type Leftovers = Box<dyn std::any::Any>;
+
+fn loopd_round(dir: &Path, n: usize) -> (Run, Leftovers) {
     let p = Project::in_dir(loopd_config(), None, dir);
     backend_dir(&p.root, usize::MAX);
     // init + (n - 2) iterations + complete.
@@ -162,10 +168,10 @@ fn loopd_round(dir: &Path, n: usize) -> Run {
         .iter()
         .filter(|e| e["event"] == "action_finished")
         .count();
-    run
+    (run, Box::new(p))
 }
 
-fn ralph_round(ralph: &Path, dir: &Path, n: usize) -> Run {
+fn ralph_round(ralph: &Path, dir: &Path, n: usize) -> (Run, Leftovers) {
     let tmp = tempfile::tempdir_in(dir).expect("tempdir");
     let root = tmp.path();
     backend_dir(root, n);
@@ -188,10 +194,10 @@ fn ralph_round(ralph: &Path, dir: &Path, n: usize) -> Run {
         .ok()
         .and_then(|t| t.trim().parse().ok())
         .unwrap_or(0);
-    run
+    (run, Box::new(tmp))
 }
 
-fn bare_round(dir: &Path, n: usize) -> Run {
+fn bare_round(dir: &Path, n: usize) -> (Run, Leftovers) {
     use std::os::unix::process::CommandExt as _;
     let tmp = tempfile::tempdir_in(dir).expect("tempdir");
     let root = tmp.path();
@@ -211,12 +217,13 @@ fn bare_round(dir: &Path, n: usize) -> Run {
             .wait_with_output()
             .expect("wait");
     }
-    Run {
+    let run = Run {
         wall: started.elapsed(),
         cpu: children_cpu() - cpu0,
         peak_kib: 0,
         actions: n,
-    }
+    };
+    (run, Box::new(tmp))
 }
 
 /// The ralph binary: `$LOOPD_RALPH`, else the cached install, else a new one.
@@ -284,14 +291,19 @@ fn main() {
     println!("| fs | system | wall | own CPU | peak RSS |");
     println!("|---|---|---|---|---|");
     let mut ratios = Vec::new();
+    let mut leftovers = Vec::new();
     for (name, dir) in &places {
         let (mut l, mut r, mut b) = (Vec::new(), Vec::new(), Vec::new());
+        let mut keep = |(run, left): (Run, Leftovers), runs: &mut Vec<Run>| {
+            runs.push(run);
+            leftovers.push(left);
+        };
         for round in 1..=rounds {
-            l.push(loopd_round(dir, n));
+            keep(loopd_round(dir, n), &mut l);
             if let Some(ralph) = &ralph {
-                r.push(ralph_round(ralph, dir, n));
+                keep(ralph_round(ralph, dir, n), &mut r);
             }
-            b.push(bare_round(dir, n));
+            keep(bare_round(dir, n), &mut b);
             eprintln!("{name}: round {round} of {rounds} done");
         }
         let (bw, bc, _) = medians(&b);

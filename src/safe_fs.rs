@@ -235,20 +235,16 @@ impl Dir {
     }
 
     /// A new temporary file next to `name`, as [`Dir::temp_file`], made of the temporary file
-    /// `spare` (a replaced version of `name` nobody needs): renamed to a new temporary name and
-    /// emptied. Reusing a file spares the filesystem an inode's allocation and release per write,
-    /// which is what a write costs most on ext4 without a journal: its search for a free inode
-    /// skips every inode released in the last minutes.
+    /// `spare` (a replaced version of `name` nobody needs): renamed to a new temporary name, its
+    /// old content still in it (see [`overwrite`]). Reusing a file spares the filesystem an
+    /// inode's allocation and release per write, which is what a write costs most on ext4 without
+    /// a journal: its search for a free inode skips every inode released in the last minutes.
     pub fn reuse_temp(&self, spare: &str, name: &str) -> io::Result<(String, File)> {
         let file = self.open_checked(spare, OFlag::O_RDWR, true)?;
         for _ in 0..100 {
             let tmp = format!(".{name}.{}{TEMP_SUFFIX}", random_suffix());
             match self.rename_new(spare, &tmp) {
-                Ok(()) => {
-                    file.set_len(0)
-                        .map_err(|e| with_path(&self.join(&tmp), e))?;
-                    return Ok((tmp, file));
-                }
+                Ok(()) => return Ok((tmp, file)),
                 Err(e) if e.kind() == io::ErrorKind::AlreadyExists => continue,
                 Err(e) => return Err(e),
             }
@@ -285,10 +281,7 @@ impl Dir {
     /// state.
     pub fn replace_reusing(&self, name: &str, bytes: &[u8]) -> io::Result<()> {
         let spare = format!(".{name}.spare{TEMP_SUFFIX}");
-        let mut file = self.create(&spare)?;
-        file.write_all(bytes)
-            .map_err(|e| with_path(&self.join(&spare), e))?;
-        drop(file);
+        self.overwrite(&spare, bytes)?;
         match self.exchange(&spare, name) {
             Ok(()) => Ok(()),
             Err(e)
@@ -301,6 +294,13 @@ impl Dir {
             }
             Err(e) => Err(e),
         }
+    }
+
+    /// Makes `bytes` the content of `name`, created (0600) if missing, in place (see
+    /// [`overwrite`]): a reader may see it half-written.
+    pub fn overwrite(&self, name: &str, bytes: &[u8]) -> io::Result<()> {
+        let file = self.open_rw(name)?;
+        overwrite(&file, bytes).map_err(|e| with_path(&self.join(name), e))
     }
 
     /// Replaces `name` with `bytes` atomically: a temporary file in this directory, renamed over
@@ -369,6 +369,15 @@ impl Dir {
     pub fn sync(&self) -> io::Result<()> {
         nix::unistd::fsync(self.fd.as_fd()).map_err(|e| with_path(&self.path, e.into()))
     }
+}
+
+/// Makes `bytes` the whole content of `file`: written from its start, then cut to length. Not
+/// emptied first: on a disk mounted with `discard`, freeing the blocks of a file written back
+/// costs a discard each time, where cutting a tail seldom frees a block.
+pub fn overwrite(file: &File, bytes: &[u8]) -> io::Result<()> {
+    use std::os::unix::fs::FileExt as _;
+    file.write_all_at(bytes, 0)?;
+    file.set_len(bytes.len() as u64)
 }
 
 /// Reads at most `cap` bytes of a file; more is `FileTooLarge`.

@@ -862,9 +862,7 @@ impl Store {
                 // reach the backup. Written in place, without fsync: it is only read when the
                 // state file was spoilt, which a crash cannot do (only another program can), and
                 // a torn backup is refused when read.
-                let backup = dir
-                    .create(&backup_name(id))
-                    .and_then(|mut f| f.write_all(&bytes));
+                let backup = dir.overwrite(&backup_name(id), &bytes);
                 if let Err(e) = backup {
                     tracing::warn!(
                         "warning: cannot write the backup {}: {e}",
@@ -1448,12 +1446,11 @@ fn swap_in(
             })
             .ok()
     });
-    let (tmp, mut file) = match reused {
+    let (tmp, file) = match reused {
         Some(reused) => reused,
         None => dir.temp_file(name)?,
     };
-    let done = file
-        .write_all(bytes)
+    let done = safe_fs::overwrite(&file, bytes)
         .and_then(|()| if durable { file.sync_data() } else { Ok(()) });
     let ino = file.metadata().ok().map(|m| m.ino());
     drop(file);
