@@ -43,6 +43,17 @@ use crate::workflow::ccw_loop::state::{DevelopTask, MAX_TASKS};
 /// Top-level fields the daemon owns and writes back from its own copy.
 pub const DAEMON_FIELDS: &[&str] = &["current_iteration", "skill_state"];
 
+/// The [`DAEMON_FIELDS`] of `state`, as the whole state serializes them (without serializing the
+/// rest).
+fn daemon_fields(state: &LoopState) -> serde_json::Result<Map<String, Value>> {
+    let mut fields = Map::new();
+    fields.insert("current_iteration".into(), state.current_iteration.into());
+    if let Some(skill) = &state.skill_state {
+        fields.insert("skill_state".into(), serde_json::to_value(skill)?);
+    }
+    Ok(fields)
+}
+
 /// Keys of `skill_state` the daemon writes only while they hold something: when the daemon's
 /// state lacks one, it was cleared, and it is removed rather than kept as another writer's.
 const CLEARABLE_SKILL_KEYS: &[&str] = &["blocked", "question"];
@@ -848,10 +859,12 @@ impl Store {
                     // version another writer put there on the last round (written whatever
                     // happened) differs from the version this change was made on by that
                     // writer's changes, merged when the orphan settles.
-                    let base = match Loaded::parse(&path, &old) {
-                        Ok(_) if old != in_place => made_on,
-                        Ok(_) => old,
-                        Err(_) => in_place,
+                    let base = if old == in_place {
+                        old
+                    } else if Loaded::parse(&path, &old).is_ok() {
+                        made_on
+                    } else {
+                        in_place
                     };
                     self.keep_orphan(id, tmp, base, bytes.clone());
                 }
@@ -1164,7 +1177,7 @@ impl Store {
         choice: Option<&str>,
         durable: bool,
     ) -> Result<Loaded, StoreError> {
-        let ours_value = serde_json::to_value(ours).map_err(|e| StoreError::Corrupt {
+        let ours_value = daemon_fields(ours).map_err(|e| StoreError::Corrupt {
             path: self.state_path(&ours.loop_id),
             reason: e.to_string(),
         })?;
@@ -1698,6 +1711,26 @@ mod tests {
             .filter(|n| n.ends_with(TEMP_SUFFIX))
             .collect();
         assert!(names.is_empty(), "{names:?}");
+    }
+
+    #[test]
+    fn the_daemon_fields_are_those_of_the_whole_state() {
+        for skill_state in [None, Some(Default::default())] {
+            let state = LoopState {
+                loop_id: "l1".into(),
+                current_iteration: 4,
+                skill_state,
+                ..LoopState::default()
+            };
+            let Value::Object(whole) = serde_json::to_value(&state).unwrap() else {
+                panic!("a state is an object")
+            };
+            let whole: Map<String, Value> = whole
+                .into_iter()
+                .filter(|(k, _)| DAEMON_FIELDS.contains(&k.as_str()))
+                .collect();
+            assert_eq!(daemon_fields(&state).unwrap(), whole);
+        }
     }
 
     #[test]
