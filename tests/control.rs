@@ -91,17 +91,6 @@ fn lines(path: &Path) -> usize {
     std::fs::read_to_string(path).map_or(0, |t| t.lines().count())
 }
 
-/// The CPU time (user + system, in clock ticks) a process has used so far.
-fn cpu_ticks(pid: u32) -> u64 {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).expect("read /proc/PID/stat");
-    // After `pid (comm)`: state is field 3, utime field 14, stime field 15.
-    let fields: Vec<&str> = stat[stat.rfind(')').expect("comm") + 1..]
-        .split_whitespace()
-        .collect();
-    let field = |n: usize| fields[n - 3].parse::<u64>().expect("a tick count");
-    field(14) + field(15)
-}
-
 /// The status of every develop task of the loop, in order.
 fn task_statuses(state: &Value) -> Vec<String> {
     state["skill_state"]["develop"]["tasks"]
@@ -254,36 +243,73 @@ fn pause_and_resume_twenty_times_during_one_loop() {
     assert_eq!(count(&p, &id, "action_failed"), 0);
 }
 
+/// How often each thread of a process has gone to sleep so far (`voluntary_ctxt_switches`): a
+/// thread that is woken and sleeps again adds one.
+fn sleeps(pid: u32) -> std::collections::HashMap<String, u64> {
+    let tasks = std::fs::read_dir(format!("/proc/{pid}/task")).expect("read /proc/PID/task");
+    tasks
+        .filter_map(|t| {
+            let t = t.ok()?;
+            let status = std::fs::read_to_string(t.path().join("status")).ok()?;
+            let n = status
+                .lines()
+                .find_map(|l| l.strip_prefix("voluntary_ctxt_switches:"))?
+                .trim()
+                .parse()
+                .ok()?;
+            Some((t.file_name().into_string().ok()?, n))
+        })
+        .collect()
+}
+
+/// The wakeups of `pid`'s threads over `window` (threads that ended meanwhile are not counted).
+fn wakeups_over(pid: u32, window: Duration) -> u64 {
+    let before = sleeps(pid);
+    std::thread::sleep(window);
+    let after = sleeps(pid);
+    after
+        .iter()
+        .filter_map(|(tid, n)| Some(n - before.get(tid)?))
+        .sum()
+}
+
+/// Asserts that the daemon `pid` is not woken at all for two seconds, once the writes that led
+/// to its wait have settled (the watcher reads them; a replaced version is let go after 300 ms).
+fn assert_asleep(pid: u32, what: &str) {
+    wait_for(&format!("the daemon to settle ({what})"), || {
+        wakeups_over(pid, Duration::from_millis(500)) == 0
+    });
+    // Measuring, not synchronising: a daemon that looked at the file now and then would wake
+    // up every time.
+    let woken = wakeups_over(pid, Duration::from_secs(2));
+    assert_eq!(woken, 0, "{what}: the daemon woke up {woken} times in 2 s");
+}
+
 #[test]
-fn a_paused_daemon_uses_no_cpu() {
+fn an_idle_daemon_sleeps_until_something_happens() {
     let p = Project::new(&agent(&[("develop", HANG)]));
     let id = p.create(&["--title", "t"]);
     let run = p.spawn_run(&id, &[]);
-    let agent_pid = read_pid(&p.root.join("agent.pid"));
+    let agent_pid = wait_in_flight(&p, &id);
+    assert_asleep(run.id(), "an executor that hangs");
 
     control(&p, "pause", &id);
     wait_events(&p, &id, "paused", 1);
     assert!(!alive(agent_pid), "pause left the action running");
-    // The writes of the pause itself settle first (the watcher reads them, a replaced version
-    // is let go after 2 s): wait until half a second passes without a clock tick.
-    let mut last = cpu_ticks(run.id());
-    wait_for("the pause to settle", || {
-        std::thread::sleep(Duration::from_millis(500));
-        let now = cpu_ticks(run.id());
-        std::mem::replace(&mut last, now) == now
-    });
-    // Measuring, not synchronising: how much CPU two seconds of pause cost. A daemon that polled
-    // would use tens of ticks; one that waits uses none but its once-a-second look at the file.
-    let before = cpu_ticks(run.id());
-    std::thread::sleep(Duration::from_secs(2));
-    let used = cpu_ticks(run.id()) - before;
-    assert!(
-        used <= 2,
-        "the paused daemon used {used} clock ticks in 2 s"
-    );
+    assert_asleep(run.id(), "paused");
     assert_eq!(p.state(&id)["status"], "paused");
-
+    // And it wakes at once when something happens.
     control(&p, "stop", &id);
+    finish(run, 5);
+
+    let waiting = Project::new(&agent(&[]));
+    let id = waiting.create(&["--title", "t", "--mode", "interactive"]);
+    let run = waiting.spawn_run(&id, &[]);
+    wait_for("the wait for a choice", || {
+        !waiting.state(&id)["skill_state"]["awaiting_choice"].is_null()
+    });
+    assert_asleep(run.id(), "waiting for a choice");
+    control(&waiting, "stop", &id);
     finish(run, 5);
 }
 
