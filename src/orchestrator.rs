@@ -24,7 +24,6 @@ use std::time::{Duration, SystemTime};
 
 use anyhow::{Context as _, Result};
 use chrono::{DateTime, Utc};
-use serde_json::Value;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
@@ -330,7 +329,6 @@ impl Engine {
             shutdown,
             tasks_seen: None,
             ours: None,
-            last_good: None,
         };
         let exit = turn.drive().await;
         let event = Event::new(name::DAEMON_EXITED).with("pid", std::process::id());
@@ -426,8 +424,6 @@ struct LoopRun<'a> {
     /// The state as this daemon last wrote it: its own fields here are the truth, whatever
     /// another program writes back.
     ours: Option<LoopState>,
-    /// The state file as last read or written whole, put back if another program spoils it.
-    last_good: Option<serde_json::Map<String, Value>>,
 }
 
 impl LoopRun<'_> {
@@ -479,7 +475,6 @@ impl LoopRun<'_> {
                                 .with("message", "the state file can be written again; going on"),
                         );
                     }
-                    self.last_good = Some(loaded.raw.clone());
                     return Ok(loaded);
                 }
                 Err(e) => e,
@@ -500,10 +495,7 @@ impl LoopRun<'_> {
                 }
                 StoreError::Corrupt { .. } | StoreError::NotFound { .. } if !put_back => {
                     put_back = true;
-                    let Some(good) = self.last_good.clone() else {
-                        return Err(error.into());
-                    };
-                    if let Some(why) = self.store().put_back(self.id, &good)? {
+                    if let Some(why) = self.store().put_back(self.id)? {
                         self.events.emit(Event::new(name::WARNING).with(
                             "message",
                             format!(

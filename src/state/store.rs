@@ -380,16 +380,14 @@ impl Store {
 
     /// The parse of `bytes` if they are the last version seen of `id`.
     fn remembered(&self, id: &str, bytes: &[u8]) -> Option<Loaded> {
-        let last = self.last.lock().ok()?;
+        let last = lock(&self.last);
         let seen = last.get(id)?;
         (seen.bytes == bytes).then(|| seen.loaded.clone())
     }
 
     fn remember(&self, id: &str, bytes: Vec<u8>, loaded: &Loaded, ino: Option<u64>) {
-        if let Ok(mut last) = self.last.lock() {
-            let loaded = loaded.clone();
-            last.insert(id.to_owned(), Arc::new(Seen { bytes, loaded, ino }));
-        }
+        let loaded = loaded.clone();
+        lock(&self.last).insert(id.to_owned(), Arc::new(Seen { bytes, loaded, ino }));
     }
 
     /// The state directory's path, for people and other programs.
@@ -577,7 +575,7 @@ impl Store {
     /// be a change of its own), that version's fields, without reading the file.
     pub fn control_after_rename(&self, id: &str) -> Option<Control> {
         let own = || {
-            let seen = self.last.lock().ok()?.get(id)?.clone();
+            let seen = lock(&self.last).get(id)?.clone();
             let dir = self.existing_dir().ok()??;
             let stat = dir.stat(&state_name(id)).ok()??;
             (seen.ino == Some(stat.st_ino)).then_some(seen)
@@ -643,17 +641,18 @@ impl Store {
         Ok(Some((reason, from)))
     }
 
-    /// Puts back `good` (a version read before) in place of a state file that is missing or no
-    /// longer loads, keeping what was there as `{id}.json.corrupt`. Does nothing if the file
-    /// loads again by the time the lock is held.
-    pub fn put_back(
-        &self,
-        id: &str,
-        good: &Map<String, Value>,
-    ) -> Result<Option<String>, StoreError> {
+    /// Puts back the last version this store read or wrote in place of a state file that is
+    /// missing or no longer loads, keeping what was there as `{id}.json.corrupt`. Does nothing if
+    /// the file loads again by the time the lock is held; the error of the read if this store
+    /// has no version of it.
+    pub fn put_back(&self, id: &str) -> Result<Option<String>, StoreError> {
         let dir = self.state_dir(false)?;
         let _lock = self.lock(id)?;
-        let reason = match self.read(id) {
+        let read = self.read(id);
+        let Some(good) = lock(&self.last).get(id).map(|seen| seen.loaded.raw.clone()) else {
+            return read.map(|_| None);
+        };
+        let reason = match read {
             Ok(_) => return Ok(None),
             Err(StoreError::NotFound { .. }) => "it was deleted".to_owned(),
             Err(StoreError::Corrupt { reason, .. }) => {
@@ -664,7 +663,7 @@ impl Store {
             }
             Err(e) => return Err(e),
         };
-        let mut raw = good.clone();
+        let mut raw = good;
         raw.insert("updated_at".into(), Value::String(now_rfc3339()));
         let bytes = to_pretty(&self.state_path(id), &Value::Object(raw))?;
         dir.write_atomic(&state_name(id), &bytes, true)
