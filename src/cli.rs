@@ -152,6 +152,25 @@ pub enum Command {
         #[arg(long)]
         utc: bool,
     },
+    /// List a loop's git checkpoints (one after each action that changes the work tree), oldest
+    /// first, with what each changed
+    Checkpoints { id: String },
+    /// Show what an action changed in the work tree (CHECKPOINT, as `checkpoints` names it), or
+    /// what the loop changed as a whole
+    Diff {
+        id: String,
+        checkpoint: Option<String>,
+    },
+    /// Put the work tree back as it was at a checkpoint of the loop (its state dir and ignored
+    /// files are left alone); refused while the loop runs, and when the work tree has changes no
+    /// checkpoint holds, unless --force
+    Rollback {
+        id: String,
+        checkpoint: String,
+        /// Roll back even if changes no checkpoint holds are lost
+        #[arg(long)]
+        force: bool,
+    },
     /// Show which agent CLIs are installed, whether the config and action files load, and what a
     /// loop would run for each action; exit 1 if an executor the actions use is missing
     Doctor {
@@ -366,6 +385,15 @@ pub fn run(cli: Cli) -> Result<i32> {
             crate::recovery::task_add(&project()?, &id, &text, json)
         }
         Command::Status { id } => status(&inspect()?, &id, json),
+        Command::Checkpoints { id } => crate::checkpoint::list_command(&inspect()?, &id, json),
+        Command::Diff { id, checkpoint } => {
+            crate::checkpoint::diff_command(&inspect()?, &id, checkpoint.as_deref())
+        }
+        Command::Rollback {
+            id,
+            checkpoint,
+            force,
+        } => crate::checkpoint::rollback_command(&inspect()?, &id, &checkpoint, force, json),
         Command::List { all } => list(&inspect()?, all, json),
         Command::Logs {
             id,

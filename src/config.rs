@@ -42,6 +42,13 @@ pub struct Config {
     pub rate_limit_max_wait: f64,
     /// `loopd serve`: how many loops run at once; the others wait in a queue.
     pub max_running_loops: u64,
+    /// `git`: a checkpoint of the work tree after each action that changes it; `off`: none.
+    pub checkpoint: Checkpoints,
+    /// How many checkpoints of each loop are kept (the oldest go; the start stays).
+    pub checkpoint_keep: u64,
+    /// Roll the work tree back to the best validation's checkpoint when a validation's pass rate
+    /// drops below it.
+    pub rollback_on_regression: bool,
     pub executor_defaults: ExecutorDefaults,
     pub executors: BTreeMap<String, ExecutorConfig>,
     pub actions: BTreeMap<String, ActionConfig>,
@@ -58,6 +65,16 @@ pub struct ExecutorDefaults {
     pub kill_grace: f64,
     pub output_cap: u64,
     pub final_grace: f64,
+}
+
+/// Whether loops record git checkpoints of their work tree.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Checkpoints {
+    /// In a git work tree, after every action that changes it; elsewhere, none.
+    #[default]
+    Git,
+    Off,
 }
 
 /// How the prompt reaches the executor.
@@ -287,6 +304,9 @@ impl Config {
                 ))
             }
         };
+        if self.checkpoint_keep == 0 {
+            return Err(("checkpoint_keep".into(), "must be at least 1".into()));
+        }
         if self.max_running_loops == 0 {
             return Err(("max_running_loops".into(), "must be at least 1".into()));
         }

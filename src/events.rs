@@ -49,6 +49,9 @@ pub mod name {
     /// loopd's: the agent retries a failed API request on its own (`retry` of `max_retries`,
     /// after `delay_ms`, for `status`), which it would otherwise do in silence.
     pub const AGENT_RETRYING: &str = "agent_retrying";
+    /// loopd's: the work tree was put back as it was at a checkpoint (`checkpoint`, `commit`),
+    /// by `loopd rollback` or, with `reason: "regression"`, after a validation got worse.
+    pub const ROLLED_BACK: &str = "rolled_back";
     /// loopd's: something worth a person's attention that changes nothing.
     pub const WARNING: &str = "warning";
 }

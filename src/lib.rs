@@ -6,6 +6,7 @@
 //! written by anyone, which cancel the attempt in flight.
 
 pub mod actions;
+pub mod checkpoint;
 pub mod cli;
 pub mod config;
 pub mod create;

@@ -28,7 +28,8 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use crate::actions::ActionDef;
-use crate::config::{Config, ExecutorConfig, Format, PromptMode, Supervision};
+use crate::checkpoint::{self, Checkpoint};
+use crate::config::{Checkpoints, Config, ExecutorConfig, Format, PromptMode, Supervision};
 use crate::events::{Event, EventLog, Progress, ProgressDir, name};
 use crate::executor::agent::{AgentStream, AttemptOutcome};
 use crate::executor::result::{Verdict, verdict};
@@ -329,6 +330,7 @@ impl Engine {
             shutdown,
             tasks_seen: None,
             ours: None,
+            checkpoints: None,
         };
         let exit = turn.drive().await;
         let event = Event::new(name::DAEMON_EXITED).with("pid", std::process::id());
@@ -424,6 +426,8 @@ struct LoopRun<'a> {
     /// The state as this daemon last wrote it: its own fields here are the truth, whatever
     /// another program writes back.
     ours: Option<LoopState>,
+    /// The loop's git checkpoints, when its work tree is in a repository and they are on.
+    checkpoints: Option<checkpoint::Recorder>,
 }
 
 impl LoopRun<'_> {
@@ -595,6 +599,7 @@ impl LoopRun<'_> {
             state = self.commit(&state, None, None, false)?;
         }
         self.recover(&mut state).await?;
+        self.checkpoints = tokio::task::block_in_place(|| self.start_checkpoints());
         self.events.emit(
             Event::new(name::LOOP_STARTED)
                 .with("iteration", state.current_iteration)
@@ -1328,7 +1333,7 @@ impl LoopRun<'_> {
         let v = Verdict::Blocked {
             message: e.to_string(),
         };
-        self.record(state, done, &v, None)?;
+        self.record(state, done, &v, None, None)?;
         self.events.emit(
             done.event(name::ACTION_FAILED)
                 .with("outcome", v.outcome())
@@ -1361,13 +1366,61 @@ impl LoopRun<'_> {
                 message: format!("invalid result: {reason}"),
             };
         }
-        self.record(state, done, &v, run.agent.as_ref())?;
-        self.events
-            .emit(attempt_event(done, &v, &run, log_path, interrupt.as_ref()));
+        let checkpoint = match &v {
+            Verdict::Interrupted => None,
+            _ if !engine.workflow.changes_work_tree(&dispatch.action) => None,
+            _ => tokio::task::block_in_place(|| {
+                self.checkpoint(&format!("{}-{}", done.iteration, dispatch.action))
+            }),
+        };
+        let mut event = attempt_event(done, &v, &run, log_path, interrupt.as_ref());
+        if let Some(c) = &checkpoint {
+            event = event.with("checkpoint", serde_json::to_value(c).unwrap_or_default());
+        }
+        self.record(state, done, &v, run.agent.as_ref(), checkpoint)?;
+        self.events.emit(event);
         Ok(match v {
             Verdict::Interrupted => Attempted::Interrupted(interrupt.unwrap_or(Interrupt::Control)),
             v => Attempted::Done(v),
         })
+    }
+
+    /// The loop's checkpoints, if they are on and its work tree is in a git repository; a
+    /// warning if git fails.
+    fn start_checkpoints(&mut self) -> Option<checkpoint::Recorder> {
+        let engine = self.engine;
+        if engine.config.checkpoint == Checkpoints::Off {
+            return None;
+        }
+        let index = self.progress_dir.path().join("checkpoint.index");
+        let repo = checkpoint::Repo::open(&engine.work_tree, self.store().dir(), index, self.id);
+        let keep = usize::try_from(engine.config.checkpoint_keep).unwrap_or(usize::MAX);
+        match checkpoint::Recorder::start(repo, keep) {
+            Ok(recorder) => recorder,
+            Err(e) => {
+                self.events.emit(Event::new(name::WARNING).with(
+                    "message",
+                    format!(
+                        "cannot record git checkpoints of {}: {e:#}",
+                        engine.work_tree.display()
+                    ),
+                ));
+                None
+            }
+        }
+    }
+
+    /// Records checkpoint `name` of the work tree; a warning if git fails.
+    fn checkpoint(&mut self, name: &str) -> Option<Checkpoint> {
+        let result = self.checkpoints.as_mut()?.record(name);
+        result
+            .inspect_err(|e| {
+                self.events.emit(
+                    Event::new(name::WARNING)
+                        .with("message", format!("cannot record checkpoint {name}: {e:#}")),
+                );
+            })
+            .ok()
     }
 
     /// Records a finished attempt: in the history, its spending in the totals, and the in-flight
@@ -1378,6 +1431,7 @@ impl LoopRun<'_> {
         done: &Done,
         v: &Verdict,
         agent: Option<&AgentStream>,
+        checkpoint: Option<Checkpoint>,
     ) -> Result<()> {
         let skill = state.skill();
         skill.in_flight = None;
@@ -1404,6 +1458,7 @@ impl LoopRun<'_> {
                 outcome: v.outcome().to_owned(),
                 summary,
                 error,
+                checkpoint,
                 ..HistoryEntry::default()
             },
         );

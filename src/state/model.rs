@@ -487,6 +487,9 @@ pub struct HistoryEntry {
     pub summary: Option<String>,
     #[serde(default)]
     pub error: Option<String>,
+    /// The git checkpoint recorded after it (actions that change the work tree).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checkpoint: Option<crate::checkpoint::Checkpoint>,
     #[serde(flatten)]
     pub extra: Extra,
 }

@@ -233,6 +233,8 @@ pub trait Workflow: Send + Sync {
     fn actions(&self) -> &'static [&'static str];
     /// Whether finishing `action` consumes an iteration.
     fn counts_iteration(&self, action: &str) -> bool;
+    /// Whether `action` changes the work tree: a git checkpoint is recorded after it.
+    fn changes_work_tree(&self, action: &str) -> bool;
     /// `(max_iterations, max_errors)` of a new loop where `create` gives none, if the workflow
     /// has its own.
     fn default_limits(&self) -> Option<(u64, u64)> {

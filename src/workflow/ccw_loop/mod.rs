@@ -61,6 +61,10 @@ impl Workflow for CcwLoop {
         matches!(action, "develop" | "debug" | "validate")
     }
 
+    fn changes_work_tree(&self, action: &str) -> bool {
+        matches!(action, "develop" | "debug")
+    }
+
     fn goal_met(&self, state: &LoopState) -> bool {
         state.skill_state.as_ref().is_some_and(Self::passed)
     }

@@ -187,6 +187,10 @@ impl Workflow for SkillTuning {
         action == "verify"
     }
 
+    fn changes_work_tree(&self, action: &str) -> bool {
+        action == "apply-fix"
+    }
+
     fn default_limits(&self) -> Option<(u64, u64)> {
         Some(DEFAULT_LIMITS)
     }

@@ -1,0 +1,441 @@
+//! A git checkpoint per action: after every action that changes the work tree (develop and
+//! debug), the whole work tree is recorded as a commit on a private ref,
+//! `refs/loopd/<loop id>/<iteration>-<action>`; a loop's first look records where it started,
+//! `refs/loopd/<loop id>/0-start`.
+//!
+//! Theory of operation: the tree is built the way `git stash create` builds one, in an index file
+//! of loopd's own (`GIT_INDEX_FILE`, kept in the state directory so that the next checkpoint only
+//! hashes what changed): `git add -A` of the whole work tree (tracked and untracked files; ignored
+//! ones and loopd's state directory left out), `git write-tree`, `git commit-tree` with the loop's
+//! previous checkpoint as parent, `git update-ref`. The user's branch, index, HEAD and stash are
+//! never touched, and a loop's refs are its own: loops of one repository never mix them.
+//!
+//! git is run as a program with its arguments, never through a shell, and without the `GIT_*`
+//! variables that would point it at another repository.
+
+use std::ffi::OsStr;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+use anyhow::{Context as _, Result, bail};
+use serde::{Deserialize, Serialize};
+
+/// A recorded checkpoint: its name (the last part of its ref), commit and what it changed.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Checkpoint {
+    pub name: String,
+    pub commit: String,
+    /// Against the loop's checkpoint before it.
+    #[serde(default)]
+    pub files: u64,
+    #[serde(default)]
+    pub insertions: u64,
+    #[serde(default)]
+    pub deletions: u64,
+}
+
+/// The name of the checkpoint a loop records when it starts.
+pub const START: &str = "0-start";
+
+/// The git repository a loop's work tree is in.
+pub struct Repo {
+    work_tree: PathBuf,
+    /// The repository's top level: where the paths git prints start.
+    top: PathBuf,
+    /// loopd's own index file for this loop.
+    index: PathBuf,
+    /// The state directory, as a pathspec that leaves it out (`None` if it is outside the tree).
+    exclude: Option<String>,
+    loop_id: String,
+}
+
+impl Repo {
+    /// The repository `work_tree` is in, or `None` when it is in none (or git cannot run).
+    /// `state_dir` is left out of every checkpoint; `index` is the loop's own index file.
+    pub fn open(work_tree: &Path, state_dir: &Path, index: PathBuf, loop_id: &str) -> Option<Repo> {
+        let top = git_in(work_tree)
+            .args(["rev-parse", "--show-toplevel"])
+            .output()
+            .ok()
+            .filter(|o| o.status.success())?;
+        let top = PathBuf::from(String::from_utf8(top.stdout).ok()?.trim_end());
+        let top = top.canonicalize().unwrap_or(top);
+        let exclude = state_dir
+            .canonicalize()
+            .ok()
+            .and_then(|dir| dir.strip_prefix(&top).ok().map(Path::to_owned))
+            .and_then(|rel| rel.to_str().map(|r| format!(":(top,exclude){r}")));
+        Some(Repo {
+            work_tree: work_tree.to_owned(),
+            top,
+            index,
+            exclude,
+            loop_id: loop_id.to_owned(),
+        })
+    }
+
+    /// The ref of this loop's checkpoint `name`.
+    fn ref_name(&self, name: &str) -> String {
+        format!("refs/loopd/{}/{name}", self.loop_id)
+    }
+
+    fn git(&self) -> Command {
+        let mut cmd = git_in(&self.work_tree);
+        cmd.env("GIT_INDEX_FILE", &self.index);
+        cmd
+    }
+
+    /// Runs git; its standard output, trimmed, or its last line of errors.
+    fn run<S: AsRef<OsStr>>(&self, args: &[S]) -> Result<String> {
+        run(self.git().args(args))
+    }
+
+    /// Records the work tree as checkpoint `name`, the child of the loop's checkpoint `parent`
+    /// (else of HEAD, if the repository has one); returns it with what changed since `parent`.
+    pub fn record(&self, name: &str, parent: Option<&str>) -> Result<Checkpoint> {
+        let tree = self.tree_now()?;
+        let head = self
+            .run(&["rev-parse", "--verify", "--quiet", "HEAD^{commit}"])
+            .ok();
+        let parent = parent.map(str::to_owned).or(head);
+        let message = format!("loopd: loop {}, {name}", self.loop_id);
+        let mut commit = vec!["commit-tree", tree.as_str(), "-m", message.as_str()];
+        if let Some(parent) = &parent {
+            commit.extend(["-p", parent.as_str()]);
+        }
+        let commit = self.run(&commit)?;
+        self.run(&["update-ref", &self.ref_name(name), &commit])?;
+        let mut checkpoint = Checkpoint {
+            name: name.to_owned(),
+            commit,
+            ..Checkpoint::default()
+        };
+        if let Some(parent) = parent {
+            self.count_changes(&parent, &mut checkpoint)?;
+        }
+        Ok(checkpoint)
+    }
+
+    /// Files, inserted and deleted lines from `from` to the checkpoint (a binary file counts as a
+    /// file with no lines).
+    fn count_changes(&self, from: &str, checkpoint: &mut Checkpoint) -> Result<()> {
+        let numstat = self.run(&[
+            "diff",
+            "--numstat",
+            "--no-renames",
+            from,
+            &checkpoint.commit,
+        ])?;
+        for line in numstat.lines() {
+            let mut fields = line.split('\t');
+            let mut count = || {
+                fields
+                    .next()
+                    .and_then(|n| n.parse::<u64>().ok())
+                    .unwrap_or(0)
+            };
+            checkpoint.insertions += count();
+            checkpoint.deletions += count();
+            checkpoint.files += 1;
+        }
+        Ok(())
+    }
+
+    /// This loop's checkpoints, oldest first: `(name, commit)`.
+    pub fn list(&self) -> Result<Vec<(String, String)>> {
+        let prefix = self.ref_name("");
+        let refs = self.run(&[
+            "for-each-ref",
+            "--format=%(objectname) %(refname)",
+            prefix.as_str(),
+        ])?;
+        let mut found: Vec<(String, String)> = refs
+            .lines()
+            .filter_map(|l| {
+                let (commit, name) = l.split_once(' ')?;
+                Some((name.strip_prefix(&prefix)?.to_owned(), commit.to_owned()))
+            })
+            .collect();
+        found.sort_by_key(|(name, _)| order(name));
+        Ok(found)
+    }
+
+    /// The commit of checkpoint `name`.
+    pub fn find(&self, name: &str) -> Result<String> {
+        let list = self.list()?;
+        match list.iter().find(|(n, _)| n == name) {
+            Some((_, commit)) => Ok(commit.clone()),
+            None if list.is_empty() => bail!("loop {} has no checkpoint", self.loop_id),
+            None => bail!(
+                "loop {} has no checkpoint {name:?}; it has: {}",
+                self.loop_id,
+                list.iter()
+                    .map(|(n, _)| n.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+        }
+    }
+
+    /// The patch from `from` to `to` (commits), with a summary of the files first.
+    pub fn diff(&self, from: &str, to: &str) -> Result<String> {
+        let mut out = self.run(&["diff", "--stat", "--no-renames", from, to])?;
+        let patch = self.run(&["diff", "--no-renames", "--no-color", from, to])?;
+        if !patch.is_empty() {
+            out.push_str("\n\n");
+            out.push_str(&patch);
+        }
+        Ok(out)
+    }
+
+    /// The tree of the work tree as it is now (as a checkpoint would record it, recording none).
+    fn tree_now(&self) -> Result<String> {
+        let mut add = vec!["add", "--all", "--", ":/"];
+        if let Some(exclude) = &self.exclude {
+            add.push(exclude);
+        }
+        self.run(&add)?;
+        self.run(&["write-tree"])
+    }
+
+    /// Puts the work tree back as it was at checkpoint `name`: its files written, the files made
+    /// since removed (ignored files and the state directory are left alone). Refused when the
+    /// work tree holds changes no checkpoint of the loop holds, unless `force`. Returns the
+    /// checkpoint's commit.
+    pub fn rollback(&self, name: &str, force: bool) -> Result<String> {
+        let target = self.find(name)?;
+        let now = self.tree_now()?;
+        let trees = self.run(&["for-each-ref", "--format=%(tree)", &self.ref_name("")])?;
+        if !force && !trees.lines().any(|t| t == now) {
+            return Err(crate::error::usage(format!(
+                "the work tree has changes that no checkpoint of loop {} holds; commit or stash them \
+                 first, or roll back with --force to lose them",
+                self.loop_id
+            )));
+        }
+        let made_since = self.run(&[
+            "diff-tree",
+            "-r",
+            "--name-only",
+            "--no-renames",
+            "--diff-filter=A",
+            "-z",
+            &format!("{target}^{{tree}}"),
+            &now,
+        ])?;
+        self.run(&["read-tree", &target])?;
+        self.run(&["checkout-index", "--all", "--force"])?;
+        for path in made_since.split('\0').filter(|p| !p.is_empty()) {
+            let path = self.top.join(path);
+            // Files and links only: a directory (a submodule added since) is left as it is.
+            if path.symlink_metadata().is_ok_and(|m| !m.is_dir()) {
+                std::fs::remove_file(&path)
+                    .with_context(|| format!("cannot remove {}", path.display()))?;
+            }
+        }
+        Ok(target)
+    }
+
+    /// Removes all but the last `keep` checkpoints of the loop (its start is always kept).
+    pub fn prune(&self, keep: usize) -> Result<usize> {
+        let list = self.list()?;
+        let actions: Vec<&(String, String)> = list.iter().filter(|(n, _)| n != START).collect();
+        let drop = actions.len().saturating_sub(keep);
+        for (name, _) in &actions[..drop] {
+            self.run(&["update-ref", "-d", &self.ref_name(name)])?;
+        }
+        Ok(drop)
+    }
+}
+
+/// A checkpoint's place in the loop: by iteration, then as named.
+fn order(name: &str) -> (u64, String) {
+    let (n, _) = name.split_once('-').unwrap_or((name, ""));
+    (n.parse().unwrap_or(u64::MAX), name.to_owned())
+}
+
+/// `git -C dir`, isolated from the `GIT_*` variables of the environment, with a fixed author.
+fn git_in(dir: &Path) -> Command {
+    let mut cmd = Command::new("git");
+    cmd.arg("-C").arg(dir);
+    for var in [
+        "GIT_DIR",
+        "GIT_WORK_TREE",
+        "GIT_INDEX_FILE",
+        "GIT_OBJECT_DIRECTORY",
+    ] {
+        cmd.env_remove(var);
+    }
+    cmd.env("GIT_AUTHOR_NAME", "loopd")
+        .env("GIT_AUTHOR_EMAIL", "loopd@localhost")
+        .env("GIT_COMMITTER_NAME", "loopd")
+        .env("GIT_COMMITTER_EMAIL", "loopd@localhost")
+        .env("LC_ALL", "C")
+        .stdin(Stdio::null());
+    cmd
+}
+
+fn run(cmd: &mut Command) -> Result<String> {
+    let output = cmd.output().context("cannot run git")?;
+    if output.status.success() {
+        return Ok(String::from_utf8_lossy(&output.stdout)
+            .trim_end()
+            .to_owned());
+    }
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    let why = stderr
+        .lines()
+        .rev()
+        .find(|l| !l.trim().is_empty())
+        .unwrap_or("git failed");
+    bail!("git: {}", why.trim())
+}
+
+/// A loop's checkpoints as its daemon records them: each the child of the one before.
+pub struct Recorder {
+    repo: Repo,
+    last: Option<String>,
+    keep: usize,
+}
+
+impl Recorder {
+    /// The recorder of a loop whose work tree is `work_tree`, or `None` outside a git repository.
+    /// Records where the loop started ([`START`]) if it has no checkpoint yet.
+    pub fn start(repo: Option<Repo>, keep: usize) -> Result<Option<Recorder>> {
+        let Some(repo) = repo else {
+            return Ok(None);
+        };
+        let list = repo.list()?;
+        let last = match list.last() {
+            Some((_, commit)) => commit.clone(),
+            None => repo.record(START, None)?.commit,
+        };
+        Ok(Some(Recorder {
+            repo,
+            last: Some(last),
+            keep,
+        }))
+    }
+
+    /// Records checkpoint `name` of the work tree as it is now.
+    pub fn record(&mut self, name: &str) -> Result<Checkpoint> {
+        let checkpoint = self.repo.record(name, self.last.as_deref())?;
+        self.last = Some(checkpoint.commit.clone());
+        self.repo.prune(self.keep)?;
+        Ok(checkpoint)
+    }
+}
+
+/// The repository of loop `id`'s work tree, with the loop's own index file.
+fn of_loop(p: &crate::cli::Project, id: &str) -> Result<Repo> {
+    let loaded = p.store.load(id)?;
+    let tree = crate::worktree::of(p, &loaded.state)?;
+    let index = p.store.progress_dir(id).join("checkpoint.index");
+    Repo::open(&tree.path, p.store.dir(), index, id).ok_or_else(|| {
+        crate::error::usage(format!(
+            "loop {id} has no checkpoints: its work tree {} is not in a git repository",
+            tree.path.display()
+        ))
+    })
+}
+
+/// `loopd checkpoints ID`: the loop's checkpoints, oldest first, with what each changed.
+pub fn list_command(p: &crate::cli::Project, id: &str, as_json: bool) -> Result<i32> {
+    let repo = of_loop(p, id)?;
+    let mut shown = Vec::new();
+    let mut before: Option<String> = None;
+    for (name, commit) in repo.list()? {
+        let mut checkpoint = Checkpoint {
+            name,
+            commit,
+            ..Checkpoint::default()
+        };
+        if let Some(before) = &before {
+            repo.count_changes(before, &mut checkpoint)?;
+        }
+        before = Some(checkpoint.commit.clone());
+        shown.push(checkpoint);
+    }
+    if as_json {
+        crate::outln!("{}", serde_json::to_string(&shown)?)?;
+        return Ok(0);
+    }
+    if shown.is_empty() {
+        crate::outln!("loop {id} has no checkpoint yet")?;
+    }
+    for c in &shown {
+        crate::outln!(
+            "{:<16} {}  {} files  +{} -{}",
+            c.name,
+            &c.commit[..c.commit.len().min(12)],
+            c.files,
+            c.insertions,
+            c.deletions
+        )?;
+    }
+    Ok(0)
+}
+
+/// `loopd diff ID [CHECKPOINT]`: what one action changed (from the checkpoint before it), or the
+/// loop as a whole (from where it started to its last checkpoint).
+pub fn diff_command(p: &crate::cli::Project, id: &str, name: Option<&str>) -> Result<i32> {
+    let repo = of_loop(p, id)?;
+    let list = repo.list()?;
+    let (from, to) = match name {
+        Some(name) => {
+            let to = repo.find(name)?;
+            let at = list.iter().position(|(n, _)| n == name).unwrap_or(0);
+            let from = match at.checked_sub(1) {
+                Some(before) => list[before].1.clone(),
+                None => format!("{to}^"),
+            };
+            (from, to)
+        }
+        None => {
+            let (Some((_, first)), Some((_, last))) = (list.first(), list.last()) else {
+                bail!("loop {id} has no checkpoint");
+            };
+            (first.clone(), last.clone())
+        }
+    };
+    let text = repo.diff(&from, &to)?;
+    if !text.is_empty() {
+        crate::outln!("{text}")?;
+    }
+    Ok(0)
+}
+
+/// `loopd rollback ID CHECKPOINT`: refused while a daemon runs the loop's actions.
+pub fn rollback_command(
+    p: &crate::cli::Project,
+    id: &str,
+    name: &str,
+    force: bool,
+    as_json: bool,
+) -> Result<i32> {
+    let repo = of_loop(p, id)?;
+    let state = p.store.load(id)?.state;
+    if state.status == crate::state::model::Status::Running
+        && let Some(pid) = crate::daemon::driving_daemon(&p.store, id)
+    {
+        return Err(crate::error::usage(format!(
+            "loop {id} is running (daemon {pid}); pause it first: loopd pause {id}"
+        )));
+    }
+    let commit = repo.rollback(name, force)?;
+    let dir = crate::events::ProgressDir::new(&p.store, id);
+    if let Ok(mut events) = crate::events::EventLog::open(id, &dir) {
+        events.emit(
+            crate::events::Event::new(crate::events::name::ROLLED_BACK)
+                .with("checkpoint", name)
+                .with("commit", commit.clone())
+                .with("forced", force),
+        );
+    }
+    crate::cli::print_result(
+        as_json,
+        &serde_json::json!({ "loop_id": id, "checkpoint": name, "commit": commit }),
+        &format!("loop {id}: the work tree is back as it was at checkpoint {name}"),
+    )?;
+    Ok(0)
+}
