@@ -60,11 +60,23 @@ impl Repo {
             .filter(|o| o.status.success())?;
         let top = PathBuf::from(String::from_utf8(top.stdout).ok()?.trim_end());
         let top = top.canonicalize().unwrap_or(top);
+        // Left out by a pathspec, unless git ignores it already (then naming it is an error).
         let exclude = state_dir
             .canonicalize()
             .ok()
-            .and_then(|dir| dir.strip_prefix(&top).ok().map(Path::to_owned))
-            .and_then(|rel| rel.to_str().map(|r| format!(":(top,exclude){r}")));
+            .and_then(|dir| {
+                dir.strip_prefix(&top)
+                    .ok()
+                    .and_then(|r| r.to_str().map(str::to_owned))
+            })
+            .filter(|rel| {
+                !git_in(work_tree)
+                    .args(["check-ignore", "--quiet", "--no-index", "--"])
+                    .arg(top.join(rel))
+                    .status()
+                    .is_ok_and(|s| s.success())
+            })
+            .map(|rel| format!(":(top,exclude){rel}"));
         Some(Repo {
             work_tree: work_tree.to_owned(),
             top,
@@ -163,10 +175,10 @@ impl Repo {
     /// The commit of checkpoint `name`.
     pub fn find(&self, name: &str) -> Result<String> {
         let list = self.list()?;
-        match list.iter().find(|(n, _)| n == name) {
-            Some((_, commit)) => Ok(commit.clone()),
-            None if list.is_empty() => bail!("loop {} has no checkpoint", self.loop_id),
-            None => bail!(
+        let why = match list.iter().find(|(n, _)| n == name) {
+            Some((_, commit)) => return Ok(commit.clone()),
+            None if list.is_empty() => format!("loop {} has no checkpoint", self.loop_id),
+            None => format!(
                 "loop {} has no checkpoint {name:?}; it has: {}",
                 self.loop_id,
                 list.iter()
@@ -174,7 +186,8 @@ impl Repo {
                     .collect::<Vec<_>>()
                     .join(", ")
             ),
-        }
+        };
+        Err(crate::error::usage(why))
     }
 
     /// The patch from `from` to `to` (commits), with a summary of the files first.
@@ -393,7 +406,7 @@ pub fn diff_command(p: &crate::cli::Project, id: &str, name: Option<&str>) -> Re
         }
         None => {
             let (Some((_, first)), Some((_, last))) = (list.first(), list.last()) else {
-                bail!("loop {id} has no checkpoint");
+                return Err(crate::error::usage(format!("loop {id} has no checkpoint")));
             };
             (first.clone(), last.clone())
         }
