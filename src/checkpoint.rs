@@ -307,7 +307,8 @@ fn run(cmd: &mut Command) -> Result<String> {
 /// A loop's checkpoints as its daemon records them: each the child of the one before.
 pub struct Recorder {
     repo: Repo,
-    last: Option<String>,
+    /// The last checkpoint recorded or rolled back to: `(name, commit)`.
+    last: (String, String),
     keep: usize,
 }
 
@@ -318,24 +319,32 @@ impl Recorder {
         let Some(repo) = repo else {
             return Ok(None);
         };
-        let list = repo.list()?;
-        let last = match list.last() {
-            Some((_, commit)) => commit.clone(),
-            None => repo.record(START, None)?.commit,
+        let last = match repo.list()?.pop() {
+            Some(last) => last,
+            None => (START.to_owned(), repo.record(START, None)?.commit),
         };
-        Ok(Some(Recorder {
-            repo,
-            last: Some(last),
-            keep,
-        }))
+        Ok(Some(Recorder { repo, last, keep }))
     }
 
     /// Records checkpoint `name` of the work tree as it is now.
     pub fn record(&mut self, name: &str) -> Result<Checkpoint> {
-        let checkpoint = self.repo.record(name, self.last.as_deref())?;
-        self.last = Some(checkpoint.commit.clone());
+        let checkpoint = self.repo.record(name, Some(&self.last.1))?;
+        self.last = (name.to_owned(), checkpoint.commit.clone());
         self.repo.prune(self.keep)?;
         Ok(checkpoint)
+    }
+
+    /// The name of the checkpoint the work tree is at, as far as the loop knows.
+    pub fn last(&self) -> &str {
+        &self.last.0
+    }
+
+    /// Puts the work tree back as it was at checkpoint `name`, whatever changed since; returns
+    /// its commit.
+    pub fn rollback(&mut self, name: &str) -> Result<String> {
+        let commit = self.repo.rollback(name, true)?;
+        self.last = (name.to_owned(), commit.clone());
+        Ok(commit)
     }
 }
 

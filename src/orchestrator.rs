@@ -35,7 +35,8 @@ use crate::executor::agent::{AgentStream, AttemptOutcome};
 use crate::executor::result::{Verdict, verdict};
 use crate::executor::{Budget, Executor, Spec, procs};
 use crate::state::model::{
-    AwaitingChoice, HistoryEntry, InFlight, LoopState, Status, format_ts, now_rfc3339,
+    AwaitingChoice, BestValidation, HistoryEntry, InFlight, LoopState, Status, format_ts,
+    now_rfc3339,
 };
 use crate::state::store::{Loaded, Store, StoreError, Transition};
 use crate::watch::{Snapshot, Watch};
@@ -795,14 +796,11 @@ impl LoopRun<'_> {
     }
 
     /// Tasks appended to the task list since the last look join the loop as `pending`. Whether
-    /// the list changed is the watcher's to say (it tracks the file's length and time).
+    /// the list changed is told by the file's length and time.
     fn absorb_tasks(&mut self, state: &mut LoopState) -> Result<()> {
-        let stamp = self
-            .watch
-            .subscribe()
-            .borrow()
-            .as_ref()
-            .and_then(|s| s.tasks_file);
+        // Looked at now, not as the watcher last saw it: a task added by the action that just
+        // ended (its event may still be on its way) joins before the next choice.
+        let stamp = self.store().tasks_stamp(self.id);
         if stamp.is_none() || stamp == self.tasks_seen {
             return Ok(());
         }
@@ -1410,6 +1408,62 @@ impl LoopRun<'_> {
         }
     }
 
+    /// `rollback_on_regression`: a validation with pass rate `rate` better than (or as good as) the
+    /// best so far becomes the best; a worse one puts the work tree back as it was at the best
+    /// one's checkpoint, and the tasks done since are to be done again.
+    fn guard_against_regression(&mut self, state: &mut LoopState, rate: f64) {
+        let wf = self.engine.workflow;
+        if !self.engine.config.rollback_on_regression {
+            return;
+        }
+        let Some(recorder) = self.checkpoints.as_mut() else {
+            return;
+        };
+        let best = match state.skill().best_validation.take() {
+            Some(best) if rate < best.pass_rate => best,
+            _ => {
+                state.skill().best_validation = Some(BestValidation {
+                    pass_rate: rate,
+                    checkpoint: recorder.last().to_owned(),
+                    done_tasks: wf.done_tasks(state),
+                    ..BestValidation::default()
+                });
+                return;
+            }
+        };
+        let rolled = recorder.rollback(&best.checkpoint);
+        state.skill().best_validation = Some(best.clone());
+        let commit = match rolled {
+            Ok(commit) => commit,
+            Err(e) => {
+                self.events.emit(Event::new(name::WARNING).with(
+                    "message",
+                    format!(
+                        "the pass rate fell from {}% to {rate}%, but the work tree cannot be put back as it was at checkpoint {}: {e:#}",
+                        best.pass_rate, best.checkpoint
+                    ),
+                ));
+                return;
+            }
+        };
+        let note = format!(
+            "the pass rate fell from {}% to {rate}% after the tasks done since checkpoint {}; the \
+             work tree was put back as it was then, and those tasks are to be done again without \
+             breaking what passed",
+            best.pass_rate, best.checkpoint
+        );
+        let redone = wf.redo_after_rollback(state, &best.done_tasks, &note);
+        self.events.emit(
+            Event::new(name::ROLLED_BACK)
+                .with("checkpoint", best.checkpoint.clone())
+                .with("commit", commit)
+                .with("reason", "regression")
+                .with("best_pass_rate", best.pass_rate)
+                .with("pass_rate", rate)
+                .with("tasks", redone),
+        );
+    }
+
     /// Records checkpoint `name` of the work tree; a warning if git fails.
     fn checkpoint(&mut self, name: &str) -> Option<Checkpoint> {
         let result = self.checkpoints.as_mut()?.record(name);
@@ -1489,6 +1543,9 @@ impl LoopRun<'_> {
         let now = inputs.now.clone();
         let end = wf.apply(&mut state, dispatch, &finish, &inputs);
         workflow::record_finish(wf, &mut state, dispatch, &finish, &now);
+        if let Some(rate) = wf.pass_rate(&state, &dispatch.action) {
+            tokio::task::block_in_place(|| self.guard_against_regression(&mut state, rate));
+        }
         let transition = end.as_ref().map(|LoopEnd::Completed(_)| Transition {
             from: &[Status::Running],
             to: Status::Completed,

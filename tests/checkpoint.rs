@@ -323,7 +323,10 @@ fn a_running_loop_is_not_rolled_back_and_loops_keep_their_own_refs() {
 
     // An empty repository (no commit yet): the start has no parent, and nothing else moves.
     assert_eq!(refs(&p.root, &first), ["0-start"]);
-    let start = git(&p.root, &["rev-parse", &format!("refs/loopd/{first}/0-start")]);
+    let start = git(
+        &p.root,
+        &["rev-parse", &format!("refs/loopd/{first}/0-start")],
+    );
     let files = files_of(&p.root, &start);
     assert!(files.contains(&"bin/agent.sh".to_owned()), "{files:?}");
     assert!(
@@ -406,5 +409,95 @@ fn a_detached_head_a_submodule_and_checkpoints_off() {
     assert_eq!(
         stdout(&none).trim(),
         format!("loop {id} has no checkpoint yet")
+    );
+}
+
+/// Tests A, B and C of a project, as a validate counts them: A passes once `fixed_a` exists and
+/// `broken_a` does not, B once `fixed_b` exists, C while `broken_c` does not. The first validate
+/// adds the second task (fix B). Its first develop fixes B but breaks A and C; asked again with
+/// the regression in its prompt, it fixes B alone.
+fn regression_agent(loopd: &str) -> String {
+    format!(
+        r#"
+prompt=$(cat)
+case "$LOOPD_ACTION" in
+  init) echo '{{"status":"success","state_updates":{{"tasks":[{{"description":"fix A"}}]}}}}' > "$LOOPD_RESULT_FILE" ;;
+  develop)
+    if [ "$LOOPD_TASK" = "fix A" ]; then
+      touch fixed_a
+    elif printf '%s' "$prompt" | grep -q REGRESSION; then
+      mkdir -p markers && touch markers/told && touch fixed_b
+    else
+      touch fixed_b broken_a broken_c
+    fi
+    echo '{{"status":"success"}}' > "$LOOPD_RESULT_FILE" ;;
+  validate)
+    n=0
+    [ -e fixed_a ] && [ ! -e broken_a ] && n=$((n + 1))
+    [ -e fixed_b ] && n=$((n + 1))
+    [ ! -e broken_c ] && n=$((n + 1))
+    if [ ! -e markers/added ]; then
+      mkdir -p markers && touch markers/added
+      "{loopd}" --root "$LOOPD_ROOT" task add "$LOOPD_LOOP_ID" "fix B" > /dev/null
+    fi
+    passed=false; [ $n -eq 3 ] && passed=true
+    echo "{{\"status\":\"success\",\"state_updates\":{{\"passed\":$passed,\"pass_rate\":$((n * 100 / 3))}}}}" > "$LOOPD_RESULT_FILE" ;;
+  *) echo '{{"status":"success"}}' > "$LOOPD_RESULT_FILE" ;;
+esac
+"#
+    )
+}
+
+#[test]
+fn a_develop_that_breaks_what_passed_is_rolled_back_and_the_loop_completes() {
+    let p = Project::new(&regression_agent(env!("CARGO_BIN_EXE_loopd")));
+    p.config(&format!("rollback_on_regression = true\n{TEST_CONFIG}"));
+    user_repo(&p);
+    std::fs::write(p.root.join(".gitignore"), "build/\n.loop/\nmarkers/\n").unwrap();
+    git(&p.root, &["add", ".gitignore"]);
+    let before = users_git(&p.root);
+    let id = p.create(&["--title", "t", "--max-iterations", "20"]);
+    let out = p.run(&id, &[]);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+
+    let events = p.events(&id);
+    let rolled: Vec<&Value> = events
+        .iter()
+        .filter(|e| e["event"] == "rolled_back")
+        .collect();
+    assert_eq!(rolled.len(), 1, "{rolled:?}");
+    let r = rolled[0];
+    assert_eq!(r["reason"], "regression");
+    assert_eq!(r["checkpoint"], "1-develop");
+    assert_eq!(
+        (r["best_pass_rate"].as_f64(), r["pass_rate"].as_f64()),
+        (Some(66.0), Some(33.0))
+    );
+    assert_eq!(r["tasks"], serde_json::json!(["task-002"]));
+    // The second develop ran again, told why, and this time broke nothing.
+    assert!(
+        p.root.join("markers/told").exists(),
+        "the regression was not in the prompt"
+    );
+    for (file, there) in [
+        ("fixed_a", true),
+        ("fixed_b", true),
+        ("broken_a", false),
+        ("broken_c", false),
+    ] {
+        assert_eq!(p.root.join(file).exists(), there, "{file}");
+    }
+    let state = p.state(&id);
+    assert_eq!(state["status"], "completed");
+    assert_eq!(state["skill_state"]["validate"]["passed"], true);
+    assert_eq!(
+        state["skill_state"]["best_validation"]["pass_rate"].as_f64(),
+        Some(100.0)
+    );
+    // The user's own work in progress was never touched.
+    assert_eq!(users_git(&p.root), before);
+    assert_eq!(
+        std::fs::read_to_string(p.root.join("staged.txt")).unwrap(),
+        "two\n"
     );
 }

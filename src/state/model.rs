@@ -362,6 +362,21 @@ pub struct Bookkeeping {
     /// both; it is cleared when that action finishes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub question: Option<Question>,
+    /// `rollback_on_regression`: the best validation so far, which a worse one rolls back to.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub best_validation: Option<BestValidation>,
+}
+
+/// The best validation of a loop: its pass rate, the checkpoint the work tree was at, and the
+/// tasks done by then.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct BestValidation {
+    pub pass_rate: f64,
+    pub checkpoint: String,
+    #[serde(default)]
+    pub done_tasks: Vec<String>,
+    #[serde(flatten)]
+    pub extra: Extra,
 }
 
 /// Tokens and cost spent by a loop's agents.

@@ -235,6 +235,25 @@ pub trait Workflow: Send + Sync {
     fn counts_iteration(&self, action: &str) -> bool;
     /// Whether `action` changes the work tree: a git checkpoint is recorded after it.
     fn changes_work_tree(&self, action: &str) -> bool;
+    /// The pass rate (percent) of the validation `action` just recorded, when it is one: a drop
+    /// is a regression (`rollback_on_regression`).
+    fn pass_rate(&self, _state: &LoopState, _action: &str) -> Option<f64> {
+        None
+    }
+    /// The ids of the tasks done so far.
+    fn done_tasks(&self, _state: &LoopState) -> Vec<String> {
+        Vec::new()
+    }
+    /// After the work tree was rolled back: the tasks done since (not in `kept`) are to be done
+    /// again, and `note` says why in the next prompts. Returns their ids.
+    fn redo_after_rollback(
+        &self,
+        _state: &mut LoopState,
+        _kept: &[String],
+        _note: &str,
+    ) -> Vec<String> {
+        Vec::new()
+    }
     /// `(max_iterations, max_errors)` of a new loop where `create` gives none, if the workflow
     /// has its own.
     fn default_limits(&self) -> Option<(u64, u64)> {

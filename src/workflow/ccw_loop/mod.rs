@@ -65,6 +65,46 @@ impl Workflow for CcwLoop {
         matches!(action, "develop" | "debug")
     }
 
+    fn pass_rate(&self, state: &LoopState, action: &str) -> Option<f64> {
+        let skill = state.skill_state.as_ref()?;
+        (action == "validate").then(|| skill.part::<CcwState>().validate.pass_rate)
+    }
+
+    fn done_tasks(&self, state: &LoopState) -> Vec<String> {
+        let Some(skill) = state.skill_state.as_ref() else {
+            return Vec::new();
+        };
+        let ccw: CcwState = skill.part();
+        ccw.develop
+            .tasks
+            .iter()
+            .filter(|t| t.status == TaskStatus::Completed)
+            .map(|t| t.id.clone())
+            .collect()
+    }
+
+    fn redo_after_rollback(
+        &self,
+        state: &mut LoopState,
+        kept: &[String],
+        note: &str,
+    ) -> Vec<String> {
+        let skill = state.skill();
+        let mut ccw: CcwState = skill.part();
+        let mut redone = Vec::new();
+        for task in &mut ccw.develop.tasks {
+            if task.status == TaskStatus::Completed && !kept.contains(&task.id) {
+                task.status = TaskStatus::Pending;
+                task.completed_at = None;
+                redone.push(task.id.clone());
+            }
+        }
+        ccw.validate.regression = Some(note.to_owned());
+        ccw.develop.recount();
+        skill.set_part(&ccw);
+        redone
+    }
+
     fn goal_met(&self, state: &LoopState) -> bool {
         state.skill_state.as_ref().is_some_and(Self::passed)
     }
@@ -538,6 +578,7 @@ fn debugged(ccw: &mut CcwState, updates: Option<&Map<String, Value>>, now: &str)
 fn validated(ccw: &mut CcwState, updates: Option<&Map<String, Value>>, now: &str) {
     let v = &mut ccw.validate;
     v.last_run_at = Some(now.to_owned());
+    v.regression = None;
     let Some(u) = updates else {
         v.passed = false;
         return;

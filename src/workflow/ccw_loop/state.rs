@@ -183,6 +183,10 @@ pub struct ValidateState {
     pub failed_tests: Vec<String>,
     #[serde(default)]
     pub last_run_at: Option<String>,
+    /// Why the work tree was rolled back after this validation (`rollback_on_regression`), for
+    /// the next prompts; cleared by the next validation.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub regression: Option<String>,
     #[serde(flatten)]
     pub extra: Extra,
 }

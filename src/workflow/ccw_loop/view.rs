@@ -45,6 +45,9 @@ pub fn prompt_vars(state: &LoopState) -> Vec<(&'static str, String)> {
         if !v.failed_tests.is_empty() {
             text.push_str(&format!("; failed tests: {}", v.failed_tests.join(", ")));
         }
+        if let Some(regression) = &v.regression {
+            text.push_str(&format!("\nREGRESSION: {regression}"));
+        }
         text
     };
     let d = &ccw.debug;
