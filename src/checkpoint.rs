@@ -106,10 +106,12 @@ impl Repo {
     /// (else of HEAD, if the repository has one); returns it with what changed since `parent`.
     pub fn record(&self, name: &str, parent: Option<&str>) -> Result<Checkpoint> {
         let tree = self.tree_now()?;
-        let head = self
-            .run(&["rev-parse", "--verify", "--quiet", "HEAD^{commit}"])
-            .ok();
-        let parent = parent.map(str::to_owned).or(head);
+        let parent = match parent {
+            Some(parent) => Some(parent.to_owned()),
+            None => self
+                .run(&["rev-parse", "--verify", "--quiet", "HEAD^{commit}"])
+                .ok(),
+        };
         let message = format!("loopd: loop {}, {name}", self.loop_id);
         let mut commit = vec!["commit-tree", tree.as_str(), "-m", message.as_str()];
         if let Some(parent) = &parent {
@@ -309,6 +311,8 @@ pub struct Recorder {
     repo: Repo,
     /// The last checkpoint recorded or rolled back to: `(name, commit)`.
     last: (String, String),
+    /// How many checkpoints of actions the loop has (at least).
+    count: usize,
     keep: usize,
 }
 
@@ -319,18 +323,29 @@ impl Recorder {
         let Some(repo) = repo else {
             return Ok(None);
         };
-        let last = match repo.list()?.pop() {
+        let mut list = repo.list()?;
+        let count = list.iter().filter(|(name, _)| name != START).count();
+        let last = match list.pop() {
             Some(last) => last,
             None => (START.to_owned(), repo.record(START, None)?.commit),
         };
-        Ok(Some(Recorder { repo, last, keep }))
+        Ok(Some(Recorder {
+            repo,
+            last,
+            count,
+            keep,
+        }))
     }
 
     /// Records checkpoint `name` of the work tree as it is now.
     pub fn record(&mut self, name: &str) -> Result<Checkpoint> {
         let checkpoint = self.repo.record(name, Some(&self.last.1))?;
         self.last = (name.to_owned(), checkpoint.commit.clone());
-        self.repo.prune(self.keep)?;
+        self.count += 1;
+        if self.count > self.keep {
+            self.repo.prune(self.keep)?;
+            self.count = self.keep;
+        }
         Ok(checkpoint)
     }
 

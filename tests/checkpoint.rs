@@ -501,3 +501,19 @@ fn a_develop_that_breaks_what_passed_is_rolled_back_and_the_loop_completes() {
         "two\n"
     );
 }
+
+#[test]
+fn only_the_last_checkpoints_are_kept() {
+    let p = Project::new(TREE_AGENT);
+    p.config(&format!("checkpoint_keep = 1\n{TEST_CONFIG}"));
+    user_repo(&p);
+    let id = p.create(&["--title", "t"]);
+    assert_eq!(code(&p.run(&id, &[])), 0);
+    let mut names = refs(&p.root, &id);
+    names.sort();
+    assert_eq!(
+        names,
+        ["0-start", "2-develop"],
+        "the start stays, the oldest go"
+    );
+}
