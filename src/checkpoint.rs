@@ -323,6 +323,11 @@ impl Recorder {
         let Some(repo) = repo else {
             return Ok(None);
         };
+        // A git killed while it wrote the loop's index leaves its lock behind, which would refuse
+        // every checkpoint after; nothing else writes that index while the loop starts.
+        let mut lock = repo.index.clone().into_os_string();
+        lock.push(".lock");
+        let _ = std::fs::remove_file(lock);
         let mut list = repo.list()?;
         let count = list.iter().filter(|(name, _)| name != START).count();
         let last = match list.pop() {

@@ -503,12 +503,17 @@ fn a_develop_that_breaks_what_passed_is_rolled_back_and_the_loop_completes() {
 }
 
 #[test]
-fn only_the_last_checkpoints_are_kept() {
+fn only_the_last_checkpoints_are_kept_and_a_stale_index_lock_is_no_obstacle() {
     let p = Project::new(TREE_AGENT);
     p.config(&format!("checkpoint_keep = 1\n{TEST_CONFIG}"));
     user_repo(&p);
     let id = p.create(&["--title", "t"]);
-    assert_eq!(code(&p.run(&id, &[])), 0);
+    // What a git killed in the middle of a checkpoint leaves.
+    std::fs::create_dir_all(p.progress(&id)).unwrap();
+    std::fs::write(p.progress(&id).join("checkpoint.index.lock"), "").unwrap();
+    let out = p.run(&id, &[]);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    assert!(!p.event_names(&id).iter().any(|n| n == "warning"));
     let mut names = refs(&p.root, &id);
     names.sort();
     assert_eq!(
