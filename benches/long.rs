@@ -15,7 +15,6 @@
 mod common;
 
 use std::io::{Read as _, Seek as _, SeekFrom};
-use std::process::Stdio;
 use std::time::Duration;
 
 use common::{Project, env_num, median};
@@ -88,13 +87,7 @@ fn round(actions: usize) -> (f64, f64) {
     let p = Project::new(CONFIG, None);
     let id = p.create(actions.saturating_sub(2));
     let events = p.progress(&id).join("events.jsonl");
-    let mut child = p
-        .loopd()
-        .args(["run", &id])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("loopd run");
+    let mut child = p.spawn_run(&id);
     let pid = child.id();
     let marks = [1, 101, actions - 100, actions];
     let mut at = Vec::new();

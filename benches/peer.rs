@@ -150,13 +150,7 @@ fn loopd_round(dir: &Path, n: usize) -> (Run, Leftovers) {
     let id = p.create(n.saturating_sub(2).max(1));
     let cpu0 = children_cpu();
     let started = Instant::now();
-    let child = p
-        .loopd()
-        .args(["run", &id])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("loopd run");
+    let child = p.spawn_run(&id);
     let (status, mut run) = watch(child, started, cpu0);
     assert_eq!(
         status.code(),

@@ -10,14 +10,13 @@
 //! previous checkpoint as parent, `git update-ref`. The user's branch, index, HEAD and stash are
 //! never touched, and a loop's refs are its own: loops of one repository never mix them.
 //!
-//! git is run as a program with its arguments, never through a shell, and without the `GIT_*`
-//! variables that would point it at another repository.
+//! git is run through [`crate::git`].
 
 use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Command;
 
-use anyhow::{Context as _, Result, bail};
+use anyhow::{Context as _, Result};
 use serde::{Deserialize, Serialize};
 
 /// A recorded checkpoint: its name (the last part of its ref), commit and what it changed.
@@ -269,41 +268,19 @@ fn order(name: &str) -> (u64, String) {
     (n.parse().unwrap_or(u64::MAX), name.to_owned())
 }
 
-/// `git -C dir`, isolated from the `GIT_*` variables of the environment, with a fixed author.
+/// `git -C dir` ([`crate::git::command`]), committing as loopd.
 fn git_in(dir: &Path) -> Command {
-    let mut cmd = Command::new("git");
-    cmd.arg("-C").arg(dir);
-    for var in [
-        "GIT_DIR",
-        "GIT_WORK_TREE",
-        "GIT_INDEX_FILE",
-        "GIT_OBJECT_DIRECTORY",
-    ] {
-        cmd.env_remove(var);
-    }
+    let mut cmd = crate::git::command(dir);
     cmd.env("GIT_AUTHOR_NAME", "loopd")
         .env("GIT_AUTHOR_EMAIL", "loopd@localhost")
         .env("GIT_COMMITTER_NAME", "loopd")
         .env("GIT_COMMITTER_EMAIL", "loopd@localhost")
-        .env("LC_ALL", "C")
-        .stdin(Stdio::null());
+        .env("LC_ALL", "C");
     cmd
 }
 
 fn run(cmd: &mut Command) -> Result<String> {
-    let output = cmd.output().context("cannot run git")?;
-    if output.status.success() {
-        return Ok(String::from_utf8_lossy(&output.stdout)
-            .trim_end()
-            .to_owned());
-    }
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    let why = stderr
-        .lines()
-        .rev()
-        .find(|l| !l.trim().is_empty())
-        .unwrap_or("git failed");
-    bail!("git: {}", why.trim())
+    crate::git::output(cmd).map_err(|why| anyhow::anyhow!("git: {why}"))
 }
 
 /// A loop's checkpoints as its daemon records them: each the child of the one before.

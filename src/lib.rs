@@ -16,6 +16,7 @@ pub mod doctor;
 pub mod error;
 pub mod events;
 pub mod executor;
+pub mod git;
 pub mod init;
 pub mod logging;
 pub mod orchestrator;

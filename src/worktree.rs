@@ -2,11 +2,9 @@
 //! worktree of its own (`loopd create --worktree`), where it runs beside the others on a branch
 //! of its own, as ralph-orchestrator and vibe-kanban do.
 //!
-//! git is run as a program with its arguments, never through a shell, and without the `GIT_*`
-//! variables that would point it at another repository.
+//! git is run through [`crate::git`].
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
 
 use anyhow::{Context as _, Result};
 
@@ -86,26 +84,5 @@ pub fn remove(root: &Path, worktree: &Worktree) {
 
 /// Runs git in `root`; on failure, the last line it printed (or why it did not run).
 fn git(root: &Path, args: &[&str]) -> Result<(), String> {
-    let output = Command::new("git")
-        .arg("-C")
-        .arg(root)
-        .args(args)
-        .env_remove("GIT_DIR")
-        .env_remove("GIT_WORK_TREE")
-        .env_remove("GIT_INDEX_FILE")
-        .stdin(Stdio::null())
-        .output()
-        .map_err(|e| format!("cannot run git: {e}"))?;
-    if output.status.success() {
-        return Ok(());
-    }
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    Err(stderr
-        .lines()
-        .rev()
-        .find(|l| !l.trim().is_empty())
-        .map_or_else(
-            || format!("git {} failed", args[0]),
-            |l| l.trim().to_owned(),
-        ))
+    crate::git::output(crate::git::command(root).args(args)).map(drop)
 }

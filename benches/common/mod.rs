@@ -90,6 +90,16 @@ impl Project {
         cmd
     }
 
+    /// `loopd run ID` in the background, its output discarded.
+    pub fn spawn_run(&self, id: &str) -> std::process::Child {
+        self.loopd()
+            .args(["run", id])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("loopd run")
+    }
+
     /// A new loop with this iteration limit; its id.
     pub fn create(&self, max_iterations: usize) -> String {
         let out = self

@@ -1562,8 +1562,8 @@ mod tests {
         assert_eq!(ids, ["jsonl-5", "jsonl-1", "jsonl-2", "x"]);
     }
 
-    #[test]
-    fn an_in_place_write_during_an_update_is_merged_not_lost() {
+    /// A store of a temporary directory holding loop `l1`, running.
+    fn running_loop() -> (tempfile::TempDir, Store) {
         let dir = tempfile::tempdir().unwrap();
         let store = Store::new(dir.path(), ".");
         let state = LoopState {
@@ -1572,6 +1572,21 @@ mod tests {
             ..LoopState::default()
         };
         store.create(&state).unwrap();
+        (dir, store)
+    }
+
+    /// The temporary files of a directory.
+    fn temp_files(dir: &Path) -> Vec<String> {
+        fs::read_dir(dir)
+            .unwrap()
+            .filter_map(|e| e.ok()?.file_name().into_string().ok())
+            .filter(|n| n.ends_with(TEMP_SUFFIX))
+            .collect()
+    }
+
+    #[test]
+    fn an_in_place_write_during_an_update_is_merged_not_lost() {
+        let (dir, store) = running_loop();
         let path = store.state_path("l1");
         let mut rounds = 0;
         let after = store
@@ -1596,24 +1611,12 @@ mod tests {
         assert_eq!(on_disk["notes"], "theirs");
         assert_eq!(on_disk["current_iteration"], 7);
         store.close();
-        let leftovers: Vec<_> = fs::read_dir(dir.path())
-            .unwrap()
-            .filter_map(|e| e.ok())
-            .filter(|e| e.file_name().to_string_lossy().ends_with(TEMP_SUFFIX))
-            .collect();
-        assert!(leftovers.is_empty());
+        assert_eq!(temp_files(dir.path()), Vec::<String>::new());
     }
 
     #[test]
     fn a_late_write_into_the_replaced_version_is_merged() {
-        let dir = tempfile::tempdir().unwrap();
-        let store = Store::new(dir.path(), ".");
-        let state = LoopState {
-            loop_id: "l1".into(),
-            status: Status::Running,
-            ..LoopState::default()
-        };
-        store.create(&state).unwrap();
+        let (dir, store) = running_loop();
         let path = store.state_path("l1");
         // A lockless writer reads the file and opens it for writing...
         let mut theirs: Value = serde_json::from_slice(&fs::read(&path).unwrap()).unwrap();
@@ -1639,25 +1642,13 @@ mod tests {
         );
         store.close();
         assert!(!store.has_orphans(None));
-        let names: Vec<String> = fs::read_dir(dir.path())
-            .unwrap()
-            .filter_map(|e| e.ok()?.file_name().into_string().ok())
-            .filter(|n| n.ends_with(TEMP_SUFFIX))
-            .collect();
-        assert!(names.is_empty(), "{names:?}");
+        assert_eq!(temp_files(dir.path()), Vec::<String>::new());
     }
 
     #[test]
     fn under_a_watcher_only_versions_written_into_are_read_and_settled_ones_are_reused() {
         use std::os::unix::fs::MetadataExt as _;
-        let dir = tempfile::tempdir().unwrap();
-        let store = Store::new(dir.path(), ".");
-        let state = LoopState {
-            loop_id: "l1".into(),
-            status: Status::Running,
-            ..LoopState::default()
-        };
-        store.create(&state).unwrap();
+        let (dir, store) = running_loop();
         let _watch = store.watch_orphans("l1");
         let path = store.state_path("l1");
         let ino = |p: &Path| fs::metadata(p).unwrap().ino();
@@ -1704,12 +1695,7 @@ mod tests {
             ("late".into(), 2.into())
         );
         store.close();
-        let names: Vec<String> = fs::read_dir(dir.path())
-            .unwrap()
-            .filter_map(|e| e.ok()?.file_name().into_string().ok())
-            .filter(|n| n.ends_with(TEMP_SUFFIX))
-            .collect();
-        assert!(names.is_empty(), "{names:?}");
+        assert_eq!(temp_files(dir.path()), Vec::<String>::new());
     }
 
     #[test]
