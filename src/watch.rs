@@ -28,6 +28,8 @@ use crate::state::store::Store;
 
 /// How often the state is re-read even without a file event, in case one was lost.
 const RECHECK: Duration = Duration::from_secs(30);
+/// The least time between two settles of a watch's own (replaced versions past their time).
+const SETTLE_GAP: Duration = Duration::from_millis(50);
 /// How many renamed temporary names a watch remembers at most.
 const MAX_RENAMED: usize = 4096;
 /// The polling interval when inotify is not available.
@@ -108,11 +110,7 @@ impl Watch {
         };
         let names = Names::of(id);
         let refresh_now = refresh.clone();
-        // The temporary names of the state file that the state file was renamed to: each holds
-        // a replaced version (the exchange that put a new version in place moved the old one
-        // there), and a write into it is a late write. (The writes before, which made the new
-        // version, and those into a reused spare, renamed to a new name first, are the writer's.)
-        let renamed = Mutex::new(HashSet::<String>::new());
+        let replaced = Replaced::default();
         let on_event = {
             let refresh = refresh.clone();
             let (store, id) = (store.clone(), id.to_owned());
@@ -125,41 +123,7 @@ impl Watch {
                         store.touch_orphans(&id);
                         let _ = store.settle(&id);
                     }
-                    let late = match event.kind {
-                        EventKind::Modify(ModifyKind::Name(mode)) => {
-                            if let (RenameMode::Both, [from, to]) = (mode, event.paths.as_slice()) {
-                                let mut renamed = lock(&renamed);
-                                renamed.remove(Names::name(from));
-                                if Names::name(from) == names.state && names.is_orphan(to) {
-                                    // Names go when their versions are removed or reused; a
-                                    // bound in case those events are lost (the versions are
-                                    // then read when their time is up).
-                                    if renamed.len() >= MAX_RENAMED {
-                                        renamed.clear();
-                                    }
-                                    renamed.insert(Names::name(to).to_owned());
-                                }
-                            }
-                            false
-                        }
-                        EventKind::Remove(_) => {
-                            let mut renamed = lock(&renamed);
-                            for p in &event.paths {
-                                renamed.remove(Names::name(p));
-                            }
-                            false
-                        }
-                        EventKind::Create(_) | EventKind::Modify(ModifyKind::Metadata(_)) => false,
-                        _ => {
-                            let renamed = lock(&renamed);
-                            let mut late = false;
-                            for p in event.paths.iter().filter(|p| names.is_orphan(p)) {
-                                let name = Names::name(p);
-                                late |= renamed.contains(name) && store.written_into(name);
-                            }
-                            late
-                        }
-                    };
+                    let late = replaced.late_write(event, &names, &store);
                     if late {
                         let _ = store.settle(&id);
                     }
@@ -194,18 +158,22 @@ impl Watch {
             tokio::spawn(async move {
                 let _orphans = orphans;
                 let mut next_look = Instant::now() + RECHECK;
+                let mut settled = Instant::now();
                 loop {
                     let added = kept.notified();
                     tokio::pin!(added);
                     added.as_mut().enable();
+                    // Not more often than SETTLE_GAP, should a settle fail (a lock held long).
                     let due = store
                         .next_settle(&id)
-                        .map_or(next_look, |d| d.min(next_look));
+                        .map_or(next_look, |d| d.min(next_look))
+                        .max(settled + SETTLE_GAP);
                     tokio::select! {
                         () = tokio::time::sleep_until(due.into()) => {}
                         () = added => continue,
                     }
-                    let look = Instant::now() >= next_look;
+                    settled = Instant::now();
+                    let look = settled >= next_look;
                     if look {
                         next_look = Instant::now() + RECHECK;
                     }
@@ -230,6 +198,51 @@ impl Watch {
     /// A receiver of snapshots; `changed()` fires when a controller changed something.
     pub fn subscribe(&self) -> watch::Receiver<Option<Snapshot>> {
         self.rx.clone()
+    }
+}
+
+/// The temporary names of a loop's state file that the state file was renamed to: each holds a
+/// replaced version (the exchange that put a new version in place moved the old one there), and a
+/// write into it is a late write. The writes before, which made the new version, and those into a
+/// reused spare (renamed to a new name first) are the writer's own.
+#[derive(Default)]
+struct Replaced(Mutex<HashSet<String>>);
+
+impl Replaced {
+    /// Follows the names through `event`; whether it is a late write into a replaced version
+    /// `store` keeps (then marked to be merged at the next settle).
+    fn late_write(&self, event: &notify::Event, names: &Names, store: &Store) -> bool {
+        let mut replaced = lock(&self.0);
+        match event.kind {
+            EventKind::Modify(ModifyKind::Name(mode)) => {
+                if let (RenameMode::Both, [from, to]) = (mode, event.paths.as_slice()) {
+                    replaced.remove(Names::name(from));
+                    if Names::name(from) == names.state && names.is_orphan(to) {
+                        // Names go when their versions are removed or reused; a bound in case
+                        // those events are lost (the versions are then read when their time is
+                        // up).
+                        if replaced.len() >= MAX_RENAMED {
+                            replaced.clear();
+                        }
+                        replaced.insert(Names::name(to).to_owned());
+                    }
+                }
+                false
+            }
+            EventKind::Remove(_) => {
+                for p in &event.paths {
+                    replaced.remove(Names::name(p));
+                }
+                false
+            }
+            EventKind::Create(_) | EventKind::Modify(ModifyKind::Metadata(_)) => false,
+            _ => event
+                .paths
+                .iter()
+                .map(|p| Names::name(p))
+                .filter(|name| replaced.contains(*name))
+                .fold(false, |late, name| store.written_into(name) | late),
+        }
     }
 }
 
