@@ -997,31 +997,31 @@ impl Store {
         Some(kept.spares.swap_remove(i).1)
     }
 
-    /// Settles every replaced version before a short-lived process exits: each is kept until it
-    /// is [`ORPHAN_LIFE_SHORT`] old, then merged if written into, else removed.
+    /// Settles every replaced version before a short-lived process exits (or a loop is let go):
+    /// each is kept until it is [`ORPHAN_LIFE_SHORT`] old, then merged if written into, else
+    /// removed, with the spares left for reuse.
     pub fn close(&self) {
         // A merge writes a new version, itself kept: a few rounds settle everything.
         for _ in 0..WRITE_RACE_RETRIES {
-            let orphans: Vec<(String, Instant)> = {
+            // The loops with kept versions or spares, and when the youngest version was kept.
+            let (ids, youngest) = {
                 let kept = lock(&self.orphans);
-                let spares = kept
-                    .spares
+                let mut ids: Vec<String> = kept
+                    .orphans
                     .iter()
-                    .map(|(id, _)| (id.clone(), Instant::now()));
-                let spares = spares.map(|(id, now)| (id, now - ORPHAN_LIFE_SHORT));
-                kept.orphans
-                    .iter()
-                    .map(|o| (o.id.clone(), o.since))
-                    .chain(spares)
-                    .collect()
+                    .map(|o| o.id.clone())
+                    .chain(kept.spares.iter().map(|(id, _)| id.clone()))
+                    .collect();
+                ids.sort();
+                ids.dedup();
+                (ids, kept.orphans.iter().map(|o| o.since).max())
             };
-            let Some(youngest) = orphans.iter().map(|(_, since)| *since).max() else {
+            if ids.is_empty() {
                 return;
-            };
-            std::thread::sleep(ORPHAN_LIFE_SHORT.saturating_sub(youngest.elapsed()));
-            let mut ids: Vec<String> = orphans.into_iter().map(|(id, _)| id).collect();
-            ids.sort();
-            ids.dedup();
+            }
+            if let Some(youngest) = youngest {
+                std::thread::sleep(ORPHAN_LIFE_SHORT.saturating_sub(youngest.elapsed()));
+            }
             let Ok(dir) = self.state_dir(false) else {
                 return;
             };
