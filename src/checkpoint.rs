@@ -4,10 +4,10 @@
 //! `refs/loopd/<loop id>/0-start`.
 //!
 //! Theory of operation: the tree is built the way `git stash create` builds one, in an index file
-//! of loopd's own (`GIT_INDEX_FILE`, in the loop's progress directory, so that the next checkpoint only
-//! hashes what changed): `git add -A` of the whole work tree (tracked and untracked files; ignored
-//! ones and loopd's state directory left out), `git write-tree`, `git commit-tree` with the loop's
-//! previous checkpoint as parent, `git update-ref`. The user's branch, index, HEAD and stash are
+//! of loopd's own (`GIT_INDEX_FILE`, in the loop's progress directory, so that the next checkpoint
+//! only hashes what changed): `git add -A` of the whole work tree (tracked and untracked files;
+//! ignored ones and loopd's state directory left out), `git write-tree`, `git commit-tree` with
+//! the loop's previous checkpoint as parent, `git update-ref`. The user's branch, index, HEAD and stash are
 //! never touched, and a loop's refs are its own: loops of one repository never mix them.
 //!
 //! git is run through [`crate::git`].
