@@ -237,6 +237,8 @@ struct Seen {
     loaded: Loaded,
     /// The inode of the file, when this store wrote it.
     ino: Option<u64>,
+    /// Its control fields, once a watcher asked for them.
+    control: std::sync::OnceLock<Option<Control>>,
 }
 
 /// The replaced versions kept in one state directory by this process.
@@ -387,7 +389,13 @@ impl Store {
 
     fn remember(&self, id: &str, bytes: Vec<u8>, loaded: &Loaded, ino: Option<u64>) {
         let loaded = loaded.clone();
-        lock(&self.last).insert(id.to_owned(), Arc::new(Seen { bytes, loaded, ino }));
+        let seen = Seen {
+            bytes,
+            loaded,
+            ino,
+            control: Default::default(),
+        };
+        lock(&self.last).insert(id.to_owned(), Arc::new(seen));
     }
 
     /// The state directory's path, for people and other programs.
@@ -581,7 +589,10 @@ impl Store {
             (seen.ino == Some(stat.st_ino)).then_some(seen)
         };
         match own() {
-            Some(seen) => serde_json::from_slice(&seen.bytes).ok(),
+            Some(seen) => seen
+                .control
+                .get_or_init(|| serde_json::from_slice(&seen.bytes).ok())
+                .clone(),
             None => self.read_control(id),
         }
     }
