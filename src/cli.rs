@@ -159,6 +159,7 @@ pub enum Command {
     /// what the loop changed as a whole
     Diff {
         id: String,
+        /// A checkpoint's name, as `loopd checkpoints` lists it (such as 3-develop)
         checkpoint: Option<String>,
     },
     /// Put the work tree back as it was at a checkpoint of the loop (its state dir and ignored
@@ -166,6 +167,7 @@ pub enum Command {
     /// checkpoint holds, unless --force
     Rollback {
         id: String,
+        /// A checkpoint's name, as `loopd checkpoints` lists it (such as 3-develop, or 0-start)
         checkpoint: String,
         /// Roll back even if changes no checkpoint holds are lost
         #[arg(long)]
