@@ -437,3 +437,63 @@ impl Drop for Subscription {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use notify::event::{CreateKind, DataChange, RemoveKind};
+
+    fn event(kind: EventKind, dir: &Path, names: &[&str]) -> notify::Event {
+        let mut event = notify::Event::new(kind);
+        for name in names {
+            event = event.add_path(dir.join(name));
+        }
+        event
+    }
+
+    /// The writes into a temporary name count as late only after the state file was renamed to
+    /// it; the writer's own writes before, and those into a spare it renamed first, do not.
+    #[test]
+    fn a_late_write_is_told_apart_by_the_order_of_events() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::new(dir.path(), ".");
+        let state = crate::state::model::LoopState {
+            loop_id: "l1".into(),
+            ..Default::default()
+        };
+        store.create(&state).unwrap();
+        let _watch = store.watch_orphans("l1");
+        // A write keeps the version it replaced under a temporary name.
+        store.update("l1", false, |_, _| {}).unwrap();
+        let kept = std::fs::read_dir(dir.path())
+            .unwrap()
+            .filter_map(|e| e.ok()?.file_name().into_string().ok())
+            .find(|n| n.ends_with(crate::safe_fs::TEMP_SUFFIX))
+            .expect("a replaced version");
+        let names = Names::of("l1");
+        let replaced = Replaced::default();
+        let d = dir.path();
+        let (state, tmp, spare) = ("l1.json", kept.as_str(), ".l1.json.bbbbbb.tmp");
+        let write = EventKind::Modify(ModifyKind::Data(DataChange::Any));
+        let both = EventKind::Modify(ModifyKind::Name(RenameMode::Both));
+        let late =
+            |kind, paths: &[&str]| replaced.late_write(&event(kind, d, paths), &names, &store);
+
+        // The writer made its new version under the temporary name: its own writes.
+        assert!(!late(EventKind::Create(CreateKind::File), &[tmp]));
+        assert!(!late(write, &[tmp]));
+        // The exchange: the new version went in place, the old one to the temporary name.
+        assert!(!late(both, &[tmp, state]));
+        assert!(!late(both, &[state, tmp]));
+        // A write into it now is late, and the store keeps it: to be merged.
+        assert!(late(write, &[tmp]));
+        // Reused as a spare: renamed to a new name first, whose writes are the writer's again.
+        assert!(!late(both, &[tmp, spare]));
+        assert!(!late(write, &[spare]));
+        assert!(!late(write, &[tmp]), "the old name is no longer followed");
+        // Renamed to again, then removed: forgotten.
+        assert!(!late(both, &[state, spare]));
+        assert!(!late(EventKind::Remove(RemoveKind::File), &[spare]));
+        assert!(lock(&replaced.0).is_empty());
+    }
+}
