@@ -31,19 +31,6 @@ use std::time::{Duration, Instant};
 
 use common::{alive, env_num};
 
-const CONFIG: &str = r#"
-retry_backoff = 0.01
-executor = "agent"
-
-[executor_defaults]
-kill_grace = 0.5
-
-[executors.agent]
-command = ["sh", "bin/agent.sh"]
-prompt = "stdin"
-format = "text"
-"#;
-
 /// Writes its pid first (the resume trials wait for it), then starts and records a grandchild,
 /// then becomes `sleep` itself.
 const AGENT: &str = r#"#!/bin/sh
@@ -138,7 +125,10 @@ impl Drop for Project {
 impl Project {
     fn new() -> Project {
         Project {
-            base: common::Project::new(CONFIG, Some(AGENT)),
+            base: common::Project::new(
+                &common::config(&["sh", "bin/agent.sh"], "stdin", "text", None),
+                Some(AGENT),
+            ),
             seen: Default::default(),
         }
     }

@@ -17,23 +17,7 @@ mod common;
 use std::io::{Read as _, Seek as _, SeekFrom};
 use std::time::Duration;
 
-use common::{Project, env_num, median};
-
-const CONFIG: &str = r#"
-retry_backoff = 0.01
-executor = "shell"
-
-[executor_defaults]
-kill_grace = 0.5
-
-[executors.shell]
-command = ["sh", "-c", "cat > /dev/null; echo ok"]
-prompt = "stdin"
-format = "text"
-
-[actions.validate]
-command = "false"
-"#;
+use common::{Project, config, env_num, median};
 
 /// The CPU time of every thread of `pid` so far, in nanoseconds; `None` once it is gone.
 fn cpu_ns(pid: u32) -> Option<u64> {
@@ -84,7 +68,15 @@ impl Finished {
 
 /// One run: the daemon's CPU per action (µs) over the first and the last hundred actions.
 fn round(actions: usize) -> (f64, f64) {
-    let p = Project::new(CONFIG, None);
+    let p = Project::new(
+        &config(
+            &["sh", "-c", "cat > /dev/null; echo ok"],
+            "stdin",
+            "text",
+            Some("false"),
+        ),
+        None,
+    );
     let id = p.create(actions.saturating_sub(2));
     let events = p.progress(&id).join("events.jsonl");
     let mut child = p.spawn_run(&id);

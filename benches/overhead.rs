@@ -24,7 +24,7 @@ use std::io::Write as _;
 use std::path::Path;
 use std::process::{Command, Stdio};
 
-use common::{Project, env_num, median, tempdir};
+use common::{Project, config, env_num, median, tempdir};
 use std::time::{Duration, Instant};
 
 /// The trivial executor's argv: `/bin/true`, or a shell agent with `LOOPD_BENCH_AGENT=shell`.
@@ -33,28 +33,6 @@ fn agent() -> &'static [&'static str] {
         Ok("shell") => &["sh", "-c", "cat > /dev/null; echo ok"],
         _ => &["/bin/true"],
     }
-}
-
-fn config() -> String {
-    let argv: Vec<String> = agent().iter().map(|a| format!("{a:?}")).collect();
-    format!(
-        r#"
-retry_backoff = 0.01
-executor = "trivial"
-
-[executor_defaults]
-kill_grace = 0.5
-
-[executors.trivial]
-command = [{}]
-prompt = "stdin"
-format = "text"
-
-[actions.validate]
-command = "false"
-"#,
-        argv.join(", ")
-    )
 }
 
 /// One timed `loopd run`.
@@ -77,7 +55,7 @@ fn ts(event: &serde_json::Value) -> Option<chrono::DateTime<chrono::FixedOffset>
 }
 
 fn daemon_round(max_iterations: usize) -> DaemonRound {
-    let p = Project::new(&config(), None);
+    let p = Project::new(&config(agent(), "stdin", "text", Some("false")), None);
     let id = p.create(max_iterations);
     let log = std::fs::File::create(p.root.join("daemon.log")).expect("daemon log");
     let started = Instant::now();

@@ -33,7 +33,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{Project, env_num, median};
+use common::{Project, config, env_num, median};
 
 const RALPH_VERSION: &str = "2.10.1";
 
@@ -63,24 +63,6 @@ fi
 fn backend_dir(root: &Path, n: usize) {
     std::fs::create_dir_all(root.join(".ralph")).expect("mkdir .ralph");
     std::fs::write(root.join("backend.sh"), backend(n)).expect("backend");
-}
-
-fn loopd_config() -> &'static str {
-    r#"
-retry_backoff = 0.01
-executor = "backend"
-
-[executor_defaults]
-kill_grace = 0.5
-
-[executors.backend]
-command = ["sh", "backend.sh"]
-prompt = "arg"
-format = "text"
-
-[actions.validate]
-command = "false"
-"#
 }
 
 fn ralph_config(n: usize) -> String {
@@ -144,7 +126,11 @@ fn watch(mut child: Child, started: Instant, cpu0: Duration) -> (std::process::E
 type Leftovers = Box<dyn std::any::Any>;
 
 fn loopd_round(dir: &Path, n: usize) -> (Run, Leftovers) {
-    let p = Project::in_dir(loopd_config(), None, dir);
+    let p = Project::in_dir(
+        &config(&["sh", "backend.sh"], "arg", "text", Some("false")),
+        None,
+        dir,
+    );
     backend_dir(&p.root, usize::MAX);
     // init + (n - 2) iterations + complete.
     let id = p.create(n.saturating_sub(2).max(1));

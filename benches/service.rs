@@ -25,20 +25,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{Project, alive, env_num, tempdir};
-
-const CONFIG: &str = r#"
-retry_backoff = 0.01
-executor = "agent"
-
-[executor_defaults]
-kill_grace = 0.5
-
-[executors.agent]
-command = ["sh", "bin/agent.sh"]
-prompt = "stdin"
-format = "json"
-"#;
+use common::{Project, alive, config, env_num, tempdir};
 
 /// Plans 20 tasks, then every action records its pid and takes 0.2 s; validation never passes,
 /// so the loop goes on (debug, develop...) until its iteration limit.
@@ -198,7 +185,11 @@ fn main() {
     let setup = Instant::now();
     let loops: Vec<Loop> = (0..n)
         .map(|_| {
-            let project = Project::in_home(CONFIG, Some(&agent), Some(&home));
+            let project = Project::in_home(
+                &config(&["sh", "bin/agent.sh"], "stdin", "json", None),
+                Some(&agent),
+                Some(&home),
+            );
             let id = project.create(100_000);
             Loop { project, id }
         })

@@ -15,6 +15,32 @@ pub fn env_num(name: &str, default: usize) -> usize {
     }
 }
 
+/// A project config for a benchmark: short retry backoff and kill grace, and one executor, `agent`,
+/// run as `argv` with the prompt passed as `prompt` (`stdin`, `arg`), its output read as `format`
+/// (`json`, `text`); with `validate`, validate runs that shell command instead.
+pub fn config(argv: &[&str], prompt: &str, format: &str, validate: Option<&str>) -> String {
+    let argv: Vec<String> = argv.iter().map(|a| format!("{a:?}")).collect();
+    let mut text = format!(
+        r#"
+retry_backoff = 0.01
+executor = "agent"
+
+[executor_defaults]
+kill_grace = 0.5
+
+[executors.agent]
+command = [{}]
+prompt = "{prompt}"
+format = "{format}"
+"#,
+        argv.join(", ")
+    );
+    if let Some(command) = validate {
+        text.push_str(&format!("\n[actions.validate]\ncommand = {command:?}\n"));
+    }
+    text
+}
+
 /// A temporary directory in `$LOOPD_BENCH_DIR`, else the system's.
 pub fn tempdir() -> tempfile::TempDir {
     match std::env::var_os("LOOPD_BENCH_DIR") {

@@ -306,6 +306,16 @@ async fn blocking<T: Send + 'static>(
         .map_err(ApiError::from)
 }
 
+/// Runs `f` on a blocking thread with the project of the service that holds loop `id` ([`find`]).
+async fn on_loop<T: Send + 'static>(
+    info: ServiceInfo,
+    id: String,
+    root: Option<PathBuf>,
+    f: impl FnOnce(&Project, &str) -> Result<T> + Send + 'static,
+) -> ApiResult<T> {
+    blocking(move || f(&find(&info, &id, root.as_deref())?, &id)).await
+}
+
 /// `?root=DIR`: which project, where two have a loop of the same id.
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -449,10 +459,10 @@ async fn one_loop(
     place: std::result::Result<Query<Where>, QueryRejection>,
 ) -> ApiResult<Json<Value>> {
     let (UrlPath(id), Query(place), info) = (id?, place?, shared.info());
-    blocking(move || {
-        let p = find(&info, &id, place.root.as_deref())?;
-        let loaded = p.store.load(&id)?;
-        let mut value = summary(&p, &loaded.state, &info);
+    let shown = info.clone();
+    on_loop(info, id, place.root, move |p, id| {
+        let loaded = p.store.load(id)?;
+        let mut value = summary(p, &loaded.state, &shown);
         value["state"] = Value::Object(loaded.raw);
         Ok(Json(value))
     })
@@ -531,9 +541,8 @@ async fn control(
         "stop" => Control::Stop,
         _ => return Err(ApiError::new(StatusCode::NOT_FOUND, "no such route")),
     };
-    blocking(move || {
-        let p = find(&info, &id, place.root.as_deref())?;
-        let done = crate::cli::set_control(&p, &id, what)?;
+    on_loop(info, id, place.root, move |p, id| {
+        let done = crate::cli::set_control(p, id, what)?;
         Ok(Json(json!({
             "loop_id": id,
             "from": done.from.as_str(),
@@ -564,10 +573,8 @@ async fn next(
     body: std::result::Result<Json<Choice>, JsonRejection>,
 ) -> ApiResult<Json<Value>> {
     let (UrlPath(id), Query(place), Json(choice)) = (id?, place?, body?);
-    let info = shared.info();
-    blocking(move || {
-        let p = find(&info, &id, place.root.as_deref())?;
-        Ok(Json(crate::cli::choose_next(&p, &id, &choice.action)?))
+    on_loop(shared.info(), id, place.root, move |p, id| {
+        Ok(Json(crate::cli::choose_next(p, id, &choice.action)?))
     })
     .await
 }
@@ -579,10 +586,8 @@ async fn answer(
     body: std::result::Result<Json<Text>, JsonRejection>,
 ) -> ApiResult<Json<Value>> {
     let (UrlPath(id), Query(place), Json(text)) = (id?, place?, body?);
-    let info = shared.info();
-    blocking(move || {
-        let p = find(&info, &id, place.root.as_deref())?;
-        Ok(Json(crate::recovery::give_answer(&p, &id, &text.text)?))
+    on_loop(shared.info(), id, place.root, move |p, id| {
+        Ok(Json(crate::recovery::give_answer(p, id, &text.text)?))
     })
     .await
 }
@@ -594,10 +599,8 @@ async fn add_task(
     body: std::result::Result<Json<Text>, JsonRejection>,
 ) -> ApiResult<(StatusCode, Json<Value>)> {
     let (UrlPath(id), Query(place), Json(text)) = (id?, place?, body?);
-    let info = shared.info();
-    blocking(move || {
-        let p = find(&info, &id, place.root.as_deref())?;
-        let value = crate::recovery::add_task(&p, &id, &text.text)?;
+    on_loop(shared.info(), id, place.root, move |p, id| {
+        let value = crate::recovery::add_task(p, id, &text.text)?;
         Ok((StatusCode::CREATED, Json(value)))
     })
     .await
@@ -723,9 +726,8 @@ async fn tail(
 ) -> ApiResult<Json<Value>> {
     let (UrlPath(id), Query(query), info) = (id?, query?, shared.info());
     let want = query.bytes.unwrap_or(16 * 1024).min(1 << 20);
-    blocking(move || {
-        let p = find(&info, &id, query.root.as_deref())?;
-        let state = p.store.load(&id)?.state;
+    on_loop(info, id, query.root, move |p, id| {
+        let state = p.store.load(id)?.state;
         let flight = state.skill_state.as_ref().and_then(|s| s.in_flight.clone());
         let Some(flight) = flight else {
             return Ok(Json(
@@ -734,7 +736,7 @@ async fn tail(
         };
         // The attempt's log, by its name alone, in the progress directory.
         let text = flight.log.as_deref().and_then(|name| {
-            let actions = p.store.progress(&id).ok()?.subdir("actions", false).ok()?;
+            let actions = p.store.progress(id).ok()?.subdir("actions", false).ok()?;
             read_tail(&actions, name, want)
         });
         Ok(Json(json!({
