@@ -20,9 +20,12 @@
 //! the exchange and writes just after — lands in an inode that is no longer the state file: that
 //! version is therefore not unlinked at once but kept, as an *orphan*, for [`ORPHAN_LIFE`], and a
 //! late write into it is merged into the state file ([`Store::settle`]: the keys it changed,
-//! against the version it replaced). The daemon's watcher settles on the orphan's file event;
-//! every writer settles before it writes; a short-lived command settles before it exits
-//! ([`Store::close`]).
+//! against the version it replaced). The daemon's watcher marks an orphan written into (by the
+//! order of its file events: a write after the exchange renamed it) and settles it; every writer
+//! settles the orphans so marked, and those whose time is up, before it writes; a short-lived
+//! command settles all of them before it exits ([`Store::close`]). A settled orphan nobody wrote
+//! into is kept as a *spare*, the file the next write is written into (no inode allocated or
+//! released per write).
 
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -1444,14 +1447,15 @@ enum Swapped {
 }
 
 /// Puts `bytes` in place of `name` atomically: a new temp file in the same directory (mode 0600,
-/// made of `spare` if given: see [`Dir::reuse_temp`]),
-/// fsync if `durable`, exchanged with `name`, fsync of the directory if `durable`. `expected` is
-/// what should be in place; `None` writes whatever is there. `written` is told the new version's
-/// inode once it is written, before it is put in place. Returns what was replaced.
+/// made of `spare` if given: see [`Dir::reuse_temp`]), fsync if `durable`, exchanged with
+/// `name`, fsync of the directory if `durable`. `expected` is what should be in place; `None`
+/// writes whatever is there. `written` is told the new version's inode once it is written, before
+/// it is put in place. Returns what was replaced.
 ///
 /// The exchange (`renameat2(RENAME_EXCHANGE)`) hands back exactly what it replaced, under the
 /// temp file's name: a reader that opened the old version still reads it whole. (A version is
-/// never rewritten in place: that would tear it under such a reader.)
+/// written into again only as a spare, once it has been settled: [`ORPHAN_LIFE`] after it stopped
+/// being the state file.)
 fn swap_in(
     dir: &Dir,
     name: &str,
