@@ -410,6 +410,25 @@ fn a_detached_head_a_submodule_and_checkpoints_off() {
         stdout(&none).trim(),
         format!("loop {id} has no checkpoint yet")
     );
+
+    // Outside a git repository: no checkpoints, and the commands say why in one line.
+    let plain = Project::new(GOOD_AGENT);
+    let id = plain.create(&["--title", "t"]);
+    assert_eq!(code(&plain.run(&id, &[])), 0);
+    for args in [
+        vec!["checkpoints", &id],
+        vec!["diff", &id],
+        vec!["rollback", &id, "0-start"],
+    ] {
+        let out = plain.output(&args);
+        assert_eq!(code(&out), 2, "{args:?}: {}", stderr(&out));
+        assert!(
+            stderr(&out).contains("not in a git repository"),
+            "{}",
+            stderr(&out)
+        );
+        assert_eq!(stderr(&out).trim().lines().count(), 1, "{}", stderr(&out));
+    }
 }
 
 /// Tests A, B and C of a project, as a validate counts them: A passes once `fixed_a` exists and
