@@ -1367,6 +1367,7 @@ impl LoopRun<'_> {
         let checkpoint = match &v {
             Verdict::Interrupted => None,
             _ if !engine.workflow.changes_work_tree(&dispatch.action) => None,
+            _ if self.checkpoints.is_none() => None,
             _ => tokio::task::block_in_place(|| {
                 self.checkpoint(&format!("{}-{}", done.iteration, dispatch.action))
             }),
@@ -1413,9 +1414,6 @@ impl LoopRun<'_> {
     /// one's checkpoint, and the tasks done since are to be done again.
     fn guard_against_regression(&mut self, state: &mut LoopState, rate: f64) {
         let wf = self.engine.workflow;
-        if !self.engine.config.rollback_on_regression {
-            return;
-        }
         let Some(recorder) = self.checkpoints.as_mut() else {
             return;
         };
@@ -1543,7 +1541,10 @@ impl LoopRun<'_> {
         let now = inputs.now.clone();
         let end = wf.apply(&mut state, dispatch, &finish, &inputs);
         workflow::record_finish(wf, &mut state, dispatch, &finish, &now);
-        if let Some(rate) = wf.pass_rate(&state, &dispatch.action) {
+        if let Some(rate) = wf.pass_rate(&state, &dispatch.action)
+            && self.engine.config.rollback_on_regression
+            && self.checkpoints.is_some()
+        {
             tokio::task::block_in_place(|| self.guard_against_regression(&mut state, rate));
         }
         let transition = end.as_ref().map(|LoopEnd::Completed(_)| Transition {
