@@ -13,9 +13,10 @@
 //! it ([`LoopRun::run_action`]).
 //!
 //! Durability: the attempt in flight is recorded right after the spawn (with its pid, process
-//! group and start time) by an atomic write without fsync — it only matters if the daemon dies
-//! while the machine lives on — and every finished action is committed with fsync of the file and
-//! the directory before the next one starts.
+//! group and start time) by an atomic write that is not made durable — it only matters if the
+//! daemon dies while the machine lives on — and every finished action is committed durably (its
+//! version recorded in the fdatasynced backup: [`crate::state::backup`]) before the next one
+//! starts.
 
 use std::collections::BTreeMap;
 use std::ffi::OsString;

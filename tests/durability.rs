@@ -608,6 +608,35 @@ esac
 "#;
 
 #[test]
+fn a_state_file_older_than_its_backup_after_a_power_loss_is_replaced_by_it() {
+    let p = Project::new(GOOD_AGENT);
+    let args = ["--title", "t", "--max-iterations", "2"];
+    let id = p.create(&[&args[..], &["--task", "a", "--task", "b", "--task", "c"]].concat());
+    let created: Value =
+        serde_json::from_slice(&std::fs::read(p.state_path(&id)).unwrap()).unwrap();
+    assert_eq!(code(&p.run(&id, &[])), 3);
+    // The machine stopped before the last versions of the state file reached the disk: the
+    // file is as it was created, but the backup was fdatasynced at every durable write.
+    std::fs::write(p.state_path(&id), created.to_string()).unwrap();
+    let out = p.run(&id, &[]);
+    let err = stderr(&out);
+    assert_eq!(code(&out), 3, "{err}");
+    assert!(
+        err.contains("older than its last durable write") && err.contains(".json.bak"),
+        "{err}"
+    );
+    assert_eq!(p.state(&id)["current_iteration"], 2, "{err}");
+    assert_eq!(
+        p.developed(&id),
+        ["task-001", "task-002"],
+        "done work was redone"
+    );
+    // A state file as new as its backup is left alone.
+    let out = p.run(&id, &[]);
+    assert!(!stderr(&out).contains("restored"), "{}", stderr(&out));
+}
+
+#[test]
 fn a_deleted_state_file_is_restored_from_its_backup() {
     let (p, id) = two_of_three_tasks_done();
     std::fs::remove_file(p.state_path(&id)).unwrap();

@@ -1,4 +1,5 @@
 //! The loop state: its model and its store.
 
+pub mod backup;
 pub mod model;
 pub mod store;

