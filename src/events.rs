@@ -521,8 +521,35 @@ impl Progress {
         }
     }
 
-    /// Makes a spare log (see [`Progress::prune_actions`]) the file `name` of `actions/`, to be
-    /// opened and emptied as a new one would be created.
+    /// Readies the next attempt's log while this one runs, so that starting it costs a rename:
+    /// an empty spare, made (a new file costs an inode, which on ext4 without a journal means a
+    /// search past every inode released in the last minutes) or emptied (which may cost a
+    /// discard) now rather than between two actions.
+    pub fn stock_log(&self) {
+        let Ok(dir) = self.dir.actions() else {
+            return;
+        };
+        let mut spares = lock(&self.spare_logs);
+        let ready = match spares.last() {
+            Some(spare) => dir
+                .open_rw(spare)
+                .and_then(|file| match file.metadata()?.len() {
+                    0 => Ok(()),
+                    _ => file.set_len(0),
+                })
+                .is_ok(),
+            None => false,
+        };
+        if !ready {
+            spares.pop();
+            if let Ok((spare, _)) = dir.temp_file("log.spare") {
+                spares.push(spare);
+            }
+        }
+    }
+
+    /// Makes a spare log (see [`Progress::prune_actions`], [`Progress::stock_log`]) the file
+    /// `name` of `actions/`, to be opened and emptied as a new one would be created.
     pub fn reuse_log(&self, actions: &Dir, name: &str) {
         let mut spares = lock(&self.spare_logs);
         while let Some(spare) = spares.pop() {
@@ -631,5 +658,34 @@ mod tests {
             .collect();
         assert_eq!(taken, [reused]);
         assert!(spares.iter().any(|(_, ino)| *ino == first));
+    }
+
+    #[test]
+    fn the_next_log_is_readied_while_an_attempt_runs() {
+        let tmp = tempfile::tempdir().unwrap();
+        let store = Store::new(tmp.path(), ".");
+        let progress = Progress::new(&ProgressDir::new(&store, "l1"));
+        let actions = progress.dir.actions().unwrap();
+        let hidden = |actions: &Dir| -> Vec<String> {
+            let mut names = actions.entries().unwrap();
+            names.retain(|n| n.starts_with('.'));
+            names
+        };
+        // No spare: one is made, empty, and is the next attempt's log.
+        progress.stock_log();
+        let made = hidden(&actions);
+        assert_eq!(made.len(), 1, "{made:?}");
+        let ino = std::fs::metadata(actions.join(&made[0])).unwrap().ino();
+        progress.reuse_log(&actions, "0001-develop-1.log");
+        let log = std::fs::metadata(actions.join("0001-develop-1.log")).unwrap();
+        assert_eq!(log.ino(), ino);
+        assert!(hidden(&actions).is_empty());
+        // A pruned log kept as a spare is emptied beforehand, not made anew.
+        std::fs::write(actions.join(".0001-old.log.spare.tmp"), "old output").unwrap();
+        lock(&progress.spare_logs).push(".0001-old.log.spare.tmp".into());
+        progress.stock_log();
+        assert_eq!(hidden(&actions), [".0001-old.log.spare.tmp"]);
+        let spare = std::fs::metadata(actions.join(".0001-old.log.spare.tmp")).unwrap();
+        assert_eq!(spare.len(), 0);
     }
 }

@@ -1159,6 +1159,7 @@ impl LoopRun<'_> {
                 .with("pid", spawned.pid)
                 .with("log", files.log_path.display().to_string()),
         );
+        self.progress.stock_log();
         let (run, interrupt) = self.supervise(running, &done, &mut rx).await;
         let run = match run {
             Ok(run) => run,

@@ -1,8 +1,10 @@
 //! Watching a loop's state file for control changes written by anyone.
 //!
-//! Theory of operation: notify watches the state *directory* (an atomic write replaces the file's
-//! inode, which would end a watch on the file itself). Any event naming the loop's state or task
-//! file means "maybe changed": the file is re-read on notify's thread and reduced to a
+//! Theory of operation: inotify watches the state *directory* (an atomic write replaces the file's
+//! inode, which would end a watch on the file itself), read by loopd's own thread ([`Inotify`],
+//! which asks for no event when a file is only opened) and told as notify's events. Any event
+//! naming the loop's state or task file means "maybe changed": the file is re-read on the
+//! watcher's thread and reduced to a
 //! [`Snapshot`] of what a controller can change. The snapshot is published on a
 //! `tokio::sync::watch` channel only when it differs, so the daemon's own writes, which never
 //! change those fields, wake nobody. A slow periodic re-check covers missed or overflowed events,
@@ -302,7 +304,7 @@ type Handlers = HashMap<PathBuf, Vec<(u64, Handler)>>;
 static WATCHERS: LazyLock<Mutex<Watchers>> = LazyLock::new(|| Mutex::new(Watchers::new()));
 
 struct Watchers {
-    inotify: Option<notify::RecommendedWatcher>,
+    inotify: Option<Inotify>,
     polls: HashMap<PathBuf, Box<dyn notify::Watcher + Send>>,
     next_key: u64,
 }
@@ -343,7 +345,7 @@ impl Watchers {
         let inotify = if forced {
             None
         } else {
-            notify::recommended_watcher(dispatch)
+            Inotify::start()
                 .inspect_err(|e| tracing::warn!("cannot use inotify ({e}); polling instead"))
                 .ok()
         };
@@ -357,8 +359,8 @@ impl Watchers {
     /// Starts watching `dir`: with inotify, else by polling, else only the periodic re-checks.
     fn watch(&mut self, dir: &Path) {
         let inotify = match &mut self.inotify {
-            Some(w) => w.watch(dir, RecursiveMode::NonRecursive),
-            None => Err(notify::Error::generic("LOOPD_WATCH=poll")),
+            Some(w) => w.watch(dir),
+            None => Err(std::io::Error::other("LOOPD_WATCH=poll")),
         };
         let Err(e) = inotify else { return };
         tracing::warn!(
@@ -386,8 +388,130 @@ impl Watchers {
         if self.polls.remove(dir).is_none()
             && let Some(w) = &mut self.inotify
         {
-            let _ = w.unwatch(dir);
+            w.unwatch(dir);
         }
+    }
+}
+
+/// The process's inotify instance, read on a thread of its own, its events told to [`dispatch`]
+/// as notify would tell them. Not notify's own inotify watcher: that one also asks for an event
+/// at every opening of every file in the directory, which wakes the watcher at each of the
+/// daemon's own reads, for nothing (an opening changes nothing).
+struct Inotify {
+    watches: inotify::Watches,
+    /// The directory of each watch; its lock is held from adding a watch to knowing its directory.
+    dirs: Arc<Mutex<HashMap<inotify::WatchDescriptor, PathBuf>>>,
+}
+
+impl Inotify {
+    fn start() -> std::io::Result<Inotify> {
+        let mut inotify = inotify::Inotify::init()?;
+        let watches = inotify.watches();
+        let dirs: Arc<Mutex<HashMap<_, PathBuf>>> = Arc::default();
+        let known = dirs.clone();
+        std::thread::Builder::new()
+            .name("loopd-inotify".into())
+            .spawn(move || {
+                let mut buffer = vec![0u8; 16 << 10];
+                // A rename is told as its two halves, then as a whole once both are seen.
+                let mut moved_from: Option<(u32, PathBuf)> = None;
+                loop {
+                    let events = match inotify.read_events_blocking(&mut buffer) {
+                        Ok(events) => events,
+                        Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                        Err(e) => {
+                            tracing::warn!("inotify stopped ({e}); relying on the re-checks");
+                            dispatch(Err(notify::Error::io(e)));
+                            return;
+                        }
+                    };
+                    for event in events {
+                        for told in translate(&event, &known, &mut moved_from) {
+                            dispatch(Ok(told));
+                        }
+                    }
+                }
+            })?;
+        Ok(Inotify { watches, dirs })
+    }
+
+    fn watch(&mut self, dir: &Path) -> std::io::Result<()> {
+        use inotify::WatchMask as M;
+        let mask = M::CREATE
+            | M::DELETE
+            | M::MODIFY
+            | M::CLOSE_WRITE
+            | M::ATTRIB
+            | M::MOVED_FROM
+            | M::MOVED_TO
+            | M::DELETE_SELF
+            | M::MOVE_SELF;
+        let mut dirs = lock(&self.dirs);
+        let wd = self.watches.add(dir, mask)?;
+        dirs.insert(wd, dir.to_owned());
+        Ok(())
+    }
+
+    fn unwatch(&mut self, dir: &Path) {
+        let mut dirs = lock(&self.dirs);
+        let wds: Vec<_> = dirs
+            .iter()
+            .filter(|(_, d)| d.as_path() == dir)
+            .map(|(wd, _)| wd.clone())
+            .collect();
+        for wd in wds {
+            dirs.remove(&wd);
+            let _ = self.watches.remove(wd);
+        }
+    }
+}
+
+/// What notify would tell of inotify's `event` (see [`Inotify`]).
+fn translate(
+    event: &inotify::Event<&std::ffi::OsStr>,
+    dirs: &Mutex<HashMap<inotify::WatchDescriptor, PathBuf>>,
+    moved_from: &mut Option<(u32, PathBuf)>,
+) -> Vec<notify::Event> {
+    use inotify::EventMask as E;
+    use notify::event::{CreateKind, DataChange, Flag, MetadataKind, RemoveKind};
+    if event.mask.contains(E::Q_OVERFLOW) {
+        return vec![notify::Event::new(EventKind::Other).set_flag(Flag::Rescan)];
+    }
+    let Some(dir) = lock(dirs).get(&event.wd).cloned() else {
+        return Vec::new();
+    };
+    let path = match event.name {
+        Some(name) => dir.join(name),
+        None => dir,
+    };
+    let one = |kind| vec![notify::Event::new(kind).add_path(path.clone())];
+    if event.mask.contains(E::MOVED_FROM) {
+        *moved_from = Some((event.cookie, path.clone()));
+        one(EventKind::Modify(ModifyKind::Name(RenameMode::From)))
+    } else if event.mask.contains(E::MOVED_TO) {
+        let mut told = one(EventKind::Modify(ModifyKind::Name(RenameMode::To)));
+        if let Some((_, from)) = moved_from.take_if(|(cookie, _)| *cookie == event.cookie) {
+            told.push(
+                notify::Event::new(EventKind::Modify(ModifyKind::Name(RenameMode::Both)))
+                    .add_path(from)
+                    .add_path(path),
+            );
+        }
+        told
+    } else if event.mask.contains(E::MOVE_SELF) {
+        one(EventKind::Modify(ModifyKind::Name(RenameMode::From)))
+    } else if event.mask.contains(E::CREATE) {
+        one(EventKind::Create(CreateKind::Any))
+    } else if event.mask.intersects(E::DELETE | E::DELETE_SELF) {
+        one(EventKind::Remove(RemoveKind::Any))
+    } else if event.mask.contains(E::MODIFY) {
+        one(EventKind::Modify(ModifyKind::Data(DataChange::Any)))
+    } else if event.mask.contains(E::CLOSE_WRITE) {
+        one(EventKind::Access(AccessKind::Close(AccessMode::Write)))
+    } else if event.mask.contains(E::ATTRIB) {
+        one(EventKind::Modify(ModifyKind::Metadata(MetadataKind::Any)))
+    } else {
+        Vec::new()
     }
 }
 
@@ -495,5 +619,44 @@ mod tests {
         assert!(!late(both, &[state, spare]));
         assert!(!late(EventKind::Remove(RemoveKind::File), &[spare]));
         assert!(lock(&replaced.0).is_empty());
+    }
+
+    /// loopd's own inotify reader tells what notify would of a write and of a rename (both
+    /// halves, then the whole), and nothing of a file being opened and read.
+    #[test]
+    fn inotify_tells_writes_and_renames_and_not_reads() {
+        if std::env::var("LOOPD_WATCH").is_ok_and(|w| w == "poll") {
+            return;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path().canonicalize().unwrap();
+        std::fs::write(d.join("a"), "1").unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let tx = Mutex::new(tx);
+        let _sub = subscribe(
+            &d,
+            Arc::new(move |e: &notify::Result<notify::Event>| {
+                if let Ok(e) = e {
+                    let names: Vec<String> =
+                        e.paths.iter().map(|p| Names::name(p).to_owned()).collect();
+                    let _ = lock(&tx).send((e.kind, names));
+                }
+            }),
+        );
+        // Read, then renamed: the reading is not told, so the rename is the first event.
+        assert_eq!(std::fs::read(d.join("a")).unwrap(), b"1");
+        std::fs::rename(d.join("a"), d.join("b")).unwrap();
+        std::fs::write(d.join("b"), "2").unwrap();
+        let mut told = Vec::new();
+        while told.len() < 4 {
+            told.push(rx.recv_timeout(Duration::from_secs(10)).expect("an event"));
+        }
+        let name = |mode| EventKind::Modify(ModifyKind::Name(mode));
+        let names = |n: &[&str]| n.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        assert_eq!(told[0], (name(RenameMode::From), names(&["a"])));
+        assert_eq!(told[1], (name(RenameMode::To), names(&["b"])));
+        assert_eq!(told[2], (name(RenameMode::Both), names(&["a", "b"])));
+        assert!(is_change(&notify::Event::new(told[3].0)), "{told:?}");
+        assert_eq!(told[3].1, names(&["b"]));
     }
 }

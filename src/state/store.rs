@@ -906,21 +906,18 @@ impl Store {
                 }
                 Swapped::Renamed => {}
             }
-            if durable {
-                self.make_durable(dir, id, &bytes);
+            if durable && let Err(e) = backup::record(dir, &backup_name(id), &bytes) {
+                self.sync_without_backup(dir, id, &e);
             }
             return Ok(loaded);
         }
         unreachable!("the loop returns by its last round")
     }
 
-    /// Makes the version `bytes`, just put in place of the state file, durable: recorded in the
-    /// backup (see [`backup`]), else, if the backup cannot be written (a full disk, something
-    /// planted in its place), by an fsync of the state file and of the directory.
-    fn make_durable(&self, dir: &Dir, id: &str, bytes: &[u8]) {
-        let Err(e) = backup::record(dir, &backup_name(id), bytes) else {
-            return;
-        };
+    /// Makes the version just put in place of the state file durable when its backup (see
+    /// [`backup`]) could not be written (`e`: a full disk, something planted in its place): by
+    /// an fsync of the state file and of the directory.
+    fn sync_without_backup(&self, dir: &Dir, id: &str, e: &io::Error) {
         tracing::warn!(
             "warning: cannot write the backup {}: {e}",
             self.backup_path(id).display()
