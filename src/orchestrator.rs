@@ -16,7 +16,8 @@
 //! group and start time) by an atomic write that is not made durable — it only matters if the
 //! daemon dies while the machine lives on — and every finished action is committed durably (its
 //! version recorded in the fdatasynced backup: [`crate::state::backup`]) before the next one
-//! starts.
+//! starts: the fdatasync runs on the store's backup thread while the next attempt is readied
+//! ([`Store::defer_durability`]), and the spawn waits for it.
 
 use std::collections::BTreeMap;
 use std::ffi::OsString;
@@ -39,7 +40,7 @@ use crate::state::model::{
     AwaitingChoice, BestValidation, HistoryEntry, InFlight, LoopState, Status, format_ts,
     now_rfc3339,
 };
-use crate::state::store::{Loaded, Store, StoreError, Transition};
+use crate::state::store::{Store, StoreError, Transition};
 use crate::watch::{Snapshot, Watch};
 use crate::workflow::{
     self, Decision, Dispatch, Finish, Inputs, Limits, LoopEnd, Outcome, Workflow,
@@ -334,7 +335,10 @@ impl Engine {
             ours: None,
             checkpoints: None,
         };
+        // The daemon's durable writes are made durable while it goes on (see `attempt`).
+        self.store.defer_durability();
         let exit = turn.drive().await;
+        tokio::task::block_in_place(|| self.store.wait_durable());
         let event = Event::new(name::DAEMON_EXITED).with("pid", std::process::id());
         turn.events.emit(match &exit {
             Ok(e) => event.with("exit_code", e.code()).with("outcome", e.label()),
@@ -450,8 +454,8 @@ impl LoopRun<'_> {
         durable: bool,
     ) -> Result<LoopState> {
         let after = self.survive(|store| store.commit_with(state, transition, choice, durable))?;
-        self.ours = Some(after.state.clone());
-        Ok(after.state)
+        self.ours = Some(after.clone());
+        Ok(after)
     }
 
     /// Runs a read or write of the state file until it succeeds, outliving what a service
@@ -461,14 +465,11 @@ impl LoopRun<'_> {
     ///
     /// It blocks (a lock wait, a backoff), so it runs off the async runtime's workers: in
     /// `loopd serve`, one loop waiting for its disk never stalls the others.
-    fn survive(&mut self, op: impl Fn(&Store) -> Result<Loaded, StoreError>) -> Result<Loaded> {
+    fn survive<T>(&mut self, op: impl Fn(&Store) -> Result<T, StoreError>) -> Result<T> {
         tokio::task::block_in_place(|| self.survive_blocking(op))
     }
 
-    fn survive_blocking(
-        &mut self,
-        op: impl Fn(&Store) -> Result<Loaded, StoreError>,
-    ) -> Result<Loaded> {
+    fn survive_blocking<T>(&mut self, op: impl Fn(&Store) -> Result<T, StoreError>) -> Result<T> {
         let mut pause = Duration::from_millis(50);
         let mut waiting = false;
         let mut put_back = false;
@@ -522,24 +523,24 @@ impl LoopRun<'_> {
     /// racing the daemon) is repaired at once, keeping that program's own changes.
     fn refresh(&mut self) -> Result<LoopState> {
         let id = self.id;
-        let loaded = self.survive(|store| store.load(id))?;
+        let loaded = self.survive(|store| store.load_state(id))?;
         let Some(ours) = &self.ours else {
-            self.ours = Some(loaded.state.clone());
-            return Ok(loaded.state);
+            self.ours = Some(loaded.clone());
+            return Ok(loaded);
         };
-        let reverted = loaded.state.current_iteration != ours.current_iteration
-            || loaded.state.skill_state != ours.skill_state;
+        let reverted = loaded.current_iteration != ours.current_iteration
+            || loaded.skill_state != ours.skill_state;
         if !reverted {
-            return Ok(loaded.state);
+            return Ok(loaded);
         }
         // Fields someone added that the daemon does not know are no revert: keep them.
-        if loaded.state.current_iteration == ours.current_iteration {
-            let theirs = serde_json::to_value(&loaded.state.skill_state)?;
+        if loaded.current_iteration == ours.current_iteration {
+            let theirs = serde_json::to_value(&loaded.skill_state)?;
             let mut mine = serde_json::to_value(&ours.skill_state)?;
             crate::state::store::keep_unknown(&theirs, &mut mine);
             if mine == theirs {
-                self.ours = Some(loaded.state.clone());
-                return Ok(loaded.state);
+                self.ours = Some(loaded.clone());
+                return Ok(loaded);
             }
         }
         let ours = ours.clone();
@@ -547,7 +548,7 @@ impl LoopRun<'_> {
             "message",
             format!(
                 "another program wrote back stale loop progress (iteration {} instead of {}); repaired",
-                loaded.state.current_iteration, ours.current_iteration
+                loaded.current_iteration, ours.current_iteration
             ),
         ));
         self.commit(&ours, None, None, true)
@@ -590,7 +591,7 @@ impl LoopRun<'_> {
             ));
         }
         let id = self.id;
-        let mut state = self.survive(|store| store.load(id))?.state;
+        let mut state = self.survive(|store| store.load_state(id))?;
         // A state a controller wrote may lack the workflow's fields: the first write adds them.
         self.engine.workflow.init_part(state.skill());
         self.ours = Some(state.clone());
@@ -1135,6 +1136,10 @@ impl LoopRun<'_> {
             attempt,
             started_at: &started_at,
         };
+        // Every finished action is durable before the next one starts.
+        if !self.store().all_durable() {
+            tokio::task::block_in_place(|| self.store().wait_durable());
+        }
         let running = match self.engine.executor.spawn(spec) {
             Ok(running) => running,
             Err(e) => return self.not_started(state, &done, e).await,
@@ -1255,7 +1260,7 @@ impl LoopRun<'_> {
             .store()
             .commit_with(state, None, consumed_choice, false)
         {
-            Ok(committed) => self.ours = Some(committed.state),
+            Ok(committed) => self.ours = Some(committed),
             Err(e) if e.is_transient() => self.events.emit(Event::new(name::WARNING).with(
                 "message",
                 format!("cannot record the attempt in flight: {e:#}"),

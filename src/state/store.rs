@@ -34,10 +34,11 @@ use std::fs::File;
 use std::io::{self, Write};
 use std::path::{Path, PathBuf};
 use std::rc::Rc;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock, mpsc};
 use std::time::{Duration, Instant, SystemTime};
 
 use chrono::DateTime;
+use serde::Deserialize as _;
 use serde_json::{Map, Value};
 
 use super::backup;
@@ -234,13 +235,33 @@ pub struct Store {
     last: Arc<Mutex<HashMap<String, Arc<Seen>>>>,
     /// Versions this store replaced, kept for a late write into them.
     orphans: Orphans,
+    /// Set by [`Store::defer_durability`]: durable writes are made durable on a thread of their
+    /// own.
+    deferred: Arc<OnceLock<Deferred>>,
+}
+
+/// The thread that makes durable writes durable, for a store that defers it: the backups to
+/// record, in order, and the ones not known to be recorded yet.
+#[derive(Debug)]
+struct Deferred {
+    jobs: Mutex<mpsc::Sender<BackupJob>>,
+    pending: Mutex<Vec<mpsc::Receiver<()>>>,
+}
+
+/// A version to record in the backup of loop `id` of `store`; `done` is told when it is durable.
+#[derive(Debug)]
+struct BackupJob {
+    store: Store,
+    id: String,
+    bytes: Vec<u8>,
+    done: mpsc::SyncSender<()>,
 }
 
 /// A version of a state file, and its parse.
 #[derive(Debug)]
 struct Seen {
     bytes: Vec<u8>,
-    loaded: Loaded,
+    loaded: Arc<Loaded>,
     /// The inode of the file, when this store wrote it.
     ino: Option<u64>,
     /// Its control fields, once a watcher asked for them.
@@ -340,6 +361,87 @@ impl Store {
             dir: Arc::default(),
             last: Arc::default(),
             orphans: shared_orphans(&root.join(state_dir)),
+            deferred: Arc::default(),
+        }
+    }
+
+    /// From now on, a durable write returns once its version is in place, and is made durable
+    /// (its backup recorded: see [`backup`]) on a thread of its own, while the caller goes on;
+    /// [`Store::wait_durable`] waits for it. The daemon defers, and waits before it starts the
+    /// next attempt: the fdatasync overlaps with its work between two actions.
+    pub fn defer_durability(&self) {
+        self.deferred.get_or_init(|| {
+            let (jobs, queue) = mpsc::channel::<BackupJob>();
+            let started = std::thread::Builder::new()
+                .name("loopd-backup".into())
+                .spawn(move || {
+                    for job in queue {
+                        job.store.record_backup(&job.id, &job.bytes);
+                        let _ = job.done.send(());
+                    }
+                });
+            if let Err(e) = started {
+                tracing::warn!("cannot start the backup thread ({e}); writing backups at once");
+            }
+            Deferred {
+                jobs: Mutex::new(jobs),
+                pending: Mutex::default(),
+            }
+        });
+    }
+
+    /// Waits until every durable write of this store is durable (see
+    /// [`Store::defer_durability`]).
+    pub fn wait_durable(&self) {
+        let Some(deferred) = self.deferred.get() else {
+            return;
+        };
+        let pending = std::mem::take(&mut *lock(&deferred.pending));
+        for done in pending {
+            let _ = done.recv();
+        }
+    }
+
+    /// Whether every durable write of this store is durable by now (see
+    /// [`Store::defer_durability`]); those that are are forgotten.
+    pub fn all_durable(&self) -> bool {
+        let Some(deferred) = self.deferred.get() else {
+            return true;
+        };
+        let mut pending = lock(&deferred.pending);
+        pending.retain(|done| matches!(done.try_recv(), Err(mpsc::TryRecvError::Empty)));
+        pending.is_empty()
+    }
+
+    /// Makes the version `bytes` of loop `id`, in place of its state file in `dir`, durable: now,
+    /// or on the backup thread if durability is deferred (and that thread runs).
+    fn make_durable(&self, dir: &Dir, id: &str, mut bytes: Vec<u8>) {
+        if let Some(deferred) = self.deferred.get() {
+            let (done, recorded) = mpsc::sync_channel(1);
+            let job = BackupJob {
+                store: self.clone(),
+                id: id.to_owned(),
+                bytes,
+                done,
+            };
+            match lock(&deferred.jobs).send(job) {
+                Ok(()) => return lock(&deferred.pending).push(recorded),
+                Err(mpsc::SendError(job)) => bytes = job.bytes,
+            }
+        }
+        if let Err(e) = backup::record(dir, &backup_name(id), &bytes) {
+            self.sync_without_backup(dir, id, &e);
+        }
+    }
+
+    /// Records `bytes` in the backup of loop `id`, under the loop's lock (two writers must not
+    /// choose the same slot).
+    fn record_backup(&self, id: &str, bytes: &[u8]) {
+        let (Ok(dir), Ok(_lock)) = (self.state_dir(false), self.lock(id)) else {
+            return;
+        };
+        if let Err(e) = backup::record(&dir, &backup_name(id), bytes) {
+            self.sync_without_backup(&dir, id, &e);
         }
     }
 
@@ -387,14 +489,13 @@ impl Store {
     }
 
     /// The parse of `bytes` if they are the last version seen of `id`.
-    fn remembered(&self, id: &str, bytes: &[u8]) -> Option<Loaded> {
+    fn remembered(&self, id: &str, bytes: &[u8]) -> Option<Arc<Loaded>> {
         let last = lock(&self.last);
         let seen = last.get(id)?;
         (seen.bytes == bytes).then(|| seen.loaded.clone())
     }
 
-    fn remember(&self, id: &str, bytes: Vec<u8>, loaded: &Loaded, ino: Option<u64>) {
-        let loaded = loaded.clone();
+    fn remember(&self, id: &str, bytes: Vec<u8>, loaded: Arc<Loaded>, ino: Option<u64>) {
         let seen = Seen {
             bytes,
             loaded,
@@ -528,7 +629,13 @@ impl Store {
 
     /// Reads and parses a loop's state file.
     pub fn load(&self, id: &str) -> Result<Loaded, StoreError> {
-        self.read(id).map(|(_, loaded)| loaded)
+        self.read(id)
+            .map(|(_, loaded)| Arc::unwrap_or_clone(loaded))
+    }
+
+    /// [`Store::load`], only the typed state.
+    pub fn load_state(&self, id: &str) -> Result<LoopState, StoreError> {
+        self.read(id).map(|(_, loaded)| loaded.state.clone())
     }
 
     /// A state file's bytes: refused over [`MAX_STATE_SIZE`], or when it is not a regular file
@@ -553,7 +660,7 @@ impl Store {
     /// The state file's bytes and their parse. Refused: a file over [`MAX_STATE_SIZE`], anything
     /// but a regular file with one link, and (after a short retry, in case another program is
     /// half-way through rewriting it) a file that does not parse or fails validation.
-    fn read(&self, id: &str) -> Result<(Vec<u8>, Loaded), StoreError> {
+    fn read(&self, id: &str) -> Result<(Vec<u8>, Arc<Loaded>), StoreError> {
         validate_id(id)?;
         let dir = self.existing_dir()?.ok_or_else(|| self.not_found(id))?;
         let path = self.state_path(id);
@@ -565,7 +672,8 @@ impl Store {
             }
             match Loaded::parse(&path, &bytes) {
                 Ok(loaded) => {
-                    self.remember(id, bytes.clone(), &loaded, None);
+                    let loaded = Arc::new(loaded);
+                    self.remember(id, bytes.clone(), loaded.clone(), None);
                     return Ok((bytes, loaded));
                 }
                 // Another program may be half-way through rewriting the file in place.
@@ -825,7 +933,7 @@ impl Store {
         id: &str,
         durable: bool,
         change: impl FnMut(&mut Map<String, Value>, &LoopState),
-    ) -> Result<Loaded, StoreError> {
+    ) -> Result<LoopState, StoreError> {
         validate_id(id)?;
         let dir = self.existing_dir()?.ok_or_else(|| self.not_found(id))?;
         let _lock = self.lock(id)?;
@@ -839,31 +947,31 @@ impl Store {
         id: &str,
         durable: bool,
         mut change: impl FnMut(&mut Map<String, Value>, &LoopState),
-    ) -> Result<Loaded, StoreError> {
+    ) -> Result<LoopState, StoreError> {
         let path = self.state_path(id);
         let name = state_name(id);
         // What is in place now, and the version to make the change on (and its bytes).
         let (mut in_place, mut base) = self.read(id)?;
         let mut made_on = in_place.clone();
         for round in 1.. {
-            let Loaded { mut raw, state } = base;
-            change(&mut raw, &state);
+            let mut raw = base.raw.clone();
+            change(&mut raw, &base.state);
             raw.insert("updated_at".into(), Value::String(now_rfc3339()));
             let value = Value::Object(raw);
             let bytes = to_pretty(&path, &value)?;
-            let Value::Object(raw) = value else {
-                unreachable!("built as an object")
-            };
-            let state = serde_json::from_slice(&bytes).map_err(|e| StoreError::Corrupt {
+            let state = LoopState::deserialize(&value).map_err(|e| StoreError::Corrupt {
                 path: path.clone(),
                 reason: e.to_string(),
             })?;
-            let loaded = Loaded { raw, state };
+            let Value::Object(raw) = value else {
+                unreachable!("built as an object")
+            };
+            let loaded = Arc::new(Loaded { raw, state });
             // The last round writes whatever happened, rather than fail the write.
             let expected = (round < WRITE_RACE_RETRIES).then_some(in_place.as_slice());
             // Known as this store's version before it is in place: a watcher that sees it
             // renamed in need not read it (see [`Store::control_after_rename`]).
-            let remember = |ino| self.remember(id, bytes.clone(), &loaded, ino);
+            let remember = |ino| self.remember(id, bytes.clone(), loaded.clone(), ino);
             let spare = self.take_spare(id);
             let replaced =
                 swap_in(dir, &name, &bytes, expected, spare, remember).map_err(io_err(&path))?;
@@ -887,7 +995,7 @@ impl Store {
                         let _ = dir.remove(&tmp);
                         in_place = bytes;
                         made_on = old;
-                        base = theirs;
+                        base = Arc::new(theirs);
                         continue;
                     }
                     // Kept for a late write. What it held is what this write replaced; a writer
@@ -906,10 +1014,10 @@ impl Store {
                 }
                 Swapped::Renamed => {}
             }
-            if durable && let Err(e) = backup::record(dir, &backup_name(id), &bytes) {
-                self.sync_without_backup(dir, id, &e);
+            if durable {
+                self.make_durable(dir, id, bytes);
             }
-            return Ok(loaded);
+            return Ok(loaded.state.clone());
         }
         unreachable!("the loop returns by its last round")
     }
@@ -1048,6 +1156,7 @@ impl Store {
     /// each is kept until it is [`ORPHAN_LIFE_SHORT`] old, then merged if written into, else
     /// removed, with the spares left for reuse.
     pub fn close(&self) {
+        self.wait_durable();
         // A merge writes a new version, itself kept: a few rounds settle everything.
         for _ in 0..WRITE_RACE_RETRIES {
             // The loops with kept versions or spares, and when the youngest version was kept.
@@ -1210,7 +1319,7 @@ impl Store {
         ours: &LoopState,
         transition: Option<&Transition>,
         durable: bool,
-    ) -> Result<Loaded, StoreError> {
+    ) -> Result<LoopState, StoreError> {
         self.commit_with(ours, transition, None, durable)
     }
 
@@ -1222,27 +1331,36 @@ impl Store {
         transition: Option<&Transition>,
         choice: Option<&str>,
         durable: bool,
-    ) -> Result<Loaded, StoreError> {
+    ) -> Result<LoopState, StoreError> {
         let ours_value = daemon_fields(ours).map_err(|e| StoreError::Corrupt {
             path: self.state_path(&ours.loop_id),
             reason: e.to_string(),
         })?;
+        let mut first = Some(ours_value);
         self.update(&ours.loop_id, durable, |raw, current| {
+            // The first round moves the daemon's fields in; a round that starts over (another
+            // writer changed the file meanwhile) makes them again.
+            let Some(mut fields) = first.take().or_else(|| daemon_fields(ours).ok()) else {
+                return;
+            };
             for key in DAEMON_FIELDS {
-                match ours_value.get(*key) {
-                    Some(v) => {
-                        let mut v = v.clone();
+                match fields.remove(*key) {
+                    Some(mut v) => {
+                        // Cleared by the daemon: not to be kept as another writer's.
+                        let cleared: Vec<&str> = match (&v, *key) {
+                            (Value::Object(ours), "skill_state") => CLEARABLE_SKILL_KEYS
+                                .iter()
+                                .copied()
+                                .filter(|k| !ours.contains_key(*k))
+                                .collect(),
+                            _ => Vec::new(),
+                        };
                         if let Some(theirs) = raw.get(*key) {
                             keep_unknown(theirs, &mut v);
                         }
-                        if *key == "skill_state"
-                            && let (Some(ours), Value::Object(merged)) =
-                                (ours_value.get(*key), &mut v)
-                        {
-                            for clearable in CLEARABLE_SKILL_KEYS {
-                                if ours.get(*clearable).is_none() {
-                                    merged.remove(*clearable);
-                                }
+                        if let Value::Object(merged) = &mut v {
+                            for k in cleared {
+                                merged.remove(k);
                             }
                         }
                         raw.insert((*key).to_owned(), v)
@@ -1663,7 +1781,7 @@ mod tests {
             rounds, 2,
             "the change is made again on top of their version"
         );
-        assert_eq!(after.raw["notes"], "theirs");
+        assert_eq!(after.current_iteration, 7);
         let on_disk: Value = serde_json::from_slice(&fs::read(&path).unwrap()).unwrap();
         assert_eq!(on_disk["notes"], "theirs");
         assert_eq!(on_disk["current_iteration"], 7);
@@ -1803,10 +1921,10 @@ mod tests {
             completed_at: true,
         };
         let after = store.commit(&state, Some(&done), true).unwrap();
-        assert_eq!(after.state.status, Status::Paused);
-        assert_eq!(after.state.title, "new");
-        assert_eq!(after.raw["notes"], "mine");
-        assert_eq!(after.state.current_iteration, 4);
-        assert!(after.state.completed_at.is_none());
+        assert_eq!(after.status, Status::Paused);
+        assert_eq!(after.title, "new");
+        assert_eq!(store.load("l1").unwrap().raw["notes"], "mine");
+        assert_eq!(after.current_iteration, 4);
+        assert!(after.completed_at.is_none());
     }
 }
