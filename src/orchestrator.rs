@@ -1118,13 +1118,16 @@ impl LoopRun<'_> {
         attempt: u32,
         consumed_choice: Option<String>,
     ) -> Result<Attempted> {
-        // Subscribed before the last look at the file, so no control change can fall in between.
+        // Subscribed before the last look, so no control change can fall in between: one the
+        // watcher published is in its snapshot, one it has not yet will wake `rx`. The file is
+        // read only to confirm a stop the snapshot shows (it may lag behind a resume).
         let mut rx = self.watch.subscribe();
         rx.borrow_and_update();
-        if self
-            .store()
-            .read_control(self.id)
-            .is_some_and(|c| c.status != Status::Running)
+        if !still_running(&rx)
+            && self
+                .store()
+                .read_control(self.id)
+                .is_some_and(|c| c.status != Status::Running)
         {
             return Ok(Attempted::Interrupted(Interrupt::Control));
         }
