@@ -471,7 +471,7 @@ pub fn render(event: &Value, clock: Clock) -> String {
 pub struct Progress {
     dir: ProgressDir,
     /// Logs of pruned attempts, renamed to `.NAME.spare.tmp`, for the next attempts' logs (see
-    /// [`Dir::reuse_temp`] for why).
+    /// [`Dir::open_existing_rw`] for why).
     spare_logs: Mutex<Vec<String>>,
 }
 

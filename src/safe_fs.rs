@@ -218,6 +218,14 @@ impl Dir {
         self.open_checked(name, OFlag::O_RDWR | OFlag::O_CREAT, true)
     }
 
+    /// Opens an existing regular file for reading and writing, without changing it: a file to
+    /// write into again (see [`overwrite`]). Reusing a file spares the filesystem an inode's
+    /// allocation and release per write, which is what a write costs most on ext4 without a
+    /// journal: its search for a free inode skips every inode released in the last minutes.
+    pub fn open_existing_rw(&self, name: &str) -> io::Result<File> {
+        self.open_checked(name, OFlag::O_RDWR, true)
+    }
+
     /// Creates a new temporary file next to `name` (`.NAME.XXXXXX.tmp`, 0600); returns its name.
     pub fn temp_file(&self, name: &str) -> io::Result<(String, File)> {
         for _ in 0..100 {
@@ -234,49 +242,9 @@ impl Dir {
         ))
     }
 
-    /// A new temporary file next to `name`, as [`Dir::temp_file`], made of the temporary file
-    /// `spare` (a replaced version of `name` nobody needs): renamed to a new temporary name, its
-    /// old content still in it (see [`overwrite`]). Reusing a file spares the filesystem an
-    /// inode's allocation and release per write, which is what a write costs most on ext4 without
-    /// a journal: its search for a free inode skips every inode released in the last minutes.
-    pub fn reuse_temp(&self, spare: &str, name: &str) -> io::Result<(String, File)> {
-        let file = self.open_checked(spare, OFlag::O_RDWR, true)?;
-        for _ in 0..100 {
-            let tmp = format!(".{name}.{}{TEMP_SUFFIX}", random_suffix());
-            match self.rename_new(spare, &tmp) {
-                Ok(()) => return Ok((tmp, file)),
-                Err(e) if e.kind() == io::ErrorKind::AlreadyExists => continue,
-                Err(e) => return Err(e),
-            }
-        }
-        Err(io::Error::new(
-            io::ErrorKind::AlreadyExists,
-            format!("{}: no free temporary name", self.join(name).display()),
-        ))
-    }
-
-    /// Renames `from` to `to`, which must not exist (`AlreadyExists`).
-    fn rename_new(&self, from: &str, to: &str) -> io::Result<()> {
-        #[cfg(all(target_os = "linux", target_env = "gnu"))]
-        let renamed = nix::fcntl::renameat2(
-            &*self.fd,
-            from,
-            &*self.fd,
-            to,
-            RenameFlags::RENAME_NOREPLACE,
-        );
-        #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
-        let renamed = if self.exists(to) {
-            Err(Errno::EEXIST)
-        } else {
-            nix::fcntl::renameat(&*self.fd, from, &*self.fd, to)
-        };
-        renamed.map_err(|e| with_path(&self.join(to), e.into()))
-    }
-
     /// Replaces `name` with `bytes`, as [`Dir::write_atomic`] without fsync, but writes into the
     /// version the last replacement took out (kept as `.NAME.spare.tmp`) rather than a new file:
-    /// no inode is allocated or released per write (see [`Dir::reuse_temp`]). A reader still
+    /// no inode is allocated or released per write (see [`Dir::open_existing_rw`]). A reader still
     /// holding a version two replacements old sees it change: for files people read, not for
     /// state.
     pub fn replace_reusing(&self, name: &str, bytes: &[u8]) -> io::Result<()> {
@@ -481,8 +449,7 @@ mod tests {
             &dir.replace_reusing("notes.md", b"four").unwrap_err()
         ));
         assert!(is_refusal(
-            &dir.reuse_temp(".notes.md.spare.tmp", "notes.md")
-                .unwrap_err()
+            &dir.open_existing_rw(".notes.md.spare.tmp").unwrap_err()
         ));
         assert_eq!(std::fs::read_to_string(&target).unwrap(), "mine\n");
         assert_eq!(

@@ -219,6 +219,10 @@ impl Replaced {
             EventKind::Modify(ModifyKind::Name(mode)) => {
                 if let (RenameMode::Both, [from, to]) = (mode, event.paths.as_slice()) {
                     replaced.remove(Names::name(from));
+                    // A spare's writes were the writer's own up to this rename into place.
+                    if Names::name(to) == names.state {
+                        store.reusing(Names::name(from), true);
+                    }
                     if Names::name(from) == names.state && names.is_orphan(to) {
                         // Names go when their versions are removed or reused; a bound in case
                         // those events are lost (the versions are then read when their time is
@@ -242,7 +246,7 @@ impl Replaced {
                 .paths
                 .iter()
                 .map(|p| Names::name(p))
-                .filter(|name| replaced.contains(*name))
+                .filter(|name| replaced.contains(*name) && !store.reusing(name, false))
                 .fold(false, |late, name| store.written_into(name) | late),
         }
     }
@@ -611,7 +615,8 @@ mod tests {
         assert!(!late(both, &[state, tmp]));
         // A write into it now is late, and the store keeps it: to be merged.
         assert!(late(write, &[tmp]));
-        // Reused as a spare: renamed to a new name first, whose writes are the writer's again.
+        // Reused as a spare under a new name (a writer renames it first; the store's own writes
+        // are told apart by `Store::reusing`): its writes are the writer's again.
         assert!(!late(both, &[tmp, spare]));
         assert!(!late(write, &[spare]));
         assert!(!late(write, &[tmp]), "the old name is no longer followed");

@@ -26,7 +26,8 @@
 //! settles the orphans so marked, and those whose time is up, before it writes; a short-lived
 //! command settles all of them before it exits ([`Store::close`]). A settled orphan nobody wrote
 //! into is kept as a *spare*, the file the next write is written into (no inode allocated or
-//! released per write).
+//! released per write), under its own name: the watcher takes the writes into a spare taken for a
+//! write as the writer's own until it sees it renamed into place ([`Store::reusing`]).
 
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -285,9 +286,13 @@ struct Kept {
     watched: HashMap<String, usize>,
     /// Woken when a version is kept: a watcher sleeps until the oldest one's time is up.
     added: Arc<tokio::sync::Notify>,
-    /// Settled versions, nobody's any more, left in place for the next writes to reuse
-    /// ([`Dir::reuse_temp`]): by loop, their temporary names.
+    /// Settled versions, nobody's any more, left in place for the next writes to reuse (no
+    /// inode allocated or released per write: see [`Dir::open_existing_rw`]): by loop, their temporary
+    /// names.
     spares: Vec<(String, String)>,
+    /// Spares taken for a write, and when: the writes into them are the writer's own, not late
+    /// writes, until a watcher sees them renamed into place ([`Store::reusing`]).
+    reusing: Vec<(String, Instant)>,
 }
 
 /// The replaced versions kept by this process's stores of the state directory `path`: one list
@@ -1149,7 +1154,25 @@ impl Store {
     fn take_spare(&self, id: &str) -> Option<String> {
         let mut kept = lock(&self.orphans);
         let i = kept.spares.iter().position(|(of, _)| of == id)?;
-        Some(kept.spares.swap_remove(i).1)
+        let name = kept.spares.swap_remove(i).1;
+        // A watcher that lags this long reads the version at its settle anyway.
+        kept.reusing
+            .retain(|(_, since)| since.elapsed() < ORPHAN_LIFE);
+        kept.reusing.push((name.clone(), Instant::now()));
+        Some(name)
+    }
+
+    /// Whether `name` is a spare a write of this process is being made in: its writes are not
+    /// late writes. (`renamed`: a watcher saw it renamed, into place; from then on they are.)
+    pub fn reusing(&self, name: &str, renamed: bool) -> bool {
+        let mut kept = lock(&self.orphans);
+        let Some(i) = kept.reusing.iter().position(|(n, _)| n == name) else {
+            return false;
+        };
+        if renamed {
+            kept.reusing.swap_remove(i);
+        }
+        true
     }
 
     /// Settles every replaced version before a short-lived process exits (or a loop is let go):
@@ -1612,7 +1635,7 @@ enum Swapped {
 }
 
 /// Puts `bytes` in place of `name` atomically: a new temp file in the same directory (mode 0600,
-/// made of `spare` if given: see [`Dir::reuse_temp`]), exchanged with `name`, without fsync
+/// made of `spare` if given: see [`Dir::open_existing_rw`]), exchanged with `name`, without fsync
 /// (a durable write is made durable by its backup: [`Store::make_durable`]). `expected` is what should be in place; `None`
 /// writes whatever is there. `written` is told the new version's inode once it is written, before
 /// it is put in place. Returns what was replaced.
@@ -1630,12 +1653,13 @@ fn swap_in(
     written: impl FnOnce(Option<u64>),
 ) -> io::Result<Swapped> {
     use std::os::unix::fs::MetadataExt as _;
-    let reused = spare.and_then(|spare| {
-        dir.reuse_temp(&spare, name)
-            .inspect_err(|_| {
-                let _ = dir.remove(&spare);
-            })
-            .ok()
+    // Written under its own name: the watcher knows it as a spare being reused.
+    let reused = spare.and_then(|spare| match dir.open_existing_rw(&spare) {
+        Ok(file) => Some((spare, file)),
+        Err(_) => {
+            let _ = dir.remove(&spare);
+            None
+        }
     });
     let (tmp, file) = match reused {
         Some(reused) => reused,
@@ -1860,6 +1884,23 @@ mod tests {
         assert!(
             kept.contains(&ino(&path)),
             "the new version is written into a settled one"
+        );
+        // Under its own name, which a watcher takes as the writer's own until the rename into
+        // place, and as a replaced version again from then on.
+        let taken: Vec<String> = lock(&store.orphans)
+            .reusing
+            .iter()
+            .map(|(n, _)| n.clone())
+            .collect();
+        assert_eq!(taken.len(), 1, "{taken:?}");
+        assert!(store.reusing(&taken[0], false));
+        assert!(store.reusing(&taken[0], true));
+        assert!(!store.reusing(&taken[0], false));
+        assert!(
+            lock(&store.orphans)
+                .orphans
+                .iter()
+                .any(|o| o.name == taken[0])
         );
         let on_disk: Value = serde_json::from_slice(&fs::read(&path).unwrap()).unwrap();
         assert_eq!(
