@@ -14,7 +14,8 @@
 //! a new version and of its directory.
 //!
 //! A plain JSON file in its place (a copy someone made by hand) is read as one record; the next
-//! write makes it a backup again.
+//! write makes it a backup again. Writers lock the file (`flock`) while they write: the loop's
+//! own lock is not needed, so the daemon records its backup while it goes on with the loop.
 
 use std::fs::File;
 use std::io;
@@ -94,7 +95,7 @@ pub fn newest(dir: &Dir, name: &str, cap: u64) -> io::Result<Option<Vec<u8>>> {
 /// the file and the directory).
 pub fn record(dir: &Dir, name: &str, bytes: &[u8]) -> io::Result<()> {
     let need = (HEADER + bytes.len()) as u64;
-    let file = dir.open_rw(name)?;
+    let file = open_locked(dir, name)?;
     let size = slot_size(file.metadata()?.len()).filter(|size| *size >= need);
     let Some(size) = size else {
         return make(dir, name, bytes, need);
@@ -117,6 +118,21 @@ pub fn record(dir: &Dir, name: &str, bytes: &[u8]) -> io::Result<()> {
     record.extend_from_slice(bytes);
     file.write_all_at(&record, slot * size)?;
     file.sync_data()
+}
+
+/// Backup `name` of `dir`, opened (created if missing) and locked (`flock`, until it is closed):
+/// two writers (the daemon, a command) must not choose the same slot. A file replaced while its
+/// lock was waited for (a new backup made) is opened again.
+fn open_locked(dir: &Dir, name: &str) -> io::Result<File> {
+    use std::os::unix::fs::MetadataExt as _;
+    loop {
+        let file = dir.open_rw(name)?;
+        file.lock()?;
+        let ino = file.metadata()?.ino();
+        if dir.stat(name)?.is_some_and(|now| now.st_ino == ino) {
+            return Ok(file);
+        }
+    }
 }
 
 /// A new backup holding `bytes` as its only record, with slots for at least `need` bytes, put in
@@ -194,5 +210,29 @@ mod tests {
         assert_eq!(meta.len(), 2 * (128 << 10));
         record(&d, "s.bak", b"{}").unwrap();
         assert_eq!(newest(&d, "s.bak", 1 << 20).unwrap().unwrap(), b"{}");
+    }
+
+    #[test]
+    fn two_writers_at_once_keep_both_slots_whole() {
+        let (t, d) = dir();
+        record(&d, "s.bak", b"{}").unwrap();
+        std::thread::scope(|scope| {
+            for w in 0..2 {
+                let d = &d;
+                scope.spawn(move || {
+                    for n in 0..200 {
+                        let text = format!("{{\"writer\": {w}, \"n\": {n}}}");
+                        record(d, "s.bak", text.as_bytes()).unwrap();
+                    }
+                });
+            }
+        });
+        let file = File::open(t.path().join("s.bak")).unwrap();
+        let size = slot_size(file.metadata().unwrap().len()).unwrap();
+        let (a, b) = (read_slot(&file, 0, size), read_slot(&file, 1, size));
+        let (a, b) = (a.expect("slot 0 whole"), b.expect("slot 1 whole"));
+        // Each write went into the slot without the newest record, numbered after it.
+        assert_eq!(a.0.abs_diff(b.0), 1, "{} and {}", a.0, b.0);
+        assert_eq!(a.0.max(b.0), 401);
     }
 }

@@ -418,34 +418,35 @@ impl Store {
         pending.is_empty()
     }
 
-    /// Makes the version `bytes` of loop `id`, in place of its state file in `dir`, durable: now,
-    /// or on the backup thread if durability is deferred (and that thread runs).
-    fn make_durable(&self, dir: &Dir, id: &str, mut bytes: Vec<u8>) {
-        if let Some(deferred) = self.deferred.get() {
-            let (done, recorded) = mpsc::sync_channel(1);
-            let job = BackupJob {
-                store: self.clone(),
-                id: id.to_owned(),
-                bytes,
-                done,
-            };
-            match lock(&deferred.jobs).send(job) {
-                Ok(()) => return lock(&deferred.pending).push(recorded),
-                Err(mpsc::SendError(job)) => bytes = job.bytes,
-            }
+    /// Hands the version `bytes` of loop `id` to the backup thread, if durability is deferred
+    /// and that thread runs; whether it did.
+    fn defer_backup(&self, id: &str, bytes: &[u8]) -> bool {
+        let Some(deferred) = self.deferred.get() else {
+            return false;
+        };
+        let (done, recorded) = mpsc::sync_channel(1);
+        let job = BackupJob {
+            store: self.clone(),
+            id: id.to_owned(),
+            bytes: bytes.to_vec(),
+            done,
+        };
+        let sent = lock(&deferred.jobs).send(job).is_ok();
+        if sent {
+            lock(&deferred.pending).push(recorded);
         }
-        if let Err(e) = backup::record(dir, &backup_name(id), &bytes) {
-            self.sync_without_backup(dir, id, &e);
-        }
+        sent
     }
 
-    /// Records `bytes` in the backup of loop `id`, under the loop's lock (two writers must not
-    /// choose the same slot).
+    /// Records `bytes` in the backup of loop `id`, on the backup thread: if that fails, the
+    /// state file is fsynced instead, under the loop's lock (so after the write that handed
+    /// `bytes` over has put them in place).
     fn record_backup(&self, id: &str, bytes: &[u8]) {
-        let (Ok(dir), Ok(_lock)) = (self.state_dir(false), self.lock(id)) else {
+        let Ok(dir) = self.state_dir(false) else {
             return;
         };
         if let Err(e) = backup::record(&dir, &backup_name(id), bytes) {
+            let _lock = self.lock(id);
             self.sync_without_backup(&dir, id, &e);
         }
     }
@@ -977,6 +978,9 @@ impl Store {
             // Known as this store's version before it is in place: a watcher that sees it
             // renamed in need not read it (see [`Store::control_after_rename`]).
             let remember = |ino| self.remember(id, bytes.clone(), loaded.clone(), ino);
+            // A deferred backup's fdatasync overlaps the exchange. (A round that starts over
+            // records its own version after this one.)
+            let deferred = durable && self.defer_backup(id, &bytes);
             let spare = self.take_spare(id);
             let replaced =
                 swap_in(dir, &name, &bytes, expected, spare, remember).map_err(io_err(&path))?;
@@ -1019,8 +1023,11 @@ impl Store {
                 }
                 Swapped::Renamed => {}
             }
-            if durable {
-                self.make_durable(dir, id, bytes);
+            if durable
+                && !deferred
+                && let Err(e) = backup::record(dir, &backup_name(id), &bytes)
+            {
+                self.sync_without_backup(dir, id, &e);
             }
             return Ok(loaded.state.clone());
         }
