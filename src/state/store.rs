@@ -286,9 +286,9 @@ struct Kept {
     watched: HashMap<String, usize>,
     /// Woken when a version is kept: a watcher sleeps until the oldest one's time is up.
     added: Arc<tokio::sync::Notify>,
-    /// Settled versions, nobody's any more, left in place for the next writes to reuse (no
-    /// inode allocated or released per write: see [`Dir::open_existing_rw`]): by loop, their temporary
-    /// names.
+    /// Settled versions, nobody's any more, left in place for the next writes to reuse (no inode
+    /// allocated or released per write: see [`Dir::open_existing_rw`]): by loop, their
+    /// temporary names.
     spares: Vec<(String, String)>,
     /// Spares taken for a write, and when: the writes into them are the writer's own, not late
     /// writes, until a watcher sees them renamed into place ([`Store::reusing`]).
