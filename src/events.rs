@@ -76,6 +76,8 @@ pub struct ProgressDir {
     store: Store,
     id: String,
     dir: Mutex<Option<Dir>>,
+    /// `actions/`, once opened: each attempt uses it twice.
+    actions: Mutex<Option<Dir>>,
 }
 
 impl Clone for ProgressDir {
@@ -84,6 +86,7 @@ impl Clone for ProgressDir {
             store: self.store.clone(),
             id: self.id.clone(),
             dir: Mutex::new(self.cached()),
+            actions: Mutex::new(lock(&self.actions).clone()),
         }
     }
 }
@@ -94,6 +97,7 @@ impl ProgressDir {
             store: store.clone(),
             id: id.to_owned(),
             dir: Mutex::new(None),
+            actions: Mutex::new(None),
         }
     }
 
@@ -132,13 +136,21 @@ impl ProgressDir {
         }
     }
 
-    /// The attempts' directory, `actions/`, created if missing.
+    /// The attempts' directory, `actions/`, created if missing (opened again if it was removed).
     pub fn actions(&self) -> io::Result<Dir> {
-        self.with(|d| {
+        let mut cached = lock(&self.actions);
+        if let Some(actions) = cached.as_ref()
+            && !actions.removed()
+        {
+            return Ok(actions.clone());
+        }
+        let actions = self.with(|d| {
             let actions = d.subdir("actions", true)?;
             actions.make_private();
             Ok(actions)
-        })
+        })?;
+        *cached = Some(actions.clone());
+        Ok(actions)
     }
 }
 
@@ -687,5 +699,25 @@ mod tests {
         assert_eq!(hidden(&actions), [".0001-old.log.spare.tmp"]);
         let spare = std::fs::metadata(actions.join(".0001-old.log.spare.tmp")).unwrap();
         assert_eq!(spare.len(), 0);
+    }
+
+    #[test]
+    fn the_actions_dir_is_opened_once_and_again_after_it_was_removed() {
+        let tmp = tempfile::tempdir().unwrap();
+        let store = Store::new(tmp.path(), ".");
+        let progress = ProgressDir::new(&store, "l1");
+        let first = progress.actions().unwrap();
+        first.create("0001-develop-1.log").unwrap();
+        assert!(!first.removed());
+        assert!(progress.actions().unwrap().exists("0001-develop-1.log"));
+        std::fs::remove_dir_all(tmp.path().join("l1.progress")).unwrap();
+        assert!(first.removed());
+        let again = progress.actions().unwrap();
+        again.create("0002-develop-1.log").unwrap();
+        assert!(
+            tmp.path()
+                .join("l1.progress/actions/0002-develop-1.log")
+                .exists()
+        );
     }
 }

@@ -123,6 +123,11 @@ impl Dir {
         }
     }
 
+    /// Whether this directory was removed since it was opened (it has no link left).
+    pub fn removed(&self) -> bool {
+        nix::sys::stat::fstat(&*self.fd).is_ok_and(|stat| stat.st_nlink == 0)
+    }
+
     /// Makes a directory of loopd's own private (0700) if it is not.
     pub fn make_private(&self) {
         if let Ok(stat) = nix::sys::stat::fstat(&*self.fd)
