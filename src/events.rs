@@ -482,7 +482,8 @@ pub fn render(event: &Value, clock: Clock) -> String {
 /// The Markdown and NDJSON files of `{id}.progress/` written for people.
 pub struct Progress {
     dir: ProgressDir,
-    /// Logs of pruned attempts, renamed to `.NAME.spare.tmp`, for the next attempts' logs (see
+    /// Logs of pruned attempts, renamed to `.NAME.spare.tmp`, and empty logs made while an
+    /// attempt runs ([`Progress::stock_log`]), for the next attempts' logs (see
     /// [`Dir::open_existing_rw`] for why).
     spare_logs: Mutex<Vec<String>>,
 }

@@ -16,7 +16,7 @@
 //! group and start time) by an atomic write that is not made durable — it only matters if the
 //! daemon dies while the machine lives on — and every finished action is committed durably (its
 //! version recorded in the fdatasynced backup: [`crate::state::backup`]) before the next one
-//! starts: the fdatasync runs on the store's backup thread while the next attempt is readied
+//! starts: the fdatasync runs on the backup thread while the next attempt is readied
 //! ([`Store::defer_durability`]), and the spawn waits for it.
 
 use std::collections::BTreeMap;

@@ -205,8 +205,9 @@ impl Watch {
 
 /// The temporary names of a loop's state file that the state file was renamed to: each holds a
 /// replaced version (the exchange that put a new version in place moved the old one there), and a
-/// write into it is a late write. The writes before, which made the new version, and those into a
-/// reused spare (renamed to a new name first) are the writer's own.
+/// write into it is a late write. The writes before, which made the new version, those into a
+/// version renamed to a new name, and those into a spare the store says it is writing
+/// ([`Store::reusing`]) are the writer's own.
 #[derive(Default)]
 struct Replaced(Mutex<HashSet<String>>);
 
@@ -480,6 +481,11 @@ fn translate(
     use notify::event::{CreateKind, DataChange, Flag, MetadataKind, RemoveKind};
     if event.mask.contains(E::Q_OVERFLOW) {
         return vec![notify::Event::new(EventKind::Other).set_flag(Flag::Rescan)];
+    }
+    if event.mask.contains(E::IGNORED) {
+        // The watch ended (its directory removed, or unwatched): forget it.
+        lock(dirs).remove(&event.wd);
+        return Vec::new();
     }
     let Some(dir) = lock(dirs).get(&event.wd).cloned() else {
         return Vec::new();

@@ -35,7 +35,7 @@ use std::fs::File;
 use std::io::{self, Write};
 use std::path::{Path, PathBuf};
 use std::rc::Rc;
-use std::sync::{Arc, Mutex, OnceLock, mpsc};
+use std::sync::{Arc, LazyLock, Mutex, OnceLock, mpsc};
 use std::time::{Duration, Instant, SystemTime};
 
 use chrono::DateTime;
@@ -236,18 +236,31 @@ pub struct Store {
     last: Arc<Mutex<HashMap<String, Arc<Seen>>>>,
     /// Versions this store replaced, kept for a late write into them.
     orphans: Orphans,
-    /// Set by [`Store::defer_durability`]: durable writes are made durable on a thread of their
-    /// own.
-    deferred: Arc<OnceLock<Deferred>>,
+    /// Set by [`Store::defer_durability`]: durable writes are made durable on the backup thread;
+    /// those not known to be durable yet.
+    deferred: Arc<OnceLock<Mutex<Vec<mpsc::Receiver<()>>>>>,
 }
 
-/// The thread that makes durable writes durable, for a store that defers it: the backups to
-/// record, in order, and the ones not known to be recorded yet.
-#[derive(Debug)]
-struct Deferred {
-    jobs: Mutex<mpsc::Sender<BackupJob>>,
-    pending: Mutex<Vec<mpsc::Receiver<()>>>,
-}
+/// The process's backup thread, one for all its stores (a service drives many loops), started
+/// on first use: it records the backups it is handed, in order. `None` if it cannot start.
+static BACKUP_THREAD: LazyLock<Option<Mutex<mpsc::Sender<BackupJob>>>> = LazyLock::new(|| {
+    let (jobs, queue) = mpsc::channel::<BackupJob>();
+    let started = std::thread::Builder::new()
+        .name("loopd-backup".into())
+        .spawn(move || {
+            for job in queue {
+                job.store.record_backup(&job.id, &job.bytes);
+                let _ = job.done.send(());
+            }
+        });
+    match started {
+        Ok(_) => Some(Mutex::new(jobs)),
+        Err(e) => {
+            tracing::warn!("cannot start the backup thread ({e}); writing backups at once");
+            None
+        }
+    }
+});
 
 /// A version to record in the backup of loop `id` of `store`; `done` is told when it is durable.
 #[derive(Debug)]
@@ -371,28 +384,11 @@ impl Store {
     }
 
     /// From now on, a durable write returns once its version is in place, and is made durable
-    /// (its backup recorded: see [`backup`]) on a thread of its own, while the caller goes on;
-    /// [`Store::wait_durable`] waits for it. The daemon defers, and waits before it starts the
+    /// (its backup recorded: see [`backup`]) on the backup thread ([`BACKUP_THREAD`]) while the
+    /// caller goes on; [`Store::wait_durable`] waits for it. The daemon defers, and waits before it starts the
     /// next attempt: the fdatasync overlaps with its work between two actions.
     pub fn defer_durability(&self) {
-        self.deferred.get_or_init(|| {
-            let (jobs, queue) = mpsc::channel::<BackupJob>();
-            let started = std::thread::Builder::new()
-                .name("loopd-backup".into())
-                .spawn(move || {
-                    for job in queue {
-                        job.store.record_backup(&job.id, &job.bytes);
-                        let _ = job.done.send(());
-                    }
-                });
-            if let Err(e) = started {
-                tracing::warn!("cannot start the backup thread ({e}); writing backups at once");
-            }
-            Deferred {
-                jobs: Mutex::new(jobs),
-                pending: Mutex::default(),
-            }
-        });
+        self.deferred.get_or_init(Mutex::default);
     }
 
     /// Waits until every durable write of this store is durable (see
@@ -401,7 +397,7 @@ impl Store {
         let Some(deferred) = self.deferred.get() else {
             return;
         };
-        let pending = std::mem::take(&mut *lock(&deferred.pending));
+        let pending = std::mem::take(&mut *lock(deferred));
         for done in pending {
             let _ = done.recv();
         }
@@ -413,7 +409,7 @@ impl Store {
         let Some(deferred) = self.deferred.get() else {
             return true;
         };
-        let mut pending = lock(&deferred.pending);
+        let mut pending = lock(deferred);
         pending.retain(|done| matches!(done.try_recv(), Err(mpsc::TryRecvError::Empty)));
         pending.is_empty()
     }
@@ -421,7 +417,7 @@ impl Store {
     /// Hands the version `bytes` of loop `id` to the backup thread, if durability is deferred
     /// and that thread runs; whether it did.
     fn defer_backup(&self, id: &str, bytes: &[u8]) -> bool {
-        let Some(deferred) = self.deferred.get() else {
+        let (Some(deferred), Some(jobs)) = (self.deferred.get(), BACKUP_THREAD.as_ref()) else {
             return false;
         };
         let (done, recorded) = mpsc::sync_channel(1);
@@ -431,9 +427,9 @@ impl Store {
             bytes: bytes.to_vec(),
             done,
         };
-        let sent = lock(&deferred.jobs).send(job).is_ok();
+        let sent = lock(jobs).send(job).is_ok();
         if sent {
-            lock(&deferred.pending).push(recorded);
+            lock(deferred).push(recorded);
         }
         sent
     }
@@ -1643,9 +1639,9 @@ enum Swapped {
 
 /// Puts `bytes` in place of `name` atomically: a new temp file in the same directory (mode 0600,
 /// made of `spare` if given: see [`Dir::open_existing_rw`]), exchanged with `name`, without fsync
-/// (a durable write is made durable by its backup: [`Store::make_durable`]). `expected` is what should be in place; `None`
-/// writes whatever is there. `written` is told the new version's inode once it is written, before
-/// it is put in place. Returns what was replaced.
+/// (a durable write is made durable by its backup: see [`backup`]). `expected` is what should be
+/// in place; `None` writes whatever is there. `written` is told the new version's inode once it
+/// is written, before it is put in place. Returns what was replaced.
 ///
 /// The exchange (`renameat2(RENAME_EXCHANGE)`) hands back exactly what it replaced, under the
 /// temp file's name: a reader that opened the old version still reads it whole. (A version is
