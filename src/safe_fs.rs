@@ -374,6 +374,36 @@ pub fn read_capped(file: File, cap: u64) -> io::Result<Vec<u8>> {
     Ok(bytes)
 }
 
+/// Whether `file` is open anywhere else, in any process (this one's other descriptors included),
+/// as the kernel tells it: a write lease (`F_SETLEASE`) is granted only on a file open nowhere
+/// else. The lease is let go at once. `None` where no lease is to be had (a filesystem without
+/// them, leases disabled, a file of another user).
+///
+/// An open of the file in the moment the lease is held waits for it to be let go, and its break
+/// is signalled with `SIGURG`, whose default is to be ignored, rather than `SIGIO`, whose default
+/// would end the process.
+#[allow(unsafe_code)]
+pub fn open_elsewhere(file: &File) -> Option<bool> {
+    use std::os::fd::AsRawFd as _;
+    let fd = file.as_raw_fd();
+    // SAFETY: `fcntl` with integer arguments on a descriptor `file` owns for the whole call: no
+    // memory is passed, nothing is borrowed past the call.
+    let fcntl = |cmd, arg: libc::c_int| unsafe { libc::fcntl(fd, cmd, arg) };
+    // `F_SETSIG` (asm-generic/fcntl.h), which the libc crate leaves out on glibc.
+    const F_SETSIG: libc::c_int = 10;
+    if fcntl(F_SETSIG, libc::SIGURG) == -1 {
+        return None;
+    }
+    if fcntl(libc::F_SETLEASE, libc::F_WRLCK) == 0 {
+        fcntl(libc::F_SETLEASE, libc::F_UNLCK);
+        return Some(false);
+    }
+    match Errno::last() {
+        Errno::EAGAIN => Some(true),
+        _ => None,
+    }
+}
+
 /// The most a config or action file may hold.
 pub const USER_FILE_CAP: u64 = 1 << 20;
 
@@ -493,5 +523,51 @@ mod tests {
         assert_eq!(sub.read("g", 10).unwrap(), b"y");
         let e = sub.read("g", 0).unwrap_err();
         assert_eq!(e.kind(), io::ErrorKind::FileTooLarge);
+    }
+
+    #[test]
+    fn a_file_open_elsewhere_is_told_and_an_open_meanwhile_ends_nothing() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = Dir::open(tmp.path()).unwrap();
+        dir.write_atomic("f", b"x", false).unwrap();
+        let elsewhere = || open_elsewhere(&dir.open_read("f").unwrap());
+        assert_eq!(elsewhere(), Some(false));
+        // Held by another process, then let go.
+        let mut holder = std::process::Command::new("sh")
+            .args(["-c", "exec 3>>f; read -r _"])
+            .current_dir(tmp.path())
+            .stdin(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while elsewhere() != Some(true) {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the holder never opened it"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        drop(holder.stdin.take());
+        holder.wait().unwrap();
+        assert_eq!(elsewhere(), Some(false));
+        // Opens while leases are taken: one that comes while a lease is held breaks it, which is
+        // signalled; the signal must not end this process.
+        let path = tmp.path().join("f");
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let opener = std::thread::spawn({
+            let stop = stop.clone();
+            move || {
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    drop(File::open(&path).unwrap());
+                }
+            }
+        });
+        let file = dir.open_read("f").unwrap();
+        for _ in 0..20_000 {
+            assert!(open_elsewhere(&file).is_some());
+        }
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        opener.join().unwrap();
+        assert_eq!(open_elsewhere(&file), Some(false));
     }
 }

@@ -19,11 +19,13 @@
 //! caught three ways. A write that lands before the exchange is handed back by it and the change
 //! is made again on top. A write into the replaced version — the writer opened the file just before
 //! the exchange and writes just after — lands in an inode that is no longer the state file: that
-//! version is therefore not unlinked at once but kept, as an *orphan*, for [`ORPHAN_LIFE`], and a
-//! late write into it is merged into the state file ([`Store::settle`]: the keys it changed,
-//! against the version it replaced). The daemon's watcher marks an orphan written into (by the
-//! order of its file events: a write after the exchange renamed it) and settles it; every writer
-//! settles the orphans so marked, and those whose time is up, before it writes; a short-lived
+//! version is therefore not unlinked at once but kept, as an *orphan*, until no process has it
+//! open and it is [`ORPHAN_LIFE_SHORT`] old (a write lease tells: [`safe_fs::open_elsewhere`]), or
+//! for [`ORPHAN_LIFE`] at most, and a late write into it is merged into the state file
+//! ([`Store::settle`]: the keys it changed, against the version it replaced). The daemon's watcher
+//! marks an orphan written into (by the order of its file events: a write after the exchange
+//! renamed it) and settles it; every writer settles the orphans so marked, and those whose time is
+//! up, before it writes; a short-lived
 //! command settles all of them before it exits ([`Store::close`]). A settled orphan nobody wrote
 //! into is kept as a *spare*, the file the next write is written into (no inode allocated or
 //! released per write), under its own name: the watcher takes the writes into a spare taken for a
@@ -80,12 +82,15 @@ const MAX_PROGRESS_READ: u64 = 16 << 20;
 /// under it.
 const WRITE_RACE_RETRIES: usize = 5;
 /// How long a replaced version is kept for a late write into it by a writer that takes no lock
-/// (which writes within microseconds of opening the file, unless it is descheduled).
+/// (which writes within microseconds of opening the file, unless it is descheduled), at most.
+/// One still open elsewhere then is not written into again.
 pub const ORPHAN_LIFE: Duration = Duration::from_millis(300);
 /// How many settled versions of one loop are left for the next writes to reuse.
 const MAX_SPARES: usize = 8;
 /// How long a short-lived command keeps its replaced versions before it exits ([`Store::close`]):
-/// a lockless writer that opened the file before the exchange writes within microseconds.
+/// a lockless writer that opened the file before the exchange writes within microseconds. Also
+/// how long a replaced version that no process has open is kept: an open of the state file begun
+/// before the exchange (its name looked up) and not yet done is over well within it.
 const ORPHAN_LIFE_SHORT: Duration = Duration::from_millis(30);
 
 #[derive(Debug, thiserror::Error)]
@@ -318,7 +323,7 @@ fn shared_orphans(path: &Path) -> Orphans {
     all.entry(path.to_owned()).or_default().clone()
 }
 
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 struct Orphan {
     id: String,
     name: String,
@@ -1221,18 +1226,21 @@ impl Store {
         // Looked at without taking them off the list, which another thread may read meanwhile.
         // Where a watcher reports the writes into them, only those written into and those whose
         // time is up are read.
-        let mine: Vec<(String, Vec<u8>, Vec<u8>, Instant)> = {
+        let (watched, mine) = {
             let mut kept = lock(&self.orphans);
             let watched = !all && kept.watched.contains_key(id);
-            kept.orphans
+            let mine: Vec<Orphan> = kept
+                .orphans
                 .iter_mut()
                 .filter(|o| o.id == id)
-                .filter(|o| !watched || o.touched || o.since.elapsed() >= ORPHAN_LIFE)
+                .filter(|o| !watched || o.touched || o.since.elapsed() >= ORPHAN_LIFE_SHORT)
                 .map(|o| {
+                    let seen = o.clone();
                     o.touched = false;
-                    (o.name.clone(), o.base.clone(), o.written.clone(), o.since)
+                    seen
                 })
-                .collect()
+                .collect();
+            (watched, mine)
         };
         if mine.is_empty() {
             return 0;
@@ -1240,15 +1248,39 @@ impl Store {
         let path = self.state_path(id);
         let mut late = Vec::new();
         let mut done = Vec::new();
-        for (name, base, written, since) in mine {
-            let read = || dir.read(&name, MAX_STATE_SIZE).ok();
-            let Some(mut now) = read() else {
+        for orphan in mine {
+            let Orphan {
+                name,
+                base,
+                written,
+                since,
+                touched,
+                ..
+            } = orphan;
+            let age = since.elapsed();
+            let Ok(file) = dir.open_read(&name) else {
                 done.push(name); // gone, or made into something else: nothing to merge
+                continue;
+            };
+            // Open nowhere else (`Some(false)`): no writer is half-way through it, and none that
+            // opened the state file before it was replaced can still come, once it is older than
+            // such an open takes.
+            let elsewhere = safe_fs::open_elsewhere(&file);
+            let settled =
+                all || age >= ORPHAN_LIFE || (elsewhere == Some(false) && age >= ORPHAN_LIFE_SHORT);
+            // Under a watcher, a version not reported written into is read once it is settled.
+            if watched && !touched && !settled {
+                continue;
+            }
+            let read = || dir.read(&name, MAX_STATE_SIZE).ok();
+            let Ok(mut now) = safe_fs::read_capped(file, MAX_STATE_SIZE) else {
+                done.push(name);
                 continue;
             };
             // A writer is half-way through it (it truncated the file, and is descheduled before
             // its write): one that must settle now gives it the orphan's life to finish.
             while all
+                && elsewhere != Some(false)
                 && now != base
                 && serde_json::from_slice::<Value>(&now).is_err()
                 && since.elapsed() < ORPHAN_LIFE
@@ -1256,10 +1288,10 @@ impl Store {
                 std::thread::sleep(Duration::from_millis(5));
                 now = read().unwrap_or_default();
             }
-            let age = since.elapsed();
             if now == base {
-                if all || age >= ORPHAN_LIFE {
-                    if all || !self.spare(id, &name) {
+                if settled {
+                    // One still open elsewhere is not written into again.
+                    if all || elsewhere == Some(true) || !self.spare(id, &name) {
                         let _ = dir.remove(&name);
                     }
                     done.push(name);
@@ -1273,7 +1305,7 @@ impl Store {
                     done.push(name);
                 }
                 // Still being written.
-                _ if !all && age < ORPHAN_LIFE => {}
+                _ if !settled => {}
                 _ => {
                     tracing::warn!(
                         "warning: a late write into a replaced version of {} never completed; dropped",
@@ -1913,6 +1945,54 @@ mod tests {
             ),
             ("late".into(), 2.into())
         );
+        store.close();
+        assert_eq!(temp_files(dir.path()), Vec::<String>::new());
+    }
+
+    #[test]
+    fn a_replaced_version_open_elsewhere_is_never_reused_and_one_let_go_is_reused_early() {
+        use std::os::unix::fs::MetadataExt as _;
+        let (dir, store) = running_loop();
+        let _watch = store.watch_orphans("l1");
+        let path = store.state_path("l1");
+        let ino = |p: &Path| fs::metadata(p).unwrap().ino();
+        let write = |n: u64| {
+            store
+                .update("l1", true, |raw, _| {
+                    raw.insert("current_iteration".into(), n.into());
+                })
+                .unwrap();
+            ino(&path)
+        };
+        // A reader holds the version in place open while it is replaced.
+        let reader = fs::File::open(&path).unwrap();
+        let held = ino(&path);
+        let first = write(1);
+        std::thread::sleep(ORPHAN_LIFE_SHORT);
+        assert_ne!(
+            write(2),
+            held,
+            "a version open elsewhere is not written into"
+        );
+        // The first write's version, replaced by the second and open nowhere, is written into
+        // as soon as it is older than an open begun before its replacement could take, well
+        // before its orphan's life is up.
+        std::thread::sleep(ORPHAN_LIFE_SHORT);
+        assert_eq!(write(3), first);
+        // Once let go, the held one is settled too.
+        let kept_held = || {
+            lock(&store.orphans)
+                .orphans
+                .iter()
+                .filter_map(|o| fs::metadata(dir.path().join(&o.name)).ok())
+                .any(|m| m.ino() == held)
+        };
+        drop(reader);
+        std::thread::sleep(ORPHAN_LIFE_SHORT);
+        write(4);
+        assert!(!kept_held(), "once let go, it is settled");
+        let on_disk: Value = serde_json::from_slice(&fs::read(&path).unwrap()).unwrap();
+        assert_eq!(on_disk["current_iteration"], 4);
         store.close();
         assert_eq!(temp_files(dir.path()), Vec::<String>::new());
     }
