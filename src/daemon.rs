@@ -40,18 +40,22 @@ pub fn drive(p: &Project, id: &str, executor: Option<String>, exit_on_pause: boo
         &std::process::id().to_string(),
     )?;
     crate::executor::procs::become_subreaper();
-    // The loop runs on this thread; signals and the watcher's re-check on a worker of their own,
-    // so that a wait for a full disk or a held lock still sees a signal.
-    let runtime = tokio::runtime::Builder::new_multi_thread()
+    // Signals are taken on a worker of their own, so that a wait for a full disk or a held lock
+    // still sees one.
+    let signals = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .enable_all()
         .build()
         .context("cannot start the async runtime")?;
-    runtime.block_on(async {
-        let (tx, rx) = watch::channel(None);
-        tokio::spawn(forward_signals(tx, None));
-        taken.engine.run(id, rx).await
-    })
+    let (tx, rx) = watch::channel(None);
+    signals.spawn(forward_signals(tx, None));
+    // The loop runs on this thread, which also waits for what it waits for: an executor's exit or
+    // output wakes it directly, not through another thread.
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")?;
+    runtime.block_on(taken.engine.run(id, rx))
 }
 
 /// A loop taken by a daemon: its engine, and the locks that say so, held until it is dropped.

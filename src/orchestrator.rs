@@ -338,7 +338,7 @@ impl Engine {
         // The daemon's durable writes are made durable while it goes on (see `attempt`).
         self.store.defer_durability();
         let exit = turn.drive().await;
-        tokio::task::block_in_place(|| self.store.wait_durable());
+        blocking(|| self.store.wait_durable());
         let event = Event::new(name::DAEMON_EXITED).with("pid", std::process::id());
         turn.events.emit(match &exit {
             Ok(e) => event.with("exit_code", e.code()).with("outcome", e.label()),
@@ -463,10 +463,9 @@ impl LoopRun<'_> {
     /// the log, until it goes away or a signal comes), and a state file another program spoilt or
     /// deleted (the last good version is put back, what was there kept as `{id}.json.corrupt`).
     ///
-    /// It blocks (a lock wait, a backoff), so it runs off the async runtime's workers: in
-    /// `loopd serve`, one loop waiting for its disk never stalls the others.
+    /// It blocks (a lock wait, a backoff): see [`blocking`].
     fn survive<T>(&mut self, op: impl Fn(&Store) -> Result<T, StoreError>) -> Result<T> {
-        tokio::task::block_in_place(|| self.survive_blocking(op))
+        blocking(|| self.survive_blocking(op))
     }
 
     fn survive_blocking<T>(&mut self, op: impl Fn(&Store) -> Result<T, StoreError>) -> Result<T> {
@@ -583,7 +582,7 @@ impl LoopRun<'_> {
                 .emit(Event::new(name::RECOVERED).with("message", message.clone()));
         }
         let store = self.store();
-        let swept = tokio::task::block_in_place(|| store.sweep_temp_files(self.id))?;
+        let swept = blocking(|| store.sweep_temp_files(self.id))?;
         if swept > 0 {
             self.events.emit(Event::new(name::WARNING).with(
                 "message",
@@ -602,7 +601,7 @@ impl LoopRun<'_> {
             state = self.commit(&state, None, None, false)?;
         }
         self.recover(&mut state).await?;
-        self.checkpoints = tokio::task::block_in_place(|| self.start_checkpoints());
+        self.checkpoints = blocking(|| self.start_checkpoints());
         self.events.emit(
             Event::new(name::LOOP_STARTED)
                 .with("iteration", state.current_iteration)
@@ -714,7 +713,7 @@ impl LoopRun<'_> {
             _ => match &state.failure_reason {
                 Some(r) => r.clone(),
                 None => {
-                    tokio::task::block_in_place(|| {
+                    blocking(|| {
                         self.store().update(self.id, true, |raw, current| {
                             if current.failure_reason.is_none() {
                                 raw.insert("failure_reason".into(), "stopped by user".into());
@@ -1141,7 +1140,7 @@ impl LoopRun<'_> {
         };
         // Every finished action is durable before the next one starts.
         if !self.store().all_durable() {
-            tokio::task::block_in_place(|| self.store().wait_durable());
+            blocking(|| self.store().wait_durable());
         }
         let running = match self.engine.executor.spawn(spec) {
             Ok(running) => running,
@@ -1378,9 +1377,7 @@ impl LoopRun<'_> {
             Verdict::Interrupted => None,
             _ if !engine.workflow.changes_work_tree(&dispatch.action) => None,
             _ if self.checkpoints.is_none() => None,
-            _ => tokio::task::block_in_place(|| {
-                self.checkpoint(&format!("{}-{}", done.iteration, dispatch.action))
-            }),
+            _ => blocking(|| self.checkpoint(&format!("{}-{}", done.iteration, dispatch.action))),
         };
         let mut event = attempt_event(done, &v, &run, log_path, interrupt.as_ref());
         if let Some(c) = &checkpoint {
@@ -1555,7 +1552,7 @@ impl LoopRun<'_> {
             && self.engine.config.rollback_on_regression
             && self.checkpoints.is_some()
         {
-            tokio::task::block_in_place(|| self.guard_against_regression(&mut state, rate));
+            blocking(|| self.guard_against_regression(&mut state, rate));
         }
         let transition = end.as_ref().map(|LoopEnd::Completed(_)| Transition {
             from: &[Status::Running],
@@ -1649,6 +1646,19 @@ impl Done<'_> {
             .with("action", self.dispatch.action.clone())
             .with("attempt", self.attempt)
             .with("task_id", self.dispatch.task_id.clone())
+    }
+}
+
+/// Runs blocking work of a loop (a write that waits for a lock or a full disk, an fdatasync, a
+/// checkpoint). On a multi-threaded runtime (`loopd serve`'s) the worker is handed over meanwhile
+/// ([`tokio::task::block_in_place`]), so that one loop waiting for its disk never stalls the
+/// others; a runtime of one thread (`loopd run`'s) is the loop's alone, and the work runs right
+/// there.
+fn blocking<T>(f: impl FnOnce() -> T) -> T {
+    use tokio::runtime::{Handle, RuntimeFlavor};
+    match Handle::try_current().map(|h| h.runtime_flavor()) {
+        Ok(RuntimeFlavor::MultiThread) => tokio::task::block_in_place(f),
+        _ => f(),
     }
 }
 
