@@ -209,12 +209,16 @@ impl Dir {
     }
 
     /// Opens a file for writing from its start, created (0600) if missing, emptied if not.
+    ///
+    /// Emptied once it passed the checks (a hard link is refused untouched), and only if it holds
+    /// anything: on ext4 a file cut to nothing has its writeback started by its close, at once
+    /// (30 µs here, at the end of every attempt whose log was a new or emptied file).
     pub fn create(&self, name: &str) -> io::Result<File> {
-        self.open_checked(
-            name,
-            OFlag::O_WRONLY | OFlag::O_CREAT | OFlag::O_TRUNC,
-            true,
-        )
+        let file = self.open_checked(name, OFlag::O_WRONLY | OFlag::O_CREAT, true)?;
+        if file.metadata()?.len() > 0 {
+            file.set_len(0)?;
+        }
+        Ok(file)
     }
 
     /// Opens a file for reading and writing without changing it, created (0600) if missing: lock
@@ -507,6 +511,8 @@ mod tests {
         for name in ["link", "hard", "fifo"] {
             let e = dir.append(name).unwrap_err();
             assert!(is_refusal(&e), "{name}: {e}");
+            let e = dir.create(name).unwrap_err();
+            assert!(is_refusal(&e), "{name}: {e}");
             let e = dir.read(name, 100).unwrap_err();
             assert!(is_refusal(&e), "{name}: {e}");
         }
@@ -523,6 +529,8 @@ mod tests {
         assert_eq!(sub.read("g", 10).unwrap(), b"y");
         let e = sub.read("g", 0).unwrap_err();
         assert_eq!(e.kind(), io::ErrorKind::FileTooLarge);
+        sub.create("g").unwrap().write_all(b"z").unwrap();
+        assert_eq!(sub.read("g", 10).unwrap(), b"z", "emptied, then written");
     }
 
     #[test]
