@@ -249,23 +249,35 @@ pub const SKILL_KEY_ORDER: &[&str] = &[
 
 impl Serialize for SkillState {
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        use serde::ser::{Error as _, SerializeMap as _};
-        let Value::Object(mut book) = serde_json::to_value(&self.book).map_err(S::Error::custom)?
-        else {
-            return Err(S::Error::custom("the bookkeeping is not an object"));
+        use serde::ser::Error as _;
+        self.to_map().map_err(S::Error::custom)?.serialize(s)
+    }
+}
+
+impl SkillState {
+    /// Its fields as one JSON object, its keys in the file's order ([`SKILL_KEY_ORDER`], then any
+    /// other key in the order it came): the bookkeeping's serialized once and moved in, the
+    /// workflow's own copied.
+    pub fn to_map(&self) -> serde_json::Result<Map<String, Value>> {
+        use serde::ser::Error as _;
+        let Value::Object(mut book) = serde_json::to_value(&self.book)? else {
+            return Err(serde_json::Error::custom(
+                "the bookkeeping is not an object",
+            ));
         };
-        let mut map = s.serialize_map(Some(book.len() + self.part.len()))?;
+        let mut map = Map::with_capacity(book.len() + self.part.len());
         for key in SKILL_KEY_ORDER {
-            if let Some(v) = book.remove(*key).as_ref().or(self.part.get(*key)) {
-                map.serialize_entry(key, v)?;
+            if let Some(v) = book.remove(*key).or_else(|| self.part.get(*key).cloned()) {
+                map.insert((*key).to_owned(), v);
             }
         }
-        for (key, v) in book.iter().chain(&self.part) {
+        map.extend(book);
+        for (key, v) in &self.part {
             if !SKILL_KEY_ORDER.contains(&key.as_str()) {
-                map.serialize_entry(key, v)?;
+                map.insert(key.clone(), v.clone());
             }
         }
-        map.end()
+        Ok(map)
     }
 }
 

@@ -59,7 +59,7 @@ fn daemon_fields(state: &LoopState) -> serde_json::Result<Map<String, Value>> {
     let mut fields = Map::new();
     fields.insert("current_iteration".into(), state.current_iteration.into());
     if let Some(skill) = &state.skill_state {
-        fields.insert("skill_state".into(), serde_json::to_value(skill)?);
+        fields.insert("skill_state".into(), Value::Object(skill.to_map()?));
     }
     Ok(fields)
 }
