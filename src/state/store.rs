@@ -1224,8 +1224,8 @@ impl Store {
     /// age.
     fn settle_locked(&self, dir: &Dir, id: &str, all: bool) -> usize {
         // Looked at without taking them off the list, which another thread may read meanwhile.
-        // Where a watcher reports the writes into them, only those written into and those whose
-        // time is up are read.
+        // Where a watcher reports the writes into them, only those written into and those settled
+        // (their time is up, or nothing has them open) are read.
         let (watched, mine) = {
             let mut kept = lock(&self.orphans);
             let watched = !all && kept.watched.contains_key(id);
