@@ -1782,22 +1782,22 @@ fn template_vars(
     max_iterations: u64,
 ) -> BTreeMap<&'static str, String> {
     let (dispatch, iteration) = (step.dispatch, step.iteration);
-    let skill = state.skill_state.clone().unwrap_or_default();
-    let errors = if skill.errors.is_empty() {
+    let (errors, history) = state.skill_state.as_ref().map_or((&[][..], &[][..]), |s| {
+        (&s.errors[..], &s.action_history[..])
+    });
+    let errors = if errors.is_empty() {
         "none".to_owned()
     } else {
-        skill
-            .errors
+        errors
             .iter()
             .map(|e| format!("- {} {}: {}", e.timestamp, e.action, e.message))
             .collect::<Vec<_>>()
             .join("\n")
     };
-    let previous = if skill.action_history.is_empty() {
+    let previous = if history.is_empty() {
         "none".to_owned()
     } else {
-        skill
-            .action_history
+        history
             .iter()
             .map(|h| {
                 let detail = h.summary.as_deref().or(h.error.as_deref()).unwrap_or("");
