@@ -50,6 +50,11 @@ pub fn is_refusal(e: &io::Error) -> bool {
     e.kind() == io::ErrorKind::InvalidInput
 }
 
+/// Whether `stat` is of a file loopd would open: a regular file with one link.
+pub fn is_plain(stat: &FileStat) -> bool {
+    describe(stat).is_none()
+}
+
 fn describe(stat: &FileStat) -> Option<&'static str> {
     let kind = SFlag::from_bits_truncate(stat.st_mode & SFlag::S_IFMT.bits());
     match kind {

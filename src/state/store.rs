@@ -966,9 +966,21 @@ impl Store {
             raw.insert("updated_at".into(), Value::String(now_rfc3339()));
             let value = Value::Object(raw);
             let bytes = to_pretty(&path, &value)?;
-            let state = LoopState::deserialize(&value).map_err(|e| StoreError::Corrupt {
-                path: path.clone(),
-                reason: e.to_string(),
+            // A deferred backup's fdatasync overlaps the parse and the exchange. (A round that
+            // starts over records its own version after this one; a write that fails records
+            // the version in place again.)
+            let deferred = durable && self.defer_backup(id, &bytes);
+            let not_written = |e: StoreError| {
+                if deferred {
+                    self.defer_backup(id, &in_place);
+                }
+                e
+            };
+            let state = LoopState::deserialize(&value).map_err(|e| {
+                not_written(StoreError::Corrupt {
+                    path: path.clone(),
+                    reason: e.to_string(),
+                })
             })?;
             let Value::Object(raw) = value else {
                 unreachable!("built as an object")
@@ -979,12 +991,9 @@ impl Store {
             // Known as this store's version before it is in place: a watcher that sees it
             // renamed in need not read it (see [`Store::control_after_rename`]).
             let remember = |ino| self.remember(id, bytes.clone(), loaded.clone(), ino);
-            // A deferred backup's fdatasync overlaps the exchange. (A round that starts over
-            // records its own version after this one.)
-            let deferred = durable && self.defer_backup(id, &bytes);
             let spare = self.take_spare(id);
-            let replaced =
-                swap_in(dir, &name, &bytes, expected, spare, remember).map_err(io_err(&path))?;
+            let replaced = swap_in(dir, &name, &bytes, expected, spare, remember)
+                .map_err(|e| not_written(io_err(&path)(e)))?;
             match replaced {
                 Swapped::Raced => {
                     (in_place, base) = self.read(id)?;
