@@ -127,9 +127,10 @@ pub fn record(dir: &Dir, name: &str, bytes: &[u8]) -> io::Result<()> {
     Ok(())
 }
 
-/// A backup this process has open: its inode and length when it was opened.
+/// A backup this process has open: its device, inode and length when it was opened.
 struct Opened {
     file: File,
+    dev: u64,
     ino: u64,
     len: u64,
 }
@@ -163,7 +164,9 @@ fn open_locked(dir: &Dir, name: &str) -> io::Result<Opened> {
     if let Some(kept) = kept {
         kept.file.lock()?;
         let same = dir.stat(name).ok().flatten().is_some_and(|now| {
-            safe_fs::is_plain(&now) && now.st_ino == kept.ino && now.st_size as u64 == kept.len
+            safe_fs::is_plain(&now)
+                && (now.st_dev, now.st_ino) == (kept.dev, kept.ino)
+                && now.st_size as u64 == kept.len
         });
         if same {
             return Ok(kept);
@@ -176,6 +179,7 @@ fn open_locked(dir: &Dir, name: &str) -> io::Result<Opened> {
         if dir.stat(name)?.is_some_and(|now| now.st_ino == meta.ino()) {
             return Ok(Opened {
                 file,
+                dev: meta.dev(),
                 ino: meta.ino(),
                 len: meta.len(),
             });
