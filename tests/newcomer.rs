@@ -148,15 +148,14 @@ fn list_has_a_header_and_tells_the_ways_loops_end_and_status_the_next_step() {
     assert_eq!(code(&out), 0, "{}", stderr(&out));
     let pid: u32 = stdout(&out).trim().parse().unwrap();
     wait_for("the develop to start", || p.root.join("waiting").exists());
+    // The daemon records the attempt in flight once it has its pid, a moment after the spawn.
+    wait_for("the action in flight to be listed", || {
+        row_of(&stdout(&p.output(&["list"])), &orphan).contains("develop ")
+    });
     let listing = stdout(&p.output(&["list"]));
-    let row = |id: &str| row_of(&listing, id);
     assert!(
         listing.lines().next().unwrap().starts_with("LOOP"),
         "{listing}"
-    );
-    assert!(
-        row(&orphan).contains("develop "),
-        "the action in flight: {listing}"
     );
     nix::sys::signal::kill(
         nix::unistd::Pid::from_raw(pid as i32),
