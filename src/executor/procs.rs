@@ -174,15 +174,21 @@ fn reap_zombies() {
     reap_among(&children);
 }
 
-fn reap_among(children: &[u32]) {
+/// Reaps the zombies among `children`, except the executors of attempts in flight; returns the
+/// children left.
+fn reap_among(children: &[u32]) -> Vec<u32> {
     use nix::sys::wait::{WaitPidFlag, waitpid};
     let _no_spawn = spawning();
     let keep = running().clone();
+    let mut left = Vec::with_capacity(children.len());
     for &pid in children {
         if !keep.contains(&pid) && ProcStat::read(pid).is_some_and(|p| !p.is_alive()) {
             let _ = waitpid(Pid::from_raw(pid as i32), Some(WaitPidFlag::WNOHANG));
+        } else {
+            left.push(pid);
         }
     }
+    left
 }
 
 /// The live processes of an attempt: the members of its process groups, the processes reparented
@@ -267,7 +273,7 @@ pub async fn end_attempt(pgid: u32, marker: &str, grace: Duration) -> bool {
     // Perhaps only zombies reparented here, or the executors of other attempts (being spawned,
     // or running): then nothing of this attempt is left. Only the orphans are looked at.
     if group_empty && let Some(children) = own_children() {
-        reap_among(&children);
+        let children = reap_among(&children);
         let others_in_flight = running().iter().any(|g| *g != pgid);
         let link = marker_link(marker);
         let mine = |pid: &u32| {
@@ -275,7 +281,7 @@ pub async fn end_attempt(pgid: u32, marker: &str, grace: Duration) -> bool {
                 && ProcStat::read(*pid).is_some_and(|p| p.is_alive())
                 && (!others_in_flight || holds_marker(*pid, &link))
         };
-        if !own_children().unwrap_or(children).iter().any(mine) {
+        if !children.iter().any(mine) {
             return false;
         }
     }
