@@ -1,7 +1,6 @@
 //! `loopd create`: a new loop of any workflow, checked before anything is written.
 
 use anyhow::Result;
-use serde_json::{Value, json};
 
 use crate::cli::{ModeArg, Project, usage};
 use crate::state::model::{Bookkeeping, LoopState, Mode, SkillState, Status, now_rfc3339};
@@ -184,12 +183,6 @@ pub fn create_loop(p: &Project, args: &CreateArgs) -> Result<String> {
         }
         _ => None,
     };
-    if !tasks.is_empty() && workflow.task_ids(&SkillState::default()).is_none() {
-        return Err(usage(format!(
-            "--task: the {} workflow takes no tasks",
-            workflow.name()
-        )));
-    }
     let title = match (title, &tuning) {
         (Some(t), _) if !t.trim().is_empty() => t.clone(),
         (None, Some(t)) => format!("Tune the {} skill", t.target_skill.name),
@@ -243,20 +236,8 @@ pub fn create_loop(p: &Project, args: &CreateArgs) -> Result<String> {
         return Err(e.into());
     }
     if !tasks.is_empty() {
-        let lines: Vec<Value> = tasks
-            .iter()
-            .enumerate()
-            .map(|(i, t)| {
-                json!({
-                    "task_id": format!("task-{:03}", i + 1),
-                    "description": t,
-                    "order": i + 1,
-                    "status": "pending",
-                    "created_at": now_rfc3339(),
-                })
-            })
-            .collect();
-        p.store.append_tasks(&id, &lines)?;
+        let texts: Vec<&str> = tasks.iter().map(String::as_str).collect();
+        p.store.add_tasks(&id, &texts, &[])?;
     }
     Ok(id)
 }

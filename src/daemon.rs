@@ -4,7 +4,7 @@
 use std::fs::File;
 use std::io::{Read as _, Seek as _, SeekFrom, Write as _};
 use std::os::unix::process::CommandExt as _;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
@@ -300,15 +300,31 @@ impl Held {
 /// The lock file of the loop running in the project root.
 const WORK_TREE_LOCK: &str = "worktree.lock";
 
-/// The refusal of a loop whose work tree another loop's daemon holds.
+/// The refusal of a loop whose work tree another loop's daemon holds: bad input (exit 2).
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "loop {id} cannot run in {}: loop {} runs there (daemon pid {pid}); wait for it or stop it, \
+     or give a loop a work tree of its own with `loopd create --worktree`",
+    root.display(),
+    holder.as_deref().unwrap_or("another loop")
+)]
+pub struct WorkTreeBusy {
+    pub id: String,
+    pub root: PathBuf,
+    /// The loop that runs there, when its lock says.
+    pub holder: Option<String>,
+    /// Its daemon.
+    pub pid: u32,
+}
+
 fn work_tree_busy(id: &str, root: &Path, holder: &str) -> anyhow::Error {
-    let pid = holder_pid(holder);
-    let other = holder.split_whitespace().nth(1).unwrap_or("another loop");
-    crate::cli::usage(format!(
-        "loop {id} cannot run in {}: loop {other} runs there (daemon pid {pid}); wait for it or \
-         stop it, or give a loop a work tree of its own with `loopd create --worktree`",
-        root.display()
-    ))
+    WorkTreeBusy {
+        id: id.to_owned(),
+        root: root.to_owned(),
+        holder: holder.split_whitespace().nth(1).map(str::to_owned),
+        pid: holder_pid(holder),
+    }
+    .into()
 }
 
 /// Refuses a loop that would run in the project root while another loop runs there.

@@ -14,6 +14,7 @@ pub fn exit_code_of(e: &anyhow::Error) -> i32 {
             || cause.is::<crate::config::ConfigError>()
             || cause.is::<crate::actions::ActionError>()
             || cause.is::<crate::trust::Untrusted>()
+            || cause.is::<crate::daemon::WorkTreeBusy>()
             || cause
                 .downcast_ref::<crate::state::store::StoreError>()
                 .is_some_and(|s| s.is_bad_input())

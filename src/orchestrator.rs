@@ -22,7 +22,7 @@
 use std::collections::BTreeMap;
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use anyhow::{Context as _, Result};
 use chrono::{DateTime, Utc};
@@ -427,8 +427,8 @@ struct LoopRun<'a> {
     progress_dir: ProgressDir,
     watch: Watch,
     shutdown: watch::Receiver<Option<i32>>,
-    /// The task list file as last absorbed (length, modification time).
-    tasks_seen: Option<(u64, SystemTime)>,
+    /// The task list files as last absorbed.
+    tasks_seen: Option<crate::state::tasks::TasksStamp>,
     /// The state as this daemon last wrote it: its own fields here are the truth, whatever
     /// another program writes back.
     ours: Option<LoopState>,
@@ -532,22 +532,27 @@ impl LoopRun<'_> {
         if !reverted {
             return Ok(loaded);
         }
+        let progress = |s: &LoopState| {
+            serde_json::json!({
+                "current_iteration": s.current_iteration,
+                "skill_state": s.skill_state,
+            })
+        };
+        let theirs = progress(&loaded);
+        let mut mine = progress(ours);
         // Fields someone added that the daemon does not know are no revert: keep them.
-        if loaded.current_iteration == ours.current_iteration {
-            let theirs = serde_json::to_value(&loaded.skill_state)?;
-            let mut mine = serde_json::to_value(&ours.skill_state)?;
-            crate::state::store::keep_unknown(&theirs, &mut mine);
-            if mine == theirs {
-                self.ours = Some(loaded.clone());
-                return Ok(loaded);
-            }
+        crate::state::store::keep_unknown(&theirs, &mut mine);
+        if mine == theirs {
+            self.ours = Some(loaded.clone());
+            return Ok(loaded);
         }
         let ours = ours.clone();
+        let changes = crate::state::model::differences(&mine, &theirs, 6);
         self.events.emit(Event::new(name::WARNING).with(
             "message",
             format!(
-                "another program wrote back stale loop progress (iteration {} instead of {}); repaired",
-                loaded.current_iteration, ours.current_iteration
+                "another program wrote back stale loop progress; repaired: {}",
+                changes.join("; ")
             ),
         ));
         self.commit(&ours, None, None, true)
@@ -590,14 +595,16 @@ impl LoopRun<'_> {
             ));
         }
         let id = self.id;
-        let mut state = self.survive(|store| store.load_state(id))?;
-        // A state a controller wrote may lack the workflow's fields: the first write adds them.
+        let loaded = self.survive(|store| store.load_state(id))?;
+        let mut state = loaded.clone();
+        // A state a controller wrote may lack the workflow's fields (the CCW dashboard writes
+        // none): they are written now, so that the daemon's copy is never ahead of the file's
+        // without a write of its own.
         self.engine.workflow.init_part(state.skill());
-        self.ours = Some(state.clone());
         // Remembered, so that `loopd resume` restarts the loop with the same executor.
-        let executor = &self.engine.executor_override;
-        if state.skill_state.as_ref().and_then(|s| s.executor.as_ref()) != executor.as_ref() {
-            state.skill().executor = executor.clone();
+        state.skill().executor = self.engine.executor_override.clone();
+        self.ours = Some(loaded.clone());
+        if state.skill_state != loaded.skill_state {
             state = self.commit(&state, None, None, false)?;
         }
         self.recover(&mut state).await?;
@@ -796,28 +803,53 @@ impl LoopRun<'_> {
         Ok(self.wait_for_change(&state).await)
     }
 
-    /// Tasks appended to the task list since the last look join the loop as `pending`. Whether
-    /// the list changed is told by the file's length and time.
+    /// Tasks added to the task list since the last look join the loop as `pending`. Whether
+    /// the list changed is told by its files' stamps. Tasks of loopd's own record that CCW's file
+    /// lost (a rewrite from an older copy) are written there again.
     fn absorb_tasks(&mut self, state: &mut LoopState) -> Result<()> {
         // Looked at now, not as the watcher last saw it: a task added by the action that just
         // ended (its event may still be on its way) joins before the next choice.
         let stamp = self.store().tasks_stamp(self.id);
-        if stamp.is_none() || stamp == self.tasks_seen {
+        if stamp.is_empty() || Some(stamp) == self.tasks_seen {
             return Ok(());
         }
-        self.tasks_seen = stamp;
-        let (listed, warnings) = self.store().read_tasks(self.id)?;
-        for w in warnings {
-            self.events
-                .emit(Event::new(name::WARNING).with("message", w));
+        let list = self.read_tasks()?;
+        if list.unshared > 0 {
+            let store = self.store();
+            let shared = blocking(|| store.share_tasks(self.id))?;
+            if shared > 0 {
+                self.events.emit(Event::new(name::RECOVERED).with(
+                    "message",
+                    format!(
+                        "{shared} task(s) of {}.tasks.jsonl were missing from {}/tasks.jsonl \
+                         (another program rewrote it from an older copy, or an older loopd \
+                         wrote only its own list); written there again",
+                        self.id, self.id
+                    ),
+                ));
+            }
         }
-        let joined = self.engine.workflow.absorb_tasks(state, &listed);
+        let joined = self
+            .engine
+            .workflow
+            .absorb_tasks(state, &list.tasks, &now_rfc3339());
         if joined > 0 {
             *state = self.commit(state, None, None, true)?;
             self.events
                 .emit(Event::new(name::TASKS_ADDED).with("count", joined));
         }
         Ok(())
+    }
+
+    /// The task list, its warnings told; the version read is then seen.
+    fn read_tasks(&mut self) -> Result<crate::state::tasks::TaskList> {
+        let list = self.store().read_tasks(self.id)?;
+        for w in &list.warnings {
+            self.events
+                .emit(Event::new(name::WARNING).with("message", w.clone()));
+        }
+        self.tasks_seen = Some(list.stamp);
+        Ok(list)
     }
 
     /// A daemon that died may have left an attempt in flight: end whatever is left of it (every
@@ -1601,13 +1633,7 @@ impl LoopRun<'_> {
             listed_tasks: Vec::new(),
         };
         if self.engine.workflow.reads_task_list(&dispatch.action) {
-            let (tasks, warnings) = self.store().read_tasks(self.id)?;
-            for w in warnings {
-                self.events
-                    .emit(Event::new(name::WARNING).with("message", w));
-            }
-            inputs.listed_tasks = tasks;
-            self.tasks_seen = self.store().tasks_stamp(self.id);
+            inputs.listed_tasks = self.read_tasks()?.tasks;
         }
         Ok(inputs)
     }

@@ -9,7 +9,7 @@ use anyhow::Result;
 use serde_json::{Value, json};
 
 use crate::cli::{Project, print_result, usage};
-use crate::state::model::{MAX_DESCRIPTION, SkillState, Status, now_rfc3339};
+use crate::state::model::{MAX_DESCRIPTION, Status, now_rfc3339};
 use crate::view::standing;
 
 /// A loop's limits and budgets, as `create` and `set` take them; `None` leaves one as it is (for
@@ -168,12 +168,6 @@ pub fn task_add(p: &Project, id: &str, text: &str, as_json: bool) -> Result<i32>
 pub fn add_task(p: &Project, id: &str, text: &str) -> Result<Value> {
     let state = p.load(id)?;
     let workflow = crate::cli::loop_workflow(p, &state)?;
-    if workflow.task_ids(&SkillState::default()).is_none() {
-        return Err(usage(format!(
-            "loop {id} runs the {} workflow, which takes no tasks",
-            workflow.name()
-        )));
-    }
     // A loop that met its goal is done; one that stopped short can be resumed with more work.
     let passed = state.status == Status::Completed
         && !matches!(
@@ -198,31 +192,13 @@ pub fn add_task(p: &Project, id: &str, text: &str) -> Result<Value> {
             text.len()
         )));
     }
-    // A number no task of the loop or its task list has had yet.
-    let (listed, _) = p.store.read_tasks(id)?;
-    let known = state
+    // Numbered past every task the loop or its task list has had.
+    let taken = state
         .skill_state
         .as_ref()
-        .and_then(|s| workflow.task_ids(s))
-        .unwrap_or_default()
-        .into_iter()
-        .chain(listed.iter().map(|t| t.id.clone()));
-    let next = known
-        .filter_map(|id| id.strip_prefix("task-")?.parse::<u64>().ok())
-        .max()
-        .unwrap_or(0)
-        + 1;
-    let task_id = format!("task-{next:03}");
-    p.store.append_tasks(
-        id,
-        &[json!({
-            "task_id": task_id,
-            "description": text,
-            "order": listed.len() + 1,
-            "status": "pending",
-            "created_at": now_rfc3339(),
-        })],
-    )?;
+        .map(|s| workflow.task_ids(s))
+        .unwrap_or_default();
+    let task_id = p.store.add_tasks(id, &[text], &taken)?.remove(0);
     Ok(json!({ "loop_id": id, "task_id": task_id }))
 }
 

@@ -308,6 +308,28 @@ impl Dir {
             .map_err(|e| with_path(&self.join(to), e.into()))
     }
 
+    /// Renames `from` to `to` unless `to` exists (`AlreadyExists` then): `renameat2(RENAME_NOREPLACE)`,
+    /// else a look just before a plain rename.
+    pub fn rename_new(&self, from: &str, to: &str) -> io::Result<()> {
+        #[cfg(all(target_os = "linux", target_env = "gnu"))]
+        match nix::fcntl::renameat2(
+            &*self.fd,
+            from,
+            &*self.fd,
+            to,
+            RenameFlags::RENAME_NOREPLACE,
+        ) {
+            Ok(()) => return Ok(()),
+            Err(Errno::EEXIST) => return Err(io::ErrorKind::AlreadyExists.into()),
+            Err(Errno::EINVAL | Errno::ENOSYS) => {}
+            Err(e) => return Err(with_path(&self.join(to), e.into())),
+        }
+        if self.exists(to) {
+            return Err(io::ErrorKind::AlreadyExists.into());
+        }
+        self.rename(from, to)
+    }
+
     /// Swaps `a` and `b` atomically (`renameat2(RENAME_EXCHANGE)`); `Unsupported` where the
     /// kernel or filesystem cannot.
     pub fn exchange(&self, a: &str, b: &str) -> io::Result<()> {

@@ -18,7 +18,7 @@
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, LazyLock, Mutex};
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, Instant};
 
 use notify::event::{AccessKind, AccessMode, ModifyKind, RenameMode};
 use notify::{EventKind, RecursiveMode, Watcher as _};
@@ -27,6 +27,7 @@ use tokio::sync::watch;
 use crate::lock;
 use crate::state::model::Control;
 use crate::state::store::Store;
+use crate::state::tasks::TasksStamp;
 
 /// How often the state is re-read even without a file event, in case one was lost.
 const RECHECK: Duration = Duration::from_secs(30);
@@ -41,8 +42,8 @@ const POLL: Duration = Duration::from_millis(100);
 #[derive(Clone, Debug, PartialEq)]
 pub struct Snapshot {
     pub control: Control,
-    /// Length and modification time of the task list file.
-    pub tasks_file: Option<(u64, SystemTime)>,
+    /// The task list files, as last seen.
+    pub tasks_file: TasksStamp,
 }
 
 impl Snapshot {
@@ -80,6 +81,7 @@ enum Change {
 pub struct Watch {
     rx: watch::Receiver<Option<Snapshot>>,
     _subscription: Subscription,
+    _nested: Arc<Nested>,
     recheck: tokio::task::JoinHandle<()>,
 }
 
@@ -113,8 +115,13 @@ impl Watch {
         let names = Names::of(id);
         let refresh_now = refresh.clone();
         let replaced = Replaced::default();
+        let nested = Arc::new(Nested {
+            dir: store.dir().join(id),
+            subscription: Mutex::new(None),
+        });
         let on_event = {
             let refresh = refresh.clone();
+            let nested = nested.clone();
             let (store, id) = (store.clone(), id.to_owned());
             move |event: &notify::Result<notify::Event>| match event {
                 Ok(event) => {
@@ -129,11 +136,15 @@ impl Watch {
                     if late {
                         let _ = store.settle(&id);
                     }
+                    if event.need_rescan() || event.paths.iter().any(|p| names.is_nested(p)) {
+                        nested.follow(&refresh);
+                    }
                     if event.need_rescan() {
                         refresh(Change::Any);
                     } else if event.paths.iter().any(|p| names.is_watched(p)) {
                         let renamed = matches!(event.kind, EventKind::Modify(ModifyKind::Name(_)))
-                            && !event.paths.iter().any(|p| Names::name(p) == names.tasks);
+                            && event.paths.iter().all(|p| Names::name(p) != names.tasks)
+                            && !event.paths.iter().any(|p| names.is_nested(p));
                         refresh(if renamed {
                             Change::Renamed
                         } else {
@@ -144,12 +155,14 @@ impl Watch {
                 Err(_) => {
                     store.touch_orphans(&id);
                     let _ = store.settle(&id);
+                    nested.follow(&refresh);
                     refresh(Change::Any);
                 }
             }
         };
         let orphans = store.watch_orphans(id);
         let subscription = subscribe(store.dir(), Arc::new(on_event));
+        nested.follow(&refresh_now);
         // A change made before the subscription is seen now rather than at the re-check.
         refresh_now(Change::Any);
         // Replaced versions are settled when their time is up; the state is looked at again
@@ -193,6 +206,7 @@ impl Watch {
         Watch {
             rx,
             _subscription: subscription,
+            _nested: nested,
             recheck,
         }
     }
@@ -200,6 +214,46 @@ impl Watch {
     /// A receiver of snapshots; `changed()` fires when a controller changed something.
     pub fn subscribe(&self) -> watch::Receiver<Option<Snapshot>> {
         self.rx.clone()
+    }
+}
+
+/// The watch of a loop's own subdirectory (`{id}/`, where the CCW dashboard keeps its task list),
+/// made while the directory exists: inotify watches one directory, not its subdirectories.
+struct Nested {
+    dir: PathBuf,
+    subscription: Mutex<Option<Subscription>>,
+}
+
+impl Nested {
+    /// Starts watching the directory if it exists now, stops if it is gone (an event of the
+    /// state directory named it, or events were lost). A change of its task list refreshes.
+    fn follow(&self, refresh: &(impl Fn(Change) + Clone + Send + Sync + 'static)) {
+        let mut subscription = lock(&self.subscription);
+        let exists = std::fs::symlink_metadata(&self.dir).is_ok_and(|m| m.is_dir());
+        if !exists {
+            *subscription = None;
+            return;
+        }
+        if subscription.is_some() {
+            return;
+        }
+        let on_change = refresh.clone();
+        let handler = move |event: &notify::Result<notify::Event>| {
+            let tasks = |e: &notify::Event| {
+                e.need_rescan()
+                    || e.paths
+                        .iter()
+                        .any(|p| Names::name(p) == crate::state::tasks::SHARED)
+            };
+            match event {
+                Ok(e) if !is_change(e) || !tasks(e) => {}
+                _ => on_change(Change::Any),
+            }
+        };
+        *subscription = Some(subscribe(&self.dir, Arc::new(handler)));
+        drop(subscription);
+        // A change made before the subscription is seen now.
+        refresh(Change::Any);
     }
 }
 
@@ -258,6 +312,8 @@ impl Replaced {
 struct Names {
     state: String,
     tasks: String,
+    /// The loop's own subdirectory.
+    nested: String,
     /// Temporary names of the state file: `.{id}.json.XXXXXX.tmp`, replaced versions among them.
     temp_prefix: String,
 }
@@ -267,6 +323,7 @@ impl Names {
         Names {
             state: format!("{id}.json"),
             tasks: format!("{id}.tasks.jsonl"),
+            nested: id.to_owned(),
             temp_prefix: format!(".{id}.json."),
         }
     }
@@ -278,6 +335,10 @@ impl Names {
     fn is_watched(&self, p: &Path) -> bool {
         let name = Self::name(p);
         name == self.state || name == self.tasks
+    }
+
+    fn is_nested(&self, p: &Path) -> bool {
+        Self::name(p) == self.nested
     }
 
     fn is_orphan(&self, p: &Path) -> bool {

@@ -161,6 +161,40 @@ fn a_stale_external_write_is_repaired_and_keeps_its_own_edit() {
 }
 
 #[test]
+fn a_resume_from_a_stale_copy_is_repaired_and_the_warning_says_what_was_put_back() {
+    let p = Project::new(&format!(
+        "[ \"$LOOPD_TASK_ID\" = task-002 ] && [ ! -f go ] && {{ touch waiting; i=0; while [ ! -f go ] && [ $i -lt 3000 ]; do sleep 0.01; i=$((i+1)); done; }}\n{GOOD_AGENT}"
+    ));
+    let id = p.create(&["--title", "t", "--task", "a", "--task", "b"]);
+    let stale = std::fs::read_to_string(p.state_path(&id)).unwrap();
+    let child = p.spawn_run(&id, &[]);
+    wait_for("task-002 to start", || p.root.join("waiting").exists());
+    assert_eq!(code(&p.output(&["pause", &id])), 0);
+    wait_for("the pause", || {
+        p.event_names(&id).iter().any(|e| e == "paused")
+    });
+    std::fs::write(p.root.join("go"), "").unwrap();
+    // The dashboard resumes the loop from the copy it read before the loop ran.
+    let mut old: Value = serde_json::from_str(&stale).unwrap();
+    old["status"] = json!("running");
+    std::fs::write(p.state_path(&id), serde_json::to_vec_pretty(&old).unwrap()).unwrap();
+    let out = wait_output(child, DEADLINE);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    assert_eq!(p.developed(&id), ["task-001", "task-002"]);
+    let warning = p
+        .events(&id)
+        .into_iter()
+        .filter_map(|e| e["message"].as_str().map(str::to_owned))
+        .find(|m| m.contains("stale"))
+        .expect("a warning about the stale write");
+    assert!(warning.contains("current_iteration: 0 → 1"), "{warning}");
+    assert!(
+        warning.contains("skill_state.develop.completed: 0 → 1"),
+        "{warning}"
+    );
+}
+
+#[test]
 fn loopd_writers_and_a_ccw_style_writer_lose_no_update() {
     let p = Project::new(&format!("sleep 0.005\n{GOOD_AGENT}"));
     let tasks: Vec<String> = (1..=30).map(|i| format!("t{i}")).collect();

@@ -526,3 +526,20 @@ fn a_loop_refused_for_a_busy_work_tree_runs_once_the_other_loop_ends() {
     let log = stderr(&service.stop());
     assert!(log.contains(&format!("loop {second} in")), "{log}");
 }
+
+#[test]
+fn a_loop_set_running_right_after_another_of_its_project_completed_is_taken_up() {
+    // The second loop is set running while the first one's task may still hold the work tree:
+    // the service waits for it rather than for its next rescan.
+    let p = Project::new(GOOD_AGENT);
+    let service = p.serve(&["--root", p.root.to_str().unwrap()]);
+    for _ in 0..12 {
+        let (a, b) = (ccw::create_loop(&p, "a"), ccw::create_loop(&p, "b"));
+        ccw::set_status(&p, &a, "running");
+        wait_status(&p, &a, "completed");
+        ccw::set_status(&p, &b, "running");
+        wait_status(&p, &b, "completed");
+    }
+    let out = service.stop();
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+}

@@ -79,6 +79,10 @@ struct Hold {
     /// It could not be taken (rather than failed while it ran): another loop's end may be what
     /// it waits for.
     refused: bool,
+    /// The loop whose work tree it waits for: a change of that loop's state file (it ended, or
+    /// paused), or its end here, lets it be tried again at once, and in any case it is tried
+    /// again at `until`.
+    behind: Option<String>,
 }
 
 /// How a loop's task ended.
@@ -86,6 +90,8 @@ enum Ending {
     Exit(Exit),
     /// The loop could not be taken (driven elsewhere, untrusted files, a missing program...).
     Refused(String),
+    /// The loop could not be taken because another loop runs in its work tree.
+    Busy(crate::daemon::WorkTreeBusy),
     Error(String),
     Panicked(String),
 }
@@ -212,7 +218,14 @@ impl Supervisor {
         let mut last_scan = Instant::now();
         let mut shutdown = self.shutdown.clone();
         loop {
+            let retry = self.next_retry();
             tokio::select! {
+                () = tokio::time::sleep_until(retry.unwrap_or_else(Instant::now).into()),
+                    if retry.is_some() =>
+                {
+                    self.retry_due();
+                    self.publish();
+                }
                 Some(wake) = rx.recv() => {
                     self.on(wake);
                     // What came meanwhile is handled before the status is published.
@@ -262,6 +275,7 @@ impl Supervisor {
             Wake::Changed(key) => {
                 // For the dashboards: nobody listening is no error.
                 let _ = self.shared.changes.send(key.clone());
+                self.release_behind(&key);
                 self.consider(key);
             }
             Wake::Rescan => self.scan_all(),
@@ -281,6 +295,52 @@ impl Supervisor {
                 self.admit();
             }
             Wake::Reload => self.reload(),
+        }
+    }
+
+    /// When the first loop waiting for a work tree is due to be tried again.
+    fn next_retry(&self) -> Option<Instant> {
+        self.held
+            .values()
+            .filter(|h| h.behind.is_some())
+            .map(|h| h.until)
+            .min()
+    }
+
+    /// Tries again the loops waiting for a work tree whose time is up.
+    fn retry_due(&mut self) {
+        let now = Instant::now();
+        let due: Vec<LoopKey> = self
+            .held
+            .iter_mut()
+            .filter(|(_, h)| h.behind.is_some() && h.until <= now)
+            .map(|(key, h)| {
+                h.behind = None; // tried now; its next refusal says whom it waits for again
+                key.clone()
+            })
+            .collect();
+        for key in due {
+            self.consider(key);
+        }
+    }
+
+    /// `key`'s state file changed: the loops waiting for its work tree are tried again at once
+    /// (it may have ended or paused).
+    fn release_behind(&mut self, key: &LoopKey) {
+        let now = Instant::now();
+        let waiting: Vec<LoopKey> = self
+            .held
+            .iter_mut()
+            .filter(|(other, h)| {
+                other.root == key.root && h.behind.as_deref() == Some(key.loop_id.as_str())
+            })
+            .map(|(other, h)| {
+                h.until = now;
+                other.clone()
+            })
+            .collect();
+        for other in waiting {
+            self.consider(other);
         }
     }
 
@@ -494,7 +554,12 @@ impl Supervisor {
                 .await;
                 let (taken, id) = match taken {
                     Ok(Ok(taken)) => taken,
-                    Ok(Err(e)) => return Ending::Refused(format!("{e:#}")),
+                    Ok(Err(e)) => {
+                        return match e.downcast::<crate::daemon::WorkTreeBusy>() {
+                            Ok(busy) => Ending::Busy(busy),
+                            Err(e) => Ending::Refused(format!("{e:#}")),
+                        };
+                    }
                     Err(e) => return Ending::Panicked(e.to_string()),
                 };
                 tracing::info!("driving loop {id} in {}", taken.engine.root.display());
@@ -531,6 +596,7 @@ impl Supervisor {
                 until: Instant::now() + pause,
                 message,
                 refused,
+                behind: None,
             };
             this.held.insert(key.clone(), hold);
             !said
@@ -543,6 +609,31 @@ impl Supervisor {
             Ending::Refused(message) => {
                 if hold(self, REFUSED_HOLD, message.clone(), true) {
                     tracing::warn!("loop {key} cannot be driven here: {message}");
+                }
+            }
+            Ending::Busy(busy) => {
+                let holder = busy.holder.clone().unwrap_or_default();
+                let message = busy.to_string();
+                if hold(self, REFUSED_HOLD, message, true) {
+                    tracing::info!(
+                        "loop {key} waits for loop {holder}, which runs in its work tree"
+                    );
+                }
+                // Whose end frees the tree; one of this service's that ended already (its end
+                // came before this refusal) has freed it: tried again at once.
+                let ended_here = busy.pid == std::process::id()
+                    && !self
+                        .active
+                        .iter()
+                        .any(|k| k.root == key.root && k.loop_id == holder);
+                if let Some(h) = self.held.get_mut(&key) {
+                    h.behind = Some(holder);
+                    if ended_here {
+                        h.until = Instant::now();
+                    }
+                }
+                if ended_here {
+                    self.consider(key);
                 }
             }
             Ending::Error(message) => {

@@ -3,3 +3,4 @@
 pub mod backup;
 pub mod model;
 pub mod store;
+pub mod tasks;

@@ -599,6 +599,53 @@ pub fn trim_window<T>(list: &mut Vec<T>, window: usize) {
     }
 }
 
+/// Where `theirs` differs from `ours`, for people: one `path: theirs → ours` each, the path in
+/// dots and `[i]`, values cut short; arrays of another length as their lengths. At most `limit`,
+/// then how many more.
+pub fn differences(ours: &Value, theirs: &Value, limit: usize) -> Vec<String> {
+    fn short(v: &Value) -> String {
+        let text = v.to_string();
+        match text.char_indices().nth(40) {
+            Some((cut, _)) => format!("{}…", &text[..cut]),
+            None => text,
+        }
+    }
+    fn walk(path: &str, ours: &Value, theirs: &Value, out: &mut Vec<String>) {
+        let join = |key: &str| match path {
+            "" => key.to_owned(),
+            _ => format!("{path}.{key}"),
+        };
+        match (ours, theirs) {
+            (Value::Object(o), Value::Object(t)) => {
+                for (key, ov) in o {
+                    walk(&join(key), ov, t.get(key).unwrap_or(&Value::Null), out);
+                }
+                for (key, tv) in t.iter().filter(|(k, _)| !o.contains_key(*k)) {
+                    walk(&join(key), &Value::Null, tv, out);
+                }
+            }
+            (Value::Array(o), Value::Array(t)) if o.len() == t.len() => {
+                for (i, (ov, tv)) in o.iter().zip(t).enumerate() {
+                    walk(&format!("{path}[{i}]"), ov, tv, out);
+                }
+            }
+            (Value::Array(o), Value::Array(t)) => {
+                out.push(format!("{path}: {} entries → {}", t.len(), o.len()));
+            }
+            (o, t) if o != t => out.push(format!("{path}: {} → {}", short(t), short(o))),
+            _ => {}
+        }
+    }
+    let mut all = Vec::new();
+    walk("", ours, theirs, &mut all);
+    if all.len() > limit {
+        let more = all.len() - limit;
+        all.truncate(limit);
+        all.push(format!("and {more} more"));
+    }
+    all
+}
+
 /// Now, as loopd writes timestamps: RFC 3339 UTC with milliseconds and `Z`.
 pub fn now_rfc3339() -> String {
     format_ts(chrono::Utc::now())
@@ -664,6 +711,32 @@ mod tests {
         );
         let a = parse_ts("2026-01-22T10:00:00+08:00").unwrap();
         assert_eq!(format_ts(a), "2026-01-22T02:00:00.000Z");
+    }
+
+    #[test]
+    fn differences_name_each_changed_path_from_theirs_to_ours() {
+        let ours = serde_json::json!({
+            "current_iteration": 3,
+            "skill_state": {"develop": {"completed": 2, "tasks": [{"status": "completed"}]},
+                            "errors": [1, 2]}
+        });
+        let theirs = serde_json::json!({
+            "current_iteration": 1,
+            "skill_state": {"develop": {"completed": 0, "tasks": [{"status": "pending"}]},
+                            "errors": [1], "theirs": true}
+        });
+        assert_eq!(
+            differences(&ours, &theirs, 10),
+            [
+                "current_iteration: 1 → 3",
+                "skill_state.develop.completed: 0 → 2",
+                "skill_state.develop.tasks[0].status: \"pending\" → \"completed\"",
+                "skill_state.errors: 1 entries → 2",
+                "skill_state.theirs: true → null",
+            ]
+        );
+        assert_eq!(differences(&ours, &theirs, 2).last().unwrap(), "and 3 more");
+        assert!(differences(&ours, &ours, 10).is_empty());
     }
 
     #[test]

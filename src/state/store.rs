@@ -34,21 +34,20 @@
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::fs::File;
-use std::io::{self, Write};
+use std::io;
 use std::path::{Path, PathBuf};
 use std::rc::Rc;
 use std::sync::{Arc, LazyLock, Mutex, OnceLock, mpsc};
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, Instant};
 
 use chrono::DateTime;
 use serde::Deserialize as _;
 use serde_json::{Map, Value};
 
 use super::backup;
-use super::model::{Control, LoopState, MAX_DESCRIPTION, Status, now_rfc3339};
+use super::model::{Control, LoopState, Status, now_rfc3339};
 use crate::lock;
 use crate::safe_fs::{self, Dir, TEMP_SUFFIX};
-use crate::workflow::ccw_loop::state::{DevelopTask, MAX_TASKS};
 
 /// Top-level fields the daemon owns and writes back from its own copy.
 pub const DAEMON_FIELDS: &[&str] = &["current_iteration", "skill_state"];
@@ -74,8 +73,6 @@ const LOCK_TIMEOUT: Duration = Duration::from_secs(10);
 const PARSE_RETRY: Duration = Duration::from_millis(250);
 /// A state file larger than this is refused rather than read.
 pub const MAX_STATE_SIZE: u64 = 16 << 20;
-/// A task list larger than this is refused rather than read.
-pub const MAX_TASKS_FILE_SIZE: u64 = 16 << 20;
 /// A progress file read back (`changes.log`) larger than this is not read.
 const MAX_PROGRESS_READ: u64 = 16 << 20;
 /// How often a read-modify-write starts over when a writer that takes no lock changed the file
@@ -91,7 +88,7 @@ const MAX_SPARES: usize = 8;
 /// a lockless writer that opened the file before the exchange writes within microseconds. Also
 /// how long a replaced version that no process has open is kept: an open of the state file begun
 /// before the exchange (its name looked up) and not yet done is over well within it.
-const ORPHAN_LIFE_SHORT: Duration = Duration::from_millis(30);
+pub(super) const ORPHAN_LIFE_SHORT: Duration = Duration::from_millis(30);
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
@@ -156,7 +153,7 @@ pub fn is_transient_io(e: &io::Error) -> bool {
     )
 }
 
-fn io_err(path: &Path) -> impl FnOnce(io::Error) -> StoreError + '_ {
+pub(super) fn io_err(path: &Path) -> impl FnOnce(io::Error) -> StoreError + '_ {
     move |source| {
         if safe_fs::is_refusal(&source) {
             StoreError::Refused(source.to_string())
@@ -467,7 +464,7 @@ impl Store {
     }
 
     /// The state directory, or `None` if it does not exist yet.
-    fn existing_dir(&self) -> Result<Option<Dir>, StoreError> {
+    pub(super) fn existing_dir(&self) -> Result<Option<Dir>, StoreError> {
         match self.state_dir(false) {
             Ok(dir) => Ok(Some(dir)),
             Err(StoreError::Io { source, .. }) if source.kind() == io::ErrorKind::NotFound => {
@@ -555,32 +552,6 @@ impl Store {
     /// state directory.
     pub fn worktree_path(&self, id: &str) -> PathBuf {
         self.path.join("worktrees").join(id)
-    }
-
-    /// The task list's name in the state directory: `{id}.tasks.jsonl`, else the CCW dashboard's
-    /// `{id}/tasks.jsonl`, with the directory it is in.
-    fn tasks_file(&self, dir: &Dir, id: &str) -> Option<(Dir, String)> {
-        let flat = format!("{id}.tasks.jsonl");
-        if dir.exists(&flat) {
-            return Some((dir.clone(), flat));
-        }
-        let nested = dir.subdir(id, false).ok()?;
-        nested
-            .exists("tasks.jsonl")
-            .then(|| (nested, "tasks.jsonl".to_owned()))
-    }
-
-    /// Length and modification time of the task list, if there is one: whether it changed.
-    pub fn tasks_stamp(&self, id: &str) -> Option<(u64, SystemTime)> {
-        let dir = self.existing_dir().ok()??;
-        let (dir, name) = self.tasks_file(&dir, id)?;
-        let stat = dir.stat(&name).ok()??;
-        let modified = SystemTime::UNIX_EPOCH
-            + Duration::new(
-                stat.st_mtime.max(0) as u64,
-                stat.st_mtime_nsec.max(0) as u32,
-            );
-        Some((stat.st_size.max(0) as u64, modified))
     }
 
     /// Every loop id in the directory, sorted.
@@ -847,7 +818,7 @@ impl Store {
         {
             return Err(problem);
         }
-        let (tasks, _) = self.read_tasks(id).map_err(|e| e.to_string())?;
+        let tasks = self.read_tasks(id).map_err(|e| e.to_string())?.tasks;
         let progress = dir.subdir(&progress_name(id), false).ok();
         let read = |file: &str| {
             let bytes = progress.as_ref()?.read(file, MAX_PROGRESS_READ).ok()?;
@@ -1451,49 +1422,6 @@ impl Store {
             }
         })
     }
-
-    /// Reads the task list written by the API/CLI (`{id}.tasks.jsonl` or `{id}/tasks.jsonl`), in
-    /// `order`. Lines that do not parse are returned as warnings, never silently dropped.
-    pub fn read_tasks(&self, id: &str) -> Result<(Vec<DevelopTask>, Vec<String>), StoreError> {
-        let Some(dir) = self.existing_dir()? else {
-            return Ok((Vec::new(), Vec::new()));
-        };
-        let Some((dir, name)) = self.tasks_file(&dir, id) else {
-            return Ok((Vec::new(), Vec::new()));
-        };
-        let path = dir.join(&name);
-        let text = match dir.read(&name, MAX_TASKS_FILE_SIZE) {
-            Ok(bytes) => String::from_utf8_lossy(&bytes).into_owned(),
-            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok((Vec::new(), Vec::new())),
-            Err(e) => return Err(io_err(&path)(e)),
-        };
-        Ok(parse_tasks(&path, &text))
-    }
-
-    /// Appends tasks to `{id}.tasks.jsonl` under the lock, each line ending in a newline.
-    pub fn append_tasks(&self, id: &str, lines: &[Value]) -> Result<(), StoreError> {
-        let dir = self.state_dir(true)?;
-        let _lock = self.lock(id)?;
-        let name = format!("{id}.tasks.jsonl");
-        let path = dir.join(&name);
-        // A previous writer may have left the last line without its newline.
-        let ends_with_newline = match dir.read(&name, MAX_TASKS_FILE_SIZE) {
-            Ok(bytes) => bytes.last().is_none_or(|b| *b == b'\n'),
-            Err(e) if e.kind() == io::ErrorKind::NotFound => true,
-            Err(e) => return Err(io_err(&path)(e)),
-        };
-        let mut out = String::new();
-        if !ends_with_newline {
-            out.push('\n');
-        }
-        for line in lines {
-            out.push_str(&line.to_string());
-            out.push('\n');
-        }
-        dir.append(&name)
-            .and_then(|mut f| f.write_all(out.as_bytes()))
-            .map_err(io_err(&path))
-    }
 }
 
 /// The top-level keys a lockless writer changed from `base` in `theirs`, but for the daemon's own
@@ -1564,99 +1492,6 @@ pub fn keep_unknown(theirs: &Value, ours: &mut Value) {
         }
         _ => {}
     }
-}
-
-/// Parses NDJSON task records (the CCW dashboard's `LoopTask`). Two records glued on one line (a
-/// known defect of the dashboard's writer) are both recovered.
-pub fn parse_tasks(path: &Path, text: &str) -> (Vec<DevelopTask>, Vec<String>) {
-    // Each record with the place it came from: line, and index within the line.
-    let mut records: Vec<(usize, usize, Map<String, Value>)> = Vec::new();
-    let mut warnings = Vec::new();
-    for (lineno, line) in text.lines().enumerate() {
-        if line.trim().is_empty() {
-            continue;
-        }
-        let stream = serde_json::Deserializer::from_str(line).into_iter::<Value>();
-        for (k, value) in stream.enumerate() {
-            match value {
-                Ok(Value::Object(map)) => records.push((lineno + 1, k, map)),
-                Ok(other) => warnings.push(format!(
-                    "{}:{}: a task must be a JSON object, not {other}",
-                    path.display(),
-                    lineno + 1
-                )),
-                Err(e) => {
-                    warnings.push(format!("{}:{}: {e}", path.display(), lineno + 1));
-                    break;
-                }
-            }
-        }
-    }
-    // Stable: records without an `order` keep their place after those with one.
-    let order = |m: &Map<String, Value>| m.get("order").and_then(Value::as_f64);
-    records.sort_by(|(_, _, a), (_, _, b)| match (order(a), order(b)) {
-        (Some(x), Some(y)) => x.total_cmp(&y),
-        (a, b) => b.is_some().cmp(&a.is_some()),
-    });
-    let now = now_rfc3339();
-    let mut seen = std::collections::HashSet::new();
-    let mut tasks = Vec::new();
-    for (lineno, k, map) in records {
-        let text_field = |key: &str| {
-            map.get(key)
-                .and_then(Value::as_str)
-                .filter(|s| !s.trim().is_empty())
-                .map(str::to_owned)
-        };
-        // A record without an id is named by where it stands, which appending never changes.
-        let place = if k == 0 {
-            format!("jsonl-{lineno}")
-        } else {
-            format!("jsonl-{lineno}-{k}")
-        };
-        let id = text_field("task_id")
-            .or_else(|| text_field("id"))
-            .unwrap_or(place);
-        if !seen.insert(id.clone()) {
-            warnings.push(format!(
-                "{}:{lineno}: task id {id:?} appears again; this record is skipped",
-                path.display()
-            ));
-            continue;
-        }
-        let description = text_field("description")
-            .or_else(|| text_field("title"))
-            .unwrap_or_default();
-        if description.len() > MAX_DESCRIPTION {
-            warnings.push(format!(
-                "{}:{lineno}: the description of task {id:?} is {} bytes, over the limit of {MAX_DESCRIPTION}; this record is skipped",
-                path.display(),
-                description.len()
-            ));
-            continue;
-        }
-        if tasks.len() == MAX_TASKS {
-            warnings.push(format!(
-                "{}:{lineno}: over the limit of {MAX_TASKS} tasks; this record and the rest are skipped",
-                path.display()
-            ));
-            break;
-        }
-        let mut extra = Map::new();
-        if let Some(order) = map.get("order") {
-            extra.insert("order".into(), order.clone());
-        }
-        tasks.push(DevelopTask {
-            id,
-            description,
-            tool: text_field("tool"),
-            mode: text_field("mode"),
-            created_at: Some(text_field("created_at").unwrap_or_else(|| now.clone())),
-            extra,
-            ..DevelopTask::default()
-        });
-    }
-    (tasks, warnings)
 }
 
 fn to_pretty(path: &Path, value: &Value) -> Result<Vec<u8>, StoreError> {
@@ -1750,6 +1585,7 @@ fn swap_in(
 mod tests {
     use super::*;
     use std::fs;
+    use std::io::Write as _;
 
     #[test]
     fn ids() {
@@ -1777,32 +1613,6 @@ mod tests {
         let id = new_id();
         assert!(validate_id(&id).is_ok());
         assert_eq!(id.len(), "loop-v2-20260122T021300-0badcafe".len(), "{id}");
-    }
-
-    #[test]
-    fn tasks_in_order_glued_lines_recovered_and_garbage_reported() {
-        let text = concat!(
-            r#"{"task_id":"b","description":"second","order":2}"#,
-            "\n",
-            r#"{"task_id":"a","description":"first","order":1}{"task_id":"c","description":"third","order":3}"#,
-            "\nnot json\n",
-            r#"{"task_id":"d","description":"last, no newline"}"#
-        );
-        let (tasks, warnings) = parse_tasks(Path::new("t.jsonl"), text);
-        let ids: Vec<&str> = tasks.iter().map(|t| t.id.as_str()).collect();
-        assert_eq!(ids, ["a", "b", "c", "d"]);
-        assert_eq!(warnings.len(), 1, "{warnings:?}");
-        assert!(warnings[0].starts_with("t.jsonl:3:"), "{warnings:?}");
-        // Ids are unique and do not move when records are appended.
-        let text = "{\"description\":\"A\"}\n{\"task_id\":\"\",\"description\":\"B\"}\n{\"task_id\":\"x\"}\n{\"task_id\":\"x\"}\n";
-        let (tasks, warnings) = parse_tasks(Path::new("t.jsonl"), text);
-        let ids: Vec<&str> = tasks.iter().map(|t| t.id.as_str()).collect();
-        assert_eq!(ids, ["jsonl-1", "jsonl-2", "x"]);
-        assert!(warnings[0].contains("\"x\" appears again"), "{warnings:?}");
-        let more = format!("{text}{{\"description\":\"C\",\"order\":1}}\n");
-        let (tasks, _) = parse_tasks(Path::new("t.jsonl"), &more);
-        let ids: Vec<&str> = tasks.iter().map(|t| t.id.as_str()).collect();
-        assert_eq!(ids, ["jsonl-5", "jsonl-1", "jsonl-2", "x"]);
     }
 
     /// A store of a temporary directory holding loop `l1`, running.

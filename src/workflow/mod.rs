@@ -18,7 +18,7 @@ use crate::state::model::{
     ACTION_HISTORY_WINDOW, COMPLETED_ACTIONS_WINDOW, ERRORS_WINDOW, ErrorEntry, Finished,
     HistoryEntry, LoopState, Mode, SkillState, trim_window,
 };
-use ccw_loop::state::DevelopTask;
+use crate::state::tasks::ListedTask;
 
 /// Why a loop completed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -179,7 +179,7 @@ pub enum LoopEnd {
 pub struct Inputs {
     pub now: String,
     /// Tasks from the task list file, in order.
-    pub listed_tasks: Vec<DevelopTask>,
+    pub listed_tasks: Vec<ListedTask>,
 }
 
 /// A line of `status`: a label, a value, and lines under it.
@@ -286,7 +286,7 @@ pub trait Workflow: Send + Sync {
         false
     }
     /// Adds tasks listed after the loop started as `pending`; returns how many joined.
-    fn absorb_tasks(&self, state: &mut LoopState, listed: &[DevelopTask]) -> usize;
+    fn absorb_tasks(&self, state: &mut LoopState, listed: &[ListedTask], now: &str) -> usize;
     /// Writes the workflow's own fields of a new loop, or fills in those a state lacks.
     fn init_part(&self, skill: &mut SkillState);
     /// Rebuilds the workflow's fields of a state whose `skill_state` was lost (the seed's "State
@@ -295,7 +295,7 @@ pub trait Workflow: Send + Sync {
     fn rebuild(
         &self,
         skill: &mut SkillState,
-        listed: Vec<DevelopTask>,
+        listed: Vec<ListedTask>,
         read: &dyn Fn(&str) -> Option<String>,
     ) -> Result<(), String>;
     /// What makes the workflow's own fields unusable, one line each.
@@ -320,8 +320,8 @@ pub trait Workflow: Send + Sync {
     fn report(&self, state: &LoopState) -> (Option<String>, String);
     /// `loopd retry`: failed work is pending again; returns how much.
     fn reset_failed(&self, skill: &mut SkillState) -> usize;
-    /// The ids of the loop's tasks, for `loopd task add`; `None` for a workflow without tasks.
-    fn task_ids(&self, skill: &SkillState) -> Option<Vec<String>>;
+    /// The ids of the tasks the loop knows, that a new task must not have.
+    fn task_ids(&self, skill: &SkillState) -> Vec<String>;
 }
 
 /// What makes a loop's state unusable: the file's own problems, and its workflow's.

@@ -38,13 +38,23 @@ esac
 "#;
 
 pub struct Project {
-    _dir: tempfile::TempDir,
+    _dir: Option<tempfile::TempDir>,
     pub root: PathBuf,
     /// `$HOME` of its commands: the root, or another project's, to share one user's service.
     pub home: PathBuf,
 }
 
 impl Project {
+    /// Another handle on the project in `root` (of the user whose `$HOME` is `home`), for a
+    /// thread of the test: it removes nothing when dropped.
+    pub fn at(root: PathBuf, home: PathBuf) -> Project {
+        Project {
+            _dir: None,
+            root,
+            home,
+        }
+    }
+
     /// A project whose `.loop/config.toml` is [`TEST_CONFIG`] and whose agent is `agent`.
     pub fn new(agent: &str) -> Project {
         Project::make(agent, None)
@@ -61,7 +71,7 @@ impl Project {
         std::fs::create_dir_all(root.join(".loop")).expect("mkdir .loop");
         std::fs::create_dir_all(root.join("bin")).expect("mkdir bin");
         let p = Project {
-            _dir: dir,
+            _dir: Some(dir),
             home: home.map_or_else(|| root.clone(), Path::to_owned),
             root,
         };
@@ -520,4 +530,149 @@ pub fn which(program: &str) -> Option<PathBuf> {
     std::env::split_paths(&std::env::var_os("PATH")?)
         .map(|dir| dir.join(program))
         .find(|p| p.is_file())
+}
+
+/// What the CCW dashboard writes, exactly as it writes it (its v2 loop and task routes,
+/// `loop-v2-routes.ts` and `loop-task-manager.ts`): whole files rewritten in place or appended
+/// to, no temporary file, no lock.
+pub mod ccw {
+    use super::Project;
+    use serde_json::{Value, json};
+    use std::io::Write as _;
+    use std::path::PathBuf;
+
+    /// An id as CCW makes them: `loop-v2-YYYYMMDDTHHMMSS-xxxxxxxx`, `task-MILLIS-xxxxxxxx`.
+    fn random_hex() -> String {
+        use std::hash::{BuildHasher as _, Hasher as _};
+        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+        h.write_u128(now_nanos());
+        format!("{:08x}", h.finish() as u32)
+    }
+
+    fn now_nanos() -> u128 {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos()
+    }
+
+    fn now_iso() -> String {
+        // `new Date().toISOString()` (UTC, milliseconds, `Z`), enough for the tests.
+        let ms = now_nanos() / 1_000_000;
+        format!("2026-11-25T00:00:{:02}.{:03}Z", (ms / 1000) % 60, ms % 1000)
+    }
+
+    /// `POST /api/loops/v2`: `JSON.stringify(loop, null, 2)`, no final newline.
+    pub fn create_loop(p: &Project, title: &str) -> String {
+        let id = format!("loop-v2-20261125T000000-{}", random_hex());
+        let now = now_iso();
+        let state = json!({
+            "loop_id": id,
+            "title": title,
+            "description": "",
+            "max_iterations": 10,
+            "status": "created",
+            "current_iteration": 0,
+            "created_at": now,
+            "updated_at": now,
+        });
+        write_state(p, &id, &state);
+        id
+    }
+
+    fn write_state(p: &Project, id: &str, state: &Value) {
+        std::fs::write(
+            p.state_path(id),
+            serde_json::to_string_pretty(state).unwrap(),
+        )
+        .unwrap();
+    }
+
+    /// `POST /api/loops/v2/:id/start` and the other status routes: read, change, rewrite whole.
+    pub fn set_status(p: &Project, id: &str, status: &str) {
+        let mut state = p.state(id);
+        state["status"] = status.into();
+        state["updated_at"] = now_iso().into();
+        write_state(p, id, &state);
+    }
+
+    pub fn tasks_path(p: &Project, id: &str) -> PathBuf {
+        p.root.join(".loop").join(id).join("tasks.jsonl")
+    }
+
+    /// `readTasks`: every non-empty line `JSON.parse`d; a line that does not parse is left out
+    /// (with an error on CCW's console).
+    pub fn tasks(p: &Project, id: &str) -> Vec<Value> {
+        std::fs::read_to_string(tasks_path(p, id))
+            .unwrap_or_default()
+            .split('\n')
+            .filter(|l| !l.trim().is_empty())
+            .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+            .filter(Value::is_object)
+            .collect()
+    }
+
+    /// Whether a record is a whole `LoopTask` as CCW's routes make and read them.
+    pub fn is_loop_task(task: &Value) -> bool {
+        let text = |k: &str| task[k].as_str().is_some_and(|s| !s.trim().is_empty());
+        text("task_id")
+            && text("description")
+            && text("tool")
+            && ["analysis", "write", "review"].contains(&task["mode"].as_str().unwrap_or(""))
+            && text("prompt_template")
+            && task["order"].is_number()
+            && text("created_at")
+            && text("updated_at")
+    }
+
+    /// The file copied to `tasks.jsonl.backup` before each write (`copyFile`, in place).
+    fn backup(p: &Project, id: &str) {
+        let path = tasks_path(p, id);
+        if let Ok(bytes) = std::fs::read(&path) {
+            std::fs::write(path.with_extension("jsonl.backup"), bytes).unwrap();
+        }
+    }
+
+    /// A new task as `addTask` makes it: order one past the highest (0 for the first).
+    pub fn new_task(p: &Project, id: &str, description: &str) -> Value {
+        let order = tasks(p, id)
+            .iter()
+            .filter_map(|t| t["order"].as_f64())
+            .fold(-1.0, f64::max)
+            + 1.0;
+        let now = now_iso();
+        json!({
+            "task_id": format!("task-{}-{}", now_nanos() / 1_000_000, random_hex()),
+            "description": description,
+            "tool": "gemini",
+            "mode": "write",
+            "prompt_template": format!("Execute: {description}"),
+            "order": order as u64,
+            "created_at": now,
+            "updated_at": now,
+        })
+    }
+
+    /// `POST /api/loops/v2/:id/tasks`: the directory made, the file backed up, the record
+    /// appended (`writeFile(path, JSON.stringify(task) + '\n', {flag: 'a'})`). Returns its id.
+    pub fn add_task(p: &Project, id: &str, description: &str) -> String {
+        let task = new_task(p, id, description);
+        std::fs::create_dir_all(tasks_path(p, id).parent().unwrap()).unwrap();
+        backup(p, id);
+        let mut file = std::fs::OpenOptions::new()
+            .append(true)
+            .create(true)
+            .open(tasks_path(p, id))
+            .unwrap();
+        file.write_all(format!("{task}\n").as_bytes()).unwrap();
+        task["task_id"].as_str().unwrap().to_owned()
+    }
+
+    /// `writeTasks` (update, delete, reorder): backed up, then the whole list written in place,
+    /// the records joined by `\n` with no final newline.
+    pub fn rewrite_tasks(p: &Project, id: &str, list: &[Value]) {
+        backup(p, id);
+        let text: Vec<String> = list.iter().map(Value::to_string).collect();
+        std::fs::write(tasks_path(p, id), text.join("\n")).unwrap();
+    }
 }

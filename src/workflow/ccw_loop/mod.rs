@@ -13,6 +13,7 @@ mod view;
 use super::{Dispatch, Finish, Inputs, LoopEnd, Outcome, Workflow, opt_str};
 use crate::protocol::ActionResult;
 use crate::state::model::{LoopState, MAX_DESCRIPTION, SkillState, trim_window};
+use crate::state::tasks::ListedTask;
 use state::{
     CcwState, DevelopTask, FAILED_TESTS_WINDOW, FILES_CHANGED_WINDOW, HYPOTHESES_WINDOW,
     Hypothesis, MAX_TASKS, TEST_RESULTS_WINDOW, TaskStatus, TestResult,
@@ -292,7 +293,7 @@ impl Workflow for CcwLoop {
         end
     }
 
-    fn absorb_tasks(&self, state: &mut LoopState, listed: &[DevelopTask]) -> usize {
+    fn absorb_tasks(&self, state: &mut LoopState, listed: &[ListedTask], now: &str) -> usize {
         let Some(skill) = state.skill_state.as_mut() else {
             return 0;
         };
@@ -303,11 +304,7 @@ impl Workflow for CcwLoop {
         let mut joined = 0;
         for task in listed {
             if ccw.develop.task(&task.id).is_none() {
-                let task = DevelopTask {
-                    status: TaskStatus::Pending,
-                    ..task.clone()
-                };
-                if !ccw.develop.add_task(task) {
+                if !ccw.develop.add_task(DevelopTask::listed(task, Some(now))) {
                     break; // the list is full of open tasks
                 }
                 joined += 1;
@@ -362,9 +359,9 @@ impl Workflow for CcwLoop {
         reset
     }
 
-    fn task_ids(&self, skill: &SkillState) -> Option<Vec<String>> {
+    fn task_ids(&self, skill: &SkillState) -> Vec<String> {
         let ccw: CcwState = skill.part();
-        Some(ccw.develop.tasks.into_iter().map(|t| t.id).collect())
+        ccw.develop.tasks.into_iter().map(|t| t.id).collect()
     }
 
     fn reads_task_list(&self, action: &str) -> bool {
@@ -379,9 +376,13 @@ impl Workflow for CcwLoop {
     fn rebuild(
         &self,
         skill: &mut SkillState,
-        mut tasks: Vec<DevelopTask>,
+        listed: Vec<ListedTask>,
         read: &dyn Fn(&str) -> Option<String>,
     ) -> Result<(), String> {
+        let mut tasks: Vec<DevelopTask> = listed
+            .iter()
+            .map(|t| DevelopTask::listed(t, None))
+            .collect();
         // Each develop left a line in changes.log: the task's last result wins.
         for line in read("changes.log").unwrap_or_default().lines() {
             let Ok(change) = serde_json::from_str::<Value>(line) else {
@@ -484,11 +485,14 @@ impl CcwLoop {
 fn planned(
     ccw: &mut CcwState,
     updates: Option<&Map<String, Value>>,
-    listed: &[DevelopTask],
+    listed: &[ListedTask],
     description: &str,
     now: &str,
 ) {
-    let mut tasks = listed.to_vec();
+    let mut tasks: Vec<DevelopTask> = listed
+        .iter()
+        .map(|t| DevelopTask::listed(t, Some(now)))
+        .collect();
     if tasks.is_empty() {
         let planned = updates
             .and_then(|u| u.get("tasks"))

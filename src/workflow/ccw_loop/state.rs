@@ -7,6 +7,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::state::model::{Extra, WorkflowPart};
+use crate::state::tasks::ListedTask;
 
 /// ccw-loop's part of `skill_state`.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
@@ -207,6 +208,26 @@ pub struct TestResult {
     pub stack_trace: Option<String>,
     #[serde(flatten)]
     pub extra: Extra,
+}
+
+impl DevelopTask {
+    /// A task of the task list, pending (its `order` kept); made `now` where the list does not
+    /// say when.
+    pub fn listed(task: &ListedTask, now: Option<&str>) -> DevelopTask {
+        let mut extra = Extra::default();
+        if let Some(order) = &task.order {
+            extra.insert("order".into(), order.clone());
+        }
+        DevelopTask {
+            id: task.id.clone(),
+            description: task.description.clone(),
+            tool: task.tool.clone(),
+            mode: task.mode.clone(),
+            created_at: task.created_at.clone().or(now.map(str::to_owned)),
+            extra,
+            ..DevelopTask::default()
+        }
+    }
 }
 
 impl DevelopState {

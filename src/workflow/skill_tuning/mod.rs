@@ -18,6 +18,7 @@ use serde_json::{Map, Value};
 use super::{Dispatch, Finish, Inputs, LoopEnd, Outcome, Workflow, opt_str};
 use crate::protocol::ActionResult;
 use crate::state::model::{LoopState, MAX_DESCRIPTION, SkillState};
+use crate::state::tasks::ListedTask;
 use state::{
     AppliedFix, DIAGNOSES, DiagnosisResult, Fix, Gate, Issue, MAX_FIXES, MAX_ISSUES, Report,
     SeverityCounts, TuningState, quality,
@@ -195,8 +196,18 @@ impl Workflow for SkillTuning {
         Some(DEFAULT_LIMITS)
     }
 
+    /// The gate passes, and no task of the task list waits to be applied or verified.
     fn goal_met(&self, state: &LoopState) -> bool {
-        part(state).quality_gate == Some(Gate::Pass)
+        let t = part(state);
+        let task_waits = t.pending_fixes.iter().any(|id| {
+            t.proposed_fixes
+                .iter()
+                .any(|f| f.id == *id && f.from_task_list)
+        }) || t
+            .applied_fixes
+            .iter()
+            .any(|f| f.from_task_list && f.verification_result == "pending");
+        t.quality_gate == Some(Gate::Pass) && !task_waits
     }
 
     fn select(&self, state: &LoopState) -> Dispatch {
@@ -304,12 +315,38 @@ impl Workflow for SkillTuning {
         end
     }
 
-    fn absorb_tasks(
-        &self,
-        _: &mut LoopState,
-        _: &[crate::workflow::ccw_loop::state::DevelopTask],
-    ) -> usize {
-        0
+    /// A task joins as a fix of its own, pending: applied by `apply-fix` and verified like a
+    /// proposed one.
+    fn absorb_tasks(&self, state: &mut LoopState, listed: &[ListedTask], _now: &str) -> usize {
+        let Some(skill) = state.skill_state.as_mut() else {
+            return 0;
+        };
+        let mut t: TuningState = skill.part();
+        let mut joined = 0;
+        for task in listed {
+            let known = t.proposed_fixes.iter().any(|f| f.id == task.id)
+                || t.pending_fixes.contains(&task.id)
+                || t.applied_fixes.iter().any(|f| f.id == task.id);
+            if known {
+                continue;
+            }
+            if t.pending_fixes.len() >= MAX_FIXES {
+                break; // the fixes waiting are as many as it keeps
+            }
+            t.proposed_fixes.push(Fix {
+                id: task.id.clone(),
+                description: task.description.clone(),
+                from_task_list: true,
+                ..Fix::default()
+            });
+            t.pending_fixes.push(task.id.clone());
+            joined += 1;
+        }
+        if joined > 0 {
+            keep_proposals(&mut t, |_| true);
+            skill.set_part(&t);
+        }
+        joined
     }
 
     fn init_part(&self, skill: &mut SkillState) {
@@ -321,7 +358,7 @@ impl Workflow for SkillTuning {
     fn rebuild(
         &self,
         _: &mut SkillState,
-        _: Vec<crate::workflow::ccw_loop::state::DevelopTask>,
+        _: Vec<ListedTask>,
         _: &dyn Fn(&str) -> Option<String>,
     ) -> Result<(), String> {
         // Its target and findings live nowhere else: a backup is its only way back.
@@ -385,8 +422,12 @@ impl Workflow for SkillTuning {
         reset
     }
 
-    fn task_ids(&self, _: &SkillState) -> Option<Vec<String>> {
-        None
+    /// Its fixes' ids: a task joins as a fix.
+    fn task_ids(&self, skill: &SkillState) -> Vec<String> {
+        let t: TuningState = skill.part();
+        let ids = t.proposed_fixes.iter().map(|f| f.id.clone());
+        let applied = t.applied_fixes.iter().map(|f| f.id.clone());
+        ids.chain(applied).chain(t.pending_fixes).collect()
     }
 }
 
@@ -474,7 +515,7 @@ fn propose(t: &mut TuningState, updates: Option<&Map<String, Value>>) {
         .and_then(|u| u.get("fixes"))
         .and_then(|v| fix_specs(v).ok())
         .unwrap_or_default();
-    t.proposed_fixes.clear();
+    keep_proposals(t, |_| false);
     for spec in specs.into_iter().take(MAX_FIXES) {
         t.fix_seq += 1;
         let fix = Fix {
@@ -499,6 +540,7 @@ fn applied(t: &mut TuningState, id: &str, result: Option<&ActionResult>, now: &s
             .as_ref()
             .map(|f| f.issue_ids.clone())
             .unwrap_or_default(),
+        from_task_list: fix.as_ref().is_some_and(|f| f.from_task_list),
         description: fix.map(|f| f.description).unwrap_or_default(),
         applied_at: ok.then(|| now.to_owned()),
         verification_result: if ok { "pending" } else { "fail" }.into(),
@@ -557,7 +599,25 @@ fn new_round(t: &mut TuningState) {
     t.round += 1;
     t.diagnosis = Default::default();
     t.report = None;
-    t.proposed_fixes.clear();
+    keep_proposals(t, |_| false);
+}
+
+/// Keeps of the proposed fixes those still pending (a fix is applied by its record), and of the
+/// others those `keep` says, the newest, within [`MAX_FIXES`].
+fn keep_proposals(t: &mut TuningState, keep: impl Fn(&Fix) -> bool) {
+    let pending = &t.pending_fixes;
+    t.proposed_fixes
+        .retain(|f| pending.contains(&f.id) || keep(f));
+    while t.proposed_fixes.len() > MAX_FIXES {
+        match t
+            .proposed_fixes
+            .iter()
+            .position(|f| !t.pending_fixes.contains(&f.id))
+        {
+            Some(done) => t.proposed_fixes.remove(done),
+            None => break,
+        };
+    }
 }
 
 /// Adds the issues of a result (their ids given here, their category the area's unless they

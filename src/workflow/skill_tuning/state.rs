@@ -335,6 +335,10 @@ pub struct Fix {
     pub strategy: Option<String>,
     #[serde(default)]
     pub risk: Option<String>,
+    /// A task of the loop's task list, not a proposal: the loop does not complete before it
+    /// is applied and verified.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub from_task_list: bool,
     #[serde(flatten)]
     pub extra: Extra,
 }
@@ -355,6 +359,9 @@ pub struct AppliedFix {
     pub round: u64,
     #[serde(default)]
     pub files_changed: Vec<String>,
+    /// Applied from the loop's task list (see [`Fix::from_task_list`]).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub from_task_list: bool,
 }
 
 /// The quality gate.
