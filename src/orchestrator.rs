@@ -1199,8 +1199,20 @@ impl LoopRun<'_> {
                 .with("log", files.log_path.display().to_string()),
         );
         self.progress.stock_log();
-        let (run, interrupt) = self.supervise(running, &done, &mut rx).await;
+        let armed = self.watch.arm(spawned);
+        let (run, mut interrupt) = self.supervise(running, &done, &mut rx).await;
+        let fired = armed.fired();
+        drop(armed);
         let run = match run {
+            // The watcher ended the attempt for a controller before this task heard of it: an
+            // interruption, unless the executor had finished with success first.
+            Ok(mut run)
+                if fired && run.cut.is_none() && !run.status.is_some_and(|s| s.success()) =>
+            {
+                interrupt.get_or_insert(Interrupt::Control);
+                run.cut = Some(crate::executor::Cut::Cancelled);
+                run
+            }
             Ok(run) => run,
             Err(e) => {
                 state.skill().in_flight = None;

@@ -17,6 +17,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, LazyLock, Mutex};
 use std::time::{Duration, Instant};
 
@@ -25,7 +26,7 @@ use notify::{EventKind, RecursiveMode, Watcher as _};
 use tokio::sync::watch;
 
 use crate::lock;
-use crate::state::model::Control;
+use crate::state::model::{Control, Status};
 use crate::state::store::Store;
 use crate::state::tasks::TasksStamp;
 
@@ -80,6 +81,8 @@ enum Change {
 /// A running watch of one loop; dropping it stops watching.
 pub struct Watch {
     rx: watch::Receiver<Option<Snapshot>>,
+    /// The attempt in flight, ended by the watcher itself when the status leaves `running`.
+    armed: Arc<Armed>,
     _subscription: Subscription,
     _nested: Arc<Nested>,
     recheck: tokio::task::JoinHandle<()>,
@@ -95,8 +98,10 @@ impl Watch {
     pub fn start(store: &Store, id: &str) -> Watch {
         let (tx, rx) = watch::channel(Snapshot::read(store, id));
         let tx = Arc::new(tx);
+        let armed = Arc::new(Armed::default());
         let refresh = {
             let (store, id, tx) = (store.clone(), id.to_owned(), tx.clone());
+            let armed = armed.clone();
             move |change: Change| {
                 let last = tx.borrow().clone();
                 let snapshot = match &last {
@@ -104,6 +109,12 @@ impl Watch {
                     None => Snapshot::read(&store, &id),
                 };
                 if let Some(snapshot) = snapshot {
+                    // A stop or pause ends the attempt in flight from here, at once: the
+                    // daemon's task, which may wait for a worker of a busy runtime, does the
+                    // rest (grace, SIGKILL, reaping, the record).
+                    if snapshot.control.status != Status::Running {
+                        armed.fire();
+                    }
                     tx.send_if_modified(|old| {
                         let changed = old.as_ref() != Some(&snapshot);
                         *old = Some(snapshot);
@@ -205,6 +216,7 @@ impl Watch {
         };
         Watch {
             rx,
+            armed,
             _subscription: subscription,
             _nested: nested,
             recheck,
@@ -214,6 +226,55 @@ impl Watch {
     /// A receiver of snapshots; `changed()` fires when a controller changed something.
     pub fn subscribe(&self) -> watch::Receiver<Option<Snapshot>> {
         self.rx.clone()
+    }
+
+    /// Arms the watch with the attempt just spawned: until the returned guard is dropped, a
+    /// status that leaves `running` SIGTERMs its process group from the watcher's thread, at
+    /// once. The guard tells whether that happened.
+    pub fn arm(&self, spawned: crate::executor::Spawned) -> ArmedAttempt {
+        *lock(&self.armed.attempt) = Some((spawned.pgid, spawned.proc_start));
+        self.armed.fired.store(false, Ordering::SeqCst);
+        ArmedAttempt {
+            armed: self.armed.clone(),
+        }
+    }
+}
+
+/// The attempt in flight of a watched loop, as the watcher may end it.
+#[derive(Default)]
+struct Armed {
+    /// Its process group and its leader's start time.
+    attempt: Mutex<Option<(u32, Option<u64>)>>,
+    /// The watcher ended it.
+    fired: AtomicBool,
+}
+
+impl Armed {
+    fn fire(&self) {
+        let attempt = lock(&self.attempt).take();
+        if let Some((pgid, start)) = attempt
+            && crate::executor::procs::terminate_in_flight(pgid, start)
+        {
+            self.fired.store(true, Ordering::SeqCst);
+        }
+    }
+}
+
+/// An attempt the watch may end (see [`Watch::arm`]); disarmed when dropped.
+pub struct ArmedAttempt {
+    armed: Arc<Armed>,
+}
+
+impl ArmedAttempt {
+    /// Whether the watcher ended the attempt (a controller paused or stopped the loop).
+    pub fn fired(&self) -> bool {
+        self.armed.fired.load(Ordering::SeqCst)
+    }
+}
+
+impl Drop for ArmedAttempt {
+    fn drop(&mut self) {
+        *lock(&self.armed.attempt) = None;
     }
 }
 

@@ -63,6 +63,17 @@ pub fn attempt_ended(pgid: u32) {
     running().retain(|g| *g != pgid);
 }
 
+/// SIGTERMs the process group `pgid` if it is an attempt in flight whose executor, the group's
+/// leader, is the process that started at `start` (so never a group whose leader was reaped and
+/// whose number went to another); returns whether it did.
+pub fn terminate_in_flight(pgid: u32, start: Option<u64>) -> bool {
+    let running = running();
+    let ours = pgid > 1
+        && running.contains(&pgid)
+        && ProcStat::read(pgid).is_some_and(|p| p.is_alive() && Some(p.start) == start);
+    ours && signal_group(pgid, Signal::SIGTERM)
+}
+
 /// SIGKILLs the process group of every attempt in flight.
 pub fn kill_running_groups() {
     for pgid in running().iter().filter(|g| **g > 1) {
