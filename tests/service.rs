@@ -543,3 +543,46 @@ fn a_loop_set_running_right_after_another_of_its_project_completed_is_taken_up()
     let out = service.stop();
     assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
 }
+
+#[test]
+fn a_notify_socket_nobody_reads_holds_no_loop_up() {
+    // The receiver's queue fills at once (a watchdog tick every 10 ms) and stays full until
+    // every loop is done: twenty loops still run to their end.
+    let a = Project::new(GOOD_AGENT);
+    let others: Vec<Project> = (0..19).map(|_| Project::beside(&a, GOOD_AGENT)).collect();
+    let projects: Vec<&Project> = std::iter::once(&a).chain(&others).collect();
+    let ids: Vec<String> = projects
+        .iter()
+        .map(|p| p.create(&["--title", "t"]))
+        .collect();
+    let path = a.root.join("notify.sock");
+    let socket = UnixDatagram::bind(&path).expect("bind the notify socket");
+    socket
+        .set_read_timeout(Some(DEADLINE))
+        .expect("read timeout");
+    let service = a.serve_with(&roots(&projects), |cmd| {
+        cmd.env("NOTIFY_SOCKET", &path)
+            .env("WATCHDOG_USEC", "20000");
+    });
+    for (p, id) in projects.iter().zip(&ids) {
+        set_status(p, id, "running");
+    }
+    for (p, id) in projects.iter().zip(&ids) {
+        wait_status(p, id, "completed");
+    }
+    // Read now: READY came first, and what waited meanwhile comes, coalesced, the last status
+    // saying every loop is done.
+    let mut seen = notifications(&socket, "READY=1");
+    seen.extend(notifications(
+        &socket,
+        "STATUS=0 running, 0 paused, 0 queued",
+    ));
+    let out = service.stop();
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    seen.extend(notifications(&socket, "STOPPING=1"));
+    let statuses = seen.iter().filter(|s| s.starts_with("STATUS=")).count();
+    assert!(
+        statuses < 40,
+        "status lines are coalesced while the receiver is stuck: {statuses}"
+    );
+}

@@ -263,6 +263,7 @@ impl Supervisor {
         }
         files::withdraw(&self.runtime_dir);
         tracing::info!("stopped");
+        self.notifier.flush(Duration::from_secs(2));
         Ok(0)
     }
 
