@@ -128,6 +128,11 @@ impl Dir {
         }
     }
 
+    /// The filesystem this directory is on (`st_dev`).
+    pub fn device(&self) -> Option<u64> {
+        nix::sys::stat::fstat(&*self.fd).ok().map(|s| s.st_dev)
+    }
+
     /// Whether this directory was removed since it was opened (it has no link left).
     pub fn removed(&self) -> bool {
         nix::sys::stat::fstat(&*self.fd).is_ok_and(|stat| stat.st_nlink == 0)

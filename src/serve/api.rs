@@ -57,6 +57,95 @@ impl Shared {
     }
 }
 
+/// How long a write to a client may make no progress before its connection is closed: a
+/// client that stops reading (an event stream left open in a tab that sleeps) costs its own
+/// connection only, and not for long.
+const WRITE_TIMEOUT: Duration = Duration::from_secs(30);
+/// How many connections each listener serves at once; the next waits to be accepted.
+const MAX_CONNECTIONS: usize = 256;
+
+/// A listener whose connections time out on writes that make no progress ([`WRITE_TIMEOUT`])
+/// and whose number is bounded ([`MAX_CONNECTIONS`]).
+struct Guarded<L> {
+    listener: L,
+    slots: Arc<tokio::sync::Semaphore>,
+}
+
+impl<L: axum::serve::Listener> Guarded<L> {
+    fn new(listener: L) -> Guarded<L> {
+        Guarded {
+            listener,
+            slots: Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS)),
+        }
+    }
+}
+
+/// An accepted connection: its stream, and its place among the connections served.
+struct Connection<S> {
+    stream: std::pin::Pin<Box<tokio_io_timeout::TimeoutStream<S>>>,
+    _slot: tokio::sync::OwnedSemaphorePermit,
+}
+
+impl<L: axum::serve::Listener> axum::serve::Listener for Guarded<L> {
+    type Io = Connection<L::Io>;
+    type Addr = L::Addr;
+
+    async fn accept(&mut self) -> (Self::Io, Self::Addr) {
+        let slot = self
+            .slots
+            .clone()
+            .acquire_owned()
+            .await
+            .expect("the semaphore is never closed");
+        let (io, addr) = self.listener.accept().await;
+        let mut stream = tokio_io_timeout::TimeoutStream::new(io);
+        stream.set_write_timeout(Some(WRITE_TIMEOUT));
+        let connection = Connection {
+            stream: Box::pin(stream),
+            _slot: slot,
+        };
+        (connection, addr)
+    }
+
+    fn local_addr(&self) -> std::io::Result<Self::Addr> {
+        self.listener.local_addr()
+    }
+}
+
+impl<S: tokio::io::AsyncRead + tokio::io::AsyncWrite> tokio::io::AsyncRead for Connection<S> {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        self.stream.as_mut().poll_read(cx, buf)
+    }
+}
+
+impl<S: tokio::io::AsyncRead + tokio::io::AsyncWrite> tokio::io::AsyncWrite for Connection<S> {
+    fn poll_write(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        self.stream.as_mut().poll_write(cx, buf)
+    }
+
+    fn poll_flush(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        self.stream.as_mut().poll_flush(cx)
+    }
+
+    fn poll_shutdown(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        self.stream.as_mut().poll_shutdown(cx)
+    }
+}
+
 /// Where the API listens.
 pub struct Listening {
     pub socket: PathBuf,
@@ -82,7 +171,7 @@ pub async fn start(
     std::fs::set_permissions(&socket, std::os::unix::fs::PermissionsExt::from_mode(0o600))?;
     let local = router(shared.clone());
     tokio::spawn(async move {
-        if let Err(e) = axum::serve(unix, local).await {
+        if let Err(e) = axum::serve(Guarded::new(unix), local).await {
             tracing::error!("the API's socket failed: {e}");
         }
     });
@@ -101,7 +190,7 @@ pub async fn start(
         // As Jupyter does: the link that logs a browser in.
         tracing::info!("dashboard: http://{}/?token={token}", tcp.local_addr()?);
         tokio::spawn(async move {
-            if let Err(e) = axum::serve(tcp, guarded).await {
+            if let Err(e) = axum::serve(Guarded::new(tcp), guarded).await {
                 tracing::error!("the API's listener failed: {e}");
             }
         });

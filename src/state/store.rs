@@ -243,9 +243,18 @@ pub struct Store {
     deferred: Arc<OnceLock<Mutex<Vec<mpsc::Receiver<()>>>>>,
 }
 
-/// The process's backup thread, one for all its stores (a service drives many loops), started
-/// on first use: it records the backups it is handed, in order. `None` if it cannot start.
-static BACKUP_THREAD: LazyLock<Option<Mutex<mpsc::Sender<BackupJob>>>> = LazyLock::new(|| {
+/// The process's backup threads, one per filesystem its stores are on (a service drives many
+/// loops, and a slow or full disk must hold up no loop of another), each started on first use:
+/// it records the backups it is handed, in order.
+static BACKUP_THREADS: LazyLock<Mutex<HashMap<u64, mpsc::Sender<BackupJob>>>> =
+    LazyLock::new(Default::default);
+
+/// The backup thread of the filesystem `dev`; `None` if it cannot start.
+fn backup_thread(dev: u64) -> Option<mpsc::Sender<BackupJob>> {
+    let mut threads = lock(&BACKUP_THREADS);
+    if let Some(jobs) = threads.get(&dev) {
+        return Some(jobs.clone());
+    }
     let (jobs, queue) = mpsc::channel::<BackupJob>();
     let started = std::thread::Builder::new()
         .name("loopd-backup".into())
@@ -256,13 +265,16 @@ static BACKUP_THREAD: LazyLock<Option<Mutex<mpsc::Sender<BackupJob>>>> = LazyLoc
             }
         });
     match started {
-        Ok(_) => Some(Mutex::new(jobs)),
+        Ok(_) => {
+            threads.insert(dev, jobs.clone());
+            Some(jobs)
+        }
         Err(e) => {
-            tracing::warn!("cannot start the backup thread ({e}); writing backups at once");
+            tracing::warn!("cannot start a backup thread ({e}); writing backups at once");
             None
         }
     }
-});
+}
 
 /// A version to record in the backup of loop `id` of `store`; `done` is told when it is durable.
 #[derive(Debug)]
@@ -386,7 +398,8 @@ impl Store {
     }
 
     /// From now on, a durable write returns once its version is in place, and is made durable
-    /// (its backup recorded: see [`backup`]) on the backup thread ([`BACKUP_THREAD`]) while the
+    /// (its backup recorded: see [`backup`]) on the backup thread of its filesystem
+    /// ([`BACKUP_THREADS`]) while the
     /// caller goes on; [`Store::wait_durable`] waits for it. The daemon defers, and waits before it starts the
     /// next attempt: the fdatasync overlaps with its work between two actions.
     pub fn defer_durability(&self) {
@@ -419,7 +432,10 @@ impl Store {
     /// Hands the version `bytes` of loop `id` to the backup thread, if durability is deferred
     /// and that thread runs; whether it did.
     fn defer_backup(&self, id: &str, bytes: &[u8]) -> bool {
-        let (Some(deferred), Some(jobs)) = (self.deferred.get(), BACKUP_THREAD.as_ref()) else {
+        let Some(deferred) = self.deferred.get() else {
+            return false;
+        };
+        let Some(jobs) = self.device().and_then(backup_thread) else {
             return false;
         };
         let (done, recorded) = mpsc::sync_channel(1);
@@ -429,7 +445,7 @@ impl Store {
             bytes: bytes.to_vec(),
             done,
         };
-        let sent = lock(jobs).send(job).is_ok();
+        let sent = jobs.send(job).is_ok();
         if sent {
             lock(deferred).push(recorded);
         }
@@ -447,6 +463,11 @@ impl Store {
             let _lock = self.lock(id);
             self.sync_without_backup(&dir, id, &e);
         }
+    }
+
+    /// The filesystem the state directory is on.
+    fn device(&self) -> Option<u64> {
+        self.state_dir(false).ok()?.device()
     }
 
     /// The state directory, opened from the root one component at a time (none may be a
