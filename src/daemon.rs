@@ -348,11 +348,24 @@ fn check_work_tree_free(
 }
 
 /// Refuses now, where the user sees it, what a daemon would refuse at its start: a bad action
-/// file or executor, project files that are not trusted, programs that are not installed.
+/// file or executor, project files that are not trusted, programs that are not installed, and,
+/// when no service runs that would queue it, a work tree another loop runs in.
 pub fn check_runnable(p: &Project, state: &LoopState, executor: Option<&str>) -> Result<()> {
     let (daemon, work_tree) = build_for(p, state, executor.map(str::to_owned), false)?;
     preflight(p, &state.loop_id, &daemon)?;
+    if service_for(p).is_some() {
+        return Ok(());
+    }
     check_work_tree_free(p, state, &work_tree)
+}
+
+/// The running service that drives this project's loops for `start` and `resume`: none when
+/// the command names a config file of its own, which the service does not know.
+pub fn service_for(p: &Project) -> Option<crate::serve::ServiceInfo> {
+    match p.config_flag {
+        Some(_) => None,
+        None => crate::serve::files::running(),
+    }
 }
 
 /// A daemon for one loop: its workflow's, running its actions in the loop's work tree.
@@ -399,11 +412,8 @@ pub fn start(p: &Project, id: &str, executor: Option<&str>) -> Result<u32> {
         )));
     }
     check_runnable(p, &state, executor)?;
-    // A running service drives the loop rather than a process of its own, unless the loop is
-    // to run with a config file of the command line's, which the service does not know.
-    if p.config_flag.is_none()
-        && let Some(service) = crate::serve::files::running()
-    {
+    // A running service drives the loop rather than a process of its own.
+    if let Some(service) = service_for(p) {
         return crate::serve::hand_over(p, &state, executor, &service);
     }
     let progress = p.store.progress(id)?;

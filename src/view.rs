@@ -50,8 +50,12 @@ impl LoopView {
                 .unwrap_or_default();
             format!("{}{age}", f.action)
         });
-        let standing = match queued {
-            Some(n) if daemon_pid.is_none() => format!("queued ({n})"),
+        let behind = service.and_then(|service| service.waits_behind(&key));
+        let standing = match (queued, behind) {
+            (Some(n), _) if daemon_pid.is_none() => format!("queued ({n})"),
+            (_, Some(other)) if daemon_pid.is_none() && s.status == Status::Running => {
+                format!("queued behind {other}")
+            }
             _ => standing(s, daemon_pid),
         };
         let mut rows = engine_rows(p, s, &skill, &standing, daemon_pid);

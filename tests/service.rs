@@ -493,38 +493,76 @@ fn the_user_unit_passes_systemd_analyze_verify() {
 }
 
 #[test]
-fn a_loop_refused_for_a_busy_work_tree_runs_once_the_other_loop_ends() {
+fn a_loop_whose_work_tree_is_busy_is_queued_behind_the_other_and_runs_once_it_ends() {
     let p = Project::new(&held_agent());
     let (first, second) = (p.create(&["--title", "a"]), p.create(&["--title", "b"]));
     let service = p.serve(&["--root", p.root.to_str().unwrap()]);
-    set_status(&p, &first, "running");
+    let out = p.output(&["start", &first]);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
     read_pid(&p.root.join("agent-develop.pid"));
-    set_status(&p, &second, "running");
+    // Started while the first runs in the project root: queued behind it, not refused.
+    let out = p.output(&["start", &second]);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains(&format!("behind loop {first}")),
+        "{}",
+        stderr(&out)
+    );
+    let info = service.info().expect("info");
+    assert_eq!(info["waiting"][0]["loop_id"], second.as_str(), "{info}");
+    assert_eq!(info["waiting"][0]["behind"], first.as_str(), "{info}");
+    assert_eq!(info["refused"], serde_json::json!([]), "{info}");
+    assert_eq!(info["summary"], "1 running, 0 paused, 1 queued", "{info}");
+    assert!(p.events(&second).is_empty());
+    let shown = stdout(&p.output(&["status", &second]));
+    assert!(shown.contains(&format!("queued behind {first}")), "{shown}");
+    let listed = stdout(&p.output(&["list"]));
+    assert!(
+        listed.contains(&format!("queued behind {first}")),
+        "{listed}"
+    );
+    std::fs::write(p.root.join("go"), "").expect("go");
+    wait_status(&p, &first, "completed");
+    wait_status(&p, &second, "completed");
+    let info = service.info().expect("info");
+    assert_eq!(info["waiting"], serde_json::json!([]), "{info}");
+    let log = stderr(&service.stop());
+    assert!(
+        log.contains(&format!(
+            "waits for loop {first}, which runs in its work tree"
+        )),
+        "{log}"
+    );
+}
+
+#[test]
+fn a_loop_that_can_never_be_taken_is_refused_and_says_why() {
+    // An untrusted project config: the service cannot take the loop, and says so until fixed.
+    let p = Project::new(GOOD_AGENT);
+    let id = p.create(&["--title", "t"]);
+    let service = p.serve(&["--root", p.root.to_str().unwrap()]);
+    std::fs::write(
+        p.root.join(".loop/config.toml"),
+        format!("{TEST_CONFIG}\n# changed after trust\n"),
+    )
+    .expect("write config");
+    set_status(&p, &id, "running");
     let mut reason = String::new();
-    wait_for("the second loop to be refused", || {
+    wait_for("the loop to be refused", || {
         let refused = service
             .info()
             .map(|i| i["refused"].clone())
             .unwrap_or_default();
         reason = refused[0]["reason"].as_str().unwrap_or_default().to_owned();
-        refused[0]["loop_id"] == second.as_str()
+        refused[0]["loop_id"] == id.as_str()
     });
-    assert!(
-        reason.contains(&format!("loop {first} runs there")),
-        "{reason}"
-    );
-    assert!(p.events(&second).is_empty());
-    let shown = stdout(&p.output(&["status", &second]));
+    assert!(reason.contains("trust"), "{reason}");
+    let shown = stdout(&p.output(&["status", &id]));
     assert!(shown.contains("service    cannot take it: "), "{shown}");
-    std::fs::write(p.root.join("go"), "").expect("go");
-    wait_status(&p, &first, "completed");
-    wait_status(&p, &second, "completed");
-    assert_eq!(
-        service.info().expect("info")["refused"],
-        serde_json::json!([])
-    );
-    let log = stderr(&service.stop());
-    assert!(log.contains(&format!("loop {second} in")), "{log}");
+    assert!(p.trust());
+    set_status(&p, &id, "running");
+    wait_status(&p, &id, "completed");
+    drop(service);
 }
 
 #[test]

@@ -34,6 +34,15 @@ pub struct RefusedLoop {
     pub reason: String,
 }
 
+/// A loop set to run that waits for another loop of its project, which runs in its work tree.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct WaitingLoop {
+    #[serde(flatten)]
+    pub key: LoopKey,
+    /// The loop it waits for.
+    pub behind: String,
+}
+
 /// What a running service says about itself.
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct ServiceInfo {
@@ -45,11 +54,16 @@ pub struct ServiceInfo {
     pub running: Vec<LoopKey>,
     /// The loops waiting for a place, first first.
     pub queued: Vec<LoopKey>,
+    /// The loops waiting for their work tree, which another loop runs in; each runs once that
+    /// loop ends or pauses.
+    #[serde(default)]
+    pub waiting: Vec<WaitingLoop>,
     /// The loops set to run that the service could not take, and why (another loop runs in
     /// their work tree, their project's files are not trusted...). They are tried again.
     #[serde(default)]
     pub refused: Vec<RefusedLoop>,
-    /// One line: "4 running, 1 paused, 2 queued".
+    /// One line: "4 running, 1 paused, 2 queued" (the queued counting those that wait for
+    /// their work tree).
     pub summary: String,
     /// The API's Unix socket, and its TCP address when it listens on one.
     pub socket: Option<PathBuf>,
@@ -64,6 +78,14 @@ impl ServiceInfo {
     /// Where `key` stands in the queue (1 is next), if it waits there.
     pub fn queue_position(&self, key: &LoopKey) -> Option<usize> {
         self.queued.iter().position(|k| k == key).map(|i| i + 1)
+    }
+
+    /// The loop `key` waits for, if it waits for its work tree.
+    pub fn waits_behind(&self, key: &LoopKey) -> Option<&str> {
+        self.waiting
+            .iter()
+            .find(|w| w.key == *key)
+            .map(|w| w.behind.as_str())
     }
 }
 

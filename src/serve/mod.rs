@@ -83,6 +83,8 @@ struct Hold {
     /// paused), or its end here, lets it be tried again at once, and in any case it is tried
     /// again at `until`.
     behind: Option<String>,
+    /// Its state file changed during the hold: it is looked at again when the hold ends.
+    changed: bool,
 }
 
 /// How a loop's task ended.
@@ -283,8 +285,8 @@ impl Supervisor {
             Wake::Projects => self.load_projects(),
             Wake::Ended(key, ending) => {
                 // A loop that ran frees its work tree: its project's loops refused for it may
-                // go now.
-                if !matches!(ending, Ending::Refused(_)) {
+                // go now. (One that could not be taken freed nothing.)
+                if !matches!(ending, Ending::Refused(_) | Ending::Busy(_)) {
                     for (other, hold) in &mut self.held {
                         if hold.refused && other.root == key.root {
                             hold.until = Instant::now();
@@ -299,29 +301,46 @@ impl Supervisor {
         }
     }
 
-    /// When the first loop waiting for a work tree is due to be tried again.
-    fn next_retry(&self) -> Option<Instant> {
-        self.held
-            .values()
-            .filter(|h| h.behind.is_some())
-            .map(|h| h.until)
-            .min()
+    /// The loops waiting for their work tree (neither running nor queued now), and whom for.
+    fn waiting(&self) -> impl Iterator<Item = (&LoopKey, &Hold)> {
+        self.held.iter().filter(|(key, hold)| {
+            hold.behind.is_some() && !self.active.contains(*key) && !self.queue.contains(*key)
+        })
     }
 
-    /// Tries again the loops waiting for a work tree whose time is up.
+    /// The held loops to look at again when their hold ends: those waiting for their work tree,
+    /// and those whose state file changed meanwhile.
+    fn to_retry(&self) -> impl Iterator<Item = (&LoopKey, &Hold)> {
+        self.held.iter().filter(|(key, hold)| {
+            (hold.behind.is_some() || hold.changed)
+                && !self.active.contains(*key)
+                && !self.queue.contains(*key)
+        })
+    }
+
+    /// When the first held loop is due to be looked at again.
+    fn next_retry(&self) -> Option<Instant> {
+        self.to_retry().map(|(_, h)| h.until).min()
+    }
+
+    /// Looks again at the held loops whose time is up.
     fn retry_due(&mut self) {
         let now = Instant::now();
         let due: Vec<LoopKey> = self
-            .held
-            .iter_mut()
-            .filter(|(_, h)| h.behind.is_some() && h.until <= now)
-            .map(|(key, h)| {
-                h.behind = None; // tried now; its next refusal says whom it waits for again
-                key.clone()
-            })
+            .to_retry()
+            .filter(|(_, h)| h.until <= now)
+            .map(|(key, _)| key.clone())
             .collect();
         for key in due {
-            self.consider(key);
+            if let Some(hold) = self.held.get_mut(&key) {
+                hold.changed = false;
+            }
+            self.consider(key.clone());
+            // Not taken now (its state file unreadable for a moment): tried again later.
+            let taken = self.active.contains(&key) || self.queue.contains(&key);
+            if let Some(hold) = self.held.get_mut(&key).filter(|_| !taken) {
+                hold.until = Instant::now() + REFUSED_HOLD;
+            }
         }
     }
 
@@ -502,11 +521,13 @@ impl Supervisor {
             self.held.remove(&key);
             return;
         }
-        if self
+        if let Some(hold) = self
             .held
-            .get(&key)
-            .is_some_and(|hold| Instant::now() < hold.until)
+            .get_mut(&key)
+            .filter(|hold| Instant::now() < hold.until)
         {
+            // Looked at again when the hold ends: what changed may be what it waited for.
+            hold.changed = true;
             return;
         }
         if !self.queue.contains(&key) {
@@ -598,6 +619,7 @@ impl Supervisor {
                 message,
                 refused,
                 behind: None,
+                changed: false,
             };
             this.held.insert(key.clone(), hold);
             !said
@@ -658,7 +680,7 @@ impl Supervisor {
         let summary = format!(
             "{} running, {paused} paused, {} queued",
             self.active.len(),
-            self.queue.len()
+            self.queue.len() + self.waiting().count()
         );
         if summary != self.info.summary {
             self.notifier.status(&summary);
@@ -666,10 +688,20 @@ impl Supervisor {
         self.info.summary = summary;
         self.info.running = self.active.iter().cloned().collect();
         self.info.queued = self.queue.iter().cloned().collect();
+        self.info.waiting = self
+            .waiting()
+            .map(|(key, hold)| files::WaitingLoop {
+                key: key.clone(),
+                behind: hold.behind.clone().unwrap_or_default(),
+            })
+            .collect();
+        self.info.waiting.sort_by(|a, b| a.key.cmp(&b.key));
         self.info.refused = self
             .held
             .iter()
-            .filter(|(key, hold)| hold.refused && !self.active.contains(*key))
+            .filter(|(key, hold)| {
+                hold.refused && hold.behind.is_none() && !self.active.contains(*key)
+            })
             .map(|(key, hold)| files::RefusedLoop {
                 key: key.clone(),
                 reason: hold.message.clone(),
@@ -734,6 +766,14 @@ pub fn hand_over(
         if let Some(position) = now.as_ref().and_then(|s| s.queue_position(&key)) {
             eprintln!(
                 "loop {id}: queued by the service (pid {}), position {position}",
+                service.pid
+            );
+            return Ok(service.pid);
+        }
+        if let Some(behind) = now.as_ref().and_then(|s| s.waits_behind(&key)) {
+            eprintln!(
+                "loop {id}: queued by the service (pid {}) behind loop {behind}, which runs in \
+                 its work tree; it runs once that one ends or pauses",
                 service.pid
             );
             return Ok(service.pid);
