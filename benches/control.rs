@@ -11,7 +11,9 @@
 //!   c) `loopd pause ID`, from the spawn of the CLI to the last executor process gone;
 //!   d) `loopd resume ID`, from the spawn of the CLI to the new executor's spawn (seen as a new live
 //!      child of the daemon in `/proc/PID/task/*/children`) and to its pid file being written;
-//!   e) the same as d) with a raw write of `"status":"running"` instead of the CLI.
+//!   e) the same as d) with a raw write of `"status":"running"` instead of the CLI;
+//!   f) `loopd stop ID` of a loop a `loopd serve` drives (the loop handed to it by `loopd start`),
+//!      from the spawn of the CLI to the executor gone and to the CLI's exit.
 //! Stop trials use a fresh loop each (create + run); the pause/resume trials share one `loopd run`,
 //! and each resume is sent once the daemon has logged `paused` (plus a short settle), so it
 //! measures a resume of a settled pause.
@@ -422,6 +424,40 @@ fn stop_trial(
     }
 }
 
+/// f) `trials` stops of loops driven by one `loopd serve`: (executor gone, `loopd stop` exited).
+fn stop_with_service(trials: usize) -> Result<(Samples, Samples), String> {
+    let p = Project::new();
+    let mut service = Daemon {
+        child: Some(
+            p.loopd()
+                .args(["serve", "--root"])
+                .arg(&p.root)
+                .spawn()
+                .expect("spawn loopd serve"),
+        ),
+    };
+    let (mut gone, mut exited) = (Samples::default(), Samples::default());
+    let serving = p.home.join(".local/state/loopd/run/serve.json");
+    poll_until(|| serving.exists()).ok_or("the service did not start")?;
+    for _ in 0..trials {
+        let id = p.create();
+        let started = p.loopd().args(["start", &id]).status();
+        if !started.as_ref().is_ok_and(|s| s.success()) {
+            return Err(format!("loopd start {id}: {started:?}"));
+        }
+        let pids = p.executor_up(&id)?;
+        std::thread::sleep(settle());
+        let (t0, cli) = p.cli("stop", &id);
+        let times = time_kill(t0, pids, Some(cli), &mut service, false)?;
+        gone.ms.push(times.gone);
+        exited.ms.extend(times.cli_exit);
+        if let Some(s) = service.try_wait() {
+            return Err(format!("the service exited {s}"));
+        }
+    }
+    Ok((gone, exited))
+}
+
 struct PauseResume {
     pause: Samples,
     pause_cli_exit: Samples,
@@ -722,6 +758,7 @@ fn main() {
         "pause/resume trials done in {:.1} s",
         t.elapsed().as_secs_f64()
     );
+    let served = stop_with_service(trials.min(50));
     let bare = bare_pidfile(trials.min(50));
     let cli = cli_alone(trials.min(50));
 
@@ -744,6 +781,13 @@ fn main() {
         .row("e) raw write `\"status\":\"running\"` → new executor forked");
     pr.resume_raw_pidfile
         .row("   … → new executor wrote its pid file");
+    match served {
+        Ok((gone, exited)) => {
+            gone.row("f) `loopd stop` of a loop the service drives → executor gone");
+            exited.row("   … → `loopd stop` exited");
+        }
+        Err(e) => eprintln!("service trials aborted: {e}"),
+    }
     bare.row("context: bare `sh agent.sh` spawned → its pid file");
     cli.row("context: `loopd stop` with no daemon, spawned → exited");
     let race_trials = env_num("LOOPD_BENCH_RACE_TRIALS", 0);

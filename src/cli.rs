@@ -12,7 +12,7 @@ pub(crate) use crate::error::usage;
 pub use crate::error::{UsageError, exit_code_of};
 use crate::events::{printable, render};
 use crate::state::model::{LoopState, Mode, Status};
-use crate::state::store::{Store, validate_id};
+use crate::state::store::{Settler, Store, validate_id};
 use crate::view::{LoopView, standing};
 
 /// `println!` that returns an error instead of panicking when the reader of stdout has gone away
@@ -267,10 +267,25 @@ pub struct Project {
 }
 
 /// A short-lived command settles the versions its writes replaced before it exits (see
-/// [`Store::close`]).
+/// [`Store::close`]), unless a process that watches the state directory does it: the loop's
+/// daemon, or the service that serves the project (this one, or another, which the versions are
+/// handed over to: see [`Store::close_with`]).
 impl Drop for Project {
     fn drop(&mut self) {
-        self.store.close();
+        let me = std::process::id();
+        let mut service = None;
+        self.store.close_with(|id| {
+            let daemon = crate::daemon::daemon_pid(&self.store, id);
+            if daemon.is_some_and(|pid| pid != me && crate::daemon::pid_alive(pid)) {
+                return Settler::Another;
+            }
+            let service = service.get_or_insert_with(crate::serve::files::running);
+            match service {
+                Some(s) if s.serves(&self.root) && s.pid == me => Settler::ThisProcess,
+                Some(s) if s.serves(&self.root) => Settler::Another,
+                _ => Settler::Nobody,
+            }
+        });
     }
 }
 

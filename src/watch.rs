@@ -147,6 +147,15 @@ impl Watch {
                     if late {
                         let _ = store.settle(&id);
                     }
+                    // A version another writer replaced and handed over (it exits without
+                    // waiting for a late write into it): kept and settled here.
+                    if is_created(event) {
+                        for name in event.paths.iter().map(|p| Names::name(p)) {
+                            if names.is_handover(name) {
+                                store.adopt(name);
+                            }
+                        }
+                    }
                     if event.need_rescan() || event.paths.iter().any(|p| names.is_nested(p)) {
                         nested.follow(&refresh);
                     }
@@ -191,7 +200,7 @@ impl Watch {
                     added.as_mut().enable();
                     // Not more often than SETTLE_GAP, should a settle fail (a lock held long).
                     let due = store
-                        .next_settle(&id)
+                        .next_settle(Some(&id))
                         .map_or(next_look, |d| d.min(next_look))
                         .max(settled + SETTLE_GAP);
                     tokio::select! {
@@ -398,6 +407,11 @@ impl Names {
         name == self.state || name == self.tasks
     }
 
+    /// A hand-over note of this loop's (see [`Store::adopt`]).
+    fn is_handover(&self, name: &str) -> bool {
+        name.starts_with(&self.temp_prefix) && name.ends_with(crate::state::store::HANDOVER_SUFFIX)
+    }
+
     fn is_nested(&self, p: &Path) -> bool {
         Self::name(p) == self.nested
     }
@@ -406,6 +420,47 @@ impl Names {
         let name = Self::name(p);
         name.starts_with(&self.temp_prefix) && name.ends_with(crate::safe_fs::TEMP_SUFFIX)
     }
+}
+
+/// Whether an event says a file appeared under its name: created there, or renamed to it.
+pub fn is_created(event: &notify::Event) -> bool {
+    matches!(
+        event.kind,
+        EventKind::Create(_)
+            | EventKind::Modify(ModifyKind::Name(RenameMode::To | RenameMode::Both))
+    )
+}
+
+/// Settles the replaced versions `store` keeps (of every loop of its directory) when they are
+/// due, until the returned task is aborted: for a process that watches a state directory
+/// without a [`Watch`] of each loop (the service, for the loops it does not drive).
+pub fn settle_in_background(store: &Store) -> tokio::task::JoinHandle<()> {
+    let store = store.clone();
+    let kept = store.orphan_kept();
+    tokio::spawn(async move {
+        let mut settled = Instant::now();
+        loop {
+            let added = kept.notified();
+            tokio::pin!(added);
+            added.as_mut().enable();
+            match store.next_settle(None) {
+                Some(due) => {
+                    let due = due.max(settled + SETTLE_GAP);
+                    tokio::select! {
+                        () = tokio::time::sleep_until(due.into()) => {}
+                        () = added => continue,
+                    }
+                }
+                None => {
+                    added.await;
+                    continue;
+                }
+            }
+            settled = Instant::now();
+            let store = store.clone();
+            let _ = tokio::task::spawn_blocking(move || store.settle_every_loop()).await;
+        }
+    })
 }
 
 /// Whether an event may mean a changed file: opening or reading one is no change; closing it

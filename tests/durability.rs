@@ -196,6 +196,17 @@ fn a_resume_from_a_stale_copy_is_repaired_and_the_warning_says_what_was_put_back
 
 #[test]
 fn loopd_writers_and_a_ccw_style_writer_lose_no_update() {
+    lose_no_update(false);
+}
+
+/// The same, the loop driven by a service: loopd's commands exit without waiting for late
+/// writes into the versions they replaced, which the service takes over and settles.
+#[test]
+fn loopd_writers_and_a_ccw_style_writer_lose_no_update_with_a_service() {
+    lose_no_update(true);
+}
+
+fn lose_no_update(service: bool) {
     let p = Project::new(&format!("sleep 0.005\n{GOOD_AGENT}"));
     let tasks: Vec<String> = (1..=30).map(|i| format!("t{i}")).collect();
     let mut args = vec!["--title", "t", "--max-iterations", "100"];
@@ -203,7 +214,15 @@ fn loopd_writers_and_a_ccw_style_writer_lose_no_update() {
         args.extend(["--task", t.as_str()]);
     }
     let id = p.create(&args);
-    let child = p.spawn_run(&id, &[]);
+    let (child, service) = match service {
+        false => (Some(p.spawn_run(&id, &[])), None),
+        true => {
+            let service = p.serve(&["--root", p.root.to_str().unwrap()]);
+            let out = p.output(&["start", &id]);
+            assert!(out.status.success(), "start: {}", stderr(&out));
+            (None, Some(service))
+        }
+    };
     let path = p.state_path(&id);
     let external_done = Arc::new(AtomicBool::new(false));
     // A CCW-style writer: read, a moment later truncate and write the whole file, no lock.
@@ -247,8 +266,16 @@ fn loopd_writers_and_a_ccw_style_writer_lose_no_update() {
     // The external writer may have reverted the last status from a stale copy; resume once more
     // now that it is gone, as its user would.
     let _ = p.output(&["resume", &id]);
-    let out = wait_output(child, DEADLINE);
-    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    match child {
+        Some(child) => {
+            let out = wait_output(child, DEADLINE);
+            assert_eq!(code(&out), 0, "{}", stderr(&out));
+        }
+        None => wait_for("the loop to complete", || {
+            p.state(&id)["status"] == "completed"
+        }),
+    }
+    drop(service);
     let state = p.state(&id);
     assert_eq!(
         state["notes"],

@@ -102,6 +102,15 @@ enum Ending {
 struct Watched {
     project: Project,
     _events: Subscription,
+    /// Settles the versions its writers replaced (the service's own, and those handed over by
+    /// commands that exit at once: see [`crate::state::store::Store::close_with`]).
+    settler: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for Watched {
+    fn drop(&mut self) {
+        self.settler.abort();
+    }
 }
 
 struct Supervisor {
@@ -426,13 +435,18 @@ impl Supervisor {
                 tracing::warn!("warning: cannot serve {}: {e}", root.display());
                 continue;
             }
-            let events = crate::watch::subscribe(project.store.dir(), self.handler(&root));
+            let events = crate::watch::subscribe(
+                project.store.dir(),
+                self.handler(&root, project.store.clone()),
+            );
             tracing::info!("serving {}", root.display());
+            let settler = crate::watch::settle_in_background(&project.store);
             self.projects.insert(
                 root.clone(),
                 Watched {
                     project,
                     _events: events,
+                    settler,
                 },
             );
             self.scan(&root);
@@ -440,8 +454,10 @@ impl Supervisor {
         self.info.roots = self.projects.keys().cloned().collect();
     }
 
-    /// The handler of a project's state directory: a loop's state file changed.
-    fn handler(&self, root: &Path) -> crate::watch::Handler {
+    /// The handler of a project's state directory: a loop's state file changed, or a command
+    /// handed over the versions its writes replaced (taken over at once, settled by the
+    /// project's settler).
+    fn handler(&self, root: &Path, store: crate::state::store::Store) -> crate::watch::Handler {
         let (tx, root) = (self.tx.clone(), root.to_owned());
         Arc::new(move |event: &notify::Result<notify::Event>| {
             let event = match event {
@@ -453,6 +469,14 @@ impl Supervisor {
             };
             if !crate::watch::is_change(event) {
                 return;
+            }
+            if crate::watch::is_created(event) {
+                for path in &event.paths {
+                    let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
+                    if name.ends_with(crate::state::store::HANDOVER_SUFFIX) {
+                        store.adopt(name);
+                    }
+                }
             }
             for path in &event.paths {
                 if let Some(id) = loop_of(path) {

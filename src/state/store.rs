@@ -26,7 +26,9 @@
 //! marks an orphan written into (by the order of its file events: a write after the exchange
 //! renamed it) and settles it; every writer settles the orphans so marked, and those whose time is
 //! up, before it writes; a short-lived
-//! command settles all of them before it exits ([`Store::close`]). A settled orphan nobody wrote
+//! command settles all of them before it exits ([`Store::close`]), unless a process that watches
+//! the directory (the loop's daemon, the service) takes them over: then it leaves a note for each
+//! and exits at once ([`Store::close_with`], [`Store::adopt`]). A settled orphan nobody wrote
 //! into is kept as a *spare*, the file the next write is written into (no inode allocated or
 //! released per write), under its own name: the watcher takes the writes into a spare taken for a
 //! write as the writer's own until it sees it renamed into place ([`Store::reusing`]).
@@ -866,6 +868,13 @@ impl Store {
     /// Returns how many were removed.
     pub fn sweep_temp_files(&self, id: &str) -> Result<usize, StoreError> {
         let dir = self.state_dir(false)?;
+        // Versions another writer handed over, and nobody took: this process's now.
+        let notes = format!(".{}.", state_name(id));
+        for name in dir.entries().unwrap_or_default() {
+            if name.starts_with(&notes) && name.ends_with(HANDOVER_SUFFIX) {
+                self.adopt(&name);
+            }
+        }
         let _lock = self.lock(id)?;
         self.settle_locked(&dir, id, false);
         let prefix = format!(".{}.", state_name(id));
@@ -1125,14 +1134,29 @@ impl Store {
         }
     }
 
-    /// When the oldest replaced version of `id` this store keeps is due to be settled.
-    pub fn next_settle(&self, id: &str) -> Option<Instant> {
+    /// When the oldest replaced version of `id` (of any loop, without one) this store keeps is
+    /// due to be settled.
+    pub fn next_settle(&self, id: Option<&str>) -> Option<Instant> {
         let kept = lock(&self.orphans);
         kept.orphans
             .iter()
-            .filter(|o| o.id == id)
+            .filter(|o| id.is_none_or(|id| o.id == id))
             .map(|o| o.since + ORPHAN_LIFE)
             .min()
+    }
+
+    /// Settles the replaced versions of every loop that has some (see [`Store::settle`]).
+    pub fn settle_every_loop(&self) {
+        let ids: Vec<String> = {
+            let kept = lock(&self.orphans);
+            let mut ids: Vec<String> = kept.orphans.iter().map(|o| o.id.clone()).collect();
+            ids.sort();
+            ids.dedup();
+            ids
+        };
+        for id in ids {
+            let _ = self.settle(&id);
+        }
     }
 
     /// Woken whenever a replaced version is kept in this state directory.
@@ -1184,25 +1208,164 @@ impl Store {
         true
     }
 
+    /// [`Store::close`] for a short-lived writer whose loops another watcher may settle: the
+    /// replaced versions of a loop `settler` names [`Settler::ThisProcess`] are left to this
+    /// process's watches; those of a loop it names [`Settler::Another`] are handed over to that
+    /// process ([`Store::hand_over`]); the others are settled here, as `close` does. A command
+    /// that wrote the state file of a loop a daemon or the service watches therefore exits as
+    /// soon as its write is durable.
+    pub fn close_with(&self, mut settler: impl FnMut(&str) -> Settler) {
+        self.wait_durable();
+        let Ok(dir) = self.state_dir(false) else {
+            return;
+        };
+        let ids: Vec<String> = {
+            let kept = lock(&self.orphans);
+            let mut ids: Vec<String> = kept.orphans.iter().map(|o| o.id.clone()).collect();
+            ids.sort();
+            ids.dedup();
+            ids
+        };
+        let mut left = Vec::new();
+        for id in ids {
+            match settler(&id) {
+                Settler::Nobody => {}
+                Settler::ThisProcess => {
+                    self.leave(&id);
+                    left.push(id);
+                }
+                Settler::Another => {
+                    if let Ok(_lock) = self.lock(&id) {
+                        self.hand_over(&dir, &id);
+                    }
+                }
+            }
+        }
+        self.settle_all(&left);
+    }
+
+    /// Forgets the replaced versions of `id` this store's writes left, without settling them:
+    /// another store of this process (a watch) keeps them (see [`Store::close_with`]). Its
+    /// spares are removed: this writer is done.
+    fn leave(&self, id: &str) {
+        let Ok(dir) = self.state_dir(false) else {
+            return;
+        };
+        let mut kept = lock(&self.orphans);
+        kept.spares.retain(|(of, name)| {
+            of != id || {
+                let _ = dir.remove(name);
+                false
+            }
+        });
+        // The versions stay in the list this process's stores of the directory share, for its
+        // watch to settle; nothing else to do.
+    }
+
+    /// Hands the replaced versions of `id` over to another process that watches the state
+    /// directory: for each, a note `.{id}.json.XXXXXX.handover` says what it held when it was
+    /// replaced and what replaced it, and that process keeps and settles it as its own
+    /// ([`Store::adopt`]). A version whose note cannot be written stays here, to be settled
+    /// before the writer exits. Called with the loop's lock held.
+    fn hand_over(&self, dir: &Dir, id: &str) {
+        let mine: Vec<Orphan> = {
+            let mut kept = lock(&self.orphans);
+            let (mine, rest) = std::mem::take(&mut kept.orphans)
+                .into_iter()
+                .partition(|o| o.id == id);
+            kept.orphans = rest;
+            kept.spares.retain(|(of, name)| {
+                of != id || {
+                    let _ = dir.remove(name);
+                    false
+                }
+            });
+            mine
+        };
+        for orphan in mine {
+            let note = serde_json::json!({
+                "orphan": orphan.name,
+                "base": String::from_utf8_lossy(&orphan.base),
+                "written": String::from_utf8_lossy(&orphan.written),
+            });
+            let written = serde_json::to_vec(&note)
+                .map_err(io::Error::other)
+                .and_then(|bytes| dir.write_atomic(&handover_name(&orphan.name), &bytes, false));
+            if let Err(e) = written {
+                tracing::debug!("cannot hand over {}: {e}; settling it here", orphan.name);
+                lock(&self.orphans).orphans.push(orphan);
+            }
+        }
+    }
+
+    /// Takes over a replaced version another process handed over (its note `name`, see
+    /// [`Store::hand_over`]): kept and settled as this process's own. Returns whether there was
+    /// a note to take (another watch of this process may have taken it first).
+    pub fn adopt(&self, name: &str) -> bool {
+        let Some((id, orphan)) = handed_over(name) else {
+            return false;
+        };
+        if validate_id(id).is_err() {
+            return false;
+        }
+        let Ok(dir) = self.state_dir(false) else {
+            return false;
+        };
+        let Ok(_lock) = self.lock(id) else {
+            return false;
+        };
+        let Ok(bytes) = dir.read(name, 2 * MAX_STATE_SIZE + 4096) else {
+            return false;
+        };
+        let _ = dir.remove(name);
+        let note: Value = serde_json::from_slice(&bytes).unwrap_or_default();
+        let text = |key: &str| note[key].as_str().map(|s| s.as_bytes().to_vec());
+        let (Some(base), Some(written)) = (text("base"), text("written")) else {
+            return false;
+        };
+        if note["orphan"].as_str() != Some(orphan.as_str()) || !dir.exists(&orphan) {
+            return false;
+        }
+        self.keep_orphan(id, orphan, base, written);
+        // Read at its settle whatever the events said: its writes came before this process knew
+        // it.
+        self.touch_orphans(id);
+        true
+    }
+
     /// Settles every replaced version before a short-lived process exits (or a loop is let go):
     /// each is kept until it is [`ORPHAN_LIFE_SHORT`] old, then merged if written into, else
     /// removed, with the spares left for reuse.
     pub fn close(&self) {
         self.wait_durable();
+        self.settle_all(&[]);
+    }
+
+    /// Settles the replaced versions of every loop but those of `except`, waiting for them
+    /// (see [`Store::close`]).
+    fn settle_all(&self, except: &[String]) {
         // A merge writes a new version, itself kept: a few rounds settle everything.
         for _ in 0..WRITE_RACE_RETRIES {
             // The loops with kept versions or spares, and when the youngest version was kept.
             let (ids, youngest) = {
                 let kept = lock(&self.orphans);
+                let mine = |id: &String| !except.contains(id);
                 let mut ids: Vec<String> = kept
                     .orphans
                     .iter()
                     .map(|o| o.id.clone())
                     .chain(kept.spares.iter().map(|(id, _)| id.clone()))
+                    .filter(mine)
                     .collect();
                 ids.sort();
                 ids.dedup();
-                (ids, kept.orphans.iter().map(|o| o.since).max())
+                let youngest = kept
+                    .orphans
+                    .iter()
+                    .filter(|o| mine(&o.id))
+                    .map(|o| o.since)
+                    .max();
+                (ids, youngest)
             };
             if ids.is_empty() {
                 return;
@@ -1474,6 +1637,36 @@ fn changed_keys(base: &Map<String, Value>, theirs: &Map<String, Value>) -> Vec<S
     keys
 }
 
+/// Who settles a loop's replaced versions once a short-lived writer is done with them (see
+/// [`Store::close_with`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Settler {
+    /// The writer itself, before it exits.
+    Nobody,
+    /// A watch of this process.
+    ThisProcess,
+    /// Another process that watches the state directory: a daemon of the loop, or the service.
+    Another,
+}
+
+/// The hand-over note of the replaced version `orphan` (`.{id}.json.XXXXXX.tmp`).
+fn handover_name(orphan: &str) -> String {
+    format!(
+        "{}{HANDOVER_SUFFIX}",
+        orphan.strip_suffix(TEMP_SUFFIX).unwrap_or(orphan)
+    )
+}
+
+/// The suffix of a hand-over note.
+pub const HANDOVER_SUFFIX: &str = ".handover";
+
+/// The loop and the replaced version a hand-over note names, from its name alone.
+fn handed_over(name: &str) -> Option<(&str, String)> {
+    let stem = name.strip_prefix('.')?.strip_suffix(HANDOVER_SUFFIX)?;
+    let (id, _) = stem.split_once(".json.")?;
+    (!stem.contains('/')).then(|| (id, format!(".{stem}{TEMP_SUFFIX}")))
+}
+
 fn state_name(id: &str) -> String {
     format!("{id}.json")
 }
@@ -1716,6 +1909,44 @@ mod tests {
         );
         store.close();
         assert!(!store.has_orphans(None));
+        assert_eq!(temp_files(dir.path()), Vec::<String>::new());
+    }
+
+    #[test]
+    fn a_writer_that_hands_its_replaced_versions_over_loses_no_late_write() {
+        let (dir, store) = running_loop();
+        let path = store.state_path("l1");
+        let mut theirs: Value = serde_json::from_slice(&fs::read(&path).unwrap()).unwrap();
+        let mut late = fs::OpenOptions::new().write(true).open(&path).unwrap();
+        store
+            .update("l1", true, |raw, _| {
+                raw.insert("current_iteration".into(), 3.into());
+            })
+            .unwrap();
+        // The writer exits at once, handing the version it replaced over to the watcher...
+        store.close_with(|_| Settler::Another);
+        let notes: Vec<String> = fs::read_dir(dir.path())
+            .unwrap()
+            .filter_map(|e| e.ok()?.file_name().into_string().ok())
+            .filter(|n| n.ends_with(HANDOVER_SUFFIX))
+            .collect();
+        assert_eq!(notes.len(), 1, "{notes:?}");
+        assert!(!store.has_orphans(None), "nothing is left to this writer");
+        // ...and the lockless writer's bytes land in that version afterwards.
+        theirs["notes"] = "late".into();
+        late.set_len(0).unwrap();
+        late.write_all(&serde_json::to_vec(&theirs).unwrap())
+            .unwrap();
+        drop(late);
+        // The watcher takes it over (once: a second look finds no note) and settles it.
+        let watcher = Store::new(dir.path(), ".");
+        assert!(watcher.adopt(&notes[0]));
+        assert!(!watcher.adopt(&notes[0]));
+        assert_eq!(watcher.settle("l1").unwrap(), 1);
+        let on_disk: Value = serde_json::from_slice(&fs::read(&path).unwrap()).unwrap();
+        assert_eq!(on_disk["notes"], "late");
+        assert_eq!(on_disk["current_iteration"], 3);
+        watcher.close();
         assert_eq!(temp_files(dir.path()), Vec::<String>::new());
     }
 
