@@ -9,7 +9,8 @@
 //! `tokio::sync::watch` channel only when it differs, so the daemon's own writes, which never
 //! change those fields, wake nobody. A slow periodic re-check covers missed or overflowed events,
 //! and when inotify cannot be used (its limits reached, or `LOOPD_WATCH=poll`) a polling watcher
-//! takes over.
+//! takes over, and each watch reads its loop's state at every poll too (the polling watcher
+//! compares modification times in whole seconds).
 //!
 //! One process may watch many loops (`loopd serve`): every directory is watched by one inotify
 //! instance ([`subscribe`]), whose events are handed to the subscribers of the directory they
@@ -192,7 +193,11 @@ impl Watch {
             let kept = store.orphan_kept();
             tokio::spawn(async move {
                 let _orphans = orphans;
-                let mut next_look = Instant::now() + RECHECK;
+                // Where the directory is polled, the loop's state is read each poll: a
+                // polling watcher compares times in whole seconds, and misses a change made in
+                // the same second as the one before.
+                let every = if polled(store.dir()) { POLL } else { RECHECK };
+                let mut next_look = Instant::now() + every;
                 let mut settled = Instant::now();
                 loop {
                     let added = kept.notified();
@@ -210,7 +215,7 @@ impl Watch {
                     settled = Instant::now();
                     let look = settled >= next_look;
                     if look {
-                        next_look = Instant::now() + RECHECK;
+                        next_look = Instant::now() + every;
                     }
                     let (refresh, store, id) = (refresh.clone(), store.clone(), id.clone());
                     let _ = tokio::task::spawn_blocking(move || {
@@ -707,6 +712,11 @@ fn translate(
 pub struct Subscription {
     dir: PathBuf,
     key: u64,
+}
+
+/// Whether `dir` is watched by polling rather than by inotify.
+fn polled(dir: &Path) -> bool {
+    lock(&WATCHERS).polls.contains_key(dir)
 }
 
 /// Calls `handler` for every event in `dir` (not recursive), and for every error of the
