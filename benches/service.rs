@@ -6,7 +6,9 @@
 //!   - the service's memory while every loop runs (peak RSS, PSS, threads) and its inotify
 //!     instances;
 //!   - its own CPU per action (utime + stime of the service over a window, divided by the
-//!     actions finished in it) and the throughput against the ideal N / 0.2 s;
+//!     actions finished in it) and the throughput against the ideal N / 0.2 s, beside the CPU
+//!     per action of one `loopd run` driving the same loop alone (measured first, over
+//!     LOOPD_BENCH_RUN_WINDOW seconds), and their ratio;
 //!   - a raw write of `"status": "paused"` or `"failed"` (as the dashboard does), from the write
 //!     to the executor gone, while every loop runs;
 //!   - its CPU ticks over 10 s once every loop is paused;
@@ -16,7 +18,8 @@
 //! Run: `cargo bench --bench service`. Environment:
 //!   LOOPD_BENCH_LOOPS    loops (default 200)
 //!   LOOPD_BENCH_WINDOW   seconds of the measured window under load (default 10)
-//!   LOOPD_BENCH_TRIALS   pause, stop and pick-up trials each (default 25)
+//!   LOOPD_BENCH_TRIALS   pause, stop and pick-up trials each (default 50)
+//!   LOOPD_BENCH_RUN_WINDOW  seconds of the `loopd run` baseline (default 30)
 //!   LOOPD_BENCH_DIR      where the temporary projects go (default: the system temp dir)
 
 mod common;
@@ -173,14 +176,54 @@ fn executor(l: &Loop) -> u32 {
     pid
 }
 
+/// The CPU of one `loopd run` (its own, not its executors') per action, driving a loop of the
+/// same agent alone for `window`: its utime + stime just before it is stopped, divided by the
+/// actions it finished. Its project is returned, to be removed at the end: files released now
+/// would make the service's new files dearer on some filesystems (ext4 without a journal
+/// searches past recently released inodes).
+fn run_baseline(agent: &str, window: Duration) -> (f64, Project) {
+    let project = Project::new(
+        &config(&["sh", "bin/agent.sh"], "stdin", "json", None),
+        Some(agent),
+    );
+    let id = project.create(100_000);
+    let child = project
+        .loopd()
+        .args(["run", &id])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn loopd run");
+    let pid = child.id();
+    let mut child = Guard(child);
+    let l = Loop { project, id };
+    // From its first action on: the start (config, action files) is no action's.
+    wait("the first action", || l.actions_finished() > 0);
+    let (ticks0, actions0) = (cpu_ticks(pid), l.actions_finished());
+    std::thread::sleep(window);
+    let (ticks1, actions1) = (cpu_ticks(pid), l.actions_finished());
+    let _ = l.project.loopd().args(["stop", &l.id]).status();
+    let _ = child.0.wait();
+    let tick_ms = 1000.0
+        / nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK)
+            .ok()
+            .flatten()
+            .unwrap_or(100) as f64;
+    let per_action = (ticks1 - ticks0) as f64 * tick_ms / (actions1 - actions0).max(1) as f64;
+    (per_action, l.project)
+}
+
 fn main() {
     let n = env_num("LOOPD_BENCH_LOOPS", 200);
     let window = Duration::from_secs(env_num("LOOPD_BENCH_WINDOW", 10) as u64);
     // Pause trials and stop trials each take loops of their own.
-    let trials = env_num("LOOPD_BENCH_TRIALS", 25).clamp(1, (n / 2).max(1));
+    let trials = env_num("LOOPD_BENCH_TRIALS", 50).clamp(1, (n / 2).max(1));
     let home_dir = tempdir();
     let home = home_dir.path().canonicalize().expect("home");
     let agent = agent();
+    let run_window = Duration::from_secs(env_num("LOOPD_BENCH_RUN_WINDOW", 30) as u64);
+    let (run_cpu, _baseline) = run_baseline(&agent, run_window);
+    eprintln!("`loopd run` alone: {run_cpu:.2} ms of CPU per action");
 
     let setup = Instant::now();
     let loops: Vec<Loop> = (0..n)
@@ -308,6 +351,11 @@ fn main() {
         n as f64 / 0.2
     );
     println!("| service CPU per action | {cpu_per_action:.2} ms |");
+    println!("| `loopd run` CPU per action, the same loop alone | {run_cpu:.2} ms |");
+    println!(
+        "| service / `loopd run`, CPU per action | {:.2} |",
+        cpu_per_action / run_cpu
+    );
     println!("| service CPU ticks over 10 s, every loop paused | {idle_ticks} |");
     println!("\n| raw write | p50 | p99 | max |");
     println!("|---|---|---|---|");

@@ -22,6 +22,7 @@
 use std::collections::BTreeMap;
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context as _, Result};
@@ -430,8 +431,8 @@ struct LoopRun<'a> {
     /// The task list files as last absorbed.
     tasks_seen: Option<crate::state::tasks::TasksStamp>,
     /// The state as this daemon last wrote it: its own fields here are the truth, whatever
-    /// another program writes back.
-    ours: Option<LoopState>,
+    /// another program writes back. (Shared with the store's memory of that version.)
+    ours: Option<Arc<LoopState>>,
     /// The loop's git checkpoints, when its work tree is in a repository and they are on.
     checkpoints: Option<checkpoint::Recorder>,
 }
@@ -455,7 +456,7 @@ impl LoopRun<'_> {
     ) -> Result<LoopState> {
         let after = self.survive(|store| store.commit_with(state, transition, choice, durable))?;
         self.ours = Some(after.clone());
-        Ok(after)
+        Ok(LoopState::clone(&after))
     }
 
     /// Runs a read or write of the state file until it succeeds, outliving what a service
@@ -522,13 +523,15 @@ impl LoopRun<'_> {
     /// racing the daemon) is repaired at once, keeping that program's own changes.
     fn refresh(&mut self) -> Result<LoopState> {
         let id = self.id;
-        let loaded = self.survive(|store| store.load_state(id))?;
+        let shared = self.survive(|store| store.load_shared(id))?;
+        let loaded = LoopState::clone(&shared);
         let Some(ours) = &self.ours else {
-            self.ours = Some(loaded.clone());
+            self.ours = Some(shared);
             return Ok(loaded);
         };
-        let reverted = loaded.current_iteration != ours.current_iteration
-            || loaded.skill_state != ours.skill_state;
+        let reverted = !Arc::ptr_eq(ours, &shared)
+            && (loaded.current_iteration != ours.current_iteration
+                || loaded.skill_state != ours.skill_state);
         if !reverted {
             return Ok(loaded);
         }
@@ -543,7 +546,7 @@ impl LoopRun<'_> {
         // Fields someone added that the daemon does not know are no revert: keep them.
         crate::state::store::keep_unknown(&theirs, &mut mine);
         if mine == theirs {
-            self.ours = Some(loaded.clone());
+            self.ours = Some(shared);
             return Ok(loaded);
         }
         let ours = ours.clone();
@@ -595,16 +598,17 @@ impl LoopRun<'_> {
             ));
         }
         let id = self.id;
-        let loaded = self.survive(|store| store.load_state(id))?;
-        let mut state = loaded.clone();
+        let loaded = self.survive(|store| store.load_shared(id))?;
+        let mut state = LoopState::clone(&loaded);
         // A state a controller wrote may lack the workflow's fields (the CCW dashboard writes
         // none): they are written now, so that the daemon's copy is never ahead of the file's
         // without a write of its own.
         self.engine.workflow.init_part(state.skill());
         // Remembered, so that `loopd resume` restarts the loop with the same executor.
         state.skill().executor = self.engine.executor_override.clone();
-        self.ours = Some(loaded.clone());
-        if state.skill_state != loaded.skill_state {
+        let unchanged = state.skill_state == loaded.skill_state;
+        self.ours = Some(loaded);
+        if !unchanged {
             state = self.commit(&state, None, None, false)?;
         }
         self.recover(&mut state).await?;
@@ -1179,6 +1183,8 @@ impl LoopRun<'_> {
             Err(e) => return self.not_started(state, &done, e).await,
         };
         let spawned = running.spawned();
+        // From now on a stop or pause ends it from the watcher's thread.
+        let armed = self.watch.arm(spawned);
         let log = files
             .log_path
             .file_name()
@@ -1199,7 +1205,6 @@ impl LoopRun<'_> {
                 .with("log", files.log_path.display().to_string()),
         );
         self.progress.stock_log();
-        let armed = self.watch.arm(spawned);
         let (run, mut interrupt) = self.supervise(running, &done, &mut rx).await;
         let fired = armed.fired();
         drop(armed);

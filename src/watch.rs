@@ -110,17 +110,19 @@ impl Watch {
                     None => Snapshot::read(&store, &id),
                 };
                 if let Some(snapshot) = snapshot {
-                    // A stop or pause ends the attempt in flight from here, at once: the
-                    // daemon's task, which may wait for a worker of a busy runtime, does the
-                    // rest (grace, SIGKILL, reaping, the record).
-                    if snapshot.control.status != Status::Running {
-                        armed.fire();
-                    }
+                    let stopped = snapshot.control.status != Status::Running;
                     tx.send_if_modified(|old| {
                         let changed = old.as_ref() != Some(&snapshot);
                         *old = Some(snapshot);
                         changed
                     });
+                    // A stop or pause ends the attempt in flight from here, at once: the
+                    // daemon's task, which may wait for a worker of a busy runtime, does the
+                    // rest (grace, SIGKILL, reaping, the record). Published first, so that an
+                    // attempt armed meanwhile sees it (see `Watch::arm`).
+                    if stopped {
+                        armed.fire();
+                    }
                 }
             }
         };
@@ -246,8 +248,17 @@ impl Watch {
     /// status that leaves `running` SIGTERMs its process group from the watcher's thread, at
     /// once. The guard tells whether that happened.
     pub fn arm(&self, spawned: crate::executor::Spawned) -> ArmedAttempt {
-        *lock(&self.armed.attempt) = Some((spawned.pgid, spawned.proc_start));
         self.armed.fired.store(false, Ordering::SeqCst);
+        *lock(&self.armed.attempt) = Some((spawned.pgid, spawned.proc_start));
+        // A stop published before the attempt was armed ends it now.
+        let stopped = self
+            .rx
+            .borrow()
+            .as_ref()
+            .is_some_and(|s| s.control.status != Status::Running);
+        if stopped {
+            self.armed.fire();
+        }
         ArmedAttempt {
             armed: self.armed.clone(),
         }

@@ -31,6 +31,9 @@ use crate::safe_fs::Dir;
 
 /// How much of stdout is kept in memory to find the result in.
 pub const TAIL_CAP: usize = 1 << 20;
+/// The buffer each of an attempt's pipes is read into: a service holds two per loop, so they
+/// are small; a flood is read in more reads, each cheap.
+const READ_BUF: usize = 8 * 1024;
 
 /// One attempt to run.
 #[derive(Clone, Debug)]
@@ -313,7 +316,7 @@ impl Attempt for SubprocessAttempt {
     ) -> io::Result<Run> {
         let mut stdout = self.child.stdout.take();
         let mut stderr = self.child.stderr.take();
-        let (mut out_buf, mut err_buf) = (vec![0u8; 16 * 1024], vec![0u8; 16 * 1024]);
+        let (mut out_buf, mut err_buf) = (vec![0u8; READ_BUF], vec![0u8; READ_BUF]);
         let sup = self.supervision;
         let wall = tokio::time::sleep(sup.timeout);
         let idle = tokio::time::sleep(sup.idle_timeout);
@@ -382,7 +385,7 @@ impl SubprocessAttempt {
         };
         procs::attempt_ended(spawned.pgid);
         status = Some(waited?);
-        let mut buf = vec![0u8; 16 * 1024];
+        let mut buf = vec![0u8; READ_BUF];
         let mut out = self.output;
         drain(&mut stdout, &mut buf, |bytes| {
             out.log.write(bytes);

@@ -153,6 +153,7 @@ pub fn run(roots: &[PathBuf], config_flag: Option<&Path>, args: &ServeArgs) -> R
     let _lock = files::lock(&runtime_dir)?;
     crate::executor::procs::become_subreaper();
     raise_open_file_limit();
+    limit_malloc_arenas();
     // Blocking sections (store writes, lock waits) run on threads of their own; a bounded
     // number, as each thread costs memory, however many loops there are.
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -809,6 +810,26 @@ pub fn hand_over(
             );
         }
         std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// Gives the allocator one arena per core, not eight: glibc gives each thread that allocates
+/// an arena of its own up to that number, and memory freed in one is not reused by another, so
+/// a service whose threads take turns on many loops holds far more than it uses (at 200 loops
+/// of the service bench, 72 MiB of RSS against 60 with one arena per core). Its work waits on
+/// processes and disks, not on the allocator. Set before the runtime starts its threads.
+fn limit_malloc_arenas() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
+        let arenas = libc::c_int::try_from(cores).unwrap_or(libc::c_int::MAX);
+        // SAFETY: `mallopt` takes two integers and changes a setting of the allocator, which
+        // this call makes before the runtime starts the threads that allocate.
+        #[allow(unsafe_code)]
+        let set = unsafe { libc::mallopt(libc::M_ARENA_MAX, arenas) };
+        if set != 1 {
+            tracing::debug!("cannot limit the allocator's arenas");
+        }
     }
 }
 

@@ -200,21 +200,37 @@ pub struct Loaded {
 
 impl Loaded {
     fn parse(path: &Path, bytes: &[u8]) -> Result<Loaded, String> {
-        let value: Value = serde_json::from_slice(bytes).map_err(|e| e.to_string())?;
-        let Value::Object(raw) = value else {
-            return Err("not a JSON object".to_owned());
-        };
-        let state: LoopState =
-            serde_json::from_value(Value::Object(raw.clone())).map_err(|e| e.to_string())?;
-        let id = path
-            .file_name()
-            .and_then(|n| n.to_str())
-            .and_then(|n| n.strip_suffix(".json"));
-        if let Some(problem) = crate::workflow::problems(&state, id).into_iter().next() {
-            return Err(problem);
-        }
+        let raw = parse_object(bytes)?;
+        let state = typed(path, &raw)?;
         Ok(Loaded { raw, state })
     }
+}
+
+/// The JSON object of a state file's bytes.
+fn parse_object(bytes: &[u8]) -> Result<Map<String, Value>, String> {
+    match serde_json::from_slice(bytes).map_err(|e| e.to_string())? {
+        Value::Object(raw) => Ok(raw),
+        _ => Err("not a JSON object".to_owned()),
+    }
+}
+
+/// The typed view of a state file's object, refused when it is unusable (see
+/// [`crate::workflow::problems`]).
+fn typed(path: &Path, raw: &Map<String, Value>) -> Result<LoopState, String> {
+    let state = LoopState::deserialize(raw).map_err(|e| e.to_string())?;
+    let id = path
+        .file_name()
+        .and_then(|n| n.to_str())
+        .and_then(|n| n.strip_suffix(".json"));
+    match crate::workflow::problems(&state, id).into_iter().next() {
+        Some(problem) => Err(problem),
+        None => Ok(state),
+    }
+}
+
+/// The typed view of a state file's bytes (see [`typed`]).
+fn parse_state(path: &Path, bytes: &[u8]) -> Result<LoopState, String> {
+    typed(path, &parse_object(bytes)?)
 }
 
 /// A status change the daemon makes, applied only if the file still has one of the `from` statuses.
@@ -287,11 +303,12 @@ struct BackupJob {
     done: mpsc::SyncSender<()>,
 }
 
-/// A version of a state file, and its parse.
+/// A version of a state file, and its typed view (shared with the daemon's copy of its fields:
+/// a service keeps one per loop, not several).
 #[derive(Debug)]
 struct Seen {
     bytes: Vec<u8>,
-    loaded: Arc<Loaded>,
+    state: Arc<LoopState>,
     /// The inode of the file, when this store wrote it.
     ino: Option<u64>,
     /// Its control fields, once a watcher asked for them.
@@ -516,16 +533,16 @@ impl Store {
     }
 
     /// The parse of `bytes` if they are the last version seen of `id`.
-    fn remembered(&self, id: &str, bytes: &[u8]) -> Option<Arc<Loaded>> {
+    fn remembered(&self, id: &str, bytes: &[u8]) -> Option<Arc<LoopState>> {
         let last = lock(&self.last);
         let seen = last.get(id)?;
-        (seen.bytes == bytes).then(|| seen.loaded.clone())
+        (seen.bytes == bytes).then(|| seen.state.clone())
     }
 
-    fn remember(&self, id: &str, bytes: Vec<u8>, loaded: Arc<Loaded>, ino: Option<u64>) {
+    fn remember(&self, id: &str, bytes: Vec<u8>, state: Arc<LoopState>, ino: Option<u64>) {
         let seen = Seen {
             bytes,
-            loaded,
+            state,
             ino,
             control: Default::default(),
         };
@@ -630,13 +647,26 @@ impl Store {
 
     /// Reads and parses a loop's state file.
     pub fn load(&self, id: &str) -> Result<Loaded, StoreError> {
-        self.read(id)
-            .map(|(_, loaded)| Arc::unwrap_or_clone(loaded))
+        let (bytes, state) = self.read(id)?;
+        let raw = parse_object(&bytes).map_err(|reason| StoreError::Corrupt {
+            path: self.state_path(id),
+            reason,
+        })?;
+        Ok(Loaded {
+            raw,
+            state: Arc::unwrap_or_clone(state),
+        })
     }
 
     /// [`Store::load`], only the typed state.
     pub fn load_state(&self, id: &str) -> Result<LoopState, StoreError> {
-        self.read(id).map(|(_, loaded)| loaded.state.clone())
+        self.read(id).map(|(_, state)| Arc::unwrap_or_clone(state))
+    }
+
+    /// [`Store::load_state`], shared with this store's memory of the version: for a reader that
+    /// keeps it unchanged.
+    pub fn load_shared(&self, id: &str) -> Result<Arc<LoopState>, StoreError> {
+        self.read(id).map(|(_, state)| state)
     }
 
     /// A state file's bytes: refused over [`MAX_STATE_SIZE`], or when it is not a regular file
@@ -661,21 +691,21 @@ impl Store {
     /// The state file's bytes and their parse. Refused: a file over [`MAX_STATE_SIZE`], anything
     /// but a regular file with one link, and (after a short retry, in case another program is
     /// half-way through rewriting it) a file that does not parse or fails validation.
-    fn read(&self, id: &str) -> Result<(Vec<u8>, Arc<Loaded>), StoreError> {
+    fn read(&self, id: &str) -> Result<(Vec<u8>, Arc<LoopState>), StoreError> {
         validate_id(id)?;
         let dir = self.existing_dir()?.ok_or_else(|| self.not_found(id))?;
         let path = self.state_path(id);
         let deadline = Instant::now() + PARSE_RETRY;
         loop {
             let bytes = self.read_bytes(&dir, id)?;
-            if let Some(loaded) = self.remembered(id, &bytes) {
-                return Ok((bytes, loaded));
+            if let Some(state) = self.remembered(id, &bytes) {
+                return Ok((bytes, state));
             }
-            match Loaded::parse(&path, &bytes) {
-                Ok(loaded) => {
-                    let loaded = Arc::new(loaded);
-                    self.remember(id, bytes.clone(), loaded.clone(), None);
-                    return Ok((bytes, loaded));
+            match parse_state(&path, &bytes) {
+                Ok(state) => {
+                    let state = Arc::new(state);
+                    self.remember(id, bytes.clone(), state.clone(), None);
+                    return Ok((bytes, state));
                 }
                 // Another program may be half-way through rewriting the file in place.
                 Err(_) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(1)),
@@ -795,7 +825,10 @@ impl Store {
         let dir = self.state_dir(false)?;
         let _lock = self.lock(id)?;
         let read = self.read(id);
-        let Some(good) = lock(&self.last).get(id).map(|seen| seen.loaded.raw.clone()) else {
+        let good = lock(&self.last)
+            .get(id)
+            .and_then(|seen| parse_object(&seen.bytes).ok());
+        let Some(good) = good else {
             return read.map(|_| None);
         };
         let reason = match read {
@@ -941,7 +974,7 @@ impl Store {
         id: &str,
         durable: bool,
         change: impl FnMut(&mut Map<String, Value>, &LoopState),
-    ) -> Result<LoopState, StoreError> {
+    ) -> Result<Arc<LoopState>, StoreError> {
         validate_id(id)?;
         let dir = self.existing_dir()?.ok_or_else(|| self.not_found(id))?;
         let _lock = self.lock(id)?;
@@ -955,15 +988,20 @@ impl Store {
         id: &str,
         durable: bool,
         mut change: impl FnMut(&mut Map<String, Value>, &LoopState),
-    ) -> Result<LoopState, StoreError> {
+    ) -> Result<Arc<LoopState>, StoreError> {
         let path = self.state_path(id);
         let name = state_name(id);
-        // What is in place now, and the version to make the change on (and its bytes).
+        // What is in place now, and the version to make the change on (its bytes and typed
+        // view: the object to change is parsed anew from the bytes, which costs no more than a
+        // copy of a parse kept in memory, and a service keeps none per loop).
         let (mut in_place, mut base) = self.read(id)?;
         let mut made_on = in_place.clone();
         for round in 1.. {
-            let mut raw = base.raw.clone();
-            change(&mut raw, &base.state);
+            let mut raw = parse_object(&made_on).map_err(|reason| StoreError::Corrupt {
+                path: path.clone(),
+                reason,
+            })?;
+            change(&mut raw, &base);
             raw.insert("updated_at".into(), Value::String(now_rfc3339()));
             let value = Value::Object(raw);
             let bytes = to_pretty(&path, &value)?;
@@ -983,15 +1021,13 @@ impl Store {
                     reason: e.to_string(),
                 })
             })?;
-            let Value::Object(raw) = value else {
-                unreachable!("built as an object")
-            };
-            let loaded = Arc::new(Loaded { raw, state });
+            drop(value);
+            let state = Arc::new(state);
             // The last round writes whatever happened, rather than fail the write.
             let expected = (round < WRITE_RACE_RETRIES).then_some(in_place.as_slice());
             // Known as this store's version before it is in place: a watcher that sees it
             // renamed in need not read it (see [`Store::control_after_rename`]).
-            let remember = |ino| self.remember(id, bytes.clone(), loaded.clone(), ino);
+            let remember = |ino| self.remember(id, bytes.clone(), state.clone(), ino);
             let spare = self.take_spare(id);
             let replaced = swap_in(dir, &name, &bytes, expected, spare, remember)
                 .map_err(|e| not_written(io_err(&path)(e)))?;
@@ -1003,7 +1039,7 @@ impl Store {
                 }
                 Swapped::Replaced { tmp, old } => {
                     let theirs = match expected {
-                        Some(e) if e != old => Loaded::parse(&path, &old).ok(),
+                        Some(e) if e != old => parse_state(&path, &old).ok(),
                         _ => None,
                     };
                     if let Some(theirs) = theirs {
@@ -1025,7 +1061,7 @@ impl Store {
                     // writer's changes, merged when the orphan settles.
                     let base = if old == in_place {
                         old
-                    } else if Loaded::parse(&path, &old).is_ok() {
+                    } else if parse_state(&path, &old).is_ok() {
                         made_on
                     } else {
                         in_place
@@ -1040,7 +1076,7 @@ impl Store {
             {
                 self.sync_without_backup(dir, id, &e);
             }
-            return Ok(loaded.state.clone());
+            return Ok(state);
         }
         unreachable!("the loop returns by its last round")
     }
@@ -1541,7 +1577,7 @@ impl Store {
         ours: &LoopState,
         transition: Option<&Transition>,
         durable: bool,
-    ) -> Result<LoopState, StoreError> {
+    ) -> Result<Arc<LoopState>, StoreError> {
         self.commit_with(ours, transition, None, durable)
     }
 
@@ -1553,7 +1589,7 @@ impl Store {
         transition: Option<&Transition>,
         choice: Option<&str>,
         durable: bool,
-    ) -> Result<LoopState, StoreError> {
+    ) -> Result<Arc<LoopState>, StoreError> {
         let ours_value = daemon_fields(ours).map_err(|e| StoreError::Corrupt {
             path: self.state_path(&ours.loop_id),
             reason: e.to_string(),
