@@ -5,7 +5,10 @@
 //! runs in a file, appends an event to ralph's event file and, at the last run, publishes and
 //! prints ralph's completion promise. loopd runs it as the
 //! executor of every action (format `text`; validate never passes, so the loop goes on to its
-//! iteration limit); ralph runs it as a `custom` backend (`ralph run --no-tui`, prompt as an
+//! iteration limit), and a second time as an executor of the `json` result protocol: the backend
+//! then also writes a result with `state_updates` to `$LOOPD_RESULT_FILE` (planned tasks at init,
+//! a failed validation, a debug's findings), which loopd reads and applies; ralph runs it as a
+//! `custom` backend (`ralph run --no-tui`, prompt as an
 //! argument) until the promise; the bare round spawns it N times as loopd does (a process group of
 //! its own, pipes read to EOF). Rounds interleave the three, so that a slow moment of the machine
 //! hits them alike. Every round's directory is removed at the end, not after the round (see
@@ -39,13 +42,23 @@ const RALPH_VERSION: &str = "2.10.1";
 
 /// The backend: counts its runs and appends one event to ralph's event file (`.ralph/`, as
 /// ralph's docs say an agent does; a distinct payload each time, or ralph takes the loop for
-/// stale); the last run publishes and prints ralph's completion promise.
+/// stale); the last run publishes and prints ralph's completion promise. Run by loopd's `json`
+/// round (`BENCH_RESULT` set), it also writes its result file.
 fn backend(n: usize) -> String {
     format!(
         r#"n=0
 if [ -e runs ]; then read -r n < runs; fi
 n=$((n + 1))
 echo "$n" > runs
+if [ -n "$BENCH_RESULT" ]; then
+  case "$LOOPD_ACTION" in
+    init) r='{{"status":"success","summary":"planned","state_updates":{{"tasks":[{{"description":"make the tests pass","tool":"bash"}}]}}}}' ;;
+    validate) r='{{"status":"success","summary":"2 of 4 pass","state_updates":{{"passed":false,"pass_rate":50,"failed_tests":["t3","t4"]}}}}' ;;
+    debug) r='{{"status":"success","summary":"found it","state_updates":{{"active_bug":"t3 fails","confirmed_hypothesis":"H1"}}}}' ;;
+    *) r='{{"status":"success","summary":"step '"$n"'","files_changed":["src/lib.rs"]}}' ;;
+  esac
+  echo "$r" > "$LOOPD_RESULT_FILE"
+fi
 events=.ralph/events.jsonl
 if [ -e .ralph/current-events ]; then read -r events < .ralph/current-events; fi
 if [ "$n" -ge {n} ]; then
@@ -125,12 +138,17 @@ fn watch(mut child: Child, started: Instant, cpu0: Duration) -> (std::process::E
 /// so a round would otherwise pay for the files of the rounds before it.
 type Leftovers = Box<dyn std::any::Any>;
 
-fn loopd_round(dir: &Path, n: usize) -> (Run, Leftovers) {
-    let p = Project::in_dir(
-        &config(&["sh", "backend.sh"], "arg", "text", Some("false")),
-        None,
-        dir,
-    );
+/// A loopd run: its executor of format `text` (validate: the command `false`), or `json` (the
+/// backend's results read from its result file).
+fn loopd_round(dir: &Path, n: usize, json: bool) -> (Run, Leftovers) {
+    let config = match json {
+        false => config(&["sh", "backend.sh"], "arg", "text", Some("false")),
+        true => format!(
+            "{}env = {{ BENCH_RESULT = \"1\" }}\n",
+            config(&["sh", "backend.sh"], "arg", "json", None)
+        ),
+    };
+    let p = Project::in_dir(&config, None, dir);
     backend_dir(&p.root, usize::MAX);
     // init + (n - 2) iterations + complete.
     let id = p.create(n.saturating_sub(2).max(1));
@@ -273,13 +291,14 @@ fn main() {
     let mut ratios = Vec::new();
     let mut leftovers = Vec::new();
     for (name, dir) in &places {
-        let (mut l, mut r, mut b) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut l, mut j, mut r, mut b) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         let mut keep = |(run, left): (Run, Leftovers), runs: &mut Vec<Run>| {
             runs.push(run);
             leftovers.push(left);
         };
         for round in 1..=rounds {
-            keep(loopd_round(dir, n), &mut l);
+            keep(loopd_round(dir, n, false), &mut l);
+            keep(loopd_round(dir, n, true), &mut j);
             if let Some(ralph) = &ralph {
                 keep(ralph_round(ralph, dir, n), &mut r);
             }
@@ -293,19 +312,25 @@ fn main() {
         };
         let (lw, lc, lm) = own(&l);
         println!("| {name} | loopd | {lw:.2} | {lc:.2} | {lm:.1} MiB |");
+        let (jw, jc, jm) = own(&j);
+        println!("| {name} | loopd, json results | {jw:.2} | {jc:.2} | {jm:.1} MiB |");
         let ralph_row = (!r.is_empty()).then(|| own(&r));
         if let Some((rw, rc, rm)) = ralph_row {
             println!("| {name} | ralph {RALPH_VERSION} | {rw:.2} | {rc:.2} | {rm:.1} MiB |");
         }
         println!("| {name} | bare backend | {bw:.2} | | |");
-        ratios.push((name, lw / bw, ralph_row.map(|(rw, ..)| (rw / bw, lw / rw))));
+        ratios.push((
+            name,
+            lw / bw,
+            ralph_row.map(|(rw, ..)| (rw / bw, lw / rw, jw / rw)),
+        ));
     }
-    println!("\n| fs | loopd/bare | ralph/bare | loopd/ralph |");
-    println!("|---|---|---|---|");
+    println!("\n| fs | loopd/bare | ralph/bare | loopd/ralph | loopd (json results)/ralph |");
+    println!("|---|---|---|---|---|");
     for (name, lb, r) in ratios {
         match r {
-            Some((rb, lr)) => println!("| {name} | {lb:.2} | {rb:.2} | {lr:.2} |"),
-            None => println!("| {name} | {lb:.2} | | |"),
+            Some((rb, lr, jr)) => println!("| {name} | {lb:.2} | {rb:.2} | {lr:.2} | {jr:.2} |"),
+            None => println!("| {name} | {lb:.2} | | | |"),
         }
     }
 }

@@ -160,7 +160,18 @@ pub struct EventLog {
     dir: ProgressDir,
     file: Option<File>,
     size: u64,
+    /// Lines the log could not take yet (a full disk), oldest first: written before the next
+    /// event's, at most [`MAX_UNWRITTEN`] bytes of them (beyond, the oldest are dropped, and
+    /// counted in `dropped`).
+    unwritten: std::collections::VecDeque<String>,
+    unwritten_bytes: usize,
+    dropped: u64,
+    /// A write failed, and was said in the log once.
+    failing: bool,
 }
+
+/// How many bytes of events wait at most for a log that cannot be written.
+const MAX_UNWRITTEN: usize = 1 << 20;
 
 /// One event being built.
 pub struct Event {
@@ -192,6 +203,10 @@ impl EventLog {
             dir: dir.clone(),
             file: Some(file),
             size,
+            unwritten: Default::default(),
+            unwritten_bytes: 0,
+            dropped: 0,
+            failing: false,
         })
     }
 
@@ -213,25 +228,85 @@ impl EventLog {
         }
         let mut text = value.to_string();
         text.push('\n');
+        self.unwritten_bytes += text.len();
+        self.unwritten.push_back(text);
+        while self.unwritten_bytes > MAX_UNWRITTEN
+            && let Some(old) = self.unwritten.pop_front()
+        {
+            self.unwritten_bytes -= old.len();
+            self.dropped += 1;
+        }
+        self.flush();
+    }
+
+    /// Writes the lines waiting, oldest first, until one cannot be written (said once, until
+    /// the log can be written again).
+    fn flush(&mut self) {
+        if self.dropped > 0 {
+            let line = json!({
+                "ts": now_rfc3339(),
+                "loop_id": self.loop_id,
+                "event": name::WARNING,
+                "message": format!(
+                    "{} events were dropped: the event log could not be written for a while",
+                    self.dropped
+                ),
+            });
+            let line = format!("{line}\n");
+            self.unwritten_bytes += line.len();
+            self.unwritten.push_front(line);
+            self.dropped = 0;
+        }
+        while let Some(line) = self.unwritten.pop_front() {
+            if let Err(e) = self.write_line(&line) {
+                if !std::mem::replace(&mut self.failing, true) {
+                    tracing::warn!(
+                        path = %self.path().display(),
+                        "cannot append to the event log ({e}); events wait in memory until it \
+                         can be written"
+                    );
+                }
+                self.unwritten.push_front(line);
+                return;
+            }
+            self.unwritten_bytes -= line.len();
+        }
+        if std::mem::replace(&mut self.failing, false) {
+            tracing::info!(path = %self.path().display(), "the event log can be written again");
+        }
+    }
+
+    /// Appends one line; a write cut short (a full disk) is cut off the file again.
+    fn write_line(&mut self, text: &str) -> std::io::Result<()> {
         // A log removed meanwhile (with its directory) is opened anew, once.
         if self.file.as_ref().is_none_or(removed) {
-            self.file = self.dir.with(|d| d.append(EVENTS)).ok();
+            self.file = Some(self.dir.with(|d| d.append(EVENTS))?);
             self.size = self
                 .file
                 .as_ref()
                 .and_then(|f| f.metadata().ok())
                 .map_or(0, |m| m.len());
         }
-        if let Some(file) = &mut self.file {
-            if let Err(e) = file.write_all(text.as_bytes()) {
-                tracing::warn!(path = %self.path().display(), "cannot append to the event log: {e}");
-                self.file = None;
-                return;
-            }
-            self.size += text.len() as u64;
-            if self.size >= EVENT_LOG_ROTATE {
-                self.rotate();
-            }
+        let Some(file) = &mut self.file else {
+            unreachable!("opened above")
+        };
+        if let Err(e) = file.write_all(text.as_bytes()) {
+            let _ = file.set_len(self.size);
+            return Err(e);
+        }
+        self.size += text.len() as u64;
+        if self.size >= EVENT_LOG_ROTATE {
+            self.rotate();
+        }
+        Ok(())
+    }
+}
+
+/// The events still waiting are written, if the log can take them now.
+impl Drop for EventLog {
+    fn drop(&mut self) {
+        if !self.unwritten.is_empty() {
+            self.flush();
         }
     }
 }

@@ -171,6 +171,27 @@ struct Paths<'a> {
     result_file: &'a Path,
 }
 
+/// The file each attempt of a loop may write its result to (`$LOOPD_RESULT_FILE`), in the loop's
+/// `actions/`: one for all its attempts, emptied before each, so that no attempt costs a file
+/// made and later removed (which on ext4 costs a search for a free inode).
+const RESULT_FILE: &str = "result.json";
+
+/// Empties the result file before an attempt, making it if it is missing; what is there that is
+/// not a plain file (an executor's symlink) is removed first.
+fn empty_result_file(actions: &crate::safe_fs::Dir) {
+    let emptied = |dir: &crate::safe_fs::Dir| {
+        let file = dir.open_rw(RESULT_FILE)?;
+        match file.metadata()?.len() {
+            0 => Ok(()),
+            _ => file.set_len(0),
+        }
+    };
+    if emptied(actions).is_err() {
+        let _ = actions.remove(RESULT_FILE);
+        let _ = emptied(actions);
+    }
+}
+
 /// The pauses between the attempts of an action: `first`, doubled each time, `retries` of them.
 struct Backoff {
     left: u32,
@@ -1246,9 +1267,9 @@ impl LoopRun<'_> {
             })
             .find(|s| !actions.exists(&format!("{s}.log")))
             .unwrap_or(stem);
-        let result_name = format!("{stem}.result.json");
+        let result_name = RESULT_FILE.to_owned();
         let result_path = actions.join(&result_name);
-        let _ = actions.remove(&result_name);
+        empty_result_file(&actions);
         self.progress.reuse_log(&actions, &format!("{stem}.log"));
         let task = engine.workflow.task(state, dispatch);
         let paths = Paths {

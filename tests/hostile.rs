@@ -29,15 +29,20 @@ fn failed_attempt(p: &Project, id: &str) -> Value {
 #[test]
 fn result_files_that_are_fifos_devices_or_links_fail_the_attempt_at_once() {
     for (what, develop, needle) in [
-        ("a FIFO", "mkfifo \"$LOOPD_RESULT_FILE\"", "FIFO"),
+        // The result file is there, empty: a hostile executor puts something else in its place.
+        (
+            "a FIFO",
+            "rm -f \"$LOOPD_RESULT_FILE\"; mkfifo \"$LOOPD_RESULT_FILE\"",
+            "FIFO",
+        ),
         (
             "/dev/zero",
-            "ln -s /dev/zero \"$LOOPD_RESULT_FILE\"",
+            "ln -sf /dev/zero \"$LOOPD_RESULT_FILE\"",
             "symlink",
         ),
         (
             "a hard link",
-            "echo '{\"status\":\"success\"}' > mine; ln mine \"$LOOPD_RESULT_FILE\"",
+            "echo '{\"status\":\"success\"}' > mine; ln -f mine \"$LOOPD_RESULT_FILE\"",
             "hard link",
         ),
     ] {
@@ -398,4 +403,34 @@ fn stop_works_on_a_state_too_big_or_broken() {
     assert!(stderr(&out).contains("restored"), "{}", stderr(&out));
     assert_eq!(p.state(&id)["status"], "failed");
     assert_eq!(p.state(&id)["failure_reason"], "Manually stopped by user");
+}
+
+#[test]
+fn the_attempt_after_one_that_planted_a_fifo_gets_a_plain_result_file_again() {
+    // The first develop puts a FIFO where its result goes; the retry writes a result there.
+    let p = project(
+        "json",
+        "if [ ! -e planted ]; then touch planted; rm -f \"$LOOPD_RESULT_FILE\"; \
+         mkfifo \"$LOOPD_RESULT_FILE\"; exit 0; fi; \
+         echo '{\"status\":\"success\",\"summary\":\"second try\"}' > \"$LOOPD_RESULT_FILE\"",
+    );
+    p.config(
+        "retry_backoff = 0.01\naction_retries = 1\nexecutor = \"fake\"\n[executor_defaults]\n\
+         kill_grace = 0.5\n[executors.fake]\ncommand = [\"sh\", \"bin/agent.sh\"]\nformat = \"json\"\n\
+         [actions.validate]\ncommand = \"true\"\n",
+    );
+    let id = p.create(&["--title", "t"]);
+    let out = p.run(&id, &[]);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    let summaries: Vec<String> = p
+        .events(&id)
+        .iter()
+        .filter(|e| e["action"] == "develop" && e["event"] != "action_started")
+        .map(|e| format!("{} {}", e["event"], e["summary"].as_str().unwrap_or("")))
+        .collect();
+    assert_eq!(
+        summaries,
+        ["\"action_failed\" ", "\"action_finished\" second try"],
+        "{summaries:?}"
+    );
 }

@@ -8,6 +8,7 @@
 //! `create_loop`), on a blocking thread. A bad request gets a 4xx with `{"error": "..."}` and
 //! changes nothing.
 
+use std::collections::BTreeMap;
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -40,6 +41,9 @@ pub const OPENAPI: &str = include_str!("openapi.json");
 pub struct Shared {
     pub info: Arc<RwLock<ServiceInfo>>,
     pub changes: tokio::sync::broadcast::Sender<super::LoopKey>,
+    /// The projects the service serves, opened once: a request reads through them rather than
+    /// open every project (its configuration read, its directory opened) to find one loop.
+    pub projects: Arc<RwLock<BTreeMap<PathBuf, Arc<Project>>>>,
 }
 
 impl Default for Shared {
@@ -47,6 +51,7 @@ impl Default for Shared {
         Shared {
             info: Arc::default(),
             changes: tokio::sync::broadcast::channel(1024).0,
+            projects: Arc::default(),
         }
     }
 }
@@ -54,6 +59,16 @@ impl Default for Shared {
 impl Shared {
     fn info(&self) -> ServiceInfo {
         self.info.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// The projects served, in the order of their roots.
+    fn projects(&self) -> Vec<Arc<Project>> {
+        self.projects
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .values()
+            .cloned()
+            .collect()
     }
 }
 
@@ -395,14 +410,32 @@ async fn blocking<T: Send + 'static>(
         .map_err(ApiError::from)
 }
 
-/// Runs `f` on a blocking thread with the project of the service that holds loop `id` ([`find`]).
+/// Runs `f` on a blocking thread with the project of the service that holds loop `id` ([`find`]),
+/// for a read.
 async fn on_loop<T: Send + 'static>(
-    info: ServiceInfo,
+    shared: &Shared,
     id: String,
     root: Option<PathBuf>,
     f: impl FnOnce(&Project, &str) -> Result<T> + Send + 'static,
 ) -> ApiResult<T> {
-    blocking(move || f(&find(&info, &id, root.as_deref())?, &id)).await
+    let shared = shared.clone();
+    blocking(move || f(&*find(&shared, &id, root.as_deref())?, &id)).await
+}
+
+/// [`on_loop`] for a change: with the project opened anew (its configuration as it is now, as
+/// the CLI would read it).
+async fn on_loop_to_change<T: Send + 'static>(
+    shared: &Shared,
+    id: String,
+    root: Option<PathBuf>,
+    f: impl FnOnce(&Project, &str) -> Result<T> + Send + 'static,
+) -> ApiResult<T> {
+    let shared = shared.clone();
+    blocking(move || {
+        let found = find(&shared, &id, root.as_deref())?;
+        f(&Project::open_for_inspection(Some(&found.root), None)?, &id)
+    })
+    .await
 }
 
 /// `?root=DIR`: which project, where two have a loop of the same id.
@@ -413,10 +446,10 @@ struct Where {
 }
 
 /// The project of the service that holds loop `id`.
-fn find(info: &ServiceInfo, id: &str, root: Option<&Path>) -> Result<Project> {
+fn find(shared: &Shared, id: &str, root: Option<&Path>) -> Result<Arc<Project>> {
     crate::state::store::validate_id(id)?;
     if let Some(root) = root
-        && !info.serves(root)
+        && !shared.info().serves(root)
     {
         return Err(crate::cli::usage(format!(
             "{} is not a project of this service",
@@ -424,12 +457,11 @@ fn find(info: &ServiceInfo, id: &str, root: Option<&Path>) -> Result<Project> {
         )));
     }
     let mut found = Vec::new();
-    for r in info
-        .roots
-        .iter()
-        .filter(|r| root.is_none_or(|root| root == *r))
+    for p in shared
+        .projects()
+        .into_iter()
+        .filter(|p| root.is_none_or(|root| root == p.root))
     {
-        let p = Project::open_for_inspection(Some(r), None)?;
         if p.store.state_path(id).exists() {
             found.push(p);
         }
@@ -523,13 +555,14 @@ async fn service(State(shared): State<Shared>) -> Json<ServiceInfo> {
 
 async fn list_loops(State(shared): State<Shared>) -> ApiResult<Json<Value>> {
     let info = shared.info();
+    let projects = shared.projects();
     blocking(move || {
         let mut loops = Vec::new();
-        for root in &info.roots {
-            let p = Project::open_for_inspection(Some(root), None)?;
+        for p in &projects {
+            let root = &p.root;
             for id in p.store.list_ids()? {
                 match p.store.load(&id) {
-                    Ok(loaded) => loops.push(summary(&p, &loaded.state, &info)),
+                    Ok(loaded) => loops.push(summary(p, &loaded.state, &info)),
                     Err(e) => loops.push(json!({
                         "root": root, "status": "unreadable", "error": e.to_string(),
                         "view": { "loop_id": id },
@@ -549,7 +582,7 @@ async fn one_loop(
 ) -> ApiResult<Json<Value>> {
     let (UrlPath(id), Query(place), info) = (id?, place?, shared.info());
     let shown = info.clone();
-    on_loop(info, id, place.root, move |p, id| {
+    on_loop(&shared, id, place.root, move |p, id| {
         let loaded = p.store.load(id)?;
         let mut value = summary(p, &loaded.state, &shown);
         value["state"] = Value::Object(loaded.raw);
@@ -623,14 +656,14 @@ async fn control(
     path: std::result::Result<UrlPath<(String, String)>, PathRejection>,
     place: std::result::Result<Query<Where>, QueryRejection>,
 ) -> ApiResult<Json<Value>> {
-    let (UrlPath((id, verb)), Query(place), info) = (path?, place?, shared.info());
+    let (UrlPath((id, verb)), Query(place)) = (path?, place?);
     let what = match verb.as_str() {
         "pause" => Control::Pause,
         "resume" => Control::Resume,
         "stop" => Control::Stop,
         _ => return Err(ApiError::new(StatusCode::NOT_FOUND, "no such route")),
     };
-    on_loop(info, id, place.root, move |p, id| {
+    on_loop_to_change(&shared, id, place.root, move |p, id| {
         let done = crate::cli::set_control(p, id, what)?;
         Ok(Json(json!({
             "loop_id": id,
@@ -662,7 +695,7 @@ async fn next(
     body: std::result::Result<Json<Choice>, JsonRejection>,
 ) -> ApiResult<Json<Value>> {
     let (UrlPath(id), Query(place), Json(choice)) = (id?, place?, body?);
-    on_loop(shared.info(), id, place.root, move |p, id| {
+    on_loop_to_change(&shared, id, place.root, move |p, id| {
         Ok(Json(crate::cli::choose_next(p, id, &choice.action)?))
     })
     .await
@@ -675,7 +708,7 @@ async fn answer(
     body: std::result::Result<Json<Text>, JsonRejection>,
 ) -> ApiResult<Json<Value>> {
     let (UrlPath(id), Query(place), Json(text)) = (id?, place?, body?);
-    on_loop(shared.info(), id, place.root, move |p, id| {
+    on_loop_to_change(&shared, id, place.root, move |p, id| {
         Ok(Json(crate::recovery::give_answer(p, id, &text.text)?))
     })
     .await
@@ -688,7 +721,7 @@ async fn add_task(
     body: std::result::Result<Json<Text>, JsonRejection>,
 ) -> ApiResult<(StatusCode, Json<Value>)> {
     let (UrlPath(id), Query(place), Json(text)) = (id?, place?, body?);
-    on_loop(shared.info(), id, place.root, move |p, id| {
+    on_loop_to_change(&shared, id, place.root, move |p, id| {
         let value = crate::recovery::add_task(p, id, &text.text)?;
         Ok((StatusCode::CREATED, Json(value)))
     })
@@ -714,7 +747,7 @@ async fn events(
     query: std::result::Result<Query<After>, QueryRejection>,
     headers: HeaderMap,
 ) -> ApiResult<impl IntoResponse> {
-    let (UrlPath(id), Query(query), info) = (id?, query?, shared.info());
+    let (UrlPath(id), Query(query)) = (id?, query?);
     let last = headers
         .get("last-event-id")
         .map(|v| {
@@ -728,7 +761,7 @@ async fn events(
         .transpose()?;
     let root = query.root;
     let (store, dir) = blocking(move || {
-        let p = find(&info, &id, root.as_deref())?;
+        let p = find(&shared, &id, root.as_deref())?;
         let dir = p.store.progress(&id)?;
         Ok((crate::events::EventTail::new(&p.store, &id), dir))
     })
@@ -813,9 +846,9 @@ async fn tail(
     id: std::result::Result<UrlPath<String>, PathRejection>,
     query: std::result::Result<Query<TailQuery>, QueryRejection>,
 ) -> ApiResult<Json<Value>> {
-    let (UrlPath(id), Query(query), info) = (id?, query?, shared.info());
+    let (UrlPath(id), Query(query)) = (id?, query?);
     let want = query.bytes.unwrap_or(16 * 1024).min(1 << 20);
-    on_loop(info, id, query.root, move |p, id| {
+    on_loop(&shared, id, query.root, move |p, id| {
         let state = p.store.load(id)?.state;
         let flight = state.skill_state.as_ref().and_then(|s| s.in_flight.clone());
         let Some(flight) = flight else {

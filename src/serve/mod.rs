@@ -100,7 +100,8 @@ enum Ending {
 
 /// A project the service watches.
 struct Watched {
-    project: Project,
+    /// Shared with the API, which reads through it.
+    project: Arc<Project>,
     _events: Subscription,
     /// Settles the versions its writers replaced (the service's own, and those handed over by
     /// commands that exit at once: see [`crate::state::store::Store::close_with`]).
@@ -425,7 +426,11 @@ impl Supervisor {
                 continue;
             }
             let project = match Project::open_for_inspection(Some(&root), None) {
-                Ok(p) => p,
+                Ok(mut p) => {
+                    // It reads every loop of the project (for the API too): nothing is kept.
+                    p.store = p.store.clone().without_memory();
+                    p
+                }
                 Err(e) => {
                     tracing::warn!("warning: cannot serve {}: {e:#}", root.display());
                     continue;
@@ -442,6 +447,12 @@ impl Supervisor {
             );
             tracing::info!("serving {}", root.display());
             let settler = crate::watch::settle_in_background(&project.store);
+            let project = Arc::new(project);
+            self.shared
+                .projects
+                .write()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(root.clone(), project.clone());
             self.projects.insert(
                 root.clone(),
                 Watched {

@@ -259,6 +259,11 @@ pub struct Store {
     /// Set by [`Store::defer_durability`]: durable writes are made durable on the backup thread;
     /// those not known to be durable yet.
     deferred: Arc<OnceLock<Mutex<Vec<mpsc::Receiver<()>>>>>,
+    /// The loops whose backup cannot be written now (a full disk): said once, not at every
+    /// write.
+    backup_failing: Arc<Mutex<std::collections::HashSet<String>>>,
+    /// Whether reads are remembered in `last` (see [`Store::without_memory`]).
+    memory: bool,
 }
 
 /// The process's backup threads, one per filesystem its stores are on (a service drives many
@@ -413,6 +418,8 @@ impl Store {
             last: Arc::default(),
             orphans: shared_orphans(&root.join(state_dir)),
             deferred: Arc::default(),
+            backup_failing: Arc::default(),
+            memory: true,
         }
     }
 
@@ -478,9 +485,22 @@ impl Store {
         let Ok(dir) = self.state_dir(false) else {
             return;
         };
-        if let Err(e) = backup::record(&dir, &backup_name(id), bytes) {
-            let _lock = self.lock(id);
-            self.sync_without_backup(&dir, id, &e);
+        match backup::record(&dir, &backup_name(id), bytes) {
+            Ok(()) => self.backup_recorded(id),
+            Err(e) => {
+                let _lock = self.lock(id);
+                self.sync_without_backup(&dir, id, &e);
+            }
+        }
+    }
+
+    /// A backup of `id` was written: if it could not be before, that is said.
+    fn backup_recorded(&self, id: &str) {
+        if lock(&self.backup_failing).remove(id) {
+            tracing::info!(
+                "the backup {} can be written again",
+                self.backup_path(id).display()
+            );
         }
     }
 
@@ -532,14 +552,27 @@ impl Store {
         Ok(progress)
     }
 
+    /// This store, remembering nothing it reads: for a reader of every loop of a project (the
+    /// service's API), which would otherwise keep a parse of each.
+    pub fn without_memory(mut self) -> Store {
+        self.memory = false;
+        self
+    }
+
     /// The parse of `bytes` if they are the last version seen of `id`.
     fn remembered(&self, id: &str, bytes: &[u8]) -> Option<Arc<LoopState>> {
+        if !self.memory {
+            return None;
+        }
         let last = lock(&self.last);
         let seen = last.get(id)?;
         (seen.bytes == bytes).then(|| seen.state.clone())
     }
 
     fn remember(&self, id: &str, bytes: Vec<u8>, state: Arc<LoopState>, ino: Option<u64>) {
+        if !self.memory {
+            return;
+        }
         let seen = Seen {
             bytes,
             state,
@@ -1070,11 +1103,11 @@ impl Store {
                 }
                 Swapped::Renamed => {}
             }
-            if durable
-                && !deferred
-                && let Err(e) = backup::record(dir, &backup_name(id), &bytes)
-            {
-                self.sync_without_backup(dir, id, &e);
+            if durable && !deferred {
+                match backup::record(dir, &backup_name(id), &bytes) {
+                    Ok(()) => self.backup_recorded(id),
+                    Err(e) => self.sync_without_backup(dir, id, &e),
+                }
             }
             return Ok(state);
         }
@@ -1085,10 +1118,13 @@ impl Store {
     /// [`backup`]) could not be written (`e`: a full disk, something planted in its place): by
     /// an fsync of the state file and of the directory.
     fn sync_without_backup(&self, dir: &Dir, id: &str, e: &io::Error) {
-        tracing::warn!(
-            "warning: cannot write the backup {}: {e}",
-            self.backup_path(id).display()
-        );
+        if lock(&self.backup_failing).insert(id.to_owned()) {
+            tracing::warn!(
+                "warning: cannot write the backup {}: {e}; its state file is fsynced instead \
+                 until it can",
+                self.backup_path(id).display()
+            );
+        }
         let synced = dir
             .open_read(&state_name(id))
             .and_then(|file| file.sync_data())
