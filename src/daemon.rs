@@ -96,10 +96,13 @@ pub fn take(
     let (mut engine, work_tree) = build_for(p, &state, executor, exit_on_pause)?;
     preflight(p, id, &engine)?;
     engine.restored = restored;
-    let mut locks = vec![Held::daemon(&p.store, id, me)?];
+    // The work tree first: a loop that cannot have it never looks driven, not even for a
+    // moment (a `start` handing it to the service reads the daemon lock to tell).
+    let mut locks = Vec::new();
     if !work_tree.own {
         locks.push(Held::work_tree(&p.store, id, &p.root, me)?);
     }
+    locks.push(Held::daemon(&p.store, id, me)?);
     Ok(Taken {
         engine,
         _locks: locks,

@@ -150,18 +150,19 @@ pub fn become_subreaper() {
     }
 }
 
-/// This process's direct children (`/proc/self/task/*/children`); `None` where the kernel does
-/// not offer that list.
+/// The children of this process's main thread (`/proc/self/task/PID/children`): the orphans
+/// reparented to this process, a subreaper, are given to the first live thread of its thread
+/// group, its main thread (the kernel's `find_new_reaper`); an executor is the child of the
+/// thread that spawned it, and is known by its owner. `None` where the kernel does not offer
+/// that list. (Read once, not once per thread: a service has some twenty threads.)
 fn own_children() -> Option<Vec<u32>> {
-    let mut children = Vec::new();
-    for task in std::fs::read_dir("/proc/self/task").ok()? {
-        let text = std::fs::read_to_string(task.ok()?.path().join("children")).ok()?;
-        children.extend(
-            text.split_whitespace()
-                .filter_map(|p| p.parse::<u32>().ok()),
-        );
-    }
-    Some(children)
+    let path = format!("/proc/self/task/{}/children", std::process::id());
+    let text = std::fs::read_to_string(path).ok()?;
+    Some(
+        text.split_whitespace()
+            .filter_map(|p| p.parse::<u32>().ok())
+            .collect(),
+    )
 }
 
 /// Whether this process has no child at all, alive or not.

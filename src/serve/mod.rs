@@ -240,12 +240,14 @@ impl Supervisor {
                     self.publish();
                 }
                 Some(wake) = rx.recv() => {
-                    self.on(wake);
+                    let mut changed = self.on(wake);
                     // What came meanwhile is handled before the status is published.
                     while let Ok(wake) = rx.try_recv() {
-                        self.on(wake);
+                        changed |= self.on(wake);
                     }
-                    self.publish();
+                    if changed {
+                        self.publish();
+                    }
                 }
                 _ = tick.tick() => {
                     if beat.is_some() {
@@ -284,12 +286,18 @@ impl Supervisor {
         self.shutdown.borrow().is_some()
     }
 
-    fn on(&mut self, wake: Wake) {
+    /// Handles one wake; whether what the service publishes may have changed.
+    fn on(&mut self, wake: Wake) -> bool {
         match wake {
             Wake::Changed(key) => {
                 // For the dashboards: nobody listening is no error.
                 let _ = self.shared.changes.send(key.clone());
-                self.release_behind(&key);
+                let released = self.release_behind(&key);
+                // A loop this service drives writes its own file at every action: nothing to
+                // look at, nothing to publish.
+                if self.active.contains(&key) && !released {
+                    return false;
+                }
                 self.consider(key);
             }
             Wake::Rescan => self.scan_all(),
@@ -310,6 +318,7 @@ impl Supervisor {
             }
             Wake::Reload => self.reload(),
         }
+        true
     }
 
     /// The loops waiting for their work tree (neither running nor queued now), and whom for.
@@ -356,8 +365,8 @@ impl Supervisor {
     }
 
     /// `key`'s state file changed: the loops waiting for its work tree are tried again at once
-    /// (it may have ended or paused).
-    fn release_behind(&mut self, key: &LoopKey) {
+    /// (it may have ended or paused). Whether there were some.
+    fn release_behind(&mut self, key: &LoopKey) -> bool {
         let now = Instant::now();
         let waiting: Vec<LoopKey> = self
             .held
@@ -370,9 +379,11 @@ impl Supervisor {
                 other.clone()
             })
             .collect();
+        let released = !waiting.is_empty();
         for other in waiting {
             self.consider(other);
         }
+        released
     }
 
     /// SIGHUP: the service's configuration and its projects, read again. Each loop's project
