@@ -431,19 +431,24 @@ mod tests {
         );
     }
 
+    fn wait_until_zombie(pid: u32) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while ProcStat::read(pid).is_none_or(|p| p.is_alive()) {
+            assert!(Instant::now() < deadline, "process {pid} did not exit");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
     #[test]
-    fn ending_an_attempt_reaps_strays_but_never_the_executor_of_an_attempt_in_flight() {
+    fn a_reap_takes_strays_but_never_the_executor_of_an_attempt_in_flight() {
         // Two children that exit at once: the executor of an attempt in flight, and a stray.
         let spawn = || std::process::Command::new("true").spawn().unwrap();
         let (mut executor, stray) = (spawn(), spawn());
         attempt_started(executor.id());
-        let deadline = Instant::now() + Duration::from_secs(30);
-        let zombie = |pid: u32| ProcStat::read(pid).is_some_and(|p| !p.is_alive());
-        while !(zombie(executor.id()) && zombie(stray.id())) {
-            assert!(Instant::now() < deadline, "the children did not exit");
-            std::thread::sleep(Duration::from_millis(5));
-        }
-        reap_zombies();
+        wait_until_zombie(executor.id());
+        wait_until_zombie(stray.id());
+        let left = reap_among(&[executor.id(), stray.id()]);
+        assert_eq!(left, [executor.id()]);
         assert!(
             ProcStat::read(stray.id()).is_none(),
             "the stray was not reaped"
@@ -451,6 +456,32 @@ mod tests {
         // The executor's owner still gets its exit status.
         assert!(executor.wait().unwrap().success());
         attempt_ended(executor.id());
+    }
+
+    #[test]
+    fn an_orphan_reparented_to_this_subreaper_is_reaped() {
+        // An executor's child that outlives it is given to this process's main thread, whichever
+        // thread spawned the executor.
+        become_subreaper();
+        let out = std::process::Command::new("sh")
+            .args(["-c", "sleep 0.05 </dev/null >/dev/null 2>&1 & echo $!"])
+            .output()
+            .unwrap();
+        let orphan: u32 = String::from_utf8(out.stdout)
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap();
+        wait_until_zombie(orphan);
+        assert_eq!(
+            ProcStat::read(orphan).map(|p| p.ppid),
+            Some(std::process::id())
+        );
+        reap_zombies();
+        assert!(
+            ProcStat::read(orphan).is_none(),
+            "the orphan was not reaped"
+        );
     }
 
     #[test]
