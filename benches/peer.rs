@@ -5,9 +5,11 @@
 //! runs in a file, appends an event to ralph's event file and, at the last run, publishes and
 //! prints ralph's completion promise. loopd runs it as the
 //! executor of every action (format `text`; validate never passes, so the loop goes on to its
-//! iteration limit), and a second time as an executor of the `json` result protocol: the backend
-//! then also writes a result with `state_updates` to `$LOOPD_RESULT_FILE` (planned tasks at init,
-//! a failed validation, a debug's findings), which loopd reads and applies; ralph runs it as a
+//! iteration limit), and a second time as an executor of the `json` result protocol. Every run of
+//! the backend, in every round, writes a result with `state_updates` (planned tasks at init, a
+//! failed validation, a debug's findings) to a file: to `$LOOPD_RESULT_FILE` in loopd's `json`
+//! round, which loopd reads and applies, and to a file nobody reads in the other rounds, so that
+//! all rounds pay the backend's same work and the differences are the orchestrators'. ralph runs it as a
 //! `custom` backend (`ralph run --no-tui`, prompt as an
 //! argument) until the promise; the bare round spawns it N times as loopd does (a process group of
 //! its own, pipes read to EOF). Rounds interleave the three, so that a slow moment of the machine
@@ -42,23 +44,22 @@ const RALPH_VERSION: &str = "2.10.1";
 
 /// The backend: counts its runs and appends one event to ralph's event file (`.ralph/`, as
 /// ralph's docs say an agent does; a distinct payload each time, or ralph takes the loop for
-/// stale); the last run publishes and prints ralph's completion promise. Run by loopd's `json`
-/// round (`BENCH_RESULT` set), it also writes its result file.
+/// stale); the last run publishes and prints ralph's completion promise. Every run writes a
+/// result to `$BENCH_RESULT_FILE`, or where that is unset (loopd's `json` round) to
+/// `$LOOPD_RESULT_FILE`.
 fn backend(n: usize) -> String {
     format!(
         r#"n=0
 if [ -e runs ]; then read -r n < runs; fi
 n=$((n + 1))
 echo "$n" > runs
-if [ -n "$BENCH_RESULT" ]; then
-  case "$LOOPD_ACTION" in
-    init) r='{{"status":"success","summary":"planned","state_updates":{{"tasks":[{{"description":"make the tests pass","tool":"bash"}}]}}}}' ;;
-    validate) r='{{"status":"success","summary":"2 of 4 pass","state_updates":{{"passed":false,"pass_rate":50,"failed_tests":["t3","t4"]}}}}' ;;
-    debug) r='{{"status":"success","summary":"found it","state_updates":{{"active_bug":"t3 fails","confirmed_hypothesis":"H1"}}}}' ;;
-    *) r='{{"status":"success","summary":"step '"$n"'","files_changed":["src/lib.rs"]}}' ;;
-  esac
-  echo "$r" > "$LOOPD_RESULT_FILE"
-fi
+case "$LOOPD_ACTION" in
+  init) r='{{"status":"success","summary":"planned","state_updates":{{"tasks":[{{"description":"make the tests pass","tool":"bash"}}]}}}}' ;;
+  validate) r='{{"status":"success","summary":"2 of 4 pass","state_updates":{{"passed":false,"pass_rate":50,"failed_tests":["t3","t4"]}}}}' ;;
+  debug) r='{{"status":"success","summary":"found it","state_updates":{{"active_bug":"t3 fails","confirmed_hypothesis":"H1"}}}}' ;;
+  *) r='{{"status":"success","summary":"step '"$n"'","files_changed":["src/lib.rs"]}}' ;;
+esac
+echo "$r" > "${{BENCH_RESULT_FILE:-$LOOPD_RESULT_FILE}}"
 events=.ralph/events.jsonl
 if [ -e .ralph/current-events ]; then read -r events < .ralph/current-events; fi
 if [ "$n" -ge {n} ]; then
@@ -77,6 +78,9 @@ fn backend_dir(root: &Path, n: usize) {
     std::fs::create_dir_all(root.join(".ralph")).expect("mkdir .ralph");
     std::fs::write(root.join("backend.sh"), backend(n)).expect("backend");
 }
+
+/// Where the backend writes its result in the rounds that do not read it.
+const UNREAD_RESULT: &str = "unread-result.json";
 
 fn ralph_config(n: usize) -> String {
     format!(
@@ -142,11 +146,11 @@ type Leftovers = Box<dyn std::any::Any>;
 /// backend's results read from its result file).
 fn loopd_round(dir: &Path, n: usize, json: bool) -> (Run, Leftovers) {
     let config = match json {
-        false => config(&["sh", "backend.sh"], "arg", "text", Some("false")),
-        true => format!(
-            "{}env = {{ BENCH_RESULT = \"1\" }}\n",
-            config(&["sh", "backend.sh"], "arg", "json", None)
+        false => format!(
+            "{}env = {{ BENCH_RESULT_FILE = \"{UNREAD_RESULT}\" }}\n",
+            config(&["sh", "backend.sh"], "arg", "text", Some("false"))
         ),
+        true => config(&["sh", "backend.sh"], "arg", "json", None),
     };
     let p = Project::in_dir(&config, None, dir);
     backend_dir(&p.root, usize::MAX);
@@ -181,6 +185,7 @@ fn ralph_round(ralph: &Path, dir: &Path, n: usize) -> (Run, Leftovers) {
         .args(["run", "--no-tui", "-c", "ralph.yml"])
         .current_dir(root)
         .env("HOME", root)
+        .env("BENCH_RESULT_FILE", UNREAD_RESULT)
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::null())
@@ -207,6 +212,7 @@ fn bare_round(dir: &Path, n: usize) -> (Run, Leftovers) {
             .args(["backend.sh", "the prompt"])
             .current_dir(root)
             .process_group(0)
+            .env("BENCH_RESULT_FILE", UNREAD_RESULT)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
