@@ -145,13 +145,13 @@ type Leftovers = Box<dyn std::any::Any>;
 /// A loopd run: its executor of format `text` (validate: the command `false`), or `json` (the
 /// backend's results read from its result file).
 fn loopd_round(dir: &Path, n: usize, json: bool) -> (Run, Leftovers) {
-    let config = match json {
-        false => format!(
-            "{}env = {{ BENCH_RESULT_FILE = \"{UNREAD_RESULT}\" }}\n",
-            config(&["sh", "backend.sh"], "arg", "text", Some("false"))
-        ),
-        true => config(&["sh", "backend.sh"], "arg", "json", None),
-    };
+    let format = if json { "json" } else { "text" };
+    let mut config = config(&["sh", "backend.sh"], "arg", format, None);
+    if !json {
+        config.push_str(&format!(
+            "env = {{ BENCH_RESULT_FILE = \"{UNREAD_RESULT}\" }}\n\n[actions.validate]\ncommand = \"false\"\n"
+        ));
+    }
     let p = Project::in_dir(&config, None, dir);
     backend_dir(&p.root, usize::MAX);
     // init + (n - 2) iterations + complete.

@@ -95,7 +95,11 @@ impl Project {
             root,
         };
         let trusted = p.loopd().arg("trust").output().expect("run loopd trust");
-        assert!(trusted.status.success(), "loopd trust failed");
+        assert!(
+            trusted.status.success(),
+            "loopd trust failed: {}",
+            String::from_utf8_lossy(&trusted.stderr)
+        );
         p
     }
 
