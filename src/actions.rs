@@ -327,7 +327,12 @@ mod tests {
     #[test]
     fn builtin_actions_load() {
         let dir = tempfile::tempdir().unwrap();
-        let defs = load("ccw-loop", crate::workflow::ccw_loop::ACTIONS, dir.path()).unwrap();
+        let defs = load(
+            "ccw-loop",
+            loopd_core::workflow::ccw_loop::ACTIONS,
+            dir.path(),
+        )
+        .unwrap();
         assert_eq!(defs.len(), 5);
         let vars = BTreeMap::from([("title", "T".to_owned()), ("result_file", "/r".to_owned())]);
         let text = defs["develop"].render(&vars);
@@ -360,7 +365,12 @@ mod tests {
             "+++\nexecutor = \"bash\"\n+++\nplan {{title}}\n",
         )
         .unwrap();
-        let defs = load("ccw-loop", crate::workflow::ccw_loop::ACTIONS, dir.path()).unwrap();
+        let defs = load(
+            "ccw-loop",
+            loopd_core::workflow::ccw_loop::ACTIONS,
+            dir.path(),
+        )
+        .unwrap();
         assert_eq!(defs["init"].front.executor.as_deref(), Some("bash"));
         let vars = BTreeMap::from([("title", "X".to_owned())]);
         assert_eq!(defs["init"].render(&vars), "plan X\n");

@@ -17,21 +17,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use anyhow::{Context as _, Result};
-use serde::{Deserialize, Serialize};
-
-/// A recorded checkpoint: its name (the last part of its ref), commit and what it changed.
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
-pub struct Checkpoint {
-    pub name: String,
-    pub commit: String,
-    /// Against the loop's checkpoint before it.
-    #[serde(default)]
-    pub files: u64,
-    #[serde(default)]
-    pub insertions: u64,
-    #[serde(default)]
-    pub deletions: u64,
-}
+use loopd_core::state::Checkpoint;
 
 /// The name of the checkpoint a loop records when it starts.
 pub const START: &str = "0-start";
@@ -434,7 +420,7 @@ pub fn rollback_command(
 ) -> Result<i32> {
     let repo = of_loop(p, id)?;
     let state = p.store.load(id)?.state;
-    if state.status == crate::state::model::Status::Running
+    if state.status == loopd_core::state::Status::Running
         && let Some(pid) = crate::daemon::driving_daemon(&p.store, id)
     {
         return Err(crate::error::usage(format!(

@@ -5,13 +5,13 @@ use std::time::Duration;
 
 use anyhow::{Context as _, Result};
 use clap::{Parser, Subcommand, ValueEnum};
+use loopd_core::state::{LoopState, Mode, Status};
 use serde_json::{Value, json};
 
 use crate::config::Config;
 pub(crate) use crate::error::usage;
 pub use crate::error::{UsageError, exit_code_of};
 use crate::events::{printable, render};
-use crate::state::model::{LoopState, Mode, Status};
 use crate::state::store::{Settler, Store, validate_id};
 use crate::view::{LoopView, standing};
 
@@ -787,9 +787,9 @@ pub fn choose_next(p: &Project, id: &str, action: &str) -> Result<Value> {
     }
     let mut chosen = state.clone();
     chosen.next_action = Some(action.to_owned());
-    if let crate::workflow::Decision::Wait {
+    if let loopd_core::workflow::Decision::Wait {
         refused: Some(why), ..
-    } = crate::workflow::decide(workflow, &chosen, p.config.limits())
+    } = loopd_core::workflow::decide(workflow, &chosen, p.config.limits())
     {
         return Err(usage(format!("cannot choose {why}")));
     }
@@ -803,17 +803,17 @@ pub fn choose_next(p: &Project, id: &str, action: &str) -> Result<Value> {
 pub fn loop_workflow(
     p: &Project,
     state: &LoopState,
-) -> Result<&'static dyn crate::workflow::Workflow> {
+) -> Result<&'static dyn loopd_core::workflow::Workflow> {
     let name = state
         .skill_state
         .as_ref()
         .and_then(|s| s.workflow.clone())
         .unwrap_or_else(|| p.config.workflow.clone());
-    crate::workflow::by_name(&name).ok_or_else(|| {
+    loopd_core::workflow::by_name(&name).ok_or_else(|| {
         usage(format!(
             "loop {} uses unknown workflow {name:?} (known: {})",
             state.loop_id,
-            crate::workflow::WORKFLOWS.join(", ")
+            loopd_core::workflow::WORKFLOWS.join(", ")
         ))
     })
 }

@@ -313,18 +313,18 @@ impl Config {
         if self.state_dir.trim().is_empty() {
             return Err(("state_dir".into(), "must not be empty".into()));
         }
-        if crate::workflow::by_name(&self.workflow).is_none() {
+        if loopd_core::workflow::by_name(&self.workflow).is_none() {
             return Err((
                 "workflow".into(),
                 format!(
                     "unknown workflow {:?} (known: {})",
                     self.workflow,
-                    crate::workflow::WORKFLOWS.join(", ")
+                    loopd_core::workflow::WORKFLOWS.join(", ")
                 ),
             ));
         }
         for name in self.actions.keys() {
-            let known: Vec<&str> = crate::workflow::all()
+            let known: Vec<&str> = loopd_core::workflow::all()
                 .flat_map(|w| w.actions().iter().copied())
                 .collect();
             if !known.contains(&name.as_str()) {
@@ -410,8 +410,8 @@ impl Config {
     }
 
     /// The limits of loops that do not set their own.
-    pub fn limits(&self) -> crate::workflow::Limits {
-        crate::workflow::Limits {
+    pub fn limits(&self) -> loopd_core::workflow::Limits {
+        loopd_core::workflow::Limits {
             max_iterations: self.max_iterations,
             max_errors: self.max_errors,
             max_cost_usd: self.max_cost_usd,

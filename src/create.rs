@@ -1,9 +1,10 @@
 //! `loopd create`: a new loop of any workflow, checked before anything is written.
 
 use anyhow::Result;
+use loopd_core::state::{Bookkeeping, LoopState, Mode, SkillState, Status};
 
 use crate::cli::{ModeArg, Project, usage};
-use crate::state::model::{Bookkeeping, LoopState, Mode, SkillState, Status, now_rfc3339};
+use crate::state::now_rfc3339;
 use crate::state::store::new_id;
 
 /// What `create` asks for.
@@ -60,8 +61,8 @@ impl TuningArgs {
 fn tuning_part(
     p: &Project,
     args: &TuningArgs,
-) -> Result<crate::workflow::skill_tuning::state::TuningState> {
-    use crate::workflow::skill_tuning::{focus_areas, state::TuningState};
+) -> Result<loopd_core::workflow::skill_tuning::state::TuningState> {
+    use loopd_core::workflow::skill_tuning::{focus_areas, state::TuningState};
     let Some(target) = &args.target_skill else {
         return Err(usage(
             "--target-skill PATH is required for a skill-tuning loop (a directory with a SKILL.md)",
@@ -99,7 +100,7 @@ fn tuning_part(
             )));
         }
     }
-    let max = crate::state::model::MAX_DESCRIPTION;
+    let max = loopd_core::state::MAX_DESCRIPTION;
     if args.issue.as_ref().is_some_and(|i| i.len() > max) {
         return Err(usage(format!("--issue is over the limit of {max} bytes")));
     }
@@ -117,8 +118,8 @@ fn tuning_part(
 
 /// The title, the description and the tasks: none empty, each within its limit.
 fn check_texts(title: &str, description: &str, tasks: &[String]) -> Result<()> {
-    use crate::state::model::{MAX_DESCRIPTION, MAX_TITLE};
-    use crate::workflow::ccw_loop::state::MAX_TASKS;
+    use loopd_core::state::{MAX_DESCRIPTION, MAX_TITLE};
+    use loopd_core::workflow::ccw_loop::state::MAX_TASKS;
     if tasks.iter().any(|t| t.trim().is_empty()) {
         return Err(usage("--task must not be empty"));
     }
@@ -167,14 +168,14 @@ pub fn create_loop(p: &Project, args: &CreateArgs) -> Result<String> {
     } = *limits;
     limits.check()?;
     let name = workflow.as_deref().unwrap_or(&p.config.workflow);
-    let Some(workflow) = crate::workflow::by_name(name) else {
+    let Some(workflow) = loopd_core::workflow::by_name(name) else {
         return Err(usage(format!(
             "unknown workflow {name:?} (known: {})",
-            crate::workflow::WORKFLOWS.join(", ")
+            loopd_core::workflow::WORKFLOWS.join(", ")
         )));
     };
     let tuning = match workflow.name() {
-        crate::workflow::skill_tuning::NAME => Some(tuning_part(p, tuning)?),
+        loopd_core::workflow::skill_tuning::NAME => Some(tuning_part(p, tuning)?),
         _ if tuning.given() => {
             return Err(usage(format!(
                 "--target-skill, --focus and --issue are for --workflow skill-tuning, not {}",

@@ -9,6 +9,7 @@ use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result, bail};
+use loopd_core::state::{LoopState, Status};
 use nix::sys::signal::Signal;
 use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::watch;
@@ -16,7 +17,6 @@ use tokio::sync::watch;
 use crate::cli::{Project, loop_workflow};
 use crate::executor::Subprocess;
 use crate::orchestrator::{Engine, Exit};
-use crate::state::model::{LoopState, Status};
 use crate::state::store::Store;
 
 /// `loopd run`: drives a loop until it ends; returns the exit code.
@@ -120,7 +120,7 @@ pub fn already_driven(id: &str, pid: u32) -> anyhow::Error {
 /// is bad input.
 pub fn build(
     p: &Project,
-    workflow: &'static dyn crate::workflow::Workflow,
+    workflow: &'static dyn loopd_core::workflow::Workflow,
     executor: Option<String>,
     exit_on_pause: bool,
 ) -> Result<Engine> {

@@ -72,7 +72,7 @@ pub fn run(p: &Project, executor: Option<String>, as_json: bool) -> Result<i32> 
 }
 
 fn examine(p: &Project, executor: Option<String>) -> Result<Report> {
-    let workflow = crate::workflow::by_name(&p.config.workflow)
+    let workflow = loopd_core::workflow::by_name(&p.config.workflow)
         .ok_or_else(|| anyhow::anyhow!("unknown workflow {}", p.config.workflow))?;
     let daemon = crate::daemon::build(p, workflow, executor, false)?;
     let config_files = crate::config::Config::layer_files(Some(&p.root), p.config_flag.as_deref())

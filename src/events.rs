@@ -12,11 +12,12 @@ use std::io::{self, Write};
 use std::path::PathBuf;
 use std::sync::Mutex;
 
+use loopd_core::state::LoopState;
 use serde_json::{Map, Value, json};
 
 use crate::lock;
 use crate::safe_fs::{self, Dir};
-use crate::state::model::{LoopState, now_rfc3339};
+use crate::state::now_rfc3339;
 use crate::state::store::{Store, StoreError};
 
 /// Event names, CONTRACT §7 plus loopd's own (documented in the README).
@@ -493,7 +494,7 @@ pub enum Clock {
 impl Clock {
     /// An RFC 3339 timestamp as this clock shows it (as it was, if it does not parse).
     pub fn show(self, ts: &str) -> String {
-        let Some(t) = crate::state::model::parse_ts(ts) else {
+        let Some(t) = loopd_core::state::parse_ts(ts) else {
             return ts.to_owned();
         };
         match self {
@@ -664,7 +665,7 @@ impl Progress {
     }
 
     /// Adds a workflow's note to its progress file.
-    pub fn write(&self, note: &crate::workflow::Note) {
+    pub fn write(&self, note: &loopd_core::workflow::Note) {
         if note.replace {
             self.replace(note.file, &note.text);
         } else {

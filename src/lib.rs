@@ -1,9 +1,9 @@
 //! loopd: an autonomous orchestrator daemon for coding-agent loops, compatible with the CCW loop.
 //!
-//! The flow of one loop: the state file is read ([`state::store`]), a pure [`workflow`] decides
-//! the next action, an [`executor`] runs it as a subprocess, the workflow applies its result, and
-//! the [`orchestrator`] writes the daemon's fields back — while [`watch`] reports control changes
-//! written by anyone, which cancel the attempt in flight.
+//! The flow of one loop: the state file is read ([`state::store`]), a pure workflow of
+//! [`loopd_core`] decides the next action, an [`executor`] runs it as a subprocess, the workflow
+//! applies its result, and the [`orchestrator`] writes the daemon's fields back — while [`watch`]
+//! reports control changes written by anyone, which cancel the attempt in flight.
 
 pub mod actions;
 pub mod checkpoint;
@@ -20,7 +20,6 @@ pub mod git;
 pub mod init;
 pub mod logging;
 pub mod orchestrator;
-pub mod protocol;
 pub mod recovery;
 pub mod registry;
 pub mod safe_fs;
@@ -29,7 +28,6 @@ pub mod state;
 pub mod trust;
 pub mod view;
 pub mod watch;
-pub mod workflow;
 pub mod worktree;
 
 /// Takes `m`'s lock even if a holder panicked: a poisoned lock still guards usable data here

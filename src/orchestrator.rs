@@ -27,25 +27,26 @@ use std::time::Duration;
 
 use anyhow::{Context as _, Result};
 use chrono::{DateTime, Utc};
+use loopd_core::state::{
+    AwaitingChoice, BestValidation, Checkpoint, HistoryEntry, InFlight, LoopState, Status,
+    format_ts,
+};
+use loopd_core::workflow::{
+    self, Decision, Dispatch, Finish, Inputs, Limits, LoopEnd, Outcome, Workflow,
+};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use crate::actions::ActionDef;
-use crate::checkpoint::{self, Checkpoint};
+use crate::checkpoint;
 use crate::config::{Checkpoints, Config, ExecutorConfig, Format, PromptMode, Supervision};
 use crate::events::{Event, EventLog, Progress, ProgressDir, name};
 use crate::executor::agent::{AgentStream, AttemptOutcome};
 use crate::executor::result::{Verdict, verdict};
 use crate::executor::{Budget, Executor, Spec, procs};
-use crate::state::model::{
-    AwaitingChoice, BestValidation, HistoryEntry, InFlight, LoopState, Status, format_ts,
-    now_rfc3339,
-};
+use crate::state::now_rfc3339;
 use crate::state::store::{Store, StoreError, Transition};
 use crate::watch::{Snapshot, Watch};
-use crate::workflow::{
-    self, Decision, Dispatch, Finish, Inputs, Limits, LoopEnd, Outcome, Workflow,
-};
 
 /// How a daemon's run of a loop ended; [`Exit::code`] is the process exit code (CONTRACT §7).
 #[derive(Clone, Debug, PartialEq)]
@@ -571,7 +572,7 @@ impl LoopRun<'_> {
             return Ok(loaded);
         }
         let ours = ours.clone();
-        let changes = crate::state::model::differences(&mine, &theirs, 6);
+        let changes = loopd_core::state::differences(&mine, &theirs, 6);
         self.events.emit(Event::new(name::WARNING).with(
             "message",
             format!(
@@ -1075,7 +1076,7 @@ impl LoopRun<'_> {
             "{}: {reason} — fix it, then `loopd resume {}`",
             plan.executor, self.id
         );
-        state.skill().blocked = Some(crate::state::model::Blocked {
+        state.skill().blocked = Some(loopd_core::state::Blocked {
             since: now_rfc3339(),
             action: dispatch.action.clone(),
             executor: plan.executor.clone(),
@@ -1106,7 +1107,7 @@ impl LoopRun<'_> {
         question: String,
     ) -> Result<Option<Exit>> {
         self.engine.workflow.asked(&mut state, dispatch);
-        state.skill().question = Some(crate::state::model::Question {
+        state.skill().question = Some(loopd_core::state::Question {
             since: now_rfc3339(),
             action: dispatch.action.clone(),
             text: question.clone(),

@@ -6,10 +6,11 @@
 //! fields it means to change, refused with one line where it makes no sense.
 
 use anyhow::Result;
+use loopd_core::state::{MAX_DESCRIPTION, Status};
 use serde_json::{Value, json};
 
 use crate::cli::{Project, print_result, usage};
-use crate::state::model::{MAX_DESCRIPTION, Status, now_rfc3339};
+use crate::state::now_rfc3339;
 use crate::view::standing;
 
 /// A loop's limits and budgets, as `create` and `set` take them; `None` leaves one as it is (for
@@ -218,7 +219,7 @@ pub fn answer(p: &Project, id: &str, text: &str, as_json: bool) -> Result<i32> {
 /// question, answer}`.
 pub fn give_answer(p: &Project, id: &str, text: &str) -> Result<Value> {
     let state = p.load(id)?;
-    let waiting = |s: &crate::state::model::LoopState| {
+    let waiting = |s: &loopd_core::state::LoopState| {
         s.skill_state
             .as_ref()
             .and_then(|k| k.question.clone())

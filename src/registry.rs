@@ -78,7 +78,7 @@ pub fn add(root: &Path) -> io::Result<()> {
     }
     let record = Record {
         root: root.to_owned(),
-        added_at: crate::state::model::now_rfc3339(),
+        added_at: crate::state::now_rfc3339(),
     };
     let text = toml::to_string(&record).map_err(io::Error::other)?;
     dir.write_atomic(&name, text.as_bytes(), false)

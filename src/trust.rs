@@ -98,7 +98,7 @@ pub fn check(root: &Path, files: &[&ProjectFile]) -> Result<(), Untrusted> {
 /// action files of every workflow that exist.
 pub fn project_files(root: &Path) -> io::Result<Vec<ProjectFile>> {
     let mut paths = vec![crate::config::Config::project_file(root)];
-    for workflow in crate::workflow::all() {
+    for workflow in loopd_core::workflow::all() {
         for action in workflow.actions() {
             paths.push(crate::actions::project_file(root, workflow.name(), action));
         }
@@ -118,7 +118,7 @@ pub fn project_files(root: &Path) -> io::Result<Vec<ProjectFile>> {
 pub fn allow(root: &Path, files: &[ProjectFile]) -> io::Result<PathBuf> {
     let record = Record {
         root: root.to_owned(),
-        trusted_at: crate::state::model::now_rfc3339(),
+        trusted_at: crate::state::now_rfc3339(),
         files: files
             .iter()
             .map(|f| (f.path.clone(), f.digest.clone()))

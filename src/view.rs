@@ -1,13 +1,13 @@
 //! A loop as people see it: the view model `status` and `list` render (and an API will). The
 //! engine's rows first (status, iteration, errors, what runs or waits), then the workflow's own
-//! ([`crate::workflow::Workflow::view`]), then how the loop ended and what to do next.
+//! ([`loopd_core::workflow::Workflow::view`]), then how the loop ended and what to do next.
 
+use loopd_core::state::{LoopState, SkillState, Status};
+use loopd_core::workflow::Row;
 use serde::Serialize;
 
 use crate::cli::{Project, loop_workflow};
 use crate::serve::{LoopKey, ServiceInfo};
-use crate::state::model::{LoopState, SkillState, Status};
-use crate::workflow::Row;
 
 /// A loop, as `status` and `list` show it.
 #[derive(Clone, Debug, Serialize)]
@@ -45,7 +45,7 @@ impl LoopView {
         let wf_view = workflow.map(|w| w.view(s));
         let max_iterations = s.max_iterations_or(p.config.max_iterations);
         let action = skill.in_flight.as_ref().map(|f| {
-            let age = crate::state::model::parse_ts(&f.started_at)
+            let age = loopd_core::state::parse_ts(&f.started_at)
                 .map(|t| format!(" {}", age(chrono::Utc::now() - t)))
                 .unwrap_or_default();
             format!("{}{age}", f.action)

@@ -22,12 +22,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, LazyLock, Mutex};
 use std::time::{Duration, Instant};
 
+use loopd_core::state::{Control, Status};
 use notify::event::{AccessKind, AccessMode, ModifyKind, RenameMode};
 use notify::{EventKind, RecursiveMode, Watcher as _};
 use tokio::sync::watch;
 
 use crate::lock;
-use crate::state::model::{Control, Status};
 use crate::state::store::Store;
 use crate::state::tasks::TasksStamp;
 
@@ -789,7 +789,7 @@ mod tests {
     fn a_late_write_is_told_apart_by_the_order_of_events() {
         let dir = tempfile::tempdir().unwrap();
         let store = Store::new(dir.path(), ".");
-        let state = crate::state::model::LoopState {
+        let state = loopd_core::state::LoopState {
             loop_id: "l1".into(),
             ..Default::default()
         };

@@ -7,9 +7,9 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context as _, Result};
+use loopd_core::state::{LoopState, Worktree};
 
 use crate::cli::{Project, usage};
-use crate::state::model::{LoopState, Worktree};
 use crate::state::store::Store;
 
 /// Where a loop's actions run.

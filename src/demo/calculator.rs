@@ -6,9 +6,8 @@
 use std::path::Path;
 
 use anyhow::Result;
+use loopd_core::workflow::ccw_loop::state::{CcwState, TaskStatus};
 use serde_json::{Value, json};
-
-use crate::workflow::ccw_loop::state::{CcwState, TaskStatus};
 
 const CALC: &str = "# A tiny calculator: loopd's demo project.\nmul() { echo $(( $1 + $2 )); }\n";
 
@@ -51,7 +50,7 @@ pub fn create_args() -> crate::create::CreateArgs {
 }
 
 /// The tasks and how they ended.
-pub fn print_outcome(skill: &crate::state::model::SkillState) -> Result<()> {
+pub fn print_outcome(skill: &loopd_core::state::SkillState) -> Result<()> {
     let ccw: CcwState = skill.part();
     for t in &ccw.develop.tasks {
         let mark = if t.status == TaskStatus::Completed {

@@ -9,12 +9,12 @@ use std::io::Read;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context as _, Result};
+use loopd_core::workflow::{ccw_loop, skill_tuning};
 
 use crate::cli::{Project, usage};
 use crate::config::Config;
 use crate::orchestrator::Exit;
 use crate::state::store::Store;
-use crate::workflow::{ccw_loop, skill_tuning};
 
 /// Runs the demo of a workflow (ccw-loop by default); returns the loop's exit code.
 pub fn run(workflow: Option<&str>) -> Result<i32> {
@@ -28,7 +28,7 @@ pub fn run(workflow: Option<&str>) -> Result<i32> {
         other => {
             return Err(usage(format!(
                 "unknown workflow {other:?} (known: {})",
-                crate::workflow::WORKFLOWS.join(", ")
+                loopd_core::workflow::WORKFLOWS.join(", ")
             )));
         }
     };

@@ -8,10 +8,10 @@
 use std::path::Path;
 
 use anyhow::Result;
+use loopd_core::workflow::skill_tuning::state::TuningState;
 use serde_json::{Value, json};
 
 use super::read;
-use crate::workflow::skill_tuning::state::TuningState;
 
 const SKILL: &str = "---
 name: changelog-writer
@@ -49,7 +49,7 @@ pub fn write_project(dir: &Path) -> Result<crate::create::CreateArgs> {
     std::fs::write(skill.join("phases/01-collect.md"), COLLECT)?;
     std::fs::write(skill.join("phases/02-write.md"), WRITE)?;
     Ok(crate::create::CreateArgs {
-        workflow: Some(crate::workflow::skill_tuning::NAME.into()),
+        workflow: Some(loopd_core::workflow::skill_tuning::NAME.into()),
         tuning: crate::create::TuningArgs {
             target_skill: Some(SKILL_DIR.into()),
             issue: Some("its history keeps growing and some runs find no commits".into()),
@@ -252,7 +252,7 @@ pub fn act(action: &str, root: &Path, env: impl Fn(&str) -> String) -> Result<Va
 }
 
 /// The gate, and what became of each issue.
-pub fn print_outcome(skill: &crate::state::model::SkillState) -> Result<()> {
+pub fn print_outcome(skill: &loopd_core::state::SkillState) -> Result<()> {
     let t: TuningState = skill.part();
     crate::outln!(
         "  quality gate {} (score {}), {} issue(s) resolved, {} left",

@@ -11,6 +11,7 @@
 //! from the exit code.
 
 use chrono::{DateTime, Utc};
+use loopd_core::state::Usage;
 use serde_json::Value;
 
 use crate::config::Format;
@@ -55,35 +56,6 @@ impl AttemptOutcome {
             AttemptOutcome::NoResult => "no_result",
             AttemptOutcome::EnvironmentError => "environment_error",
         }
-    }
-}
-
-/// Tokens as the agents report them.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub struct Usage {
-    pub input_tokens: u64,
-    pub output_tokens: u64,
-    pub cache_read_tokens: u64,
-    pub cache_write_tokens: u64,
-}
-
-impl Usage {
-    pub fn total(&self) -> u64 {
-        self.input_tokens
-            .saturating_add(self.output_tokens)
-            .saturating_add(self.cache_read_tokens)
-            .saturating_add(self.cache_write_tokens)
-    }
-
-    pub fn add(&mut self, other: &Usage) {
-        self.input_tokens = self.input_tokens.saturating_add(other.input_tokens);
-        self.output_tokens = self.output_tokens.saturating_add(other.output_tokens);
-        self.cache_read_tokens = self
-            .cache_read_tokens
-            .saturating_add(other.cache_read_tokens);
-        self.cache_write_tokens = self
-            .cache_write_tokens
-            .saturating_add(other.cache_write_tokens);
     }
 }
 
@@ -224,8 +196,8 @@ impl AgentStream {
         let line = std::mem::take(&mut self.line);
         self.line_done(&line);
         if self.format == Format::GeminiJson && self.final_event.is_none() {
-            let object = crate::protocol::last_json_object(stdout)
-                .or_else(|| crate::protocol::last_json_object(output));
+            let object = loopd_core::protocol::last_json_object(stdout)
+                .or_else(|| loopd_core::protocol::last_json_object(output));
             if let Some(v) = object {
                 self.gemini_object(&v);
             }
@@ -915,7 +887,7 @@ pub fn reset_time(text: &str, event: &Value, now: DateTime<Utc>) -> Option<DateT
             if let Some(secs) = v.as_i64() {
                 return epoch(secs);
             }
-            if let Some(t) = v.as_str().and_then(crate::state::model::parse_ts) {
+            if let Some(t) = v.as_str().and_then(loopd_core::state::parse_ts) {
                 return Some(t);
             }
         }

@@ -4,11 +4,11 @@
 use serde_json::{Map, Value, json};
 
 use chrono::{DateTime, Utc};
+use loopd_core::protocol::{ActionResult, ResultStatus, last_json_object};
 
 use super::agent::AttemptOutcome;
 use super::{Cut, Run};
 use crate::config::Format;
-use crate::protocol::{ActionResult, ResultStatus, last_json_object};
 use crate::safe_fs::Dir;
 
 /// A result file larger than this is refused rather than read.
@@ -401,7 +401,7 @@ pub fn parse_test_output(text: &str) -> Option<TestCounts> {
         return None;
     };
     failed_names.dedup();
-    failed_names.truncate(crate::workflow::ccw_loop::state::FAILED_TESTS_WINDOW);
+    failed_names.truncate(loopd_core::workflow::ccw_loop::state::FAILED_TESTS_WINDOW);
     counts.failed_tests = failed_names;
     Some(counts)
 }

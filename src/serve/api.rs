@@ -480,7 +480,7 @@ fn find(shared: &Shared, id: &str, root: Option<&Path>) -> Result<Arc<Project>> 
 }
 
 /// A loop as the API shows it: where it is, its status and usage, and its view.
-fn summary(p: &Project, state: &crate::state::model::LoopState, info: &ServiceInfo) -> Value {
+fn summary(p: &Project, state: &loopd_core::state::LoopState, info: &ServiceInfo) -> Value {
     let view = crate::view::LoopView::of(p, state, Some(info));
     let skill = state.skill_state.as_ref();
     json!({

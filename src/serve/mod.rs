@@ -29,9 +29,9 @@ use tokio::sync::{mpsc, watch};
 use crate::cli::Project;
 use crate::orchestrator::Exit;
 use crate::safe_fs::Dir;
-use crate::state::model::Status;
 use crate::watch::Subscription;
 pub use files::{LoopKey, ServiceInfo};
+use loopd_core::state::Status;
 
 /// `loopd serve`'s own options (the roots come from the global `--root`, repeatable here).
 #[derive(Debug, Default, clap::Args)]
@@ -189,7 +189,7 @@ pub fn run(roots: &[PathBuf], config_flag: Option<&Path>, args: &ServeArgs) -> R
             runtime_dir,
             info: ServiceInfo {
                 pid: std::process::id(),
-                started_at: crate::state::model::now_rfc3339(),
+                started_at: crate::state::now_rfc3339(),
                 ..ServiceInfo::default()
             },
             shared: api::Shared::default(),
@@ -772,7 +772,7 @@ impl Supervisor {
 /// service's pid once it drives the loop or queues it.
 pub fn hand_over(
     p: &Project,
-    state: &crate::state::model::LoopState,
+    state: &loopd_core::state::LoopState,
     executor: Option<&str>,
     service: &ServiceInfo,
 ) -> Result<u32> {

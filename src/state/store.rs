@@ -43,13 +43,15 @@ use std::sync::{Arc, LazyLock, Mutex, OnceLock, mpsc};
 use std::time::{Duration, Instant};
 
 use chrono::DateTime;
+use loopd_core::state::{Control, LoopState, Status};
 use serde::Deserialize as _;
 use serde_json::{Map, Value};
 
 use super::backup;
-use super::model::{Control, LoopState, Status, now_rfc3339};
+
 use crate::lock;
 use crate::safe_fs::{self, Dir, TEMP_SUFFIX};
+use crate::state::now_rfc3339;
 
 /// Top-level fields the daemon owns and writes back from its own copy.
 pub const DAEMON_FIELDS: &[&str] = &["current_iteration", "skill_state"];
@@ -215,14 +217,17 @@ fn parse_object(bytes: &[u8]) -> Result<Map<String, Value>, String> {
 }
 
 /// The typed view of a state file's object, refused when it is unusable (see
-/// [`crate::workflow::problems`]).
+/// [`loopd_core::workflow::problems`]).
 fn typed(path: &Path, raw: &Map<String, Value>) -> Result<LoopState, String> {
     let state = LoopState::deserialize(raw).map_err(|e| e.to_string())?;
     let id = path
         .file_name()
         .and_then(|n| n.to_str())
         .and_then(|n| n.strip_suffix(".json"));
-    match crate::workflow::problems(&state, id).into_iter().next() {
+    match loopd_core::workflow::problems(&state, id)
+        .into_iter()
+        .next()
+    {
         Some(problem) => Err(problem),
         None => Ok(state),
     }
@@ -896,12 +901,14 @@ impl Store {
         let name = raw
             .remove("skill_state")
             .and_then(|s| s.get("workflow")?.as_str().map(str::to_owned));
-        let workflow =
-            crate::workflow::by_name(name.as_deref().unwrap_or(crate::workflow::ccw_loop::NAME))
-                .ok_or_else(|| format!("its workflow {name:?} is unknown"))?;
+        let workflow = loopd_core::workflow::by_name(
+            name.as_deref()
+                .unwrap_or(loopd_core::workflow::ccw_loop::NAME),
+        )
+        .ok_or_else(|| format!("its workflow {name:?} is unknown"))?;
         let mut state: LoopState = serde_json::from_value(Value::Object(raw.clone()))
             .map_err(|e| format!("its top-level fields are broken too ({e})"))?;
-        if let Some(problem) = crate::workflow::problems(&state, Some(id))
+        if let Some(problem) = loopd_core::workflow::problems(&state, Some(id))
             .into_iter()
             .next()
         {
@@ -915,8 +922,8 @@ impl Store {
         };
         let skill = state.skill();
         skill.workflow = name;
-        workflow.rebuild(skill, tasks, &read)?;
-        if let Some(problem) = crate::workflow::problems(&state, Some(id))
+        workflow.rebuild(skill, tasks, &read, &now_rfc3339())?;
+        if let Some(problem) = loopd_core::workflow::problems(&state, Some(id))
             .into_iter()
             .next()
         {

@@ -33,11 +33,12 @@ use std::io;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
+use loopd_core::state::{ListedTask, MAX_DESCRIPTION};
 use serde_json::{Map, Value};
 
-use super::model::{MAX_DESCRIPTION, now_rfc3339};
 use super::store::{ORPHAN_LIFE, ORPHAN_LIFE_SHORT, Store, StoreError, io_err};
 use crate::safe_fs::{self, Dir};
+use crate::state::now_rfc3339;
 
 /// How many tasks a loop's list holds at most; the records beyond are skipped with a warning.
 pub const MAX_LISTED: usize = 200;
@@ -54,18 +55,6 @@ const MERGE_ROUNDS: usize = 5;
 /// added by a person or a dashboard, seldom: a write may wait this long when a reader keeps the
 /// file open.)
 const OPEN_LIFE: Duration = Duration::from_secs(2);
-
-/// A task of the list, as a workflow takes it.
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct ListedTask {
-    pub id: String,
-    pub description: String,
-    pub tool: Option<String>,
-    pub mode: Option<String>,
-    pub created_at: Option<String>,
-    /// Its place in the list, as its writer numbered it.
-    pub order: Option<Value>,
-}
 
 /// A loop's task list, read.
 #[derive(Debug, Default)]
@@ -759,7 +748,7 @@ fn settle_replaced(dir: &Dir, tmp: &str) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::state::model::{LoopState, Status};
+    use loopd_core::state::{LoopState, Status};
     use std::fs;
     use std::io::Write as _;
 

@@ -12,8 +12,8 @@ mod view;
 
 use super::{Dispatch, Finish, Inputs, LoopEnd, Outcome, Workflow, opt_str};
 use crate::protocol::ActionResult;
-use crate::state::model::{LoopState, MAX_DESCRIPTION, SkillState, trim_window};
-use crate::state::tasks::ListedTask;
+use crate::state::ListedTask;
+use crate::state::{LoopState, MAX_DESCRIPTION, SkillState, trim_window};
 use state::{
     CcwState, DevelopTask, FAILED_TESTS_WINDOW, FILES_CHANGED_WINDOW, HYPOTHESES_WINDOW,
     Hypothesis, MAX_TASKS, TEST_RESULTS_WINDOW, TaskStatus, TestResult,
@@ -378,6 +378,7 @@ impl Workflow for CcwLoop {
         skill: &mut SkillState,
         listed: Vec<ListedTask>,
         read: &dyn Fn(&str) -> Option<String>,
+        now: &str,
     ) -> Result<(), String> {
         let mut tasks: Vec<DevelopTask> = listed
             .iter()
@@ -417,7 +418,7 @@ impl Workflow for CcwLoop {
             }
         }
         let mut ccw: CcwState = skill.part();
-        ccw.initialized_at = (!tasks.is_empty()).then(crate::state::model::now_rfc3339);
+        ccw.initialized_at = (!tasks.is_empty()).then(|| now.to_owned());
         ccw.develop.tasks = tasks;
         ccw.develop.recount();
         skill.set_part(&ccw);
@@ -692,7 +693,7 @@ fn summary(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::state::model::{Finished, Mode, Status};
+    use crate::state::{Finished, Mode, Status};
     use crate::workflow::{Decision, Limits, decide, record_finish};
 
     /// Edits the workflow's own fields of a state.
@@ -764,7 +765,7 @@ mod tests {
     fn check_errors_abort_and_name_the_last_error() {
         let mut s = state(&[("t1", Pending)], &[]);
         s.skill().error_count = 3;
-        s.skill().errors.push(crate::state::model::ErrorEntry {
+        s.skill().errors.push(crate::state::ErrorEntry {
             action: "develop".into(),
             message: "exit code 1".into(),
             ..Default::default()

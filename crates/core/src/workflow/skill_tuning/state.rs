@@ -4,7 +4,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::state::model::{Extra, WorkflowPart};
+use crate::state::{Extra, WorkflowPart};
 
 /// How many issues `issues` keeps; a new one beyond it replaces the least severe.
 pub const MAX_ISSUES: usize = 100;

@@ -14,11 +14,11 @@ pub mod skill_tuning;
 use serde_json::Value;
 
 use crate::protocol::ActionResult;
-use crate::state::model::{
+use crate::state::ListedTask;
+use crate::state::{
     ACTION_HISTORY_WINDOW, COMPLETED_ACTIONS_WINDOW, ERRORS_WINDOW, ErrorEntry, Finished,
     HistoryEntry, LoopState, Mode, SkillState, trim_window,
 };
-use crate::state::tasks::ListedTask;
 
 /// Why a loop completed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -290,13 +290,14 @@ pub trait Workflow: Send + Sync {
     /// Writes the workflow's own fields of a new loop, or fills in those a state lacks.
     fn init_part(&self, skill: &mut SkillState);
     /// Rebuilds the workflow's fields of a state whose `skill_state` was lost (the seed's "State
-    /// Recovery"), from the task list and the progress files (`read` gives one's text); why it
-    /// cannot, if it cannot.
+    /// Recovery"), from the task list and the progress files (`read` gives one's text), `now`
+    /// being the time of the rebuild; why it cannot, if it cannot.
     fn rebuild(
         &self,
         skill: &mut SkillState,
         listed: Vec<ListedTask>,
         read: &dyn Fn(&str) -> Option<String>,
+        now: &str,
     ) -> Result<(), String>;
     /// What makes the workflow's own fields unusable, one line each.
     fn problems(&self, skill: &SkillState) -> Vec<String>;

@@ -17,8 +17,8 @@ use serde_json::{Map, Value};
 
 use super::{Dispatch, Finish, Inputs, LoopEnd, Outcome, Workflow, opt_str};
 use crate::protocol::ActionResult;
-use crate::state::model::{LoopState, MAX_DESCRIPTION, SkillState};
-use crate::state::tasks::ListedTask;
+use crate::state::ListedTask;
+use crate::state::{LoopState, MAX_DESCRIPTION, SkillState};
 use state::{
     AppliedFix, DIAGNOSES, DiagnosisResult, Fix, Gate, Issue, MAX_FIXES, MAX_ISSUES, Report,
     SeverityCounts, TuningState, quality,
@@ -360,6 +360,7 @@ impl Workflow for SkillTuning {
         _: &mut SkillState,
         _: Vec<ListedTask>,
         _: &dyn Fn(&str) -> Option<String>,
+        _: &str,
     ) -> Result<(), String> {
         // Its target and findings live nowhere else: a backup is its only way back.
         Err("a skill-tuning loop's fields cannot be rebuilt from its progress files".into())
@@ -739,7 +740,7 @@ fn verify_results(v: &Value) -> Result<Vec<(String, bool)>, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::state::model::{ErrorEntry, Status};
+    use crate::state::{ErrorEntry, Status};
     use crate::workflow::{Decision, Limits, check, decide, record_attempt, record_finish};
     use serde_json::json;
     use state::{Severity, Severity::*, SeverityCounts};
@@ -1038,7 +1039,7 @@ mod tests {
             let d = Dispatch::new(a);
             record_attempt(
                 &mut s,
-                crate::state::model::HistoryEntry {
+                crate::state::HistoryEntry {
                     action: (*a).into(),
                     attempt: 1,
                     outcome: "success".into(),

@@ -3,9 +3,9 @@
 //! Every struct below the top level carries an `extra` map flattened into it, so fields this
 //! version of loopd does not know survive a read and a write unchanged, at every level. The top
 //! level needs none: the store writes back the file's own JSON object with only the daemon's
-//! fields replaced (see [`super::store`]), so unknown top-level fields are never touched. The typed view is what the workflow
-//! reasons about; which of its fields the daemon may write back is decided in [`super::store`], not
-//! here.
+//! fields replaced, so unknown top-level fields are never touched. The typed view is what the
+//! workflow reasons about; which of its fields the daemon may write back is decided by the store,
+//! not here.
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -194,7 +194,7 @@ impl Control {
 ///
 /// Below this level every known field is always written (`null` when empty), so that a key the
 /// daemon does not write is a key it does not know, which the store keeps (see
-/// [`super::store::keep_unknown`]). Keys are written in one order ([`SKILL_KEY_ORDER`]), so a
+/// the store's `keep_unknown`). Keys are written in one order ([`SKILL_KEY_ORDER`]), so a
 /// ccw-loop file reads as it always did.
 #[derive(Clone, Debug, Default, PartialEq, Deserialize)]
 pub struct SkillState {
@@ -391,6 +391,35 @@ pub struct BestValidation {
     pub extra: Extra,
 }
 
+/// Tokens of one attempt, as the agents report them.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Usage {
+    pub input_tokens: u64,
+    pub output_tokens: u64,
+    pub cache_read_tokens: u64,
+    pub cache_write_tokens: u64,
+}
+
+impl Usage {
+    pub fn total(&self) -> u64 {
+        self.input_tokens
+            .saturating_add(self.output_tokens)
+            .saturating_add(self.cache_read_tokens)
+            .saturating_add(self.cache_write_tokens)
+    }
+
+    pub fn add(&mut self, other: &Usage) {
+        self.input_tokens = self.input_tokens.saturating_add(other.input_tokens);
+        self.output_tokens = self.output_tokens.saturating_add(other.output_tokens);
+        self.cache_read_tokens = self
+            .cache_read_tokens
+            .saturating_add(other.cache_read_tokens);
+        self.cache_write_tokens = self
+            .cache_write_tokens
+            .saturating_add(other.cache_write_tokens);
+    }
+}
+
 /// Tokens and cost spent by a loop's agents.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct UsageTotals {
@@ -422,7 +451,7 @@ impl UsageTotals {
 
     /// Adds an attempt's spending; sums saturate, and a cost that is not a finite number of
     /// dollars counts as nothing.
-    pub fn add(&mut self, usage: &crate::executor::agent::Usage, cost_usd: Option<f64>) {
+    pub fn add(&mut self, usage: &Usage, cost_usd: Option<f64>) {
         self.input_tokens = self.input_tokens.saturating_add(usage.input_tokens);
         self.output_tokens = self.output_tokens.saturating_add(usage.output_tokens);
         self.cache_read_tokens = self
@@ -496,6 +525,33 @@ pub struct ErrorEntry {
     pub extra: Extra,
 }
 
+/// A git checkpoint recorded after an action: its name (the last part of its ref), commit and
+/// what it changed.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Checkpoint {
+    pub name: String,
+    pub commit: String,
+    /// Against the loop's checkpoint before it.
+    #[serde(default)]
+    pub files: u64,
+    #[serde(default)]
+    pub insertions: u64,
+    #[serde(default)]
+    pub deletions: u64,
+}
+
+/// A task of the loop's task list, as a workflow takes it.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct ListedTask {
+    pub id: String,
+    pub description: String,
+    pub tool: Option<String>,
+    pub mode: Option<String>,
+    pub created_at: Option<String>,
+    /// Its place in the list, as its writer numbered it.
+    pub order: Option<Value>,
+}
+
 /// One attempt in `skill_state.action_history`.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct HistoryEntry {
@@ -508,7 +564,7 @@ pub struct HistoryEntry {
     #[serde(default)]
     pub finished_at: Option<String>,
     /// The attempt's outcome: `success`, `interrupted`, or a failure of the taxonomy in
-    /// [`crate::executor::agent::AttemptOutcome`].
+    /// the executors' `AttemptOutcome`.
     pub outcome: String,
     #[serde(default)]
     pub summary: Option<String>,
@@ -516,7 +572,7 @@ pub struct HistoryEntry {
     pub error: Option<String>,
     /// The git checkpoint recorded after it (actions that change the work tree).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub checkpoint: Option<crate::checkpoint::Checkpoint>,
+    pub checkpoint: Option<Checkpoint>,
     #[serde(flatten)]
     pub extra: Extra,
 }
@@ -646,11 +702,7 @@ pub fn differences(ours: &Value, theirs: &Value, limit: usize) -> Vec<String> {
     all
 }
 
-/// Now, as loopd writes timestamps: RFC 3339 UTC with milliseconds and `Z`.
-pub fn now_rfc3339() -> String {
-    format_ts(chrono::Utc::now())
-}
-
+/// A time as loopd writes timestamps: RFC 3339 UTC with milliseconds and `Z`.
 pub fn format_ts(t: chrono::DateTime<chrono::Utc>) -> String {
     t.to_rfc3339_opts(chrono::SecondsFormat::Millis, true)
 }
@@ -704,11 +756,6 @@ mod tests {
 
     #[test]
     fn timestamps_have_millis_and_z_and_any_offset_parses() {
-        let ts = now_rfc3339();
-        assert!(
-            ts.ends_with('Z') && ts.len() == "2026-01-22T02:13:00.123Z".len(),
-            "{ts}"
-        );
         let a = parse_ts("2026-01-22T10:00:00+08:00").unwrap();
         assert_eq!(format_ts(a), "2026-01-22T02:00:00.000Z");
     }

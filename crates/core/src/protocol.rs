@@ -54,7 +54,7 @@ const MAX_OBJECT_ATTEMPTS: usize = 64;
 ///
 /// One pass matches the braces (strings are tracked inside braces only: prose may hold quotes),
 /// then the balanced spans are tried from the one that ends last, at most
-/// [`MAX_OBJECT_ATTEMPTS`] of them: time linear in the output, however it nests.
+/// `MAX_OBJECT_ATTEMPTS` of them: time linear in the output, however it nests.
 pub fn last_json_object(bytes: &[u8]) -> Option<Value> {
     let text = String::from_utf8_lossy(bytes);
     let b = text.as_bytes();

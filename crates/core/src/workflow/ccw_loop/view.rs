@@ -5,7 +5,7 @@
 use serde_json::{Value, json};
 
 use super::state::{CcwState, TaskStatus};
-use crate::state::model::LoopState;
+use crate::state::LoopState;
 use crate::workflow::{Dispatch, Finish, Note, Row, View};
 
 fn part(state: &LoopState) -> CcwState {

@@ -6,8 +6,8 @@
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use crate::state::model::{Extra, WorkflowPart};
-use crate::state::tasks::ListedTask;
+use crate::state::ListedTask;
+use crate::state::{Extra, WorkflowPart};
 
 /// ccw-loop's part of `skill_state`.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
