@@ -43,7 +43,13 @@ struct Api {
 }
 
 impl Api {
-    async fn send(&self, method: &str, path: &str) -> hyper::Response<hyper::body::Incoming> {
+    /// A request, with `body` as JSON where there is one.
+    async fn send(
+        &self,
+        method: &str,
+        path: &str,
+        body: Option<&Value>,
+    ) -> hyper::Response<hyper::body::Incoming> {
         let stream = tokio::net::TcpStream::connect(&self.addr)
             .await
             .expect("connect");
@@ -56,8 +62,11 @@ impl Api {
             .method(method)
             .uri(path)
             .header("host", "loopd")
+            .header("content-type", "application/json")
             .header("authorization", format!("Bearer {}", self.token))
-            .body(Full::new(Bytes::new()))
+            .body(Full::new(Bytes::from(
+                body.map(Value::to_string).unwrap_or_default(),
+            )))
             .expect("request");
         sender.send_request(request).await.expect("send")
     }
@@ -65,7 +74,7 @@ impl Api {
     /// A whole request, answered within a generous bound: its status.
     async fn call(&self, method: &str, path: &str) -> u16 {
         let answered = tokio::time::timeout(DEADLINE, async {
-            let response = self.send(method, path).await;
+            let response = self.send(method, path, None).await;
             let status = response.status().as_u16();
             let _ = response.into_body().collect().await;
             status
@@ -183,25 +192,9 @@ fn the_service_under_load_answers_every_request_and_finishes_every_loop() {
 
     // The loop on the full disk: made and started through the API, then its disk filled.
     let full_loop = full.as_ref().map(|p| {
-        let body = json!({"root": p.root, "title": "full"}).to_string();
+        let body = json!({"root": p.root, "title": "full"});
         let id = rt.block_on(async {
-            let stream = tokio::net::TcpStream::connect(&api.addr)
-                .await
-                .expect("connect");
-            let io = hyper_util::rt::TokioIo::new(stream);
-            let (mut sender, conn) = hyper::client::conn::http1::handshake(io)
-                .await
-                .expect("handshake");
-            tokio::spawn(conn);
-            let request = hyper::Request::builder()
-                .method("POST")
-                .uri("/v1/loops")
-                .header("host", "loopd")
-                .header("content-type", "application/json")
-                .header("authorization", format!("Bearer {}", api.token))
-                .body(Full::new(Bytes::from(body)))
-                .expect("request");
-            let response = sender.send_request(request).await.expect("send");
+            let response = api.send("POST", "/v1/loops", Some(&body)).await;
             assert_eq!(response.status(), 201);
             let bytes = response
                 .into_body()
@@ -236,7 +229,7 @@ fn the_service_under_load_answers_every_request_and_finishes_every_loop() {
         let mut stalled = Vec::new();
         let mut readers = Vec::new();
         for i in 0..STREAMS {
-            let response = api.send("GET", "/v1/stream").await;
+            let response = api.send("GET", "/v1/stream", None).await;
             assert_eq!(response.status(), 200);
             if i < STALLED {
                 // Its body is never read: once the socket's buffers are full, the service's

@@ -1960,25 +1960,36 @@ mod tests {
         assert_eq!(temp_files(dir.path()), Vec::<String>::new());
     }
 
-    #[test]
-    fn a_late_write_into_the_replaced_version_is_merged() {
-        let (dir, store) = running_loop();
+    /// A lockless writer reads `l1`'s state file and opens it for writing, then loopd writes a
+    /// new version (`current_iteration` 3): returns the writer's copy and its open file, which
+    /// is now the replaced version.
+    fn opened_then_replaced(store: &Store) -> (Value, fs::File) {
         let path = store.state_path("l1");
-        // A lockless writer reads the file and opens it for writing...
-        let mut theirs: Value = serde_json::from_slice(&fs::read(&path).unwrap()).unwrap();
-        let mut late = fs::OpenOptions::new().write(true).open(&path).unwrap();
-        // ...loopd writes a new version in the meantime...
+        let theirs: Value = serde_json::from_slice(&fs::read(&path).unwrap()).unwrap();
+        let late = fs::OpenOptions::new().write(true).open(&path).unwrap();
         store
             .update("l1", true, |raw, _| {
                 raw.insert("current_iteration".into(), 3.into());
             })
             .unwrap();
-        // ...and the writer's bytes land in the version that is no longer the state file.
+        (theirs, late)
+    }
+
+    /// The lockless writer's whole-file rewrite of its copy with `notes` set, through `late`.
+    fn write_late(mut theirs: Value, mut late: fs::File) {
         theirs["notes"] = "late".into();
         late.set_len(0).unwrap();
         late.write_all(&serde_json::to_vec(&theirs).unwrap())
             .unwrap();
-        drop(late);
+    }
+
+    #[test]
+    fn a_late_write_into_the_replaced_version_is_merged() {
+        let (dir, store) = running_loop();
+        let path = store.state_path("l1");
+        let (theirs, late) = opened_then_replaced(&store);
+        // The writer's bytes land in the version that is no longer the state file.
+        write_late(theirs, late);
         assert_eq!(store.settle("l1").unwrap(), 1);
         let on_disk: Value = serde_json::from_slice(&fs::read(&path).unwrap()).unwrap();
         assert_eq!(on_disk["notes"], "late");
@@ -1995,13 +2006,7 @@ mod tests {
     fn a_writer_that_hands_its_replaced_versions_over_loses_no_late_write() {
         let (dir, store) = running_loop();
         let path = store.state_path("l1");
-        let mut theirs: Value = serde_json::from_slice(&fs::read(&path).unwrap()).unwrap();
-        let mut late = fs::OpenOptions::new().write(true).open(&path).unwrap();
-        store
-            .update("l1", true, |raw, _| {
-                raw.insert("current_iteration".into(), 3.into());
-            })
-            .unwrap();
+        let (theirs, late) = opened_then_replaced(&store);
         // The writer exits at once, handing the version it replaced over to the watcher...
         store.close_with(|_| Settler::Another);
         let notes: Vec<String> = fs::read_dir(dir.path())
@@ -2012,11 +2017,7 @@ mod tests {
         assert_eq!(notes.len(), 1, "{notes:?}");
         assert!(!store.has_orphans(None), "nothing is left to this writer");
         // ...and the lockless writer's bytes land in that version afterwards.
-        theirs["notes"] = "late".into();
-        late.set_len(0).unwrap();
-        late.write_all(&serde_json::to_vec(&theirs).unwrap())
-            .unwrap();
-        drop(late);
+        write_late(theirs, late);
         // The watcher takes it over (once: a second look finds no note) and settles it.
         let watcher = Store::new(dir.path(), ".");
         assert!(watcher.adopt(&notes[0]));
