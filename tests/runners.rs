@@ -1,7 +1,7 @@
 //! The test-runner parser on output captured from the real runners (tests/fixtures/runners/,
 //! see its README for versions and commands).
 
-use loopd::executor::result::{TestCounts, parse_test_output, test_result};
+use loopd_core::test_output::{TestCounts, parse_test_output, test_result};
 
 fn parsed(file: &str) -> Option<TestCounts> {
     let path = format!(

@@ -17,4 +17,5 @@
 
 pub mod protocol;
 pub mod state;
+pub mod test_output;
 pub mod workflow;
