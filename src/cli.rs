@@ -609,11 +609,15 @@ fn control(p: &Project, id: &str, what: Control, as_json: bool) -> Result<i32> {
     if let Some(executor) = &done.needs_daemon {
         started = Some(match crate::daemon::daemon_pid(&p.store, id) {
             Some(pid) => pid,
-            None => {
-                let pid = crate::daemon::start(p, id, executor.as_deref())?;
-                eprintln!("started daemon pid {pid}");
-                pid
-            }
+            None => match crate::daemon::start(p, id, executor.as_deref()) {
+                Ok(pid) => {
+                    eprintln!("started daemon pid {pid}");
+                    pid
+                }
+                // The service took the loop up as soon as it read the new status (or another
+                // command's daemon did): the resume did what it was for.
+                Err(e) => crate::daemon::daemon_pid(&p.store, id).ok_or(e)?,
+            },
         });
     }
     report(started)?;
