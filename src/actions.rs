@@ -292,7 +292,7 @@ pub fn load(
     let mut defs = BTreeMap::new();
     for action in actions {
         let path = project_file(root, workflow, action);
-        let def = match crate::safe_fs::read_text(&path) {
+        let def = match loopd_fs::read_text(&path) {
             Ok(text) => ActionDef {
                 project_file: Some(crate::trust::ProjectFile::new(&path, &text)),
                 ..ActionDef::parse(action, &path.display().to_string(), &text)?

@@ -428,10 +428,10 @@ pub fn rollback_command(
         )));
     }
     let commit = repo.rollback(name, force)?;
-    let dir = crate::events::ProgressDir::new(&p.store, id);
-    if let Ok(mut events) = crate::events::EventLog::open(id, &dir) {
+    let dir = loopd_store::events::ProgressDir::new(&p.store, id);
+    if let Ok(mut events) = loopd_store::events::EventLog::open(id, &dir) {
         events.emit(
-            crate::events::Event::new(crate::events::name::ROLLED_BACK)
+            loopd_store::events::Event::new(loopd_store::events::name::ROLLED_BACK)
                 .with("checkpoint", name)
                 .with("commit", commit.clone())
                 .with("forced", force),

@@ -11,9 +11,9 @@ use serde_json::{Value, json};
 use crate::config::Config;
 pub(crate) use crate::error::usage;
 pub use crate::error::{UsageError, exit_code_of};
-use crate::events::{printable, render};
-use crate::state::store::{Settler, Store, validate_id};
 use crate::view::{LoopView, standing};
+use loopd_store::events::{self, name, printable, render};
+use loopd_store::store::{Settler, Store, StoreError, validate_id};
 
 /// `println!` that returns an error instead of panicking when the reader of stdout has gone away
 /// (`loopd list | head -1`); `main` ends such a command quietly.
@@ -419,9 +419,9 @@ pub fn run(cli: Cli) -> Result<i32> {
             utc,
         } => {
             let clock = if utc {
-                crate::events::Clock::Utc
+                events::Clock::Utc
             } else {
-                crate::events::Clock::Local
+                events::Clock::Local
             };
             let shown = LogsShown {
                 follow,
@@ -742,8 +742,8 @@ pub fn set_control(p: &Project, id: &str, what: Control) -> Result<Controlled> {
 /// flight is ended and recorded). A stop never depends on the state being loadable.
 fn stop_unloadable(p: &Project, id: &str, error: anyhow::Error, as_json: bool) -> Result<i32> {
     let corrupt = error
-        .downcast_ref::<crate::state::store::StoreError>()
-        .is_some_and(|e| matches!(e, crate::state::store::StoreError::Corrupt { .. }));
+        .downcast_ref::<StoreError>()
+        .is_some_and(|e| matches!(e, StoreError::Corrupt { .. }));
     if !corrupt {
         return Err(error);
     }
@@ -972,7 +972,7 @@ pub struct LogsShown {
     pub as_json: bool,
     /// The output of the action in flight, as it is written.
     pub output: bool,
-    pub clock: crate::events::Clock,
+    pub clock: events::Clock,
 }
 
 /// How long the action in flight may be silent before `logs --follow` says it still runs.
@@ -985,9 +985,9 @@ fn logs(p: &Project, id: &str, shown: &LogsShown) -> Result<i32> {
     // Colour only on a terminal, and never with NO_COLOR (anstream decides).
     let mut out = anstream::stdout();
     let dim = Style::new().dimmed();
-    let mut tail = crate::events::EventTail::new(&p.store, id);
+    let mut tail = events::EventTail::new(&p.store, id);
     // The attempt in flight: its output, what it is, when it started and last spoke.
-    let mut attempt: Option<(crate::events::OutputTail, String, std::time::Instant)> = None;
+    let mut attempt: Option<(events::OutputTail, String, std::time::Instant)> = None;
     let mut last_spoke = std::time::Instant::now();
     let mut idle_polls = 0;
     loop {
@@ -1006,9 +1006,7 @@ fn logs(p: &Project, id: &str, shown: &LogsShown) -> Result<i32> {
             let kind = event["event"].as_str().unwrap_or("");
             let ends_attempt = matches!(
                 kind,
-                crate::events::name::ACTION_FINISHED
-                    | crate::events::name::ACTION_FAILED
-                    | crate::events::name::ACTION_INTERRUPTED
+                name::ACTION_FINISHED | name::ACTION_FAILED | name::ACTION_INTERRUPTED
             );
             if ends_attempt && let Some((mut output, ..)) = attempt.take() {
                 for l in output.read_lines(true) {
@@ -1016,22 +1014,17 @@ fn logs(p: &Project, id: &str, shown: &LogsShown) -> Result<i32> {
                 }
             }
             let colour = match kind {
-                crate::events::name::ACTION_FAILED | crate::events::name::FAILED => {
-                    Some(AnsiColor::Red)
+                name::ACTION_FAILED | name::FAILED => Some(AnsiColor::Red),
+                name::ACTION_FINISHED | name::COMPLETED => Some(AnsiColor::Green),
+                name::WARNING | name::BLOCKED | name::RATE_LIMITED | name::AGENT_RETRYING => {
+                    Some(AnsiColor::Yellow)
                 }
-                crate::events::name::ACTION_FINISHED | crate::events::name::COMPLETED => {
-                    Some(AnsiColor::Green)
-                }
-                crate::events::name::WARNING
-                | crate::events::name::BLOCKED
-                | crate::events::name::RATE_LIMITED
-                | crate::events::name::AGENT_RETRYING => Some(AnsiColor::Yellow),
                 _ => None,
             };
             let style = Style::new().fg_color(colour.map(Into::into));
             writeln!(out, "{style}{}{style:#}", render(&event, shown.clock))?;
             if shown.output
-                && kind == crate::events::name::ACTION_STARTED
+                && kind == name::ACTION_STARTED
                 && let Some(log) = event["log"].as_str()
             {
                 let what = [event["action"].as_str(), event["task_id"].as_str()]
@@ -1039,7 +1032,7 @@ fn logs(p: &Project, id: &str, shown: &LogsShown) -> Result<i32> {
                     .flatten()
                     .collect::<Vec<_>>()
                     .join(" ");
-                let output = crate::events::OutputTail::new(&p.store, id, log);
+                let output = events::OutputTail::new(&p.store, id, log);
                 attempt = Some((output, what, std::time::Instant::now()));
                 last_spoke = std::time::Instant::now();
             }

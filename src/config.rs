@@ -213,7 +213,7 @@ impl Config {
         let project = root.map(Self::project_file);
         let mut project_file = None;
         for (file, required) in Self::layer_files(root, explicit) {
-            match crate::safe_fs::read_text(&file) {
+            match loopd_fs::read_text(&file) {
                 Ok(text) => {
                     layers.push(parse_layer(&file.display().to_string(), &text)?);
                     let is_project = project.as_ref().is_some_and(|p| same_file(&file, p));

@@ -4,8 +4,8 @@ use anyhow::Result;
 use loopd_core::state::{Bookkeeping, LoopState, Mode, SkillState, Status};
 
 use crate::cli::{ModeArg, Project, usage};
-use crate::state::now_rfc3339;
-use crate::state::store::new_id;
+use loopd_store::now_rfc3339;
+use loopd_store::store::new_id;
 
 /// What `create` asks for.
 #[derive(Debug, Default, clap::Args)]

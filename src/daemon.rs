@@ -17,7 +17,7 @@ use tokio::sync::watch;
 use crate::cli::{Project, loop_workflow};
 use crate::executor::Subprocess;
 use crate::orchestrator::{Engine, Exit};
-use crate::state::store::Store;
+use loopd_store::store::Store;
 
 /// `loopd run`: drives a loop until it ends; returns the exit code.
 pub fn run_foreground(
@@ -76,7 +76,7 @@ pub fn take(
     exit_on_pause: bool,
     me: &str,
 ) -> Result<Taken> {
-    crate::state::store::validate_id(id)?;
+    loopd_store::store::validate_id(id)?;
     // Before touching anything: another daemon may be driving this loop.
     if let Some(pid) = daemon_pid(&p.store, id)
         && pid_alive(pid)
@@ -225,7 +225,7 @@ pub fn holder_pid(text: &str) -> u32 {
 
 /// Who holds a loop's daemon lock, if anyone: the pid written in it.
 pub fn daemon_pid(store: &Store, id: &str) -> Option<u32> {
-    crate::state::store::validate_id(id).ok()?;
+    loopd_store::store::validate_id(id).ok()?;
     holder(store, &daemon_lock(id)).map(|text| holder_pid(&text))
 }
 
@@ -282,7 +282,7 @@ impl Held {
 
     /// The lock that says "a daemon drives this loop", held for the daemon's lifetime.
     pub fn daemon(store: &Store, id: &str, me: &str) -> Result<Held> {
-        crate::state::store::validate_id(id)?;
+        loopd_store::store::validate_id(id)?;
         Held::take(store.open_lock(&daemon_lock(id))?, me, |holder| {
             already_driven(id, holder_pid(holder))
         })

@@ -311,7 +311,7 @@ fn versions<'a>(programs: impl Iterator<Item = &'a PathBuf>) -> Vec<String> {
 /// The variable that holds the key of Codex's chosen model provider (`model_provider` and its
 /// `env_key` in `CODEX_HOME/config.toml`), if it names one.
 fn codex_provider_key(codex_home: &Path) -> Option<String> {
-    let text = crate::safe_fs::read_text(&codex_home.join("config.toml")).ok()?;
+    let text = loopd_fs::read_text(&codex_home.join("config.toml")).ok()?;
     let config: toml::Table = toml::from_str(&text).ok()?;
     let provider = config.get("model_provider")?.as_str()?;
     let key = config

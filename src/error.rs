@@ -16,11 +16,11 @@ pub fn exit_code_of(e: &anyhow::Error) -> i32 {
             || cause.is::<crate::trust::Untrusted>()
             || cause.is::<crate::daemon::WorkTreeBusy>()
             || cause
-                .downcast_ref::<crate::state::store::StoreError>()
+                .downcast_ref::<loopd_store::store::StoreError>()
                 .is_some_and(|s| s.is_bad_input())
             || cause
                 .downcast_ref::<std::io::Error>()
-                .is_some_and(crate::safe_fs::is_refusal)
+                .is_some_and(loopd_fs::is_refusal)
     });
     if bad_input { 2 } else { 1 }
 }

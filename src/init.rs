@@ -47,7 +47,7 @@ pub fn run(p: &Project, args: &InitArgs, as_json: bool) -> Result<i32> {
     let text = shell_config(&args.develop, &args.validate);
     // Checked like any config before it is written: a broken one is never left behind.
     Config::builtin_with(&text)?;
-    let dir = crate::safe_fs::Dir::open(&p.root)
+    let dir = loopd_fs::Dir::open(&p.root)
         .and_then(|root| root.subdir(".loop", true))
         .with_context(|| format!("cannot open {}", p.root.join(".loop").display()))?;
     dir.write_atomic("config.toml", text.as_bytes(), true)

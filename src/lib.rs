@@ -14,7 +14,6 @@ pub mod daemon;
 pub mod demo;
 pub mod doctor;
 pub mod error;
-pub mod events;
 pub mod executor;
 pub mod git;
 pub mod init;
@@ -22,16 +21,7 @@ pub mod logging;
 pub mod orchestrator;
 pub mod recovery;
 pub mod registry;
-pub mod safe_fs;
 pub mod serve;
-pub mod state;
 pub mod trust;
 pub mod view;
-pub mod watch;
 pub mod worktree;
-
-/// Takes `m`'s lock even if a holder panicked: a poisoned lock still guards usable data here
-/// (lists and caches that every change leaves whole).
-pub fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}

@@ -15,7 +15,7 @@
 //! Durability: the attempt in flight is recorded right after the spawn (with its pid, process
 //! group and start time) by an atomic write that is not made durable — it only matters if the
 //! daemon dies while the machine lives on — and every finished action is committed durably (its
-//! version recorded in the fdatasynced backup: [`crate::state::backup`]) before the next one
+//! version recorded in the fdatasynced backup: [`loopd_store::store`]) before the next one
 //! starts: the fdatasync runs on the backup thread while the next attempt is readied
 //! ([`Store::defer_durability`]), and the spawn waits for it.
 
@@ -40,13 +40,13 @@ use tokio_util::sync::CancellationToken;
 use crate::actions::ActionDef;
 use crate::checkpoint;
 use crate::config::{Checkpoints, Config, ExecutorConfig, Format, PromptMode, Supervision};
-use crate::events::{Event, EventLog, Progress, ProgressDir, name};
 use crate::executor::agent::{AgentStream, AttemptOutcome};
 use crate::executor::result::{Verdict, verdict};
 use crate::executor::{Budget, Executor, Spec, procs};
-use crate::state::now_rfc3339;
-use crate::state::store::{Store, StoreError, Transition};
-use crate::watch::{Snapshot, Watch};
+use loopd_store::events::{Event, EventLog, Progress, ProgressDir, name};
+use loopd_store::now_rfc3339;
+use loopd_store::store::{Store, StoreError, Transition};
+use loopd_store::watch::{Snapshot, Watch};
 
 /// How a daemon's run of a loop ended; [`Exit::code`] is the process exit code (CONTRACT §7).
 #[derive(Clone, Debug, PartialEq)]
@@ -159,7 +159,7 @@ struct Prepared {
 
 /// Where an attempt's files are: its directory, its result file's name, its log.
 struct AttemptFiles {
-    actions: crate::safe_fs::Dir,
+    actions: loopd_fs::Dir,
     result_name: String,
     log_path: PathBuf,
 }
@@ -179,8 +179,8 @@ const RESULT_FILE: &str = "result.json";
 
 /// Empties the result file before an attempt, making it if it is missing; what is there that is
 /// not a plain file (an executor's symlink) is removed first.
-fn empty_result_file(actions: &crate::safe_fs::Dir) {
-    let emptied = |dir: &crate::safe_fs::Dir| {
+fn empty_result_file(actions: &loopd_fs::Dir) {
+    let emptied = |dir: &loopd_fs::Dir| {
         let file = dir.open_rw(RESULT_FILE)?;
         match file.metadata()?.len() {
             0 => Ok(()),
@@ -451,7 +451,7 @@ struct LoopRun<'a> {
     watch: Watch,
     shutdown: watch::Receiver<Option<i32>>,
     /// The task list files as last absorbed.
-    tasks_seen: Option<crate::state::tasks::TasksStamp>,
+    tasks_seen: Option<loopd_store::tasks::TasksStamp>,
     /// The state as this daemon last wrote it: its own fields here are the truth, whatever
     /// another program writes back. (Shared with the store's memory of that version.)
     ours: Option<Arc<LoopState>>,
@@ -566,7 +566,7 @@ impl LoopRun<'_> {
         let theirs = progress(&loaded);
         let mut mine = progress(ours);
         // Fields someone added that the daemon does not know are no revert: keep them.
-        crate::state::store::keep_unknown(&theirs, &mut mine);
+        loopd_store::store::keep_unknown(&theirs, &mut mine);
         if mine == theirs {
             self.ours = Some(shared);
             return Ok(loaded);
@@ -868,7 +868,7 @@ impl LoopRun<'_> {
     }
 
     /// The task list, its warnings told; the version read is then seen.
-    fn read_tasks(&mut self) -> Result<crate::state::tasks::TaskList> {
+    fn read_tasks(&mut self) -> Result<loopd_store::tasks::TaskList> {
         let list = self.store().read_tasks(self.id)?;
         for w in &list.warnings {
             self.events
@@ -1206,7 +1206,7 @@ impl LoopRun<'_> {
         };
         let spawned = running.spawned();
         // From now on a stop or pause ends it from the watcher's thread.
-        let armed = self.watch.arm(spawned);
+        let armed = self.watch.arm(move || spawned.terminate());
         let log = files
             .log_path
             .file_name()
@@ -1394,7 +1394,7 @@ impl LoopRun<'_> {
         done: &Done<'_>,
         e: std::io::Error,
     ) -> Result<Attempted> {
-        if crate::state::store::is_transient_io(&e) {
+        if loopd_store::store::is_transient_io(&e) {
             self.events.emit(done.event(name::WARNING).with(
                 "message",
                 format!(

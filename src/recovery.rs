@@ -10,8 +10,8 @@ use loopd_core::state::{MAX_DESCRIPTION, Status};
 use serde_json::{Value, json};
 
 use crate::cli::{Project, print_result, usage};
-use crate::state::now_rfc3339;
 use crate::view::standing;
+use loopd_store::now_rfc3339;
 
 /// A loop's limits and budgets, as `create` and `set` take them; `None` leaves one as it is (for
 /// a new loop: the config's).

@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::safe_fs::Dir;
+use loopd_fs::Dir;
 
 /// A project as recorded.
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -78,7 +78,7 @@ pub fn add(root: &Path) -> io::Result<()> {
     }
     let record = Record {
         root: root.to_owned(),
-        added_at: crate::state::now_rfc3339(),
+        added_at: loopd_store::now_rfc3339(),
     };
     let text = toml::to_string(&record).map_err(io::Error::other)?;
     dir.write_atomic(&name, text.as_bytes(), false)
@@ -135,6 +135,6 @@ fn records(dir: &Dir) -> Vec<(String, Record)> {
 }
 
 fn read(dir: &Dir, name: &str) -> Option<Record> {
-    let bytes = dir.read(name, crate::safe_fs::USER_FILE_CAP).ok()?;
+    let bytes = dir.read(name, loopd_fs::USER_FILE_CAP).ok()?;
     toml::from_str(std::str::from_utf8(&bytes).ok()?).ok()
 }

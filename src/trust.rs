@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest as _, Sha256};
 
-use crate::safe_fs::Dir;
+use loopd_fs::Dir;
 
 /// A project file that can change what runs, with the digest of the bytes loopd read.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -105,7 +105,7 @@ pub fn project_files(root: &Path) -> io::Result<Vec<ProjectFile>> {
     }
     let mut files = Vec::new();
     for path in paths {
-        match crate::safe_fs::read_text(&path) {
+        match loopd_fs::read_text(&path) {
             Ok(text) => files.push(ProjectFile::new(&path, &text)),
             Err(e) if e.kind() == io::ErrorKind::NotFound => {}
             Err(e) => return Err(e),
@@ -118,7 +118,7 @@ pub fn project_files(root: &Path) -> io::Result<Vec<ProjectFile>> {
 pub fn allow(root: &Path, files: &[ProjectFile]) -> io::Result<PathBuf> {
     let record = Record {
         root: root.to_owned(),
-        trusted_at: crate::state::now_rfc3339(),
+        trusted_at: loopd_store::now_rfc3339(),
         files: files
             .iter()
             .map(|f| (f.path.clone(), f.digest.clone()))
@@ -180,7 +180,7 @@ fn read_record(root: &Path) -> Option<Record> {
 }
 
 fn parse_record(dir: &Dir, name: &str) -> Option<Record> {
-    let bytes = dir.read(name, crate::safe_fs::USER_FILE_CAP).ok()?;
+    let bytes = dir.read(name, loopd_fs::USER_FILE_CAP).ok()?;
     toml::from_str(std::str::from_utf8(&bytes).ok()?).ok()
 }
 
@@ -200,7 +200,7 @@ pub(crate) fn records_in(user: &Path, sub: &str, create: bool) -> io::Result<Dir
     if create {
         std::fs::DirBuilder::new()
             .recursive(true)
-            .mode(crate::safe_fs::DIR_MODE)
+            .mode(loopd_fs::DIR_MODE)
             .create(user)?;
     }
     Dir::open(user)?.subdir(sub, create)

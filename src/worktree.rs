@@ -10,7 +10,7 @@ use anyhow::{Context as _, Result};
 use loopd_core::state::{LoopState, Worktree};
 
 use crate::cli::{Project, usage};
-use crate::state::store::Store;
+use loopd_store::store::Store;
 
 /// Where a loop's actions run.
 #[derive(Clone, Debug)]

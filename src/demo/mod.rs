@@ -14,7 +14,7 @@ use loopd_core::workflow::{ccw_loop, skill_tuning};
 use crate::cli::{Project, usage};
 use crate::config::Config;
 use crate::orchestrator::Exit;
-use crate::state::store::Store;
+use loopd_store::store::Store;
 
 /// Runs the demo of a workflow (ccw-loop by default); returns the loop's exit code.
 pub fn run(workflow: Option<&str>) -> Result<i32> {
@@ -92,7 +92,7 @@ pub fn run(workflow: Option<&str>) -> Result<i32> {
     crate::outln!("  state     {}", project.store.state_path(&id).display())?;
     crate::outln!(
         "  events    {}",
-        progress.join(crate::events::EVENTS).display()
+        progress.join(loopd_store::events::EVENTS).display()
     )?;
     crate::outln!("  summary   {}", progress.join("summary.md").display())?;
     crate::outln!("  progress  {}", progress.display())?;

@@ -27,7 +27,7 @@ use tokio::process::Command;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::{PromptMode, Supervision};
-use crate::safe_fs::Dir;
+use loopd_fs::Dir;
 
 /// How much of stdout is kept in memory to find the result in.
 pub const TAIL_CAP: usize = 1 << 20;
@@ -80,6 +80,13 @@ pub struct Spawned {
     pub pid: u32,
     pub pgid: u32,
     pub proc_start: Option<u64>,
+}
+
+impl Spawned {
+    /// SIGTERMs its process group if that is still this attempt's; true when it did.
+    pub fn terminate(self) -> bool {
+        procs::terminate_in_flight(self.pgid, self.proc_start)
+    }
 }
 
 /// Why supervision ended the attempt.

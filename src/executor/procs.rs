@@ -40,7 +40,7 @@ pub fn endings() -> u64 {
 }
 
 fn running() -> std::sync::MutexGuard<'static, Vec<u32>> {
-    crate::lock(&RUNNING)
+    loopd_store::lock(&RUNNING)
 }
 
 /// Held while an executor is spawned and counted in flight, and while zombies are reaped: a
@@ -50,7 +50,7 @@ static SPAWN: Mutex<()> = Mutex::new(());
 
 /// See [`SPAWN`].
 pub fn spawning() -> std::sync::MutexGuard<'static, ()> {
-    crate::lock(&SPAWN)
+    loopd_store::lock(&SPAWN)
 }
 
 /// Records an attempt in flight, by its process group.

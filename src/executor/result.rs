@@ -9,7 +9,7 @@ use serde_json::Value;
 use super::agent::AttemptOutcome;
 use super::{Cut, Run};
 use crate::config::Format;
-use crate::safe_fs::Dir;
+use loopd_fs::Dir;
 
 /// A result file larger than this is refused rather than read.
 const RESULT_FILE_CAP: u64 = 4 << 20;

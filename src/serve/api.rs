@@ -29,8 +29,8 @@ use serde_json::{Value, json};
 
 use super::ServiceInfo;
 use crate::cli::{Control, Project};
-use crate::safe_fs::Dir;
-use crate::state::store::StoreError;
+use loopd_fs::Dir;
+use loopd_store::store::StoreError;
 
 /// The OpenAPI document of this API, kept in the repository beside this file.
 pub const OPENAPI: &str = include_str!("openapi.json");
@@ -447,7 +447,7 @@ struct Where {
 
 /// The project of the service that holds loop `id`.
 fn find(shared: &Shared, id: &str, root: Option<&Path>) -> Result<Arc<Project>> {
-    crate::state::store::validate_id(id)?;
+    loopd_store::store::validate_id(id)?;
     if let Some(root) = root
         && !shared.info().serves(root)
     {
@@ -502,7 +502,7 @@ fn last_event(p: &Project, id: &str) -> Option<Value> {
         .ok()?
         .subdir(&format!("{id}.progress"), false)
         .ok()?;
-    let text = read_tail(&progress, crate::events::EVENTS, 4096)?;
+    let text = read_tail(&progress, loopd_store::events::EVENTS, 4096)?;
     let line = text.lines().rev().find(|l| !l.trim().is_empty())?;
     serde_json::from_str(line).ok()
 }
@@ -739,7 +739,7 @@ struct After {
 
 /// The events of a loop as Server-Sent Events: each event's id is its number in the event log
 /// (from 1), so that a client that reconnects with `Last-Event-ID` gets what it missed and
-/// nothing twice. The log is read as `logs --follow` reads it ([`crate::events::EventTail`],
+/// nothing twice. The log is read as `logs --follow` reads it ([`loopd_store::events::EventTail`],
 /// across rotations); new events come as they are written (the progress directory is watched).
 async fn events(
     State(shared): State<Shared>,
@@ -763,13 +763,13 @@ async fn events(
     let (store, dir) = blocking(move || {
         let p = find(&shared, &id, root.as_deref())?;
         let dir = p.store.progress(&id)?;
-        Ok((crate::events::EventTail::new(&p.store, &id), dir))
+        Ok((loopd_store::events::EventTail::new(&p.store, &id), dir))
     })
     .await?;
     let wake = Arc::new(tokio::sync::Notify::new());
     let subscription = {
         let wake = wake.clone();
-        crate::watch::subscribe(
+        loopd_store::watch::subscribe(
             dir.path(),
             Arc::new(move |_: &notify::Result<notify::Event>| wake.notify_one()),
         )
@@ -792,14 +792,14 @@ async fn events(
 /// A loop's events for one client: the lines read, numbered, those it has seen left out.
 struct Events {
     /// Taken while a blocking thread reads.
-    tail: Option<crate::events::EventTail>,
+    tail: Option<loopd_store::events::EventTail>,
     /// The client has seen the events up to this number.
     skip: u64,
     /// The number of the last line read.
     seen: u64,
     pending: std::collections::VecDeque<SseEvent>,
     wake: Arc<tokio::sync::Notify>,
-    _subscription: crate::watch::Subscription,
+    _subscription: loopd_store::watch::Subscription,
 }
 
 impl Events {

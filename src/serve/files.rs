@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use crate::daemon::Held;
-use crate::safe_fs::Dir;
+use loopd_fs::Dir;
 
 const LOCK: &str = "serve.lock";
 const STATUS: &str = "serve.json";
@@ -122,7 +122,7 @@ pub fn running() -> Option<ServiceInfo> {
     if !crate::daemon::pid_alive(pid) {
         return None;
     }
-    let bytes = dir.read(STATUS, crate::safe_fs::USER_FILE_CAP).ok()?;
+    let bytes = dir.read(STATUS, loopd_fs::USER_FILE_CAP).ok()?;
     let info: ServiceInfo = serde_json::from_slice(&bytes).ok()?;
     (info.pid == pid).then_some(info)
 }

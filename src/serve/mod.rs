@@ -28,10 +28,10 @@ use tokio::sync::{mpsc, watch};
 
 use crate::cli::Project;
 use crate::orchestrator::Exit;
-use crate::safe_fs::Dir;
-use crate::watch::Subscription;
 pub use files::{LoopKey, ServiceInfo};
 use loopd_core::state::Status;
+use loopd_fs::Dir;
+use loopd_store::watch::Subscription;
 
 /// `loopd serve`'s own options (the roots come from the global `--root`, repeatable here).
 #[derive(Debug, Default, clap::Args)]
@@ -104,7 +104,7 @@ struct Watched {
     project: Arc<Project>,
     _events: Subscription,
     /// Settles the versions its writers replaced (the service's own, and those handed over by
-    /// commands that exit at once: see [`crate::state::store::Store::close_with`]).
+    /// commands that exit at once: see [`loopd_store::store::Store::close_with`]).
     settler: tokio::task::JoinHandle<()>,
 }
 
@@ -189,7 +189,7 @@ pub fn run(roots: &[PathBuf], config_flag: Option<&Path>, args: &ServeArgs) -> R
             runtime_dir,
             info: ServiceInfo {
                 pid: std::process::id(),
-                started_at: crate::state::now_rfc3339(),
+                started_at: loopd_store::now_rfc3339(),
                 ..ServiceInfo::default()
             },
             shared: api::Shared::default(),
@@ -412,11 +412,14 @@ impl Supervisor {
             .inspect_err(|e| tracing::warn!("warning: cannot watch your projects: {e}"))
             .ok()?;
         let tx = self.tx.clone();
-        Some(crate::watch::subscribe(
+        Some(loopd_store::watch::subscribe(
             dir.path(),
             Arc::new(move |event: &notify::Result<notify::Event>| {
                 // Reading the records (as the service does) is no change.
-                if event.as_ref().is_ok_and(|e| !crate::watch::is_change(e)) {
+                if event
+                    .as_ref()
+                    .is_ok_and(|e| !loopd_store::watch::is_change(e))
+                {
                     return;
                 }
                 let _ = tx.send(Wake::Projects);
@@ -452,12 +455,12 @@ impl Supervisor {
                 tracing::warn!("warning: cannot serve {}: {e}", root.display());
                 continue;
             }
-            let events = crate::watch::subscribe(
+            let events = loopd_store::watch::subscribe(
                 project.store.dir(),
                 self.handler(&root, project.store.clone()),
             );
             tracing::info!("serving {}", root.display());
-            let settler = crate::watch::settle_in_background(&project.store);
+            let settler = loopd_store::watch::settle_in_background(&project.store);
             let project = Arc::new(project);
             self.shared
                 .projects
@@ -480,7 +483,11 @@ impl Supervisor {
     /// The handler of a project's state directory: a loop's state file changed, or a command
     /// handed over the versions its writes replaced (taken over at once, settled by the
     /// project's settler).
-    fn handler(&self, root: &Path, store: crate::state::store::Store) -> crate::watch::Handler {
+    fn handler(
+        &self,
+        root: &Path,
+        store: loopd_store::store::Store,
+    ) -> loopd_store::watch::Handler {
         let (tx, root) = (self.tx.clone(), root.to_owned());
         Arc::new(move |event: &notify::Result<notify::Event>| {
             let event = match event {
@@ -490,13 +497,13 @@ impl Supervisor {
                     return;
                 }
             };
-            if !crate::watch::is_change(event) {
+            if !loopd_store::watch::is_change(event) {
                 return;
             }
-            if crate::watch::is_created(event) {
+            if loopd_store::watch::is_created(event) {
                 for path in &event.paths {
                     let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
-                    if name.ends_with(crate::state::store::HANDOVER_SUFFIX) {
+                    if name.ends_with(loopd_store::store::HANDOVER_SUFFIX) {
                         store.adopt(name);
                     }
                 }
@@ -870,6 +877,6 @@ fn raise_open_file_limit() {
 /// The loop whose state file `path` names, if it names one (`{id}.json`).
 fn loop_of(path: &Path) -> Option<&str> {
     let id = path.file_name()?.to_str()?.strip_suffix(".json")?;
-    crate::state::store::validate_id(id).ok()?;
+    loopd_store::store::validate_id(id).ok()?;
     Some(id)
 }

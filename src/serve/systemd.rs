@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use sd_notify::NotifyState;
 
-use crate::lock;
+use loopd_store::lock;
 
 /// How many state changes wait at most; beyond, completed reloads are dropped first.
 const MAX_PENDING: usize = 64;

@@ -6,9 +6,9 @@
 //! written to a temporary file in the same directory (`.{id}.json.XXXXXX.tmp`, mode 0600) and
 //! exchanged with the state file (`renameat2(RENAME_EXCHANGE)`, else a plain rename): a reader
 //! sees the old file or the new one, never a mix. A durable write is made durable by its backup
-//! `{id}.json.bak` ([`super::backup`]): the same bytes, written there with a checksum and
+//! `{id}.json.bak` ([`backup`]): the same bytes, written there with a checksum and
 //! fdatasynced; the exchange itself is not fsynced. Every file is opened
-//! relative to the checked state directory, never through a symlink ([`crate::safe_fs`]).
+//! relative to the checked state directory, never through a symlink ([`loopd_fs`]).
 //!
 //! The daemon never writes a copy of the whole state: [`Store::commit`] re-reads the file under the
 //! lock and replaces only the fields the daemon owns ([`DAEMON_FIELDS`]), plus a status transition
@@ -20,7 +20,7 @@
 //! is made again on top. A write into the replaced version — the writer opened the file just before
 //! the exchange and writes just after — lands in an inode that is no longer the state file: that
 //! version is therefore not unlinked at once but kept, as an *orphan*, until no process has it
-//! open and it is [`ORPHAN_LIFE_SHORT`] old (a write lease tells: [`safe_fs::open_elsewhere`]), or
+//! open and it is [`ORPHAN_LIFE_SHORT`] old (a write lease tells: [`loopd_fs::open_elsewhere`]), or
 //! for [`ORPHAN_LIFE`] at most, and a late write into it is merged into the state file
 //! ([`Store::settle`]: the keys it changed, against the version it replaced). The daemon's watcher
 //! marks an orphan written into (by the order of its file events: a write after the exchange
@@ -47,11 +47,11 @@ use loopd_core::state::{Control, LoopState, Status};
 use serde::Deserialize as _;
 use serde_json::{Map, Value};
 
-use super::backup;
+mod backup;
 
 use crate::lock;
-use crate::safe_fs::{self, Dir, TEMP_SUFFIX};
-use crate::state::now_rfc3339;
+use crate::now_rfc3339;
+use loopd_fs::{Dir, TEMP_SUFFIX};
 
 /// Top-level fields the daemon owns and writes back from its own copy.
 pub const DAEMON_FIELDS: &[&str] = &["current_iteration", "skill_state"];
@@ -159,7 +159,7 @@ pub fn is_transient_io(e: &io::Error) -> bool {
 
 pub(super) fn io_err(path: &Path) -> impl FnOnce(io::Error) -> StoreError + '_ {
     move |source| {
-        if safe_fs::is_refusal(&source) {
+        if loopd_fs::is_refusal(&source) {
             StoreError::Refused(source.to_string())
         } else {
             StoreError::Io {
@@ -1508,7 +1508,7 @@ impl Store {
             // Open nowhere else (`Some(false)`): no writer is half-way through it, and none that
             // opened the state file before it was replaced can still come, once it is older than
             // such an open takes.
-            let elsewhere = safe_fs::open_elsewhere(&file);
+            let elsewhere = loopd_fs::open_elsewhere(&file);
             let settled =
                 all || age >= ORPHAN_LIFE || (elsewhere == Some(false) && age >= ORPHAN_LIFE_SHORT);
             // Under a watcher, a version not reported written into is read once it is settled.
@@ -1516,7 +1516,7 @@ impl Store {
                 continue;
             }
             let read = || dir.read(&name, MAX_STATE_SIZE).ok();
-            let Ok(mut now) = safe_fs::read_capped(file, MAX_STATE_SIZE) else {
+            let Ok(mut now) = loopd_fs::read_capped(file, MAX_STATE_SIZE) else {
                 done.push(name);
                 continue;
             };
@@ -1837,7 +1837,7 @@ fn swap_in(
         Some(reused) => reused,
         None => dir.temp_file(name)?,
     };
-    let done = safe_fs::overwrite(&file, bytes);
+    let done = loopd_fs::overwrite(&file, bytes);
     let ino = file.metadata().ok().map(|m| m.ino());
     drop(file);
     if let Err(e) = done {

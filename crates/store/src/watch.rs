@@ -28,8 +28,8 @@ use notify::{EventKind, RecursiveMode, Watcher as _};
 use tokio::sync::watch;
 
 use crate::lock;
-use crate::state::store::Store;
-use crate::state::tasks::TasksStamp;
+use crate::store::Store;
+use crate::tasks::TasksStamp;
 
 /// How often the state is re-read even without a file event, in case one was lost.
 const RECHECK: Duration = Duration::from_secs(30);
@@ -245,11 +245,12 @@ impl Watch {
     }
 
     /// Arms the watch with the attempt just spawned: until the returned guard is dropped, a
-    /// status that leaves `running` SIGTERMs its process group from the watcher's thread, at
-    /// once. The guard tells whether that happened.
-    pub fn arm(&self, spawned: crate::executor::Spawned) -> ArmedAttempt {
+    /// status that leaves `running` calls `end` from the watcher's thread, at once (the driver
+    /// passes what ends its attempt, e.g. a SIGTERM to its process group, and whether it did).
+    /// The guard tells whether that happened.
+    pub fn arm(&self, end: impl FnOnce() -> bool + Send + 'static) -> ArmedAttempt {
         self.armed.fired.store(false, Ordering::SeqCst);
-        *lock(&self.armed.attempt) = Some((spawned.pgid, spawned.proc_start));
+        *lock(&self.armed.attempt) = Some(Box::new(end));
         // A stop published before the attempt was armed ends it now.
         let stopped = self
             .rx
@@ -265,11 +266,14 @@ impl Watch {
     }
 }
 
+/// Ends an attempt in flight; true when it did.
+type EndAttempt = Box<dyn FnOnce() -> bool + Send>;
+
 /// The attempt in flight of a watched loop, as the watcher may end it.
 #[derive(Default)]
 struct Armed {
-    /// Its process group and its leader's start time.
-    attempt: Mutex<Option<(u32, Option<u64>)>>,
+    /// What ends it; true when it did.
+    attempt: Mutex<Option<EndAttempt>>,
     /// The watcher ended it.
     fired: AtomicBool,
 }
@@ -277,9 +281,7 @@ struct Armed {
 impl Armed {
     fn fire(&self) {
         let attempt = lock(&self.attempt).take();
-        if let Some((pgid, start)) = attempt
-            && crate::executor::procs::terminate_in_flight(pgid, start)
-        {
+        if attempt.is_some_and(|end| end()) {
             self.fired.store(true, Ordering::SeqCst);
         }
     }
@@ -329,7 +331,7 @@ impl Nested {
                 e.need_rescan()
                     || e.paths
                         .iter()
-                        .any(|p| Names::name(p) == crate::state::tasks::SHARED)
+                        .any(|p| Names::name(p) == crate::tasks::SHARED)
             };
             match event {
                 Ok(e) if !is_change(e) || !tasks(e) => {}
@@ -425,7 +427,7 @@ impl Names {
 
     /// A hand-over note of this loop's (see [`Store::adopt`]).
     fn is_handover(&self, name: &str) -> bool {
-        name.starts_with(&self.temp_prefix) && name.ends_with(crate::state::store::HANDOVER_SUFFIX)
+        name.starts_with(&self.temp_prefix) && name.ends_with(crate::store::HANDOVER_SUFFIX)
     }
 
     fn is_nested(&self, p: &Path) -> bool {
@@ -434,7 +436,7 @@ impl Names {
 
     fn is_orphan(&self, p: &Path) -> bool {
         let name = Self::name(p);
-        name.starts_with(&self.temp_prefix) && name.ends_with(crate::safe_fs::TEMP_SUFFIX)
+        name.starts_with(&self.temp_prefix) && name.ends_with(loopd_fs::TEMP_SUFFIX)
     }
 }
 
@@ -800,7 +802,7 @@ mod tests {
         let kept = std::fs::read_dir(dir.path())
             .unwrap()
             .filter_map(|e| e.ok()?.file_name().into_string().ok())
-            .find(|n| n.ends_with(crate::safe_fs::TEMP_SUFFIX))
+            .find(|n| n.ends_with(loopd_fs::TEMP_SUFFIX))
             .expect("a replaced version");
         let names = Names::of("l1");
         let replaced = Replaced::default();

@@ -1,7 +1,7 @@
 //! The backup of a loop's state, `{id}.json.bak`: where a durable write is made durable.
 //!
 //! Theory of operation: a durable write puts its new version in place of the state file
-//! atomically but without fsync (the exchange of [`super::store`]), then [`record`]s the same
+//! atomically but without fsync (the exchange of [`super`]), then [`record`]s the same
 //! bytes here and fdatasyncs this file. The file holds two records, in two slots of equal size;
 //! each write goes into the slot that does not hold the newest record, so a write the machine
 //! stops half-way through spoils at most the record being written, never the one before it. A
@@ -25,7 +25,7 @@ use std::path::PathBuf;
 use std::sync::{LazyLock, Mutex};
 
 use crate::lock;
-use crate::safe_fs::{self, Dir};
+use loopd_fs::Dir;
 
 /// The first bytes of a record.
 const MAGIC: &[u8; 8] = b"loopdbk1";
@@ -82,7 +82,7 @@ pub fn newest(dir: &Dir, name: &str, cap: u64) -> io::Result<Option<Vec<u8>>> {
     let file = dir.open_read(name)?;
     let len = file.metadata()?.len();
     let Some(size) = slot_size(len) else {
-        let bytes = crate::safe_fs::read_capped(file, cap)?;
+        let bytes = loopd_fs::read_capped(file, cap)?;
         let plain = bytes.iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'{');
         return Ok(plain.then_some(bytes));
     };
@@ -164,7 +164,7 @@ fn open_locked(dir: &Dir, name: &str) -> io::Result<Opened> {
     if let Some(kept) = kept {
         kept.file.lock()?;
         let same = dir.stat(name).ok().flatten().is_some_and(|now| {
-            safe_fs::is_plain(&now)
+            loopd_fs::is_plain(&now)
                 && (now.st_dev, now.st_ino) == (kept.dev, kept.ino)
                 && now.st_size as u64 == kept.len
         });

@@ -36,9 +36,9 @@ use std::time::{Duration, Instant};
 use loopd_core::state::{ListedTask, MAX_DESCRIPTION};
 use serde_json::{Map, Value};
 
-use super::store::{ORPHAN_LIFE, ORPHAN_LIFE_SHORT, Store, StoreError, io_err};
-use crate::safe_fs::{self, Dir};
-use crate::state::now_rfc3339;
+use crate::now_rfc3339;
+use crate::store::{ORPHAN_LIFE, ORPHAN_LIFE_SHORT, Store, StoreError, io_err};
+use loopd_fs::Dir;
 
 /// How many tasks a loop's list holds at most; the records beyond are skipped with a warning.
 pub const MAX_LISTED: usize = 200;
@@ -442,7 +442,7 @@ impl Store {
 
     /// The two files' directories: CCW's (if it exists), and the state directory.
     fn task_dirs(&self, id: &str) -> Result<Option<(Option<Dir>, Dir)>, StoreError> {
-        super::store::validate_id(id)?;
+        crate::store::validate_id(id)?;
         let Some(dir) = self.existing_dir()? else {
             return Ok(None);
         };
@@ -531,7 +531,7 @@ impl Store {
         descriptions: &[&str],
         taken: &[String],
     ) -> Result<Vec<String>, StoreError> {
-        super::store::validate_id(id)?;
+        crate::store::validate_id(id)?;
         let dir = self.state_dir(true)?;
         let shared_dir = self
             .shared_dir(&dir, id, true)?
@@ -571,7 +571,7 @@ impl Store {
     /// Writes into CCW's file the tasks of loopd's own record that it lacks (a rewrite by CCW
     /// from an older copy, a task added by an earlier loopd): returns how many.
     pub fn share_tasks(&self, id: &str) -> Result<usize, StoreError> {
-        super::store::validate_id(id)?;
+        crate::store::validate_id(id)?;
         let dir = self.state_dir(true)?;
         let missing: Vec<Record> = {
             let _lock = self.lock(id)?;
@@ -697,7 +697,7 @@ enum Placed {
 /// temporary file, exchanged with the file, or renamed to its name only if no file has it.
 fn put_in_place(dir: &Dir, name: &str, bytes: &[u8], before: Option<&str>) -> io::Result<Placed> {
     let (tmp, file) = dir.temp_file(name)?;
-    let written = safe_fs::overwrite(&file, bytes);
+    let written = loopd_fs::overwrite(&file, bytes);
     drop(file);
     let placed = written.and_then(|()| match before {
         Some(before) => match dir.exchange(&tmp, name) {
@@ -730,13 +730,13 @@ fn settle_replaced(dir: &Dir, tmp: &str) -> Option<String> {
     loop {
         let file = dir.open_read(tmp).ok()?;
         let age = since.elapsed();
-        let settled = match safe_fs::open_elsewhere(&file) {
+        let settled = match loopd_fs::open_elsewhere(&file) {
             Some(false) => age >= ORPHAN_LIFE_SHORT,
             Some(true) => age >= OPEN_LIFE,
             None => age >= ORPHAN_LIFE,
         };
         if settled {
-            let text = safe_fs::read_capped(file, MAX_TASKS_FILE_SIZE).ok();
+            let text = loopd_fs::read_capped(file, MAX_TASKS_FILE_SIZE).ok();
             let _ = dir.remove(tmp);
             return text.map(|b| String::from_utf8_lossy(&b).into_owned());
         }

@@ -5,7 +5,7 @@
 //! prints. Neither is fsynced: they are the story of the loop, the state file is its truth.
 //!
 //! Both go through a [`ProgressDir`]: the loop's progress directory opened safely (see
-//! [`crate::safe_fs`]) and opened again, recreated, if someone removes it while the loop runs.
+//! [`loopd_fs`]) and opened again, recreated, if someone removes it while the loop runs.
 
 use std::fs::File;
 use std::io::{self, Write};
@@ -16,9 +16,9 @@ use loopd_core::state::LoopState;
 use serde_json::{Map, Value, json};
 
 use crate::lock;
-use crate::safe_fs::{self, Dir};
-use crate::state::now_rfc3339;
-use crate::state::store::{Store, StoreError};
+use crate::now_rfc3339;
+use crate::store::{Store, StoreError};
+use loopd_fs::Dir;
 
 /// Event names, CONTRACT §7 plus loopd's own (documented in the README).
 pub mod name {
@@ -583,7 +583,7 @@ impl Progress {
         let mut spares = lock(&self.spare_logs);
         // Spares of an earlier run of the loop.
         for name in names.iter().filter(|n| n.starts_with('.')) {
-            if name.ends_with(safe_fs::TEMP_SUFFIX) && !spares.contains(name) {
+            if name.ends_with(loopd_fs::TEMP_SUFFIX) && !spares.contains(name) {
                 let _ = dir.remove(name);
             }
         }
@@ -598,7 +598,7 @@ impl Progress {
             if n + KEEP_ACTIONS > newest {
                 continue;
             }
-            let spare = format!(".{name}.spare{}", safe_fs::TEMP_SUFFIX);
+            let spare = format!(".{name}.spare{}", loopd_fs::TEMP_SUFFIX);
             if name.ends_with(".log")
                 && spares.len() < MAX_SPARE_LOGS
                 && dir.rename(name, &spare).is_ok()

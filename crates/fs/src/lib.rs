@@ -12,6 +12,9 @@
 //!
 //! A repository can commit anything under `.loop/`; none of it can make loopd write outside the
 //! directory, block on a read, or read without bound.
+//!
+//! Which layer may use which: this crate uses none of loopd's; every layer that writes a file (the
+//! store, the executors' logs and result files, the trust records) uses it.
 
 use std::fs::File;
 use std::io::{self, Read as _, Write as _};
