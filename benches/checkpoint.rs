@@ -1,7 +1,7 @@
 //! Benchmark: what a git checkpoint costs an action, in a repository of 10,000 files.
 //!
 //! A temporary repository with N files (default 10,000, in 100 directories, committed), then
-//! checkpoints as a loop records them (`loopd::checkpoint::Repo::record`, the code the daemon
+//! checkpoints as a loop records them (`loopd_exec::checkpoint::Repo::record`, the code the daemon
 //! runs): the loop's first (its index file is new, so every file is hashed once), then one after
 //! each of R rounds in which an "action" edits three files and adds one.
 //!
@@ -17,7 +17,7 @@ use std::process::Command;
 use std::time::Instant;
 
 use common::{env_num, median, tempdir};
-use loopd::checkpoint::Repo;
+use loopd_exec::checkpoint::Repo;
 
 fn git(dir: &Path, args: &[&str]) {
     let status = Command::new("git")

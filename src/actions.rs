@@ -181,7 +181,7 @@ pub struct ActionDef {
     pub source: String,
     pub front: FrontMatter,
     /// The project's file as it was read, for a project override: it needs `loopd trust`.
-    pub project_file: Option<crate::trust::ProjectFile>,
+    pub project_file: Option<crate::project_file::ProjectFile>,
     template: String,
 }
 
@@ -294,7 +294,7 @@ pub fn load(
         let path = project_file(root, workflow, action);
         let def = match loopd_fs::read_text(&path) {
             Ok(text) => ActionDef {
-                project_file: Some(crate::trust::ProjectFile::new(&path, &text)),
+                project_file: Some(crate::project_file::ProjectFile::new(&path, &text)),
                 ..ActionDef::parse(action, &path.display().to_string(), &text)?
             },
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {

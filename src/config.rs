@@ -10,6 +10,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use loopd_exec::{Format, PromptMode, Supervision};
 use serde::Deserialize;
 
 /// The documented defaults.
@@ -54,7 +55,7 @@ pub struct Config {
     pub actions: BTreeMap<String, ActionConfig>,
     /// The project layer as it was read, when there is one: it needs `loopd trust`.
     #[serde(skip)]
-    pub project_file: Option<crate::trust::ProjectFile>,
+    pub project_file: Option<crate::project_file::ProjectFile>,
 }
 
 #[derive(Clone, Debug, Default, Deserialize)]
@@ -75,49 +76,6 @@ pub enum Checkpoints {
     #[default]
     Git,
     Off,
-}
-
-/// How the prompt reaches the executor.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum PromptMode {
-    #[default]
-    Stdin,
-    Arg,
-    File,
-}
-
-/// How a result is read from the executor's output.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum Format {
-    /// The last JSON object printed.
-    #[default]
-    Json,
-    /// The exit code alone.
-    Text,
-    /// A test command: exit 0 passed, else not passed; counts from the runner's summary.
-    Test,
-    /// Claude Code's (and Qwen Code's) `--output-format stream-json`.
-    ClaudeStreamJson,
-    /// Codex's `exec --json` events.
-    CodexJsonl,
-    /// Gemini CLI's `--output-format json` (or `stream-json`).
-    GeminiJson,
-}
-
-impl Format {
-    /// The name the config uses.
-    pub fn name(self) -> &'static str {
-        match self {
-            Format::Json => "json",
-            Format::Text => "text",
-            Format::Test => "test",
-            Format::ClaudeStreamJson => "claude-stream-json",
-            Format::CodexJsonl => "codex-jsonl",
-            Format::GeminiJson => "gemini-json",
-        }
-    }
 }
 
 #[derive(Clone, Debug, Default, Deserialize)]
@@ -151,17 +109,6 @@ pub const MAX_SECONDS: f64 = 1e9;
 /// Whether `v` is a usable number of seconds.
 pub fn seconds_ok(v: f64) -> bool {
     v.is_finite() && v > 0.0 && v <= MAX_SECONDS
-}
-
-/// Supervision limits of one attempt, resolved.
-#[derive(Clone, Copy, Debug)]
-pub struct Supervision {
-    pub timeout: Duration,
-    pub idle_timeout: Duration,
-    pub kill_grace: Duration,
-    pub output_cap: u64,
-    /// How long an agent may linger after its final event.
-    pub final_grace: Duration,
 }
 
 /// The user's own loopd directory: `$XDG_CONFIG_HOME/loopd`, else `~/.config/loopd`.
@@ -221,7 +168,7 @@ impl Config {
                         // Named by `--config`: the user's own choice.
                         project_file = None;
                     } else if project.as_ref() == Some(&file) {
-                        project_file = Some(crate::trust::ProjectFile::new(&file, &text));
+                        project_file = Some(crate::project_file::ProjectFile::new(&file, &text));
                     }
                 }
                 Err(e) if required || e.kind() != std::io::ErrorKind::NotFound => {

@@ -15,8 +15,8 @@ use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::watch;
 
 use crate::cli::{Project, loop_workflow};
-use crate::executor::Subprocess;
 use crate::orchestrator::{Engine, Exit};
+use loopd_exec::Subprocess;
 use loopd_store::store::Store;
 
 /// `loopd run`: drives a loop until it ends; returns the exit code.
@@ -39,7 +39,7 @@ pub fn drive(p: &Project, id: &str, executor: Option<String>, exit_on_pause: boo
         exit_on_pause,
         &std::process::id().to_string(),
     )?;
-    crate::executor::procs::become_subreaper();
+    loopd_exec::procs::become_subreaper();
     // Signals are taken on a worker of their own, so that a wait for a full disk or a held lock
     // still sees one.
     let signals = tokio::runtime::Builder::new_multi_thread()
@@ -175,15 +175,15 @@ pub async fn forward_signals(
         };
         match first {
             None => {
-                first = Some((Instant::now(), crate::executor::procs::endings()));
+                first = Some((Instant::now(), loopd_exec::procs::endings()));
                 tracing::info!("signal {sig}: ending the action in flight, then exiting");
                 let _ = tx.send(Some(sig));
             }
             Some((at, endings))
-                if at.elapsed() < SAME_REQUEST && crate::executor::procs::endings() == endings => {}
+                if at.elapsed() < SAME_REQUEST && loopd_exec::procs::endings() == endings => {}
             Some(_) => {
                 tracing::warn!("warning: second signal {sig}: ending the action's processes now");
-                crate::executor::procs::kill_running_groups();
+                loopd_exec::procs::kill_running_groups();
                 std::thread::spawn(move || {
                     std::thread::sleep(ESCALATED_EXIT);
                     std::process::exit(128 + sig);
@@ -235,7 +235,7 @@ fn daemon_lock(id: &str) -> String {
 }
 
 pub fn pid_alive(pid: u32) -> bool {
-    pid > 0 && crate::executor::procs::ProcStat::read(pid).is_some_and(|p| p.is_alive())
+    pid > 0 && loopd_exec::procs::ProcStat::read(pid).is_some_and(|p| p.is_alive())
 }
 
 /// The daemon driving a loop, if one does. A holder of the lock whose process is gone is passing

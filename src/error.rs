@@ -15,6 +15,7 @@ pub fn exit_code_of(e: &anyhow::Error) -> i32 {
             || cause.is::<crate::actions::ActionError>()
             || cause.is::<crate::trust::Untrusted>()
             || cause.is::<crate::daemon::WorkTreeBusy>()
+            || cause.is::<loopd_exec::checkpoint::Refused>()
             || cause
                 .downcast_ref::<loopd_store::store::StoreError>()
                 .is_some_and(|s| s.is_bad_input())

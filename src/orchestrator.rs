@@ -38,11 +38,12 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use crate::actions::ActionDef;
-use crate::checkpoint;
-use crate::config::{Checkpoints, Config, ExecutorConfig, Format, PromptMode, Supervision};
-use crate::executor::agent::{AgentStream, AttemptOutcome};
-use crate::executor::result::{Verdict, verdict};
-use crate::executor::{Budget, Executor, Spec, procs};
+use crate::config::{Checkpoints, Config, ExecutorConfig};
+use loopd_exec::agent::{AgentStream, AttemptOutcome};
+use loopd_exec::checkpoint;
+use loopd_exec::result::{Verdict, verdict};
+use loopd_exec::{Budget, Executor, Spec, procs};
+use loopd_exec::{Format, PromptMode, Supervision};
 use loopd_store::events::{Event, EventLog, Progress, ProgressDir, name};
 use loopd_store::now_rfc3339;
 use loopd_store::store::{Store, StoreError, Transition};
@@ -311,7 +312,7 @@ impl Engine {
     }
 
     /// The project's own files this daemon loaded, which need `loopd trust` (see [`crate::trust`]).
-    pub fn project_files(&self) -> Vec<&crate::trust::ProjectFile> {
+    pub fn project_files(&self) -> Vec<&crate::project_file::ProjectFile> {
         self.config
             .project_file
             .iter()
@@ -1237,7 +1238,7 @@ impl LoopRun<'_> {
                 if fired && run.cut.is_none() && !run.status.is_some_and(|s| s.success()) =>
             {
                 interrupt.get_or_insert(Interrupt::Control);
-                run.cut = Some(crate::executor::Cut::Cancelled);
+                run.cut = Some(loopd_exec::Cut::Cancelled);
                 run
             }
             Ok(run) => run,
@@ -1312,7 +1313,7 @@ impl LoopRun<'_> {
         &mut self,
         state: &mut LoopState,
         done: &Done<'_>,
-        spawned: crate::executor::Spawned,
+        spawned: loopd_exec::Spawned,
         log: Option<String>,
         consumed_choice: Option<&str>,
     ) -> Result<()> {
@@ -1346,13 +1347,13 @@ impl LoopRun<'_> {
     /// Runs the attempt to its end, ending it early on a control change or a shutdown signal.
     async fn supervise(
         &mut self,
-        running: Box<dyn crate::executor::Attempt>,
+        running: Box<dyn loopd_exec::Attempt>,
         done: &Done<'_>,
         rx: &mut watch::Receiver<Option<Snapshot>>,
-    ) -> (std::io::Result<crate::executor::Run>, Option<Interrupt>) {
+    ) -> (std::io::Result<loopd_exec::Run>, Option<Interrupt>) {
         let cancel = CancellationToken::new();
         let events = &mut self.events;
-        let mut retrying = |retry: crate::executor::agent::Retry| {
+        let mut retrying = |retry: loopd_exec::agent::Retry| {
             events.emit(
                 done.event(name::AGENT_RETRYING)
                     .with("retry", retry.attempt)
@@ -1427,14 +1428,13 @@ impl LoopRun<'_> {
         done: &Done<'_>,
         plan: &Plan,
         files: &AttemptFiles,
-        run: crate::executor::Run,
+        run: loopd_exec::Run,
         interrupt: Option<Interrupt>,
     ) -> Result<Attempted> {
         let engine = self.engine;
         let dispatch = done.dispatch;
         let log_path = &files.log_path;
-        let reported =
-            crate::executor::result::read_result_file(&files.actions, &files.result_name);
+        let reported = loopd_exec::result::read_result_file(&files.actions, &files.result_name);
         let mut v = verdict(plan.format, reported, &run);
         if let Verdict::Success(result) = &v
             && let Err(reason) = engine.workflow.validate(&dispatch.action, result)
@@ -1738,7 +1738,7 @@ fn still_running(rx: &watch::Receiver<Option<Snapshot>>) -> bool {
 fn attempt_event(
     done: &Done<'_>,
     v: &Verdict,
-    run: &crate::executor::Run,
+    run: &loopd_exec::Run,
     log_path: &Path,
     interrupt: Option<&Interrupt>,
 ) -> Event {

@@ -8,31 +8,15 @@
 //! Built-in, user-level and `--config` files are the user's own and always trusted.
 
 use std::collections::BTreeMap;
-use std::fmt::Write as _;
 use std::io;
 use std::os::unix::fs::DirBuilderExt as _;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
-use sha2::{Digest as _, Sha256};
 
 use loopd_fs::Dir;
 
-/// A project file that can change what runs, with the digest of the bytes loopd read.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ProjectFile {
-    pub path: PathBuf,
-    pub digest: String,
-}
-
-impl ProjectFile {
-    pub fn new(path: &Path, text: &str) -> ProjectFile {
-        ProjectFile {
-            path: path.to_owned(),
-            digest: sha256_hex(text.as_bytes()),
-        }
-    }
-}
+use crate::project_file::{ProjectFile, sha256_hex};
 
 /// A project file that is not trusted: bad input, so exit 2.
 #[derive(Debug, thiserror::Error)]
@@ -210,13 +194,4 @@ pub(crate) fn records_in(user: &Path, sub: &str, create: bool) -> io::Result<Dir
 pub(crate) fn record_name(root: &Path) -> String {
     use std::os::unix::ffi::OsStrExt as _;
     format!("{}.toml", &sha256_hex(root.as_os_str().as_bytes())[..32])
-}
-
-fn sha256_hex(bytes: &[u8]) -> String {
-    Sha256::digest(bytes)
-        .iter()
-        .fold(String::with_capacity(64), |mut hex, b| {
-            let _ = write!(hex, "{b:02x}");
-            hex
-        })
 }

@@ -2,7 +2,7 @@
 //! worktree of its own (`loopd create --worktree`), where it runs beside the others on a branch
 //! of its own, as ralph-orchestrator and vibe-kanban do.
 //!
-//! git is run through [`crate::git`].
+//! git is run through [`loopd_exec::git`].
 
 use std::path::{Path, PathBuf};
 
@@ -84,5 +84,5 @@ pub fn remove(root: &Path, worktree: &Worktree) {
 
 /// Runs git in `root`; on failure, the last line it printed (or why it did not run).
 fn git(root: &Path, args: &[&str]) -> Result<(), String> {
-    crate::git::output(crate::git::command(root).args(args)).map(drop)
+    loopd_exec::git::output(loopd_exec::git::command(root).args(args)).map(drop)
 }

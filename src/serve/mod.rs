@@ -152,7 +152,7 @@ pub fn run(roots: &[PathBuf], config_flag: Option<&Path>, args: &ServeArgs) -> R
     let runtime_dir = crate::registry::runtime_dir(true)
         .context("cannot make the service's runtime directory")?;
     let _lock = files::lock(&runtime_dir)?;
-    crate::executor::procs::become_subreaper();
+    loopd_exec::procs::become_subreaper();
     raise_open_file_limit();
     limit_malloc_arenas();
     // Blocking sections (store writes, lock waits) run on threads of their own; a bounded

@@ -9,9 +9,18 @@
 //! the child is always reaped, so no process of an attempt outlives it.
 //!
 //! An executor never touches the state file: it reports a [`Run`], and [`result`] turns that into
-//! an attempt's verdict.
+//! an attempt's verdict. [`procs`] keeps the process groups of the attempts in flight (and ends
+//! them, and finds what they left behind); [`agent`] reads the event streams of the agent CLIs
+//! (Claude Code, Codex, Gemini CLI, Qwen Code) as they arrive; [`checkpoint`] records the work
+//! tree after an action as a git commit of the loop's own, through [`git`] (never a shell).
+//!
+//! Which layer may use which: this crate uses [`loopd_core`] (the result protocol) and
+//! [`loopd_fs`] (the attempt's log and result files), nothing else of loopd's: no state file, no
+//! store, no command line. Every driver uses it, whether its loops live in files or elsewhere.
 
 pub mod agent;
+pub mod checkpoint;
+pub mod git;
 pub mod procs;
 pub mod result;
 
@@ -26,8 +35,8 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
 use tokio::process::Command;
 use tokio_util::sync::CancellationToken;
 
-use crate::config::{PromptMode, Supervision};
 use loopd_fs::Dir;
+use serde::Deserialize;
 
 /// How much of stdout is kept in memory to find the result in.
 pub const TAIL_CAP: usize = 1 << 20;
@@ -72,6 +81,60 @@ impl Budget {
                 .cost_usd
                 .is_some_and(|c| stream.cost_usd.is_some_and(|spent| spent > c))
     }
+}
+
+/// How the prompt reaches the executor.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PromptMode {
+    #[default]
+    Stdin,
+    Arg,
+    File,
+}
+
+/// How a result is read from the executor's output.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Format {
+    /// The last JSON object printed.
+    #[default]
+    Json,
+    /// The exit code alone.
+    Text,
+    /// A test command: exit 0 passed, else not passed; counts from the runner's summary.
+    Test,
+    /// Claude Code's (and Qwen Code's) `--output-format stream-json`.
+    ClaudeStreamJson,
+    /// Codex's `exec --json` events.
+    CodexJsonl,
+    /// Gemini CLI's `--output-format json` (or `stream-json`).
+    GeminiJson,
+}
+
+impl Format {
+    /// The name the config uses.
+    pub fn name(self) -> &'static str {
+        match self {
+            Format::Json => "json",
+            Format::Text => "text",
+            Format::Test => "test",
+            Format::ClaudeStreamJson => "claude-stream-json",
+            Format::CodexJsonl => "codex-jsonl",
+            Format::GeminiJson => "gemini-json",
+        }
+    }
+}
+
+/// Supervision limits of one attempt, resolved.
+#[derive(Clone, Copy, Debug)]
+pub struct Supervision {
+    pub timeout: Duration,
+    pub idle_timeout: Duration,
+    pub kill_grace: Duration,
+    pub output_cap: u64,
+    /// How long an agent may linger after its final event.
+    pub final_grace: Duration,
 }
 
 /// The executor's process, once spawned.

@@ -17,8 +17,8 @@
 //! by a pid the state file names.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use nix::errno::Errno;
@@ -40,7 +40,7 @@ pub fn endings() -> u64 {
 }
 
 fn running() -> std::sync::MutexGuard<'static, Vec<u32>> {
-    loopd_store::lock(&RUNNING)
+    RUNNING.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 /// Held while an executor is spawned and counted in flight, and while zombies are reaped: a
@@ -50,7 +50,7 @@ static SPAWN: Mutex<()> = Mutex::new(());
 
 /// See [`SPAWN`].
 pub fn spawning() -> std::sync::MutexGuard<'static, ()> {
-    loopd_store::lock(&SPAWN)
+    SPAWN.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 /// Records an attempt in flight, by its process group.

@@ -1,0 +1,339 @@
+//! A git checkpoint per action: after every action that changes the work tree (develop and
+//! debug), the whole work tree is recorded as a commit on a private ref,
+//! `refs/loopd/<loop id>/<iteration>-<action>`; a loop's first look records where it started,
+//! `refs/loopd/<loop id>/0-start`.
+//!
+//! Theory of operation: the tree is built the way `git stash create` builds one, in an index file
+//! of loopd's own (`GIT_INDEX_FILE`, in the loop's progress directory, so that the next checkpoint
+//! only hashes what changed): `git add -A` of the whole work tree (tracked and untracked files;
+//! ignored ones and loopd's state directory left out), `git write-tree`, `git commit-tree` with
+//! the loop's previous checkpoint as parent, `git update-ref`. The user's branch, index, HEAD and stash are
+//! never touched, and a loop's refs are its own: loops of one repository never mix them.
+//!
+//! git is run through [`crate::git`].
+
+use std::ffi::OsStr;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{Context as _, Result};
+use loopd_core::state::Checkpoint;
+
+/// A request about checkpoints that cannot be met as asked (no such checkpoint, or a rollback that
+/// would lose changes): the user's to change, exit code 2.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct Refused(pub String);
+
+/// The name of the checkpoint a loop records when it starts.
+pub const START: &str = "0-start";
+
+/// The git repository a loop's work tree is in.
+pub struct Repo {
+    work_tree: PathBuf,
+    /// The repository's top level: where the paths git prints start.
+    top: PathBuf,
+    /// loopd's own index file for this loop.
+    index: PathBuf,
+    /// The state directory, as a pathspec that leaves it out (`None` if it is outside the tree).
+    exclude: Option<String>,
+    loop_id: String,
+}
+
+impl Repo {
+    /// The repository `work_tree` is in, or `None` when it is in none (or git cannot run).
+    /// `state_dir` is left out of every checkpoint; `index` is the loop's own index file.
+    pub fn open(work_tree: &Path, state_dir: &Path, index: PathBuf, loop_id: &str) -> Option<Repo> {
+        let top = git_in(work_tree)
+            .args(["rev-parse", "--show-toplevel"])
+            .output()
+            .ok()
+            .filter(|o| o.status.success())?;
+        let top = PathBuf::from(String::from_utf8(top.stdout).ok()?.trim_end());
+        let top = top.canonicalize().unwrap_or(top);
+        // Left out by a pathspec, unless git ignores it already (then naming it is an error).
+        let exclude = state_dir
+            .canonicalize()
+            .ok()
+            .and_then(|dir| {
+                dir.strip_prefix(&top)
+                    .ok()
+                    .and_then(|r| r.to_str().map(str::to_owned))
+            })
+            .filter(|rel| {
+                !git_in(work_tree)
+                    .args(["check-ignore", "--quiet", "--no-index", "--"])
+                    .arg(top.join(rel))
+                    .status()
+                    .is_ok_and(|s| s.success())
+            })
+            .map(|rel| format!(":(top,exclude){rel}"));
+        Some(Repo {
+            work_tree: work_tree.to_owned(),
+            top,
+            index,
+            exclude,
+            loop_id: loop_id.to_owned(),
+        })
+    }
+
+    /// The ref of this loop's checkpoint `name`.
+    fn ref_name(&self, name: &str) -> String {
+        format!("refs/loopd/{}/{name}", self.loop_id)
+    }
+
+    fn git(&self) -> Command {
+        let mut cmd = git_in(&self.work_tree);
+        cmd.env("GIT_INDEX_FILE", &self.index);
+        cmd
+    }
+
+    /// Runs git; its standard output, trimmed, or its last line of errors.
+    fn run<S: AsRef<OsStr>>(&self, args: &[S]) -> Result<String> {
+        run(self.git().args(args))
+    }
+
+    /// Records the work tree as checkpoint `name`, the child of the loop's checkpoint `parent`
+    /// (else of HEAD, if the repository has one); returns it with what changed since `parent`.
+    pub fn record(&self, name: &str, parent: Option<&str>) -> Result<Checkpoint> {
+        let tree = self.tree_now()?;
+        let parent = match parent {
+            Some(parent) => Some(parent.to_owned()),
+            None => self
+                .run(&["rev-parse", "--verify", "--quiet", "HEAD^{commit}"])
+                .ok(),
+        };
+        let message = format!("loopd: loop {}, {name}", self.loop_id);
+        let mut commit = vec!["commit-tree", tree.as_str(), "-m", message.as_str()];
+        if let Some(parent) = &parent {
+            commit.extend(["-p", parent.as_str()]);
+        }
+        let commit = self.run(&commit)?;
+        self.run(&["update-ref", &self.ref_name(name), &commit])?;
+        let mut checkpoint = Checkpoint {
+            name: name.to_owned(),
+            commit,
+            ..Checkpoint::default()
+        };
+        if let Some(parent) = parent {
+            self.count_changes(&parent, &mut checkpoint)?;
+        }
+        Ok(checkpoint)
+    }
+
+    /// Files, inserted and deleted lines from `from` to the checkpoint (a binary file counts as a
+    /// file with no lines).
+    pub fn count_changes(&self, from: &str, checkpoint: &mut Checkpoint) -> Result<()> {
+        let numstat = self.run(&[
+            "diff",
+            "--numstat",
+            "--no-renames",
+            from,
+            &checkpoint.commit,
+        ])?;
+        for line in numstat.lines() {
+            let mut fields = line.split('\t');
+            let mut count = || {
+                fields
+                    .next()
+                    .and_then(|n| n.parse::<u64>().ok())
+                    .unwrap_or(0)
+            };
+            checkpoint.insertions += count();
+            checkpoint.deletions += count();
+            checkpoint.files += 1;
+        }
+        Ok(())
+    }
+
+    /// This loop's checkpoints, oldest first: `(name, commit)`.
+    pub fn list(&self) -> Result<Vec<(String, String)>> {
+        let prefix = self.ref_name("");
+        let refs = self.run(&[
+            "for-each-ref",
+            "--format=%(objectname) %(refname)",
+            prefix.as_str(),
+        ])?;
+        let mut found: Vec<(String, String)> = refs
+            .lines()
+            .filter_map(|l| {
+                let (commit, name) = l.split_once(' ')?;
+                Some((name.strip_prefix(&prefix)?.to_owned(), commit.to_owned()))
+            })
+            .collect();
+        found.sort_by_key(|(name, _)| order(name));
+        Ok(found)
+    }
+
+    /// The commit of checkpoint `name`.
+    pub fn find(&self, name: &str) -> Result<String> {
+        let list = self.list()?;
+        let why = match list.iter().find(|(n, _)| n == name) {
+            Some((_, commit)) => return Ok(commit.clone()),
+            None if list.is_empty() => format!("loop {} has no checkpoint", self.loop_id),
+            None => format!(
+                "loop {} has no checkpoint {name:?}; it has: {}",
+                self.loop_id,
+                list.iter()
+                    .map(|(n, _)| n.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+        };
+        Err(Refused(why).into())
+    }
+
+    /// The patch from `from` to `to` (commits), with a summary of the files first.
+    pub fn diff(&self, from: &str, to: &str) -> Result<String> {
+        let mut out = self.run(&["diff", "--stat", "--no-renames", from, to])?;
+        let patch = self.run(&["diff", "--no-renames", "--no-color", from, to])?;
+        if !patch.is_empty() {
+            out.push_str("\n\n");
+            out.push_str(&patch);
+        }
+        Ok(out)
+    }
+
+    /// The tree of the work tree as it is now (as a checkpoint would record it, recording none).
+    fn tree_now(&self) -> Result<String> {
+        let mut add = vec!["add", "--all", "--", ":/"];
+        if let Some(exclude) = &self.exclude {
+            add.push(exclude);
+        }
+        self.run(&add)?;
+        self.run(&["write-tree"])
+    }
+
+    /// Puts the work tree back as it was at checkpoint `name`: its files written, the files made
+    /// since removed (ignored files and the state directory are left alone). Refused when the
+    /// work tree holds changes no checkpoint of the loop holds, unless `force`. Returns the
+    /// checkpoint's commit.
+    pub fn rollback(&self, name: &str, force: bool) -> Result<String> {
+        let target = self.find(name)?;
+        let now = self.tree_now()?;
+        let trees = self.run(&["for-each-ref", "--format=%(tree)", &self.ref_name("")])?;
+        if !force && !trees.lines().any(|t| t == now) {
+            return Err(Refused(format!(
+                "the work tree has changes that no checkpoint of loop {} holds; commit or stash them \
+                 first, or roll back with --force to lose them",
+                self.loop_id
+            ))
+            .into());
+        }
+        let made_since = self.run(&[
+            "diff-tree",
+            "-r",
+            "--name-only",
+            "--no-renames",
+            "--diff-filter=A",
+            "-z",
+            &format!("{target}^{{tree}}"),
+            &now,
+        ])?;
+        self.run(&["read-tree", &target])?;
+        self.run(&["checkout-index", "--all", "--force"])?;
+        for path in made_since.split('\0').filter(|p| !p.is_empty()) {
+            let path = self.top.join(path);
+            // Files and links only: a directory (a submodule added since) is left as it is.
+            if path.symlink_metadata().is_ok_and(|m| !m.is_dir()) {
+                std::fs::remove_file(&path)
+                    .with_context(|| format!("cannot remove {}", path.display()))?;
+            }
+        }
+        Ok(target)
+    }
+
+    /// Removes all but the last `keep` checkpoints of the loop (its start is always kept).
+    pub fn prune(&self, keep: usize) -> Result<usize> {
+        let list = self.list()?;
+        let actions: Vec<&(String, String)> = list.iter().filter(|(n, _)| n != START).collect();
+        let drop = actions.len().saturating_sub(keep);
+        for (name, _) in &actions[..drop] {
+            self.run(&["update-ref", "-d", &self.ref_name(name)])?;
+        }
+        Ok(drop)
+    }
+}
+
+/// A checkpoint's place in the loop: by iteration, then as named.
+fn order(name: &str) -> (u64, String) {
+    let (n, _) = name.split_once('-').unwrap_or((name, ""));
+    (n.parse().unwrap_or(u64::MAX), name.to_owned())
+}
+
+/// `git -C dir` ([`crate::git::command`]), committing as loopd.
+fn git_in(dir: &Path) -> Command {
+    let mut cmd = crate::git::command(dir);
+    cmd.env("GIT_AUTHOR_NAME", "loopd")
+        .env("GIT_AUTHOR_EMAIL", "loopd@localhost")
+        .env("GIT_COMMITTER_NAME", "loopd")
+        .env("GIT_COMMITTER_EMAIL", "loopd@localhost")
+        .env("LC_ALL", "C");
+    cmd
+}
+
+fn run(cmd: &mut Command) -> Result<String> {
+    crate::git::output(cmd).map_err(|why| anyhow::anyhow!("git: {why}"))
+}
+
+/// A loop's checkpoints as its daemon records them: each the child of the one before.
+pub struct Recorder {
+    repo: Repo,
+    /// The last checkpoint recorded or rolled back to: `(name, commit)`.
+    last: (String, String),
+    /// How many checkpoints of actions the loop has (at least).
+    count: usize,
+    keep: usize,
+}
+
+impl Recorder {
+    /// The recorder of a loop whose work tree is `work_tree`, or `None` outside a git repository.
+    /// Records where the loop started ([`START`]) if it has no checkpoint yet.
+    pub fn start(repo: Option<Repo>, keep: usize) -> Result<Option<Recorder>> {
+        let Some(repo) = repo else {
+            return Ok(None);
+        };
+        // A git killed while it wrote the loop's index leaves its lock behind, which would refuse
+        // every checkpoint after; nothing else writes that index while the loop starts.
+        let mut lock = repo.index.clone().into_os_string();
+        lock.push(".lock");
+        let _ = std::fs::remove_file(lock);
+        let mut list = repo.list()?;
+        let count = list.iter().filter(|(name, _)| name != START).count();
+        let last = match list.pop() {
+            Some(last) => last,
+            None => (START.to_owned(), repo.record(START, None)?.commit),
+        };
+        Ok(Some(Recorder {
+            repo,
+            last,
+            count,
+            keep,
+        }))
+    }
+
+    /// Records checkpoint `name` of the work tree as it is now.
+    pub fn record(&mut self, name: &str) -> Result<Checkpoint> {
+        let checkpoint = self.repo.record(name, Some(&self.last.1))?;
+        self.last = (name.to_owned(), checkpoint.commit.clone());
+        self.count += 1;
+        if self.count > self.keep {
+            self.repo.prune(self.keep)?;
+            self.count = self.keep;
+        }
+        Ok(checkpoint)
+    }
+
+    /// The name of the checkpoint the work tree is at, as far as the loop knows.
+    pub fn last(&self) -> &str {
+        &self.last.0
+    }
+
+    /// Puts the work tree back as it was at checkpoint `name`, whatever changed since; returns
+    /// its commit.
+    pub fn rollback(&mut self, name: &str) -> Result<String> {
+        let commit = self.repo.rollback(name, true)?;
+        self.last = (name.to_owned(), commit.clone());
+        Ok(commit)
+    }
+}
