@@ -8,10 +8,10 @@ use clap::{Parser, Subcommand, ValueEnum};
 use loopd_core::state::{LoopState, Mode, Status};
 use serde_json::{Value, json};
 
-use crate::config::Config;
 pub(crate) use crate::error::usage;
 pub use crate::error::{UsageError, exit_code_of};
 use crate::view::{LoopView, standing};
+use loopd_project::config::Config;
 use loopd_store::events::{self, name, printable, render};
 use loopd_store::store::{Settler, Store, StoreError, validate_id};
 
@@ -308,7 +308,7 @@ impl Project {
     /// used instead, so a broken config never keeps anyone from looking at or stopping a loop.
     pub fn open_for_inspection(root: Option<&Path>, config: Option<&Path>) -> Result<Project> {
         match Project::open(root, config) {
-            Err(e) if e.is::<crate::config::ConfigError>() => {
+            Err(e) if e.is::<loopd_project::config::ConfigError>() => {
                 eprintln!("loopd: warning: {e:#}; using the built-in defaults for this command");
                 let root = resolve_root(root)?;
                 let config = Config::builtin_with("")?;
@@ -527,7 +527,8 @@ pub(crate) fn print_result(as_json: bool, value: &Value, text: &str) -> Result<(
 fn trust(p: &Project, revoke: bool, as_json: bool) -> Result<i32> {
     let root = p.root.display();
     if revoke {
-        let had = crate::trust::revoke(&p.root).context("cannot remove the trust record")?;
+        let had =
+            loopd_project::trust::revoke(&p.root).context("cannot remove the trust record")?;
         let text = if had {
             format!("no longer trusted: {root}")
         } else {
@@ -537,14 +538,14 @@ fn trust(p: &Project, revoke: bool, as_json: bool) -> Result<i32> {
         print_result(as_json, &value, &text)?;
         return Ok(0);
     }
-    let files = crate::trust::project_files(&p.root)?;
+    let files = loopd_project::trust::project_files(&p.root)?;
     let text = if files.is_empty() {
         format!(
             "nothing to trust in {root}: no .loop/config.toml and no action files; the built-in \
              and your own config need no trust"
         )
     } else {
-        crate::trust::allow(&p.root, &files).context("cannot write the trust record")?;
+        loopd_project::trust::allow(&p.root, &files).context("cannot write the trust record")?;
         let lines: Vec<String> = files
             .iter()
             .map(|f| format!("trusted {}", f.path.display()))

@@ -95,7 +95,7 @@ fn tuning_part(
         if !known.contains(&area.as_str()) {
             return Err(usage(format!(
                 "--focus: unknown area {given:?}{} (known: {})",
-                crate::config::did_you_mean(area, &known),
+                loopd_project::config::did_you_mean(area, &known),
                 known.join(", ")
             )));
         }

@@ -392,7 +392,7 @@ fn build_for(
 /// The checks before a daemon starts: the project's files are trusted, and every program the
 /// loop's actions run is there. A failure changes nothing: exit 2, one line per problem.
 fn preflight(p: &Project, id: &str, daemon: &crate::orchestrator::Engine) -> Result<()> {
-    crate::trust::check(&p.root, &daemon.project_files())?;
+    loopd_project::trust::check(&p.root, &daemon.project_files())?;
     let problems = daemon.preflight();
     if problems.is_empty() {
         return Ok(());

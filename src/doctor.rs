@@ -75,29 +75,30 @@ fn examine(p: &Project, executor: Option<String>) -> Result<Report> {
     let workflow = loopd_core::workflow::by_name(&p.config.workflow)
         .ok_or_else(|| anyhow::anyhow!("unknown workflow {}", p.config.workflow))?;
     let daemon = crate::daemon::build(p, workflow, executor, false)?;
-    let config_files = crate::config::Config::layer_files(Some(&p.root), p.config_flag.as_deref())
-        .into_iter()
-        .map(|(path, _)| ConfigFile {
-            present: path.exists(),
-            path,
-        })
-        .collect();
+    let config_files =
+        loopd_project::config::Config::layer_files(Some(&p.root), p.config_flag.as_deref())
+            .into_iter()
+            .map(|(path, _)| ConfigFile {
+                present: path.exists(),
+                path,
+            })
+            .collect();
     let mut problems = Vec::new();
-    let trust = match crate::trust::verdict(&p.root, &daemon.project_files()) {
-        crate::trust::Verdict::NothingToTrust => {
+    let trust = match loopd_project::trust::verdict(&p.root, &daemon.project_files()) {
+        loopd_project::trust::Verdict::NothingToTrust => {
             "nothing to trust (no project config or action files)".to_owned()
         }
-        crate::trust::Verdict::Trusted(n) => {
+        loopd_project::trust::Verdict::Trusted(n) => {
             format!(
                 "trusted ({n} project file{})",
                 if n == 1 { "" } else { "s" }
             )
         }
-        crate::trust::Verdict::Untrusted(u) => {
+        loopd_project::trust::Verdict::Untrusted(u) => {
             problems.push(format!(
                 "{} is not trusted; run `{}`",
                 u.file.display(),
-                crate::trust::trust_command(&p.root)
+                loopd_project::trust::trust_command(&p.root)
             ));
             u.to_string()
         }
@@ -324,7 +325,7 @@ fn codex_provider_key(codex_home: &Path) -> Option<String> {
 /// Whether an agent CLI has a login or a key, as far as loopd can tell without asking it (and
 /// without printing a secret): a key in its environment (the daemon's, then the executor's
 /// `env`), else its login file under its home. `None` for an executor that is no agent CLI.
-fn login(e: &crate::config::ExecutorConfig) -> Option<String> {
+fn login(e: &loopd_project::config::ExecutorConfig) -> Option<String> {
     let program = Path::new(&e.command[0]).file_name()?.to_str()?;
     let var = |k: &str| {
         e.env

@@ -11,9 +11,9 @@ pub struct UsageError(pub String);
 pub fn exit_code_of(e: &anyhow::Error) -> i32 {
     let bad_input = e.chain().any(|cause| {
         cause.is::<UsageError>()
-            || cause.is::<crate::config::ConfigError>()
-            || cause.is::<crate::actions::ActionError>()
-            || cause.is::<crate::trust::Untrusted>()
+            || cause.is::<loopd_project::config::ConfigError>()
+            || cause.is::<loopd_project::actions::ActionError>()
+            || cause.is::<loopd_project::trust::Untrusted>()
             || cause.is::<crate::daemon::WorkTreeBusy>()
             || cause.is::<loopd_exec::checkpoint::Refused>()
             || cause

@@ -6,7 +6,7 @@
 use anyhow::{Context as _, Result};
 
 use crate::cli::{Project, usage};
-use crate::config::Config;
+use loopd_project::config::Config;
 
 /// What `init --shell` is given.
 #[derive(Debug, clap::Args)]
@@ -52,7 +52,7 @@ pub fn run(p: &Project, args: &InitArgs, as_json: bool) -> Result<i32> {
         .with_context(|| format!("cannot open {}", p.root.join(".loop").display()))?;
     dir.write_atomic("config.toml", text.as_bytes(), true)
         .with_context(|| format!("cannot write {}", path.display()))?;
-    crate::trust::allow(&p.root, &crate::trust::project_files(&p.root)?)
+    loopd_project::trust::allow(&p.root, &loopd_project::trust::project_files(&p.root)?)
         .context("cannot record the new config as trusted")?;
     eprintln!(
         "wrote {} (trusted); next: `loopd create --title ... --task ...`, then `loopd run ID`",

@@ -5,10 +5,8 @@
 //! applies its result, and the [`orchestrator`] writes the daemon's fields back — while [`watch`]
 //! reports control changes written by anyone, which cancel the attempt in flight.
 
-pub mod actions;
 pub mod checkpoint;
 pub mod cli;
-pub mod config;
 pub mod create;
 pub mod daemon;
 pub mod demo;
@@ -17,10 +15,8 @@ pub mod error;
 pub mod init;
 pub mod logging;
 pub mod orchestrator;
-pub mod project_file;
 pub mod recovery;
 pub mod registry;
 pub mod serve;
-pub mod trust;
 pub mod view;
 pub mod worktree;

@@ -37,13 +37,13 @@ use loopd_core::workflow::{
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
-use crate::actions::ActionDef;
-use crate::config::{Checkpoints, Config, ExecutorConfig};
 use loopd_exec::agent::{AgentStream, AttemptOutcome};
 use loopd_exec::checkpoint;
 use loopd_exec::result::{Verdict, verdict};
 use loopd_exec::{Budget, Executor, Spec, procs};
 use loopd_exec::{Format, PromptMode, Supervision};
+use loopd_project::actions::ActionDef;
+use loopd_project::config::{Checkpoints, Config, ExecutorConfig};
 use loopd_store::events::{Event, EventLog, Progress, ProgressDir, name};
 use loopd_store::now_rfc3339;
 use loopd_store::store::{Store, StoreError, Transition};
@@ -232,7 +232,7 @@ impl Engine {
         executor_override: Option<String>,
         exit_on_pause: bool,
     ) -> Result<Engine> {
-        let actions = crate::actions::load(workflow.name(), workflow.actions(), &root)?;
+        let actions = loopd_project::actions::load(workflow.name(), workflow.actions(), &root)?;
         let mut plans = BTreeMap::new();
         for (name, def) in &actions {
             plans.insert(
@@ -311,8 +311,8 @@ impl Engine {
         problems
     }
 
-    /// The project's own files this daemon loaded, which need `loopd trust` (see [`crate::trust`]).
-    pub fn project_files(&self) -> Vec<&crate::project_file::ProjectFile> {
+    /// The project's own files this daemon loaded, which need `loopd trust` (see [`loopd_project::trust`]).
+    pub fn project_files(&self) -> Vec<&loopd_project::project_file::ProjectFile> {
         self.config
             .project_file
             .iter()
@@ -1838,7 +1838,7 @@ fn prompt(
     prompt
 }
 
-/// The engine's values of the template placeholders (see [`crate::actions::PLACEHOLDERS`]).
+/// The engine's values of the template placeholders (see [`loopd_project::actions::PLACEHOLDERS`]).
 fn template_vars(
     state: &LoopState,
     step: &Step<'_>,

@@ -40,7 +40,7 @@ pub fn runtime_dir(create: bool) -> io::Result<Dir> {
         .map(PathBuf::from)
         .filter(|p| p.is_absolute());
     match runtime {
-        Some(dir) => crate::trust::records_in(&dir, "loopd", create),
+        Some(dir) => loopd_project::trust::records_in(&dir, "loopd", create),
         None => {
             let home = state_home().ok_or_else(|| {
                 io::Error::new(
@@ -48,7 +48,7 @@ pub fn runtime_dir(create: bool) -> io::Result<Dir> {
                     "none of $XDG_RUNTIME_DIR, $XDG_STATE_HOME and $HOME is set",
                 )
             })?;
-            crate::trust::records_in(&home, "run", create)
+            loopd_project::trust::records_in(&home, "run", create)
         }
     }
 }
@@ -61,7 +61,7 @@ pub fn projects_dir(create: bool) -> io::Result<Dir> {
             "neither $XDG_STATE_HOME nor $HOME is set",
         )
     })?;
-    crate::trust::records_in(&home, "projects", create)
+    loopd_project::trust::records_in(&home, "projects", create)
 }
 
 /// Records a project (once), and forgets those whose root is gone.
@@ -72,7 +72,7 @@ pub fn add(root: &Path) -> io::Result<()> {
             let _ = dir.remove(&name);
         }
     }
-    let name = crate::trust::record_name(root);
+    let name = loopd_project::trust::record_name(root);
     if read(&dir, &name).is_some_and(|r| r.root == root) {
         return Ok(());
     }
@@ -117,7 +117,7 @@ pub fn remove(root: &Path) -> io::Result<bool> {
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(false),
         Err(e) => return Err(e),
     };
-    let name = crate::trust::record_name(root);
+    let name = loopd_project::trust::record_name(root);
     if read(&dir, &name).is_none_or(|r| r.root != root) {
         return Ok(false);
     }

@@ -12,8 +12,8 @@ use anyhow::{Context as _, Result};
 use loopd_core::workflow::{ccw_loop, skill_tuning};
 
 use crate::cli::{Project, usage};
-use crate::config::Config;
 use crate::orchestrator::Exit;
+use loopd_project::config::Config;
 use loopd_store::store::Store;
 
 /// Runs the demo of a workflow (ccw-loop by default); returns the loop's exit code.
@@ -56,7 +56,7 @@ pub fn run(workflow: Option<&str>) -> Result<i32> {
     std::fs::create_dir_all(dir.join(".loop"))?;
     std::fs::write(dir.join(".loop/config.toml"), &config_text)?;
     // loopd wrote this file itself: `loopd status` and `loopd run` may use it afterwards.
-    crate::trust::allow(&dir, &crate::trust::project_files(&dir)?)
+    loopd_project::trust::allow(&dir, &loopd_project::trust::project_files(&dir)?)
         .context("cannot record the demo project as trusted")?;
     // The built-in defaults and the demo's layer only: the user's own config does not apply here.
     let config = Config::builtin_with(&config_text)?;

@@ -379,7 +379,7 @@ impl From<anyhow::Error> for ApiError {
                 Some(StoreError::NotFound { .. }) => StatusCode::NOT_FOUND,
                 Some(StoreError::Corrupt { .. } | StoreError::Refused(_)) => StatusCode::CONFLICT,
                 Some(StoreError::Locked { .. }) => StatusCode::SERVICE_UNAVAILABLE,
-                _ if e.is::<crate::config::ConfigError>() => StatusCode::CONFLICT,
+                _ if e.is::<loopd_project::config::ConfigError>() => StatusCode::CONFLICT,
                 _ => StatusCode::INTERNAL_SERVER_ERROR,
             }
         };

@@ -148,7 +148,7 @@ pub fn run(roots: &[PathBuf], config_flag: Option<&Path>, args: &ServeArgs) -> R
     if let Some(addr) = &args.listen {
         api::check_listen(addr)?;
     }
-    let config = crate::config::Config::load_service(config_flag)?;
+    let config = loopd_project::config::Config::load_service(config_flag)?;
     let runtime_dir = crate::registry::runtime_dir(true)
         .context("cannot make the service's runtime directory")?;
     let _lock = files::lock(&runtime_dir)?;
@@ -210,7 +210,7 @@ pub fn run(roots: &[PathBuf], config_flag: Option<&Path>, args: &ServeArgs) -> R
 }
 
 impl Supervisor {
-    fn configure(&mut self, config: &crate::config::Config) {
+    fn configure(&mut self, config: &loopd_project::config::Config) {
         let max = self.max_flag.unwrap_or(config.max_running_loops).max(1);
         self.max_running = usize::try_from(max).unwrap_or(usize::MAX);
     }
@@ -390,7 +390,7 @@ impl Supervisor {
     /// configuration is read whenever the loop is taken.
     fn reload(&mut self) {
         self.notifier.reloading();
-        match crate::config::Config::load_service(self.config_flag.as_deref()) {
+        match loopd_project::config::Config::load_service(self.config_flag.as_deref()) {
             Ok(config) => {
                 self.configure(&config);
                 tracing::info!(

@@ -102,7 +102,7 @@ pub fn project_files(root: &Path) -> io::Result<Vec<ProjectFile>> {
 pub fn allow(root: &Path, files: &[ProjectFile]) -> io::Result<PathBuf> {
     let record = Record {
         root: root.to_owned(),
-        trusted_at: loopd_store::now_rfc3339(),
+        trusted_at: loopd_core::state::format_ts(chrono::Utc::now()),
         files: files
             .iter()
             .map(|f| (f.path.clone(), f.digest.clone()))
@@ -180,7 +180,7 @@ fn records_dir(create: bool) -> io::Result<Dir> {
 }
 
 /// `sub` of a directory of the user's (made private, with its parents, when `create` is set).
-pub(crate) fn records_in(user: &Path, sub: &str, create: bool) -> io::Result<Dir> {
+pub fn records_in(user: &Path, sub: &str, create: bool) -> io::Result<Dir> {
     if create {
         std::fs::DirBuilder::new()
             .recursive(true)
@@ -191,7 +191,7 @@ pub(crate) fn records_in(user: &Path, sub: &str, create: bool) -> io::Result<Dir
 }
 
 /// The name of a project's record among the user's: a hash of its root.
-pub(crate) fn record_name(root: &Path) -> String {
+pub fn record_name(root: &Path) -> String {
     use std::os::unix::ffi::OsStrExt as _;
     format!("{}.toml", &sha256_hex(root.as_os_str().as_bytes())[..32])
 }

@@ -14,7 +14,7 @@ use loopd_exec::{Format, PromptMode, Supervision};
 use serde::Deserialize;
 
 /// The documented defaults.
-pub const DEFAULT_CONFIG: &str = include_str!("../config.toml");
+pub const DEFAULT_CONFIG: &str = include_str!("../../../config.toml");
 
 #[derive(Debug, thiserror::Error)]
 #[error("bad config {file}{}: {reason}", key.as_ref().map(|k| format!(", key `{k}`")).unwrap_or_default())]
