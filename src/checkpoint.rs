@@ -7,12 +7,12 @@ use loopd_core::state::Checkpoint;
 use loopd_exec::checkpoint::Repo;
 
 /// The repository of loop `id`'s work tree, with the loop's own index file.
-fn of_loop(p: &crate::cli::Project, id: &str) -> Result<Repo> {
+fn of_loop(p: &loopd_file_driver::project::Project, id: &str) -> Result<Repo> {
     let loaded = p.store.load(id)?;
-    let tree = crate::worktree::of(p, &loaded.state)?;
+    let tree = loopd_file_driver::worktree::of(p, &loaded.state)?;
     let index = p.store.progress_dir(id).join("checkpoint.index");
     Repo::open(&tree.path, p.store.dir(), index, id).ok_or_else(|| {
-        crate::error::usage(format!(
+        loopd_file_driver::error::usage(format!(
             "loop {id} has no checkpoints: its work tree {} is not in a git repository",
             tree.path.display()
         ))
@@ -20,7 +20,11 @@ fn of_loop(p: &crate::cli::Project, id: &str) -> Result<Repo> {
 }
 
 /// `loopd checkpoints ID`: the loop's checkpoints, oldest first, with what each changed.
-pub fn list_command(p: &crate::cli::Project, id: &str, as_json: bool) -> Result<i32> {
+pub fn list_command(
+    p: &loopd_file_driver::project::Project,
+    id: &str,
+    as_json: bool,
+) -> Result<i32> {
     let repo = of_loop(p, id)?;
     let mut shown = Vec::new();
     let mut before: Option<String> = None;
@@ -58,7 +62,11 @@ pub fn list_command(p: &crate::cli::Project, id: &str, as_json: bool) -> Result<
 
 /// `loopd diff ID [CHECKPOINT]`: what one action changed (from the checkpoint before it), or the
 /// loop as a whole (from where it started to its last checkpoint).
-pub fn diff_command(p: &crate::cli::Project, id: &str, name: Option<&str>) -> Result<i32> {
+pub fn diff_command(
+    p: &loopd_file_driver::project::Project,
+    id: &str,
+    name: Option<&str>,
+) -> Result<i32> {
     let repo = of_loop(p, id)?;
     let list = repo.list()?;
     let (from, to) = match name {
@@ -73,7 +81,9 @@ pub fn diff_command(p: &crate::cli::Project, id: &str, name: Option<&str>) -> Re
         }
         None => {
             let (Some((_, first)), Some((_, last))) = (list.first(), list.last()) else {
-                return Err(crate::error::usage(format!("loop {id} has no checkpoint")));
+                return Err(loopd_file_driver::error::usage(format!(
+                    "loop {id} has no checkpoint"
+                )));
             };
             (first.clone(), last.clone())
         }
@@ -87,7 +97,7 @@ pub fn diff_command(p: &crate::cli::Project, id: &str, name: Option<&str>) -> Re
 
 /// `loopd rollback ID CHECKPOINT`: refused while a daemon runs the loop's actions.
 pub fn rollback_command(
-    p: &crate::cli::Project,
+    p: &loopd_file_driver::project::Project,
     id: &str,
     name: &str,
     force: bool,
@@ -96,9 +106,9 @@ pub fn rollback_command(
     let repo = of_loop(p, id)?;
     let state = p.store.load(id)?.state;
     if state.status == loopd_core::state::Status::Running
-        && let Some(pid) = crate::daemon::driving_daemon(&p.store, id)
+        && let Some(pid) = loopd_file_driver::locks::driving_daemon(&p.store, id)
     {
-        return Err(crate::error::usage(format!(
+        return Err(loopd_file_driver::error::usage(format!(
             "loop {id} is running (daemon {pid}); pause it first: loopd pause {id}"
         )));
     }
@@ -112,7 +122,7 @@ pub fn rollback_command(
                 .with("forced", force),
         );
     }
-    crate::cli::print_result(
+    crate::output::print_result(
         as_json,
         &serde_json::json!({ "loop_id": id, "checkpoint": name, "commit": commit }),
         &format!("loop {id}: the work tree is back as it was at checkpoint {name}"),

@@ -4,44 +4,17 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{Context as _, Result};
-use clap::{Parser, Subcommand, ValueEnum};
-use loopd_core::state::{LoopState, Mode, Status};
+use clap::{Parser, Subcommand};
+use loopd_core::state::Status;
 use serde_json::{Value, json};
 
-pub(crate) use crate::error::usage;
-pub use crate::error::{UsageError, exit_code_of};
-use crate::view::{LoopView, standing};
-use loopd_project::config::Config;
+use crate::output::print_result;
+use loopd_file_driver::control::{Control, choose_next, set_control};
+use loopd_file_driver::error::usage;
+use loopd_file_driver::project::Project;
+use loopd_file_driver::view::LoopView;
 use loopd_store::events::{self, name, printable, render};
-use loopd_store::store::{Settler, Store, StoreError, validate_id};
-
-/// `println!` that returns an error instead of panicking when the reader of stdout has gone away
-/// (`loopd list | head -1`); `main` ends such a command quietly.
-#[macro_export]
-macro_rules! outln {
-    ($($arg:tt)*) => {{
-        use std::io::Write as _;
-        writeln!(std::io::stdout().lock(), $($arg)*)
-    }};
-}
-
-/// `print!` that returns an error instead of panicking, as [`outln!`].
-#[macro_export]
-macro_rules! out {
-    ($($arg:tt)*) => {{
-        use std::io::Write as _;
-        write!(std::io::stdout().lock(), $($arg)*)
-    }};
-}
-
-/// Whether an error is only that the reader of stdout went away.
-pub fn is_broken_pipe(e: &anyhow::Error) -> bool {
-    e.chain().any(|cause| {
-        cause
-            .downcast_ref::<std::io::Error>()
-            .is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe)
-    })
-}
+use loopd_store::store::{StoreError, validate_id};
 
 #[derive(Debug, Parser)]
 #[command(
@@ -74,20 +47,13 @@ pub struct Cli {
     pub command: Command,
 }
 
-#[derive(Clone, Copy, Debug, Default, ValueEnum)]
-pub enum ModeArg {
-    #[default]
-    Auto,
-    Interactive,
-}
-
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Run the service that drives every loop of your projects: those `create` and `start`
     /// recorded (`loopd projects`), and each `--root DIR` (see README, "Run as a service")
-    Serve(crate::serve::ServeArgs),
+    Serve(loopd_file_driver::serve::ServeArgs),
     /// Write a new loop (status `created`) and print its id
-    Create(crate::create::CreateArgs),
+    Create(loopd_file_driver::create::CreateArgs),
     /// Drive a loop in the foreground until it ends
     Run {
         id: String,
@@ -125,7 +91,7 @@ pub enum Command {
     Set {
         id: String,
         #[command(flatten)]
-        limits: crate::recovery::Limits,
+        limits: loopd_file_driver::create::Limits,
     },
     /// Add to a loop's tasks
     #[command(subcommand)]
@@ -233,104 +199,6 @@ pub enum TaskCommand {
     },
 }
 
-/// The project root: `--root`, `$LOOPD_ROOT`, the git top level, or the working directory.
-pub fn resolve_root(flag: Option<&Path>) -> Result<PathBuf> {
-    let root = match flag {
-        Some(r) => r.to_owned(),
-        None => match std::env::var_os("LOOPD_ROOT").filter(|v| !v.is_empty()) {
-            Some(r) => PathBuf::from(r),
-            None => {
-                let cwd = std::env::current_dir().context("cannot read the working directory")?;
-                cwd.ancestors()
-                    .find(|d| d.join(".git").exists())
-                    .map(Path::to_owned)
-                    .unwrap_or(cwd)
-            }
-        },
-    };
-    if !root.is_dir() {
-        return Err(usage(format!(
-            "project root {} is not a directory",
-            root.display()
-        )));
-    }
-    root.canonicalize()
-        .with_context(|| format!("cannot resolve {}", root.display()))
-}
-
-/// A project: its root, config and store.
-pub struct Project {
-    pub root: PathBuf,
-    pub config: Config,
-    pub store: Store,
-    pub config_flag: Option<PathBuf>,
-}
-
-/// A short-lived command settles the versions its writes replaced before it exits (see
-/// [`Store::close`]), unless a process that watches the state directory does it: the loop's
-/// daemon, or the service that serves the project (this one, or another, which the versions are
-/// handed over to: see [`Store::close_with`]).
-impl Drop for Project {
-    fn drop(&mut self) {
-        let me = std::process::id();
-        let mut service = None;
-        self.store.close_with(|id| {
-            let daemon = crate::daemon::daemon_pid(&self.store, id);
-            if daemon.is_some_and(|pid| pid != me && crate::daemon::pid_alive(pid)) {
-                return Settler::Another;
-            }
-            let service = service.get_or_insert_with(crate::serve::files::running);
-            match service {
-                Some(s) if s.serves(&self.root) && s.pid == me => Settler::ThisProcess,
-                Some(s) if s.serves(&self.root) => Settler::Another,
-                _ => Settler::Nobody,
-            }
-        });
-    }
-}
-
-impl Project {
-    pub fn open(root: Option<&Path>, config: Option<&Path>) -> Result<Project> {
-        let root = resolve_root(root)?;
-        let config_flag = config.map(Path::to_owned);
-        let config = Config::load(&root, config)?;
-        let store = Store::new(&root, &config.state_dir);
-        Ok(Project {
-            root,
-            config,
-            store,
-            config_flag,
-        })
-    }
-
-    /// A project for a command that runs nothing (`status`, `list`, `logs`, `pause`, `stop`): a
-    /// config that does not load is reported in one warning line and the built-in defaults are
-    /// used instead, so a broken config never keeps anyone from looking at or stopping a loop.
-    pub fn open_for_inspection(root: Option<&Path>, config: Option<&Path>) -> Result<Project> {
-        match Project::open(root, config) {
-            Err(e) if e.is::<loopd_project::config::ConfigError>() => {
-                eprintln!("loopd: warning: {e:#}; using the built-in defaults for this command");
-                let root = resolve_root(root)?;
-                let config = Config::builtin_with("")?;
-                let store = Store::new(&root, &config.state_dir);
-                Ok(Project {
-                    root,
-                    config,
-                    store,
-                    config_flag: None,
-                })
-            }
-            other => other,
-        }
-    }
-
-    /// Loads a loop, validating the id first.
-    pub fn load(&self, id: &str) -> Result<LoopState> {
-        validate_id(id)?;
-        Ok(self.store.load(id)?.state)
-    }
-}
-
 /// Runs a parsed command line; returns the exit code.
 pub fn run(cli: Cli) -> Result<i32> {
     let Cli {
@@ -349,11 +217,11 @@ pub fn run(cli: Cli) -> Result<i32> {
     let inspect = || Project::open_for_inspection(root.as_deref(), config.as_deref());
     match command {
         Command::Serve(_) if json => Err(usage("--json: serve prints a log, not a result")),
-        Command::Serve(args) => crate::serve::run(&roots, config.as_deref(), &args),
+        Command::Serve(args) => loopd_file_driver::serve::run(&roots, config.as_deref(), &args),
         Command::Create(args) => {
             let p = project()?;
-            let id = crate::create::create_loop(&p, &args)?;
-            crate::registry::note(&p.root);
+            let id = loopd_file_driver::create::create_loop(&p, &args)?;
+            loopd_file_driver::registry::note(&p.root);
             print_result(json, &json!({ "loop_id": id }), &id)?;
             Ok(0)
         }
@@ -363,7 +231,7 @@ pub fn run(cli: Cli) -> Result<i32> {
             exit_on_pause,
         } => {
             let p = project()?;
-            let code = crate::daemon::run_foreground(&p, &id, executor, exit_on_pause)?;
+            let code = loopd_file_driver::daemon::run_foreground(&p, &id, executor, exit_on_pause)?;
             if json {
                 let state = p.load(&id)?;
                 let outcome = state.skill_state.as_ref().and_then(|s| s.outcome.clone());
@@ -382,8 +250,8 @@ pub fn run(cli: Cli) -> Result<i32> {
         }
         Command::Start { id, executor } => {
             let p = project()?;
-            let pid = crate::daemon::start(&p, &id, executor.as_deref())?;
-            crate::registry::note(&p.root);
+            let pid = loopd_file_driver::daemon::start(&p, &id, executor.as_deref())?;
+            loopd_file_driver::registry::note(&p.root);
             print_result(
                 json,
                 &json!({ "loop_id": id, "pid": pid }),
@@ -460,7 +328,8 @@ pub fn run(cli: Cli) -> Result<i32> {
 fn projects(remove: Option<&Path>, as_json: bool) -> Result<i32> {
     if let Some(dir) = remove {
         let root = dir.canonicalize().unwrap_or_else(|_| dir.to_owned());
-        let had = crate::registry::remove(&root).context("cannot forget the project")?;
+        let had =
+            loopd_file_driver::registry::remove(&root).context("cannot forget the project")?;
         if !had {
             return Err(usage(format!(
                 "{} is not among your projects",
@@ -472,7 +341,7 @@ fn projects(remove: Option<&Path>, as_json: bool) -> Result<i32> {
         return Ok(0);
     }
     let mut rows = Vec::new();
-    for record in crate::registry::list().context("cannot read your projects")? {
+    for record in loopd_file_driver::registry::list().context("cannot read your projects")? {
         // Each project's own state dir, as its config says (or the default, if it does not load).
         let loops = Project::open_for_inspection(Some(&record.root), None)
             .ok()
@@ -480,7 +349,7 @@ fn projects(remove: Option<&Path>, as_json: bool) -> Result<i32> {
                 let ids = p.store.list_ids().ok()?;
                 let running = ids
                     .iter()
-                    .filter(|id| crate::daemon::daemon_pid(&p.store, id).is_some())
+                    .filter(|id| loopd_file_driver::locks::daemon_pid(&p.store, id).is_some())
                     .count();
                 Some((ids.len(), running))
             });
@@ -511,16 +380,6 @@ fn projects(remove: Option<&Path>, as_json: bool) -> Result<i32> {
         )?;
     }
     Ok(0)
-}
-
-/// Prints a command's result on stdout: `value` with `--json`, else `text` (nothing when empty).
-pub(crate) fn print_result(as_json: bool, value: &Value, text: &str) -> Result<()> {
-    if as_json {
-        crate::outln!("{value}")?;
-    } else if !text.is_empty() {
-        crate::outln!("{text}")?;
-    }
-    Ok(())
 }
 
 /// `loopd trust`: records the project's files as trusted, or forgets them.
@@ -561,24 +420,6 @@ fn trust(p: &Project, revoke: bool, as_json: bool) -> Result<i32> {
     Ok(0)
 }
 
-/// A status change a person asks for.
-#[derive(Clone, Copy, Debug)]
-pub enum Control {
-    Pause,
-    Resume,
-    Stop,
-}
-
-/// What a status change did.
-pub struct Controlled {
-    pub from: Status,
-    pub to: Status,
-    /// False when the loop had that status already.
-    pub changed: bool,
-    /// A resumed loop that no daemon drives: the executor it was started with, to start one.
-    pub needs_daemon: Option<Option<String>>,
-}
-
 /// pause / resume / stop: write the status the way the CCW dashboard API does.
 fn control(p: &Project, id: &str, what: Control, as_json: bool) -> Result<i32> {
     let done = match set_control(p, id, what) {
@@ -608,134 +449,21 @@ fn control(p: &Project, id: &str, what: Control, as_json: bool) -> Result<i32> {
     // as soon as the status changed.
     let mut started = None;
     if let Some(executor) = &done.needs_daemon {
-        started = Some(match crate::daemon::daemon_pid(&p.store, id) {
+        started = Some(match loopd_file_driver::locks::daemon_pid(&p.store, id) {
             Some(pid) => pid,
-            None => match crate::daemon::start(p, id, executor.as_deref()) {
+            None => match loopd_file_driver::daemon::start(p, id, executor.as_deref()) {
                 Ok(pid) => {
                     eprintln!("started daemon pid {pid}");
                     pid
                 }
                 // The service took the loop up as soon as it read the new status (or another
                 // command's daemon did): the resume did what it was for.
-                Err(e) => crate::daemon::daemon_pid(&p.store, id).ok_or(e)?,
+                Err(e) => loopd_file_driver::locks::daemon_pid(&p.store, id).ok_or(e)?,
             },
         });
     }
     report(started)?;
     Ok(0)
-}
-
-/// Writes a status change under the loop's lock, refused in one line where it makes no sense
-/// (a completed loop paused, a loop at its error limit resumed). Starts nothing.
-pub fn set_control(p: &Project, id: &str, what: Control) -> Result<Controlled> {
-    let state = p.load(id)?;
-    let status = state.status.clone();
-    let allowed: &[Status] = match what {
-        Control::Pause => &[Status::Running, Status::Created],
-        Control::Resume => &[
-            Status::Paused,
-            Status::Failed,
-            Status::UserExit,
-            Status::Created,
-        ],
-        Control::Stop => &[Status::Running, Status::Paused, Status::Created],
-    };
-    let verb = match what {
-        Control::Pause => "pause",
-        Control::Resume => "resume",
-        Control::Stop => "stop",
-    };
-    let target = match what {
-        Control::Pause => Status::Paused,
-        Control::Resume => Status::Running,
-        Control::Stop => Status::Failed,
-    };
-    let resumable = |s: &Status| allowed.contains(s) || matches!(what, Control::Resume);
-    if status == target && !matches!(what, Control::Resume) {
-        return Ok(Controlled {
-            from: status,
-            to: target,
-            changed: false,
-            needs_daemon: None,
-        });
-    }
-    // A loop completed without meeting its goal goes on once there is room: a raised
-    // iteration limit, or tasks added to one that had nothing left to try.
-    let outcome = state
-        .skill_state
-        .as_ref()
-        .and_then(|s| s.outcome.as_deref());
-    let room = match outcome {
-        Some("iteration_limit") => {
-            state.current_iteration < state.max_iterations_or(p.config.max_iterations)
-        }
-        Some("incomplete") => true,
-        _ => false,
-    };
-    let goes_on = matches!(what, Control::Resume) && status == Status::Completed && room;
-    if !goes_on
-        && (!resumable(&status) || (matches!(what, Control::Resume) && status == Status::Completed))
-    {
-        let hint = match (&what, outcome) {
-            (Control::Resume, Some("iteration_limit")) => format!(
-                "; to go on, raise its limit with `loopd set {id} --max-iterations N`, then resume"
-            ),
-            _ => String::new(),
-        };
-        return Err(usage(format!(
-            "cannot {verb} loop {id}: it is {}{hint}",
-            standing(&state, None)
-        )));
-    }
-    // A loop the daemon failed at its error limit would fail again at once.
-    let errors = state.skill_state.as_ref().map_or(0, |s| s.error_count);
-    let max_errors = state.max_errors_or(p.config.max_errors);
-    if matches!(what, Control::Resume) && status == Status::Failed && errors >= max_errors {
-        return Err(usage(format!(
-            "cannot resume loop {id}: it failed at its error limit ({errors} of {max_errors}) and \
-             would fail again at once; `loopd retry {id}` resets the count, or raise the limit \
-             with `loopd set {id} --max-errors N`"
-        )));
-    }
-    let executor = state.skill_state.as_ref().and_then(|s| s.executor.clone());
-    let start_daemon =
-        matches!(what, Control::Resume) && crate::daemon::driving_daemon(&p.store, id).is_none();
-    if start_daemon {
-        crate::daemon::check_runnable(p, &state, executor.as_deref())?;
-    }
-    let mut refused = None;
-    p.store.update(id, true, |raw, current| {
-        refused = None;
-        if current.status == target {
-            return; // someone else wrote the same meanwhile
-        }
-        if !allowed.contains(&current.status) && current.status != status {
-            refused = Some(current.status.clone());
-            return;
-        }
-        raw.insert("status".into(), json!(target.as_str()));
-        match what {
-            Control::Stop => {
-                raw.insert("failure_reason".into(), json!("Manually stopped by user"));
-            }
-            Control::Resume => {
-                raw.remove("failure_reason");
-                raw.remove("completed_at");
-            }
-            Control::Pause => {}
-        }
-    })?;
-    if let Some(now) = refused {
-        return Err(usage(format!(
-            "cannot {verb} loop {id}: it became {now} meanwhile"
-        )));
-    }
-    Ok(Controlled {
-        from: status,
-        to: target,
-        changed: true,
-        needs_daemon: start_daemon.then_some(executor),
-    })
 }
 
 /// `stop` on a loop whose state file does not load: restored from its backup (or rebuilt) it is
@@ -752,7 +480,8 @@ fn stop_unloadable(p: &Project, id: &str, error: anyhow::Error, as_json: bool) -
         eprintln!("loop {id}: the state file was unusable ({reason}); restored from {from}");
         return control(p, id, Control::Stop, as_json);
     }
-    let Some(pid) = crate::daemon::daemon_pid(&p.store, id).filter(|pid| *pid > 1) else {
+    let Some(pid) = loopd_file_driver::locks::daemon_pid(&p.store, id).filter(|pid| *pid > 1)
+    else {
         return Err(error);
     };
     nix::sys::signal::kill(
@@ -775,54 +504,6 @@ fn next(p: &Project, id: &str, action: &str, as_json: bool) -> Result<i32> {
     Ok(0)
 }
 
-/// Chooses the next action of a loop in interactive mode; returns `{loop_id, next_action}`.
-pub fn choose_next(p: &Project, id: &str, action: &str) -> Result<Value> {
-    let state = p.load(id)?;
-    let workflow = loop_workflow(p, &state)?;
-    if state.mode() != Mode::Interactive {
-        return Err(usage(format!(
-            "loop {id} is in auto mode; it chooses its own actions"
-        )));
-    }
-    if !workflow.actions().contains(&action) {
-        return Err(usage(format!(
-            "invalid action {action:?}; valid choices: {}",
-            workflow.actions().join(", ")
-        )));
-    }
-    let mut chosen = state.clone();
-    chosen.next_action = Some(action.to_owned());
-    if let loopd_core::workflow::Decision::Wait {
-        refused: Some(why), ..
-    } = loopd_core::workflow::decide(workflow, &chosen, p.config.limits())
-    {
-        return Err(usage(format!("cannot choose {why}")));
-    }
-    p.store.update(id, true, |raw, _| {
-        raw.insert("next_action".into(), json!(action));
-    })?;
-    Ok(json!({ "loop_id": id, "next_action": action }))
-}
-
-/// The workflow a loop runs.
-pub fn loop_workflow(
-    p: &Project,
-    state: &LoopState,
-) -> Result<&'static dyn loopd_core::workflow::Workflow> {
-    let name = state
-        .skill_state
-        .as_ref()
-        .and_then(|s| s.workflow.clone())
-        .unwrap_or_else(|| p.config.workflow.clone());
-    loopd_core::workflow::by_name(&name).ok_or_else(|| {
-        usage(format!(
-            "loop {} uses unknown workflow {name:?} (known: {})",
-            state.loop_id,
-            loopd_core::workflow::WORKFLOWS.join(", ")
-        ))
-    })
-}
-
 fn status(p: &Project, id: &str, as_json: bool) -> Result<i32> {
     validate_id(id)?;
     let loaded = p.store.load(id)?;
@@ -833,7 +514,7 @@ fn status(p: &Project, id: &str, as_json: bool) -> Result<i32> {
         )?;
         return Ok(0);
     }
-    let service = crate::serve::files::running();
+    let service = loopd_file_driver::service::running();
     let view = LoopView::of(p, &loaded.state, service.as_ref());
     // Values come from the state file and executors: shown with their control characters escaped.
     let mut out = format!("{}  {}\n", view.loop_id, printable(&view.title));
@@ -850,9 +531,9 @@ fn status(p: &Project, id: &str, as_json: bool) -> Result<i32> {
 /// `list`: the project's loops, or with `all` every loop of every project (yours, and those
 /// a running service serves), with a PROJECT column.
 fn list(p: &Project, all: bool, as_json: bool) -> Result<i32> {
-    let service = crate::serve::files::running();
+    let service = loopd_file_driver::service::running();
     let roots = if all {
-        let mut roots: Vec<PathBuf> = crate::registry::list()
+        let mut roots: Vec<PathBuf> = loopd_file_driver::registry::list()
             .context("cannot read your projects")?
             .into_iter()
             .map(|r| r.root)
@@ -935,7 +616,7 @@ fn list(p: &Project, all: bool, as_json: bool) -> Result<i32> {
 /// One project's loops: the table's rows, and the state files as they are (for `--json`).
 fn list_project(
     p: &Project,
-    service: Option<&crate::serve::ServiceInfo>,
+    service: Option<&loopd_file_driver::service::ServiceInfo>,
     as_json: bool,
 ) -> Result<(Vec<Vec<String>>, Vec<Value>)> {
     let (mut rows, mut values) = (Vec::new(), Vec::new());
@@ -1052,7 +733,7 @@ fn logs(p: &Project, id: &str, shown: &LogsShown) -> Result<i32> {
                 writeln!(
                     out,
                     "{dim}  … {what} running for {}{dim:#}",
-                    crate::view::age(chrono::TimeDelta::seconds(secs as i64))
+                    loopd_file_driver::view::age(chrono::TimeDelta::seconds(secs as i64))
                 )?;
             }
         }
@@ -1080,5 +761,5 @@ fn logs(p: &Project, id: &str, shown: &LogsShown) -> Result<i32> {
 
 /// Whether no daemon drives the loop: nothing more will happen to it by itself.
 fn finished(p: &Project, id: &str) -> bool {
-    crate::daemon::daemon_pid(&p.store, id).is_none()
+    loopd_file_driver::locks::daemon_pid(&p.store, id).is_none()
 }

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Result;
 
-use crate::cli::Project;
+use loopd_file_driver::project::Project;
 
 /// How long `--version` may take (gemini-cli takes about 7 s on 2 cores).
 const VERSION_TIMEOUT: Duration = Duration::from_secs(15);
@@ -74,7 +74,7 @@ pub fn run(p: &Project, executor: Option<String>, as_json: bool) -> Result<i32> 
 fn examine(p: &Project, executor: Option<String>) -> Result<Report> {
     let workflow = loopd_core::workflow::by_name(&p.config.workflow)
         .ok_or_else(|| anyhow::anyhow!("unknown workflow {}", p.config.workflow))?;
-    let daemon = crate::daemon::build(p, workflow, executor, false)?;
+    let daemon = loopd_file_driver::daemon::build(p, workflow, executor, false)?;
     let config_files =
         loopd_project::config::Config::layer_files(Some(&p.root), p.config_flag.as_deref())
             .into_iter()
@@ -239,27 +239,7 @@ fn render(r: &Report) -> String {
 
 /// Where `program` is: itself if it has a slash, else the first executable on PATH.
 pub fn find_program(program: &str) -> Option<PathBuf> {
-    find_program_in(program, Path::new("."), std::env::var_os("PATH").as_deref())
-}
-
-/// Where `program` is, as a process started in `cwd` with `path` as its PATH finds it.
-pub fn find_program_in(
-    program: &str,
-    cwd: &Path,
-    path: Option<&std::ffi::OsStr>,
-) -> Option<PathBuf> {
-    use std::os::unix::fs::PermissionsExt;
-    let executable = |p: &Path| {
-        p.metadata()
-            .is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
-    };
-    if program.contains('/') {
-        let p = cwd.join(program);
-        return executable(&p).then_some(p);
-    }
-    std::env::split_paths(path?)
-        .map(|dir| cwd.join(dir).join(program))
-        .find(|p| executable(p))
+    loopd_exec::find_program_in(program, Path::new("."), std::env::var_os("PATH").as_deref())
 }
 
 /// The first line `PROGRAM --version` prints, for each program, all run at once within

@@ -5,7 +5,8 @@
 
 use anyhow::{Context as _, Result};
 
-use crate::cli::{Project, usage};
+use loopd_file_driver::error::usage;
+use loopd_file_driver::project::Project;
 use loopd_project::config::Config;
 
 /// What `init --shell` is given.
@@ -59,7 +60,7 @@ pub fn run(p: &Project, args: &InitArgs, as_json: bool) -> Result<i32> {
         path.display()
     );
     let value = serde_json::json!({ "config": path, "trusted": true });
-    crate::cli::print_result(as_json, &value, &path.display().to_string())?;
+    crate::output::print_result(as_json, &value, &path.display().to_string())?;
     Ok(0)
 }
 

@@ -1,22 +1,17 @@
-//! loopd: an autonomous orchestrator daemon for coding-agent loops, compatible with the CCW loop.
+//! loopd, the binary: the command line ([`cli`]: clap's definitions and the commands), what the
+//! commands print ([`output`]), and the commands that only people run (`doctor`, `init`, `demo`,
+//! `checkpoints`/`diff`/`rollback`, `retry`/`set`/`answer`). Nothing imports it.
 //!
-//! The flow of one loop: the state file is read ([`state::store`]), a pure workflow of
-//! [`loopd_core`] decides the next action, an [`executor`] runs it as a subprocess, the workflow
-//! applies its result, and the [`orchestrator`] writes the daemon's fields back — while [`watch`]
-//! reports control changes written by anyone, which cancel the attempt in flight.
+//! The flow of one loop lives in the crates below: a loop's state is read and written by the file
+//! store ([`loopd_store`]), a pure workflow of [`loopd_core`] decides the next action, an executor
+//! ([`loopd_exec`]) runs it as a subprocess, and the file driver ([`loopd_file_driver`]) ties
+//! them together as a daemon per loop or one service for many.
 
 pub mod checkpoint;
 pub mod cli;
-pub mod create;
-pub mod daemon;
 pub mod demo;
 pub mod doctor;
-pub mod error;
 pub mod init;
 pub mod logging;
-pub mod orchestrator;
+pub mod output;
 pub mod recovery;
-pub mod registry;
-pub mod serve;
-pub mod view;
-pub mod worktree;

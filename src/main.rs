@@ -30,10 +30,10 @@ fn main() -> ExitCode {
     match loopd::cli::run(cli) {
         Ok(code) => ExitCode::from(u8::try_from(code).unwrap_or(1)),
         // The reader of stdout went away (`loopd list | head -1`): nothing more to say.
-        Err(e) if loopd::cli::is_broken_pipe(&e) => ExitCode::SUCCESS,
+        Err(e) if loopd::output::is_broken_pipe(&e) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("loopd: {e:#}");
-            ExitCode::from(u8::try_from(loopd::cli::exit_code_of(&e)).unwrap_or(1))
+            ExitCode::from(u8::try_from(loopd_file_driver::error::exit_code_of(&e)).unwrap_or(1))
         }
     }
 }

@@ -6,58 +6,21 @@
 //! fields it means to change, refused with one line where it makes no sense.
 
 use anyhow::Result;
-use loopd_core::state::{MAX_DESCRIPTION, Status};
+use loopd_core::state::Status;
 use serde_json::{Value, json};
 
-use crate::cli::{Project, print_result, usage};
-use crate::view::standing;
-use loopd_store::now_rfc3339;
-
-/// A loop's limits and budgets, as `create` and `set` take them; `None` leaves one as it is (for
-/// a new loop: the config's).
-#[derive(Clone, Copy, Debug, Default, clap::Args)]
-pub struct Limits {
-    /// Complete the loop after this many develop/debug/validate actions [create: the config's]
-    #[arg(long, value_name = "N")]
-    pub max_iterations: Option<u64>,
-    /// Fail the loop after this many failed actions [create: the config's]
-    #[arg(long, value_name = "N")]
-    pub max_errors: Option<u64>,
-    /// Fail the loop once its agents have cost this many dollars
-    #[arg(long, value_name = "USD")]
-    pub max_cost_usd: Option<f64>,
-    /// Fail the loop once its agents have used this many tokens
-    #[arg(long, value_name = "N")]
-    pub max_tokens: Option<u64>,
-}
-
-impl Limits {
-    /// Refuses a limit of 0 and a budget that is not a positive number.
-    pub fn check(&self) -> Result<()> {
-        for (flag, value) in [
-            ("--max-iterations", self.max_iterations),
-            ("--max-errors", self.max_errors),
-            ("--max-tokens", self.max_tokens),
-        ] {
-            if value == Some(0) {
-                return Err(usage(format!("{flag} must be at least 1")));
-            }
-        }
-        if self
-            .max_cost_usd
-            .is_some_and(|c| !(c.is_finite() && c > 0.0))
-        {
-            return Err(usage("--max-cost-usd must be a positive number"));
-        }
-        Ok(())
-    }
-}
+use crate::output::print_result;
+use loopd_file_driver::control::{add_task, give_answer};
+use loopd_file_driver::create::Limits;
+use loopd_file_driver::error::usage;
+use loopd_file_driver::project::Project;
+use loopd_file_driver::view::standing;
 
 /// `loopd retry ID`: a failed or stopped loop goes on, with its error count at 0 and its failed
 /// tasks pending again; a daemon is started for it.
 pub fn retry(p: &Project, id: &str, as_json: bool) -> Result<i32> {
     let state = p.load(id)?;
-    if let Some(pid) = crate::daemon::driving_daemon(&p.store, id) {
+    if let Some(pid) = loopd_file_driver::locks::driving_daemon(&p.store, id) {
         return Err(usage(format!(
             "loop {id} is driven by a daemon (pid {pid}); retry is for a loop that has ended"
         )));
@@ -69,8 +32,8 @@ pub fn retry(p: &Project, id: &str, as_json: bool) -> Result<i32> {
         )));
     }
     let executor = state.skill_state.as_ref().and_then(|s| s.executor.clone());
-    crate::daemon::check_runnable(p, &state, executor.as_deref())?;
-    let workflow = crate::cli::loop_workflow(p, &state)?;
+    loopd_file_driver::daemon::check_runnable(p, &state, executor.as_deref())?;
+    let workflow = loopd_file_driver::project::loop_workflow(p, &state)?;
     let mut reset_tasks = 0;
     let mut moved_on = None;
     p.store.update(id, true, |raw, current| {
@@ -102,7 +65,7 @@ pub fn retry(p: &Project, id: &str, as_json: bool) -> Result<i32> {
         "loop {id}: {} → running; error count reset, {reset_tasks} failed task(s) pending again",
         state.status
     );
-    let pid = crate::daemon::start(p, id, executor.as_deref())?;
+    let pid = loopd_file_driver::daemon::start(p, id, executor.as_deref())?;
     eprintln!("started daemon pid {pid}");
     let value = json!({
         "loop_id": id,
@@ -165,44 +128,6 @@ pub fn task_add(p: &Project, id: &str, text: &str, as_json: bool) -> Result<i32>
     Ok(0)
 }
 
-/// Appends a task to a loop's task list (see [`task_add`]); returns `{loop_id, task_id}`.
-pub fn add_task(p: &Project, id: &str, text: &str) -> Result<Value> {
-    let state = p.load(id)?;
-    let workflow = crate::cli::loop_workflow(p, &state)?;
-    // A loop that met its goal is done; one that stopped short can be resumed with more work.
-    let passed = state.status == Status::Completed
-        && !matches!(
-            state
-                .skill_state
-                .as_ref()
-                .and_then(|s| s.outcome.as_deref()),
-            Some("iteration_limit" | "incomplete")
-        );
-    if passed {
-        return Err(usage(format!(
-            "loop {id} has met its goal; a new task would never run (create a new loop)"
-        )));
-    }
-    let text = text.trim();
-    if text.is_empty() {
-        return Err(usage("the task's text is empty"));
-    }
-    if text.len() > MAX_DESCRIPTION {
-        return Err(usage(format!(
-            "the task is {} bytes, over the limit of {MAX_DESCRIPTION}",
-            text.len()
-        )));
-    }
-    // Numbered past every task the loop or its task list has had.
-    let taken = state
-        .skill_state
-        .as_ref()
-        .map(|s| workflow.task_ids(s))
-        .unwrap_or_default();
-    let task_id = p.store.add_tasks(id, &[text], &taken)?.remove(0);
-    Ok(json!({ "loop_id": id, "task_id": task_id }))
-}
-
 /// `loopd answer ID TEXT`: answers the question an executor asked (`needs_input`); the daemon
 /// goes on, and the next prompt gets the question and the answer.
 pub fn answer(p: &Project, id: &str, text: &str, as_json: bool) -> Result<i32> {
@@ -213,49 +138,4 @@ pub fn answer(p: &Project, id: &str, text: &str, as_json: bool) -> Result<i32> {
     );
     print_result(as_json, &value, "")?;
     Ok(0)
-}
-
-/// Answers the question a loop's executor asked (see [`answer`]); returns `{loop_id, action,
-/// question, answer}`.
-pub fn give_answer(p: &Project, id: &str, text: &str) -> Result<Value> {
-    let state = p.load(id)?;
-    let waiting = |s: &loopd_core::state::LoopState| {
-        s.skill_state
-            .as_ref()
-            .and_then(|k| k.question.clone())
-            .filter(|q| q.waiting())
-    };
-    // Refused before anything is written (and again under the lock, if it changed meanwhile).
-    if waiting(&state).is_none() {
-        return Err(usage(format!("loop {id} is waiting for no answer")));
-    }
-    if text.trim().is_empty() {
-        return Err(usage("the answer is empty"));
-    }
-    if text.len() > MAX_DESCRIPTION {
-        return Err(usage(format!(
-            "the answer is {} bytes, over the limit of {MAX_DESCRIPTION}",
-            text.len()
-        )));
-    }
-    let mut question = None;
-    p.store.update(id, true, |raw, current| {
-        question = waiting(current);
-        if question.is_none() {
-            return;
-        }
-        if let Some(Value::Object(q)) = raw
-            .get_mut("skill_state")
-            .and_then(|s| s.get_mut("question"))
-        {
-            q.insert("answer".into(), json!(text));
-            q.insert("answered_at".into(), json!(now_rfc3339()));
-        }
-    })?;
-    let Some(question) = question else {
-        return Err(usage(format!("loop {id} is waiting for no answer")));
-    };
-    Ok(json!({
-        "loop_id": id, "action": question.action, "question": question.text, "answer": text
-    }))
 }

@@ -41,8 +41,8 @@ pub fn write_project(dir: &Path) -> Result<()> {
 pub const CONFIG: &str = "[actions.validate]\ncommand = \"sh test.sh\"\n";
 
 /// The loop the demo runs.
-pub fn create_args() -> crate::create::CreateArgs {
-    crate::create::CreateArgs {
+pub fn create_args() -> loopd_file_driver::create::CreateArgs {
+    loopd_file_driver::create::CreateArgs {
         title: Some("Make the calculator's tests pass".into()),
         description: "calc.sh needs add and sub, and test.sh must pass.".into(),
         ..Default::default()

@@ -11,8 +11,9 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context as _, Result};
 use loopd_core::workflow::{ccw_loop, skill_tuning};
 
-use crate::cli::{Project, usage};
-use crate::orchestrator::Exit;
+use loopd_file_driver::error::usage;
+use loopd_file_driver::orchestrator::Exit;
+use loopd_file_driver::project::Project;
 use loopd_project::config::Config;
 use loopd_store::store::Store;
 
@@ -66,11 +67,11 @@ pub fn run(workflow: Option<&str>) -> Result<i32> {
         config,
         config_flag: None,
     };
-    let id = crate::create::create_loop(&project, &args)?;
+    let id = loopd_file_driver::create::create_loop(&project, &args)?;
     eprintln!("loopd demo: {headline}");
     eprintln!("  project  {}", dir.display());
     eprintln!("  loop     {id}\n");
-    let exit = crate::daemon::drive(&project, &id, None, false)?;
+    let exit = loopd_file_driver::daemon::drive(&project, &id, None, false)?;
     let state = project.load(&id)?;
     let skill = state.skill_state.clone().unwrap_or_default();
     crate::outln!()?;

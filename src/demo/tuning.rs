@@ -42,15 +42,15 @@ Read commits.json and write one CHANGELOG entry per commit, grouped as the rules
 const SKILL_DIR: &str = "skills/changelog-writer";
 
 /// Writes the skill into `dir`; returns the loop the demo creates.
-pub fn write_project(dir: &Path) -> Result<crate::create::CreateArgs> {
+pub fn write_project(dir: &Path) -> Result<loopd_file_driver::create::CreateArgs> {
     let skill = dir.join(SKILL_DIR);
     std::fs::create_dir_all(skill.join("phases"))?;
     std::fs::write(skill.join("SKILL.md"), SKILL)?;
     std::fs::write(skill.join("phases/01-collect.md"), COLLECT)?;
     std::fs::write(skill.join("phases/02-write.md"), WRITE)?;
-    Ok(crate::create::CreateArgs {
+    Ok(loopd_file_driver::create::CreateArgs {
         workflow: Some(loopd_core::workflow::skill_tuning::NAME.into()),
-        tuning: crate::create::TuningArgs {
+        tuning: loopd_file_driver::create::TuningArgs {
             target_skill: Some(SKILL_DIR.into()),
             issue: Some("its history keeps growing and some runs find no commits".into()),
             ..Default::default()

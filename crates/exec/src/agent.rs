@@ -14,7 +14,7 @@ use chrono::{DateTime, Utc};
 use loopd_core::state::Usage;
 use serde_json::Value;
 
-use crate::Format;
+use crate::settings::Format;
 
 /// How an attempt ended, the same for every format.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -23,11 +23,14 @@ pub mod checkpoint;
 pub mod git;
 pub mod procs;
 pub mod result;
+mod settings;
+
+pub use settings::{Format, PromptMode, Supervision};
 
 use std::ffi::OsString;
 use std::fs::File;
 use std::io::{self, Write};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
@@ -36,7 +39,6 @@ use tokio::process::Command;
 use tokio_util::sync::CancellationToken;
 
 use loopd_fs::Dir;
-use serde::Deserialize;
 
 /// How much of stdout is kept in memory to find the result in.
 pub const TAIL_CAP: usize = 1 << 20;
@@ -83,58 +85,24 @@ impl Budget {
     }
 }
 
-/// How the prompt reaches the executor.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum PromptMode {
-    #[default]
-    Stdin,
-    Arg,
-    File,
-}
-
-/// How a result is read from the executor's output.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum Format {
-    /// The last JSON object printed.
-    #[default]
-    Json,
-    /// The exit code alone.
-    Text,
-    /// A test command: exit 0 passed, else not passed; counts from the runner's summary.
-    Test,
-    /// Claude Code's (and Qwen Code's) `--output-format stream-json`.
-    ClaudeStreamJson,
-    /// Codex's `exec --json` events.
-    CodexJsonl,
-    /// Gemini CLI's `--output-format json` (or `stream-json`).
-    GeminiJson,
-}
-
-impl Format {
-    /// The name the config uses.
-    pub fn name(self) -> &'static str {
-        match self {
-            Format::Json => "json",
-            Format::Text => "text",
-            Format::Test => "test",
-            Format::ClaudeStreamJson => "claude-stream-json",
-            Format::CodexJsonl => "codex-jsonl",
-            Format::GeminiJson => "gemini-json",
-        }
+/// Where `program` is, as a process started in `cwd` with `path` as its PATH finds it.
+pub fn find_program_in(
+    program: &str,
+    cwd: &Path,
+    path: Option<&std::ffi::OsStr>,
+) -> Option<PathBuf> {
+    use std::os::unix::fs::PermissionsExt;
+    let executable = |p: &Path| {
+        p.metadata()
+            .is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+    };
+    if program.contains('/') {
+        let p = cwd.join(program);
+        return executable(&p).then_some(p);
     }
-}
-
-/// Supervision limits of one attempt, resolved.
-#[derive(Clone, Copy, Debug)]
-pub struct Supervision {
-    pub timeout: Duration,
-    pub idle_timeout: Duration,
-    pub kill_grace: Duration,
-    pub output_cap: u64,
-    /// How long an agent may linger after its final event.
-    pub final_grace: Duration,
+    std::env::split_paths(path?)
+        .map(|dir| cwd.join(dir).join(program))
+        .find(|p| executable(p))
 }
 
 /// The executor's process, once spawned.

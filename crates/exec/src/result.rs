@@ -8,7 +8,7 @@ use serde_json::Value;
 
 use super::agent::AttemptOutcome;
 use super::{Cut, Run};
-use crate::Format;
+use crate::settings::Format;
 use loopd_fs::Dir;
 
 /// A result file larger than this is refused rather than read.

@@ -1,10 +1,7 @@
 //! Daemons: the lock that says a daemon drives a loop, starting one detached, and running one in
 //! this process (signals, the runtime, the exit code).
 
-use std::fs::File;
-use std::io::{Read as _, Seek as _, SeekFrom, Write as _};
 use std::os::unix::process::CommandExt as _;
-use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
@@ -14,10 +11,13 @@ use nix::sys::signal::Signal;
 use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::watch;
 
-use crate::cli::{Project, loop_workflow};
+use crate::locks::{
+    Held, WORK_TREE_LOCK, already_driven, daemon_pid, driving_daemon, holder, holder_pid,
+    pid_alive, work_tree_busy,
+};
 use crate::orchestrator::{Engine, Exit};
+use crate::project::{Project, loop_workflow};
 use loopd_exec::Subprocess;
-use loopd_store::store::Store;
 
 /// `loopd run`: drives a loop until it ends; returns the exit code.
 pub fn run_foreground(
@@ -109,13 +109,6 @@ pub fn take(
     })
 }
 
-/// The refusal of a loop another daemon drives.
-pub fn already_driven(id: &str, pid: u32) -> anyhow::Error {
-    crate::cli::usage(format!(
-        "loop {id} is already driven by a daemon (pid {pid})"
-    ))
-}
-
 /// A daemon for a project's loops, with real subprocess executors; a bad action file or executor
 /// is bad input.
 pub fn build(
@@ -133,7 +126,7 @@ pub fn build(
         executor,
         exit_on_pause,
     )
-    .map_err(|e| crate::cli::UsageError(format!("{e:#}")).into())
+    .map_err(|e| crate::error::UsageError(format!("{e:#}")).into())
 }
 
 /// A repeat of a signal that comes before the daemon acted on the first, and within this long of
@@ -193,143 +186,6 @@ pub async fn forward_signals(
     }
 }
 
-/// Who holds a lock file of the state dir, if anyone: what the holder wrote in it.
-fn holder(store: &Store, name: &str) -> Option<String> {
-    holder_of(store.existing_lock(name)?)
-}
-
-/// Who holds the lock of `file` (opened anew, for reading), if anyone: what the holder wrote in
-/// it. A holder writes right after it takes the lock; an empty file is read again for up to
-/// 100 ms.
-pub fn holder_of(mut file: File) -> Option<String> {
-    let deadline = Instant::now() + Duration::from_millis(100);
-    loop {
-        file.try_lock_shared().err()?;
-        let mut text = String::new();
-        file.seek(SeekFrom::Start(0)).ok()?;
-        file.read_to_string(&mut text).ok()?;
-        if !text.trim().is_empty() || Instant::now() > deadline {
-            return Some(text.trim().to_owned());
-        }
-        std::thread::sleep(Duration::from_millis(2));
-    }
-}
-
-/// The process a lock's holder text names (its first word), or 0 when it names none.
-pub fn holder_pid(text: &str) -> u32 {
-    text.split_whitespace()
-        .next()
-        .and_then(|pid| pid.parse().ok())
-        .unwrap_or(0)
-}
-
-/// Who holds a loop's daemon lock, if anyone: the pid written in it.
-pub fn daemon_pid(store: &Store, id: &str) -> Option<u32> {
-    loopd_store::store::validate_id(id).ok()?;
-    holder(store, &daemon_lock(id)).map(|text| holder_pid(&text))
-}
-
-/// The lock file of a loop's daemon.
-fn daemon_lock(id: &str) -> String {
-    format!("{id}.daemon")
-}
-
-pub fn pid_alive(pid: u32) -> bool {
-    pid > 0 && loopd_exec::procs::ProcStat::read(pid).is_some_and(|p| p.is_alive())
-}
-
-/// The daemon driving a loop, if one does. A holder of the lock whose process is gone is passing
-/// through (the last threads of a killed daemon closing its files, a probe of `status`): it is
-/// waited out for up to 2 s, so that a daemon killed a moment ago never refuses a new one.
-pub fn driving_daemon(store: &Store, id: &str) -> Option<u32> {
-    let deadline = Instant::now() + Duration::from_secs(2);
-    loop {
-        let pid = daemon_pid(store, id)?;
-        if pid_alive(pid) || Instant::now() > deadline {
-            return Some(pid);
-        }
-        std::thread::sleep(Duration::from_millis(5));
-    }
-}
-
-/// An exclusive lock on a file of the state dir, held until it is dropped.
-pub struct Held {
-    _file: File,
-}
-
-impl Held {
-    /// Takes the lock of `file` and writes `me` in it (`PID`, `PID serve`, or `PID LOOP`), or
-    /// returns `busy(holder)` with what its holder wrote. A holder whose process is gone is
-    /// passing through: `status` or `resume` probing the lock, or a dead daemon's executor
-    /// between fork and exec. It is waited out for up to 2 s.
-    pub fn take(mut file: File, me: &str, busy: impl Fn(&str) -> anyhow::Error) -> Result<Held> {
-        let deadline = Instant::now() + Duration::from_secs(2);
-        while file.try_lock().is_err() {
-            let mut text = String::new();
-            file.seek(SeekFrom::Start(0))?;
-            file.read_to_string(&mut text)?;
-            if pid_alive(holder_pid(&text)) || Instant::now() > deadline {
-                return Err(busy(text.trim()));
-            }
-            std::thread::sleep(Duration::from_millis(5));
-        }
-        file.set_len(0)?;
-        file.seek(SeekFrom::Start(0))?;
-        write!(file, "{me}")?;
-        file.flush()?;
-        Ok(Held { _file: file })
-    }
-
-    /// The lock that says "a daemon drives this loop", held for the daemon's lifetime.
-    pub fn daemon(store: &Store, id: &str, me: &str) -> Result<Held> {
-        loopd_store::store::validate_id(id)?;
-        Held::take(store.open_lock(&daemon_lock(id))?, me, |holder| {
-            already_driven(id, holder_pid(holder))
-        })
-    }
-
-    /// The lock that says "a loop runs in the project root", held for the daemon's lifetime by
-    /// a loop without a worktree of its own: two loops never edit one work tree at once.
-    pub fn work_tree(store: &Store, id: &str, root: &Path, me: &str) -> Result<Held> {
-        let pid = holder_pid(me);
-        Held::take(
-            store.open_lock(WORK_TREE_LOCK)?,
-            &format!("{pid} {id}"),
-            |holder| work_tree_busy(id, root, holder),
-        )
-    }
-}
-
-/// The lock file of the loop running in the project root.
-const WORK_TREE_LOCK: &str = "worktree.lock";
-
-/// The refusal of a loop whose work tree another loop's daemon holds: bad input (exit 2).
-#[derive(Debug, thiserror::Error)]
-#[error(
-    "loop {id} cannot run in {}: loop {} runs there (daemon pid {pid}); wait for it or stop it, \
-     or give a loop a work tree of its own with `loopd create --worktree`",
-    root.display(),
-    holder.as_deref().unwrap_or("another loop")
-)]
-pub struct WorkTreeBusy {
-    pub id: String,
-    pub root: PathBuf,
-    /// The loop that runs there, when its lock says.
-    pub holder: Option<String>,
-    /// Its daemon.
-    pub pid: u32,
-}
-
-fn work_tree_busy(id: &str, root: &Path, holder: &str) -> anyhow::Error {
-    WorkTreeBusy {
-        id: id.to_owned(),
-        root: root.to_owned(),
-        holder: holder.split_whitespace().nth(1).map(str::to_owned),
-        pid: holder_pid(holder),
-    }
-    .into()
-}
-
 /// Refuses a loop that would run in the project root while another loop runs there.
 fn check_work_tree_free(
     p: &Project,
@@ -364,10 +220,10 @@ pub fn check_runnable(p: &Project, state: &LoopState, executor: Option<&str>) ->
 
 /// The running service that drives this project's loops for `start` and `resume`: none when
 /// the command names a config file of its own, which the service does not know.
-pub fn service_for(p: &Project) -> Option<crate::serve::ServiceInfo> {
+pub fn service_for(p: &Project) -> Option<crate::service::ServiceInfo> {
     match p.config_flag {
         Some(_) => None,
-        None => crate::serve::files::running(),
+        None => crate::service::running(),
     }
 }
 
@@ -381,7 +237,7 @@ fn build_for(
     if let Some(name) = &executor {
         p.config
             .executor_named(name)
-            .map_err(|reason| crate::cli::usage(format!("--executor: {reason}")))?;
+            .map_err(|reason| crate::error::usage(format!("--executor: {reason}")))?;
     }
     let work_tree = crate::worktree::of(p, state)?;
     let mut daemon = build(p, loop_workflow(p, state)?, executor, exit_on_pause)?;
@@ -397,7 +253,7 @@ fn preflight(p: &Project, id: &str, daemon: &crate::orchestrator::Engine) -> Res
     if problems.is_empty() {
         return Ok(());
     }
-    Err(crate::cli::usage(format!(
+    Err(crate::error::usage(format!(
         "loop {id} cannot run here:\n  {}",
         problems.join("\n  ")
     )))
@@ -410,14 +266,14 @@ pub fn start(p: &Project, id: &str, executor: Option<&str>) -> Result<u32> {
         return Err(already_driven(id, pid));
     }
     if state.status == Status::Completed {
-        return Err(crate::cli::usage(format!(
+        return Err(crate::error::usage(format!(
             "loop {id} is completed; nothing to start"
         )));
     }
     check_runnable(p, &state, executor)?;
     // A running service drives the loop rather than a process of its own.
     if let Some(service) = service_for(p) {
-        return crate::serve::hand_over(p, &state, executor, &service);
+        return hand_over(p, &state, executor, &service);
     }
     let progress = p.store.progress(id)?;
     let log_path = progress.join("daemon.log");
@@ -457,7 +313,7 @@ pub fn start(p: &Project, id: &str, executor: Option<&str>) -> Result<u32> {
             );
             // What the daemon refused as bad input is bad input here too.
             return Err(match status.code() {
-                Some(2) => crate::cli::usage(message),
+                Some(2) => crate::error::usage(message),
                 _ => anyhow::anyhow!(message),
             });
         }
@@ -468,5 +324,73 @@ pub fn start(p: &Project, id: &str, executor: Option<&str>) -> Result<u32> {
             );
         }
         std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+/// `loopd start` (and `resume`) where a service runs: the loop is made `running` (from
+/// `created`; the executor named remembered for it) and the service takes it. Returns the
+/// service's pid once it drives the loop or queues it.
+pub fn hand_over(
+    p: &Project,
+    state: &loopd_core::state::LoopState,
+    executor: Option<&str>,
+    service: &crate::service::ServiceInfo,
+) -> Result<u32> {
+    let id = state.loop_id.as_str();
+    crate::registry::note(&p.root);
+    p.store.update(id, true, |raw, current| {
+        if let Some(name) = executor
+            && let Some(skill) = raw
+                .entry("skill_state")
+                .or_insert_with(|| serde_json::json!({}))
+                .as_object_mut()
+        {
+            skill.insert("executor".into(), name.into());
+        }
+        if current.status == Status::Created {
+            raw.insert("status".into(), Status::Running.as_str().into());
+        }
+    })?;
+    let key = crate::service::LoopKey {
+        root: p.root.clone(),
+        loop_id: id.to_owned(),
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let status = p.load(id)?.status;
+        if status != Status::Running {
+            eprintln!(
+                "loop {id} is {status}; the service (pid {}) drives it once it is resumed",
+                service.pid
+            );
+            return Ok(service.pid);
+        }
+        if crate::locks::daemon_pid(&p.store, id) == Some(service.pid) {
+            eprintln!("loop {id}: driven by the service (pid {})", service.pid);
+            return Ok(service.pid);
+        }
+        let now = crate::service::running();
+        if let Some(position) = now.as_ref().and_then(|s| s.queue_position(&key)) {
+            eprintln!(
+                "loop {id}: queued by the service (pid {}), position {position}",
+                service.pid
+            );
+            return Ok(service.pid);
+        }
+        if let Some(behind) = now.as_ref().and_then(|s| s.waits_behind(&key)) {
+            eprintln!(
+                "loop {id}: queued by the service (pid {}) behind loop {behind}, which runs in \
+                 its work tree; it runs once that one ends or pauses",
+                service.pid
+            );
+            return Ok(service.pid);
+        }
+        if now.is_none() || Instant::now() > deadline {
+            anyhow::bail!(
+                "the service (pid {}) did not take loop {id} within 10s; see its log                  (`journalctl --user -u loopd`)",
+                service.pid
+            );
+        }
+        std::thread::sleep(Duration::from_millis(5));
     }
 }

@@ -9,7 +9,8 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context as _, Result};
 use loopd_core::state::{LoopState, Worktree};
 
-use crate::cli::{Project, usage};
+use crate::error::usage;
+use crate::project::Project;
 use loopd_store::store::Store;
 
 /// Where a loop's actions run.

@@ -6,8 +6,8 @@ use loopd_core::state::{LoopState, SkillState, Status};
 use loopd_core::workflow::Row;
 use serde::Serialize;
 
-use crate::cli::{Project, loop_workflow};
-use crate::serve::{LoopKey, ServiceInfo};
+use crate::project::{Project, loop_workflow};
+use crate::service::{LoopKey, ServiceInfo};
 
 /// A loop, as `status` and `list` show it.
 #[derive(Clone, Debug, Serialize)]
@@ -34,7 +34,7 @@ pub struct LoopView {
 impl LoopView {
     /// The view of a loop; `service` is the running service, if one runs, which may queue it.
     pub fn of(p: &Project, s: &LoopState, service: Option<&ServiceInfo>) -> LoopView {
-        let daemon_pid = crate::daemon::daemon_pid(&p.store, &s.loop_id);
+        let daemon_pid = crate::locks::daemon_pid(&p.store, &s.loop_id);
         let key = LoopKey {
             root: p.root.clone(),
             loop_id: s.loop_id.clone(),

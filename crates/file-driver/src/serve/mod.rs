@@ -15,7 +15,7 @@
 //! `running` whose daemon died (its executors found by their marker and ended first).
 
 pub mod api;
-pub mod files;
+
 mod systemd;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
@@ -26,9 +26,9 @@ use std::time::{Duration, Instant};
 use anyhow::{Context as _, Result};
 use tokio::sync::{mpsc, watch};
 
-use crate::cli::Project;
 use crate::orchestrator::Exit;
-pub use files::{LoopKey, ServiceInfo};
+use crate::project::Project;
+use crate::service::{self, LoopKey, ServiceInfo};
 use loopd_core::state::Status;
 use loopd_fs::Dir;
 use loopd_store::watch::Subscription;
@@ -93,7 +93,7 @@ enum Ending {
     /// The loop could not be taken (driven elsewhere, untrusted files, a missing program...).
     Refused(String),
     /// The loop could not be taken because another loop runs in its work tree.
-    Busy(crate::daemon::WorkTreeBusy),
+    Busy(crate::error::WorkTreeBusy),
     Error(String),
     Panicked(String),
 }
@@ -143,7 +143,7 @@ struct Supervisor {
 pub fn run(roots: &[PathBuf], config_flag: Option<&Path>, args: &ServeArgs) -> Result<i32> {
     let root_flags = roots
         .iter()
-        .map(|r| crate::cli::resolve_root(Some(r)))
+        .map(|r| crate::project::resolve_root(Some(r)))
         .collect::<Result<Vec<_>>>()?;
     if let Some(addr) = &args.listen {
         api::check_listen(addr)?;
@@ -151,7 +151,7 @@ pub fn run(roots: &[PathBuf], config_flag: Option<&Path>, args: &ServeArgs) -> R
     let config = loopd_project::config::Config::load_service(config_flag)?;
     let runtime_dir = crate::registry::runtime_dir(true)
         .context("cannot make the service's runtime directory")?;
-    let _lock = files::lock(&runtime_dir)?;
+    let _lock = service::lock(&runtime_dir)?;
     loopd_exec::procs::become_subreaper();
     raise_open_file_limit();
     limit_malloc_arenas();
@@ -276,7 +276,7 @@ impl Supervisor {
                 None => break,
             }
         }
-        files::withdraw(&self.runtime_dir);
+        service::withdraw(&self.runtime_dir);
         tracing::info!("stopped");
         self.notifier.flush(Duration::from_secs(2));
         Ok(0)
@@ -561,9 +561,9 @@ impl Supervisor {
                 .as_ref()
                 .is_some_and(|c| c.status == Status::Running);
             let driver = running
-                .then(|| crate::daemon::daemon_pid(store, &key.loop_id))
+                .then(|| crate::locks::daemon_pid(store, &key.loop_id))
                 .flatten()
-                .filter(|pid| crate::daemon::pid_alive(*pid));
+                .filter(|pid| crate::locks::pid_alive(*pid));
             (control, driver)
         });
         // Unreadable now (a writer half-way, a file gone): its next event comes.
@@ -631,7 +631,7 @@ impl Supervisor {
                 let (taken, id) = match taken {
                     Ok(Ok(taken)) => taken,
                     Ok(Err(e)) => {
-                        return match e.downcast::<crate::daemon::WorkTreeBusy>() {
+                        return match e.downcast::<crate::error::WorkTreeBusy>() {
                             Ok(busy) => Ending::Busy(busy),
                             Err(e) => Ending::Refused(format!("{e:#}")),
                         };
@@ -744,7 +744,7 @@ impl Supervisor {
         self.info.queued = self.queue.iter().cloned().collect();
         self.info.waiting = self
             .waiting()
-            .map(|(key, hold)| files::WaitingLoop {
+            .map(|(key, hold)| service::WaitingLoop {
                 key: key.clone(),
                 behind: hold.behind.clone().unwrap_or_default(),
             })
@@ -756,7 +756,7 @@ impl Supervisor {
             .filter(|(key, hold)| {
                 hold.refused && hold.behind.is_none() && !self.active.contains(*key)
             })
-            .map(|(key, hold)| files::RefusedLoop {
+            .map(|(key, hold)| service::RefusedLoop {
                 key: key.clone(),
                 reason: hold.message.clone(),
             })
@@ -767,78 +767,10 @@ impl Supervisor {
             _ => return,
         };
         *self.shared.info.write().unwrap_or_else(|e| e.into_inner()) = self.info.clone();
-        match files::publish(&self.runtime_dir, &self.info) {
+        match service::publish(&self.runtime_dir, &self.info) {
             Ok(()) => self.published = Some(text),
             Err(e) => tracing::warn!("warning: cannot write the service's status: {e}"),
         }
-    }
-}
-
-/// `loopd start` (and `resume`) where a service runs: the loop is made `running` (from
-/// `created`; the executor named remembered for it) and the service takes it. Returns the
-/// service's pid once it drives the loop or queues it.
-pub fn hand_over(
-    p: &Project,
-    state: &loopd_core::state::LoopState,
-    executor: Option<&str>,
-    service: &ServiceInfo,
-) -> Result<u32> {
-    let id = state.loop_id.as_str();
-    crate::registry::note(&p.root);
-    p.store.update(id, true, |raw, current| {
-        if let Some(name) = executor
-            && let Some(skill) = raw
-                .entry("skill_state")
-                .or_insert_with(|| serde_json::json!({}))
-                .as_object_mut()
-        {
-            skill.insert("executor".into(), name.into());
-        }
-        if current.status == Status::Created {
-            raw.insert("status".into(), Status::Running.as_str().into());
-        }
-    })?;
-    let key = LoopKey {
-        root: p.root.clone(),
-        loop_id: id.to_owned(),
-    };
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let status = p.load(id)?.status;
-        if status != Status::Running {
-            eprintln!(
-                "loop {id} is {status}; the service (pid {}) drives it once it is resumed",
-                service.pid
-            );
-            return Ok(service.pid);
-        }
-        if crate::daemon::daemon_pid(&p.store, id) == Some(service.pid) {
-            eprintln!("loop {id}: driven by the service (pid {})", service.pid);
-            return Ok(service.pid);
-        }
-        let now = files::running();
-        if let Some(position) = now.as_ref().and_then(|s| s.queue_position(&key)) {
-            eprintln!(
-                "loop {id}: queued by the service (pid {}), position {position}",
-                service.pid
-            );
-            return Ok(service.pid);
-        }
-        if let Some(behind) = now.as_ref().and_then(|s| s.waits_behind(&key)) {
-            eprintln!(
-                "loop {id}: queued by the service (pid {}) behind loop {behind}, which runs in \
-                 its work tree; it runs once that one ends or pauses",
-                service.pid
-            );
-            return Ok(service.pid);
-        }
-        if now.is_none() || Instant::now() > deadline {
-            anyhow::bail!(
-                "the service (pid {}) did not take loop {id} within 10s; see its log                  (`journalctl --user -u loopd`)",
-                service.pid
-            );
-        }
-        std::thread::sleep(Duration::from_millis(5));
     }
 }
 

@@ -278,8 +278,7 @@ impl Engine {
                 .find(|(k, _)| k == "PATH")
                 .map(|(_, v)| v.clone())
                 .or_else(|| std::env::var_os("PATH"));
-            if crate::doctor::find_program_in(&program, &self.work_tree, path.as_deref()).is_some()
-            {
+            if loopd_exec::find_program_in(&program, &self.work_tree, path.as_deref()).is_some() {
                 continue;
             }
             let what = match plan.executor.strip_prefix("command: ") {

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::daemon::Held;
+use crate::locks::Held;
 use loopd_fs::Dir;
 
 const LOCK: &str = "serve.lock";
@@ -93,9 +93,9 @@ impl ServiceInfo {
 pub fn lock(dir: &Dir) -> anyhow::Result<Held> {
     let file = dir.open_rw(LOCK)?;
     Held::take(file, &std::process::id().to_string(), |holder| {
-        crate::cli::usage(format!(
+        crate::error::usage(format!(
             "a service already runs (pid {})",
-            crate::daemon::holder_pid(holder)
+            crate::locks::holder_pid(holder)
         ))
     })
 }
@@ -117,9 +117,9 @@ pub fn withdraw(dir: &Dir) {
 /// The running service of this user, if one runs: what it last said about itself.
 pub fn running() -> Option<ServiceInfo> {
     let dir = crate::registry::runtime_dir(false).ok()?;
-    let holder = crate::daemon::holder_of(dir.open_read(LOCK).ok()?)?;
-    let pid = crate::daemon::holder_pid(&holder);
-    if !crate::daemon::pid_alive(pid) {
+    let holder = crate::locks::holder_of(dir.open_read(LOCK).ok()?)?;
+    let pid = crate::locks::holder_pid(&holder);
+    if !crate::locks::pid_alive(pid) {
         return None;
     }
     let bytes = dir.read(STATUS, loopd_fs::USER_FILE_CAP).ok()?;

@@ -28,7 +28,8 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 
 use super::ServiceInfo;
-use crate::cli::{Control, Project};
+use crate::control::Control;
+use crate::project::Project;
 use loopd_fs::Dir;
 use loopd_store::store::StoreError;
 
@@ -227,7 +228,7 @@ pub fn check_listen(addr: &SocketAddr) -> Result<()> {
     if addr.ip().is_loopback() {
         return Ok(());
     }
-    Err(crate::cli::usage(format!(
+    Err(crate::error::usage(format!(
         "--listen {addr}: the API listens on a loopback address only (127.0.0.1 or [::1])"
     )))
 }
@@ -451,7 +452,7 @@ fn find(shared: &Shared, id: &str, root: Option<&Path>) -> Result<Arc<Project>> 
     if let Some(root) = root
         && !shared.info().serves(root)
     {
-        return Err(crate::cli::usage(format!(
+        return Err(crate::error::usage(format!(
             "{} is not a project of this service",
             root.display()
         )));
@@ -473,7 +474,7 @@ fn find(shared: &Shared, id: &str, root: Option<&Path>) -> Result<Arc<Project>> 
         }
         .into()),
         1 => Ok(found.remove(0)),
-        _ => Err(crate::cli::usage(format!(
+        _ => Err(crate::error::usage(format!(
             "loop {id} is in more than one project; name one with ?root="
         ))),
     }
@@ -617,7 +618,7 @@ async fn create(
     let (Json(request), info) = (body?, shared.info());
     blocking(move || {
         if !info.serves(&request.root) {
-            return Err(crate::cli::usage(format!(
+            return Err(crate::error::usage(format!(
                 "{} is not a project of this service",
                 request.root.display()
             )));
@@ -626,16 +627,16 @@ async fn create(
         let args = crate::create::CreateArgs {
             title: request.title,
             description: request.description,
-            limits: crate::recovery::Limits {
+            limits: crate::create::Limits {
                 max_iterations: request.max_iterations,
                 max_errors: request.max_errors,
                 max_cost_usd: request.max_cost_usd,
                 max_tokens: request.max_tokens,
             },
             mode: if request.interactive {
-                crate::cli::ModeArg::Interactive
+                crate::create::ModeArg::Interactive
             } else {
-                crate::cli::ModeArg::Auto
+                crate::create::ModeArg::Auto
             },
             workflow: request.workflow,
             tasks: request.tasks,
@@ -664,7 +665,7 @@ async fn control(
         _ => return Err(ApiError::new(StatusCode::NOT_FOUND, "no such route")),
     };
     on_loop_to_change(&shared, id, place.root, move |p, id| {
-        let done = crate::cli::set_control(p, id, what)?;
+        let done = crate::control::set_control(p, id, what)?;
         Ok(Json(json!({
             "loop_id": id,
             "from": done.from.as_str(),
@@ -696,7 +697,7 @@ async fn next(
 ) -> ApiResult<Json<Value>> {
     let (UrlPath(id), Query(place), Json(choice)) = (id?, place?, body?);
     on_loop_to_change(&shared, id, place.root, move |p, id| {
-        Ok(Json(crate::cli::choose_next(p, id, &choice.action)?))
+        Ok(Json(crate::control::choose_next(p, id, &choice.action)?))
     })
     .await
 }
@@ -709,7 +710,7 @@ async fn answer(
 ) -> ApiResult<Json<Value>> {
     let (UrlPath(id), Query(place), Json(text)) = (id?, place?, body?);
     on_loop_to_change(&shared, id, place.root, move |p, id| {
-        Ok(Json(crate::recovery::give_answer(p, id, &text.text)?))
+        Ok(Json(crate::control::give_answer(p, id, &text.text)?))
     })
     .await
 }
@@ -722,7 +723,7 @@ async fn add_task(
 ) -> ApiResult<(StatusCode, Json<Value>)> {
     let (UrlPath(id), Query(place), Json(text)) = (id?, place?, body?);
     on_loop_to_change(&shared, id, place.root, move |p, id| {
-        let value = crate::recovery::add_task(p, id, &text.text)?;
+        let value = crate::control::add_task(p, id, &text.text)?;
         Ok((StatusCode::CREATED, Json(value)))
     })
     .await

@@ -3,9 +3,58 @@
 use anyhow::Result;
 use loopd_core::state::{Bookkeeping, LoopState, Mode, SkillState, Status};
 
-use crate::cli::{ModeArg, Project, usage};
+use crate::error::usage;
+use crate::project::Project;
 use loopd_store::now_rfc3339;
 use loopd_store::store::new_id;
+
+/// How a new loop picks its actions: by itself, or as `loopd next` says.
+#[derive(Clone, Copy, Debug, Default, clap::ValueEnum)]
+pub enum ModeArg {
+    #[default]
+    Auto,
+    Interactive,
+}
+
+/// A loop's limits and budgets, as `create` and `set` take them; `None` leaves one as it is (for
+/// a new loop: the config's).
+#[derive(Clone, Copy, Debug, Default, clap::Args)]
+pub struct Limits {
+    /// Complete the loop after this many develop/debug/validate actions [create: the config's]
+    #[arg(long, value_name = "N")]
+    pub max_iterations: Option<u64>,
+    /// Fail the loop after this many failed actions [create: the config's]
+    #[arg(long, value_name = "N")]
+    pub max_errors: Option<u64>,
+    /// Fail the loop once its agents have cost this many dollars
+    #[arg(long, value_name = "USD")]
+    pub max_cost_usd: Option<f64>,
+    /// Fail the loop once its agents have used this many tokens
+    #[arg(long, value_name = "N")]
+    pub max_tokens: Option<u64>,
+}
+
+impl Limits {
+    /// Refuses a limit of 0 and a budget that is not a positive number.
+    pub fn check(&self) -> Result<()> {
+        for (flag, value) in [
+            ("--max-iterations", self.max_iterations),
+            ("--max-errors", self.max_errors),
+            ("--max-tokens", self.max_tokens),
+        ] {
+            if value == Some(0) {
+                return Err(usage(format!("{flag} must be at least 1")));
+            }
+        }
+        if self
+            .max_cost_usd
+            .is_some_and(|c| !(c.is_finite() && c > 0.0))
+        {
+            return Err(usage("--max-cost-usd must be a positive number"));
+        }
+        Ok(())
+    }
+}
 
 /// What `create` asks for.
 #[derive(Debug, Default, clap::Args)]
@@ -17,7 +66,7 @@ pub struct CreateArgs {
     #[arg(long, default_value = "")]
     pub description: String,
     #[command(flatten)]
-    pub limits: crate::recovery::Limits,
+    pub limits: Limits,
     /// `interactive`: the loop waits for `loopd next` before each action
     #[arg(long, value_enum, default_value = "auto")]
     pub mode: ModeArg,
@@ -160,7 +209,7 @@ pub fn create_loop(p: &Project, args: &CreateArgs) -> Result<String> {
         worktree,
         tuning,
     } = args;
-    let crate::recovery::Limits {
+    let crate::create::Limits {
         max_iterations,
         max_errors,
         max_cost_usd,

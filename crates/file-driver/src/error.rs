@@ -1,6 +1,8 @@
 //! Errors as the user meets them: what is bad input (exit code 2) and what is loopd's own
 //! failure (exit code 1).
 
+use std::path::PathBuf;
+
 /// A mistake in what the user asked for: exit code 2.
 #[derive(Debug, thiserror::Error)]
 #[error("{0}")]
@@ -14,7 +16,7 @@ pub fn exit_code_of(e: &anyhow::Error) -> i32 {
             || cause.is::<loopd_project::config::ConfigError>()
             || cause.is::<loopd_project::actions::ActionError>()
             || cause.is::<loopd_project::trust::Untrusted>()
-            || cause.is::<crate::daemon::WorkTreeBusy>()
+            || cause.is::<WorkTreeBusy>()
             || cause.is::<loopd_exec::checkpoint::Refused>()
             || cause
                 .downcast_ref::<loopd_store::store::StoreError>()
@@ -27,6 +29,23 @@ pub fn exit_code_of(e: &anyhow::Error) -> i32 {
 }
 
 /// A [`UsageError`] with this message.
-pub(crate) fn usage(msg: impl Into<String>) -> anyhow::Error {
+pub fn usage(msg: impl Into<String>) -> anyhow::Error {
     UsageError(msg.into()).into()
+}
+
+/// The refusal of a loop whose work tree another loop's daemon holds: bad input (exit 2).
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "loop {id} cannot run in {}: loop {} runs there (daemon pid {pid}); wait for it or stop it, \
+     or give a loop a work tree of its own with `loopd create --worktree`",
+    root.display(),
+    holder.as_deref().unwrap_or("another loop")
+)]
+pub struct WorkTreeBusy {
+    pub id: String,
+    pub root: PathBuf,
+    /// The loop that runs there, when its lock says.
+    pub holder: Option<String>,
+    /// Its daemon.
+    pub pid: u32,
 }
