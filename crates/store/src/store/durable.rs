@@ -1,0 +1,328 @@
+//! Durability: a durable write's version recorded in the loop's backup `{id}.json.bak` (on a
+//! backup thread of the state directory's filesystem, so the loop goes on while it is fdatasynced),
+//! and a state file restored or rebuilt from it.
+
+use super::*;
+
+/// The process's backup threads, one per filesystem its stores are on (a service drives many
+/// loops, and a slow or full disk must hold up no loop of another), each started on first use:
+/// it records the backups it is handed, in order.
+pub(super) static BACKUP_THREADS: LazyLock<Mutex<HashMap<u64, mpsc::Sender<BackupJob>>>> =
+    LazyLock::new(Default::default);
+
+/// The backup thread of the filesystem `dev`; `None` if it cannot start.
+pub(super) fn backup_thread(dev: u64) -> Option<mpsc::Sender<BackupJob>> {
+    let mut threads = lock(&BACKUP_THREADS);
+    if let Some(jobs) = threads.get(&dev) {
+        return Some(jobs.clone());
+    }
+    let (jobs, queue) = mpsc::channel::<BackupJob>();
+    let started = std::thread::Builder::new()
+        .name("loopd-backup".into())
+        .spawn(move || {
+            for job in queue {
+                job.store.record_backup(&job.id, &job.bytes);
+                let _ = job.done.send(());
+            }
+        });
+    match started {
+        Ok(_) => {
+            threads.insert(dev, jobs.clone());
+            Some(jobs)
+        }
+        Err(e) => {
+            tracing::warn!("cannot start a backup thread ({e}); writing backups at once");
+            None
+        }
+    }
+}
+
+/// A version to record in the backup of loop `id` of `store`; `done` is told when it is durable.
+#[derive(Debug)]
+pub(super) struct BackupJob {
+    store: Store,
+    id: String,
+    bytes: Vec<u8>,
+    done: mpsc::SyncSender<()>,
+}
+
+/// Whether `state` is older than `backed`, a version a durable write recorded in the backup: the
+/// later `updated_at` (every loopd writer sets it) is the newer.
+pub(super) fn is_older(state: &LoopState, backed: &LoopState) -> bool {
+    let time = |s: &LoopState| {
+        s.updated_at
+            .as_deref()
+            .and_then(|t| DateTime::parse_from_rfc3339(t).ok())
+    };
+    match (time(state), time(backed)) {
+        (Some(now), Some(then)) => now < then,
+        _ => false,
+    }
+}
+
+impl Store {
+    /// From now on, a durable write returns once its version is in place, and is made durable
+    /// (its backup recorded: see [`backup`]) on the backup thread of its filesystem
+    /// ([`BACKUP_THREADS`]) while the
+    /// caller goes on; [`Store::wait_durable`] waits for it. The daemon defers, and waits before it starts the
+    /// next attempt: the fdatasync overlaps with its work between two actions.
+    pub fn defer_durability(&self) {
+        self.deferred.get_or_init(Mutex::default);
+    }
+
+    /// Waits until every durable write of this store is durable (see
+    /// [`Store::defer_durability`]).
+    pub fn wait_durable(&self) {
+        let Some(deferred) = self.deferred.get() else {
+            return;
+        };
+        let pending = std::mem::take(&mut *lock(deferred));
+        for done in pending {
+            let _ = done.recv();
+        }
+    }
+
+    /// Whether every durable write of this store is durable by now (see
+    /// [`Store::defer_durability`]); those that are are forgotten.
+    pub fn all_durable(&self) -> bool {
+        let Some(deferred) = self.deferred.get() else {
+            return true;
+        };
+        let mut pending = lock(deferred);
+        pending.retain(|done| matches!(done.try_recv(), Err(mpsc::TryRecvError::Empty)));
+        pending.is_empty()
+    }
+
+    /// Hands the version `bytes` of loop `id` to the backup thread, if durability is deferred
+    /// and that thread runs; whether it did.
+    pub(super) fn defer_backup(&self, id: &str, bytes: &[u8]) -> bool {
+        let Some(deferred) = self.deferred.get() else {
+            return false;
+        };
+        let Some(jobs) = self.device().and_then(backup_thread) else {
+            return false;
+        };
+        let (done, recorded) = mpsc::sync_channel(1);
+        let job = BackupJob {
+            store: self.clone(),
+            id: id.to_owned(),
+            bytes: bytes.to_vec(),
+            done,
+        };
+        let sent = jobs.send(job).is_ok();
+        if sent {
+            lock(deferred).push(recorded);
+        }
+        sent
+    }
+
+    /// Records `bytes` in the backup of loop `id`, on the backup thread: if that fails, the
+    /// state file is fsynced instead, under the loop's lock (so after the write that handed
+    /// `bytes` over has put them in place).
+    pub(super) fn record_backup(&self, id: &str, bytes: &[u8]) {
+        let Ok(dir) = self.state_dir(false) else {
+            return;
+        };
+        match backup::record(&dir, &backup_name(id), bytes) {
+            Ok(()) => self.backup_recorded(id),
+            Err(e) => {
+                let _lock = self.lock(id);
+                self.sync_without_backup(&dir, id, &e);
+            }
+        }
+    }
+
+    /// A backup of `id` was written: if it could not be before, that is said.
+    pub(super) fn backup_recorded(&self, id: &str) {
+        if lock(&self.backup_failing).remove(id) {
+            tracing::info!(
+                "the backup {} can be written again",
+                self.backup_path(id).display()
+            );
+        }
+    }
+
+    /// The filesystem the state directory is on.
+    pub(super) fn device(&self) -> Option<u64> {
+        self.state_dir(false).ok()?.device()
+    }
+
+    /// The backup of a loop's state: the last durable writes of loopd's writers (see [`backup`]).
+    pub fn backup_path(&self, id: &str) -> PathBuf {
+        self.path.join(backup_name(id))
+    }
+
+    /// Repairs a state file that is missing, does not load, or is older than its backup (the
+    /// machine stopped before the file reached the disk): from its backup if the backup loads,
+    /// else by rebuilding `skill_state` from the progress files (the seed's "State Recovery") when
+    /// the rest of the file is sound. Returns why the file was refused and where it came back
+    /// from, or `None` if it was fine; an error, touching nothing, if it cannot be repaired.
+    pub fn restore(&self, id: &str) -> Result<Option<(String, String)>, StoreError> {
+        let dir = self.state_dir(false)?;
+        let path = self.state_path(id);
+        let from_backup = || {
+            backup::newest(&dir, &backup_name(id), MAX_STATE_SIZE)
+                .map_err(|e| format!("no backup ({e})"))?
+                .ok_or_else(|| "the backup is no good either (no whole record)".to_owned())
+                .and_then(|bytes| {
+                    Loaded::parse(&path, &bytes)
+                        .map(|loaded| (bytes, loaded))
+                        .map_err(|why| format!("the backup is no good either ({why})"))
+                })
+        };
+        let missing = match self.load(id) {
+            Ok(now) => {
+                let Ok((bytes, backed)) = from_backup() else {
+                    return Ok(None);
+                };
+                if !is_older(&now.state, &backed.state) {
+                    return Ok(None);
+                }
+                let _lock = self.lock(id)?;
+                if !self
+                    .load(id)
+                    .is_ok_and(|now| is_older(&now.state, &backed.state))
+                {
+                    return Ok(None);
+                }
+                dir.write_atomic(&state_name(id), &bytes, true)
+                    .map_err(io_err(&path))?;
+                let reason = format!(
+                    "it was older than its last durable write, of {}: the machine stopped before \
+                     the file reached the disk",
+                    backed.state.updated_at.as_deref().unwrap_or("?")
+                );
+                return Ok(Some((reason, self.backup_path(id).display().to_string())));
+            }
+            Err(StoreError::Corrupt { reason, .. }) => Err(reason),
+            Err(e @ StoreError::NotFound { .. }) => Ok(e),
+            Err(e) => return Err(e),
+        };
+        if missing.is_ok() && !dir.exists(&backup_name(id)) {
+            return Err(self.not_found(id));
+        }
+        let _lock = self.lock(id)?;
+        let backup = self.backup_path(id).display().to_string();
+        let (reason, bytes, from) = match (missing, from_backup()) {
+            (Ok(_), Ok((bytes, _))) => ("it was missing".to_owned(), bytes, backup),
+            // A loop that does not exist, and has no good backup: nothing to restore.
+            (Ok(not_found), Err(_)) => return Err(not_found),
+            (Err(reason), Ok((bytes, _))) => (reason, bytes, backup),
+            (Err(reason), Err(no_backup)) => {
+                let rebuilt = self.rebuild(&dir, id).map_err(|why| StoreError::Corrupt {
+                    path: path.clone(),
+                    reason: format!("{reason}; {no_backup}; cannot rebuild it: {why}"),
+                })?;
+                let from = format!("the progress files in {}", self.progress_dir(id).display());
+                (reason, rebuilt, from)
+            }
+        };
+        dir.write_atomic(&state_name(id), &bytes, true)
+            .map_err(io_err(&path))?;
+        Ok(Some((reason, from)))
+    }
+
+    /// Puts back the last version this store read or wrote in place of a state file that is
+    /// missing or no longer loads, keeping what was there as `{id}.json.corrupt`. Does nothing if
+    /// the file loads again by the time the lock is held; the error of the read if this store
+    /// has no version of it.
+    pub fn put_back(&self, id: &str) -> Result<Option<String>, StoreError> {
+        let dir = self.state_dir(false)?;
+        let _lock = self.lock(id)?;
+        let read = self.read(id);
+        let good = lock(&self.last)
+            .get(id)
+            .and_then(|seen| parse_object(&seen.bytes).ok());
+        let Some(good) = good else {
+            return read.map(|_| None);
+        };
+        let reason = match read {
+            Ok(_) => return Ok(None),
+            Err(StoreError::NotFound { .. }) => "it was deleted".to_owned(),
+            Err(StoreError::Corrupt { reason, .. }) => {
+                if let Ok(bytes) = self.read_bytes(&dir, id) {
+                    let _ = dir.write_atomic(&format!("{id}.json.corrupt"), &bytes, false);
+                }
+                reason
+            }
+            Err(e) => return Err(e),
+        };
+        let mut raw = good;
+        raw.insert("updated_at".into(), Value::String(now_rfc3339()));
+        let bytes = to_pretty(&self.state_path(id), &Value::Object(raw))?;
+        dir.write_atomic(&state_name(id), &bytes, true)
+            .map_err(io_err(&self.state_path(id)))?;
+        Ok(Some(reason))
+    }
+
+    /// The state file with `skill_state` rebuilt from the task list and `changes.log`.
+    pub(super) fn rebuild(&self, dir: &Dir, id: &str) -> Result<Vec<u8>, String> {
+        let path = self.state_path(id);
+        let bytes = self
+            .read_bytes(dir, id)
+            .map_err(|_| "the file cannot be read".to_owned())?;
+        let Ok(Value::Object(mut raw)) = serde_json::from_slice::<Value>(&bytes) else {
+            return Err("the file is not a JSON object".into());
+        };
+        // The workflow the broken part named, if it still says: its fields are its to rebuild.
+        let name = raw
+            .remove("skill_state")
+            .and_then(|s| s.get("workflow")?.as_str().map(str::to_owned));
+        let workflow = loopd_core::workflow::by_name(
+            name.as_deref()
+                .unwrap_or(loopd_core::workflow::ccw_loop::NAME),
+        )
+        .ok_or_else(|| format!("its workflow {name:?} is unknown"))?;
+        let mut state: LoopState = serde_json::from_value(Value::Object(raw.clone()))
+            .map_err(|e| format!("its top-level fields are broken too ({e})"))?;
+        if let Some(problem) = loopd_core::workflow::problems(&state, Some(id))
+            .into_iter()
+            .next()
+        {
+            return Err(problem);
+        }
+        let tasks = self.read_tasks(id).map_err(|e| e.to_string())?.tasks;
+        let progress = dir.subdir(&progress_name(id), false).ok();
+        let read = |file: &str| {
+            let bytes = progress.as_ref()?.read(file, MAX_PROGRESS_READ).ok()?;
+            Some(String::from_utf8_lossy(&bytes).into_owned())
+        };
+        let skill = state.skill();
+        skill.workflow = name;
+        workflow.rebuild(skill, tasks, &read, &now_rfc3339())?;
+        if let Some(problem) = loopd_core::workflow::problems(&state, Some(id))
+            .into_iter()
+            .next()
+        {
+            return Err(format!(
+                "the rebuilt state would be unusable too: {problem}"
+            ));
+        }
+        let skill = serde_json::to_value(&state.skill_state).map_err(|e| e.to_string())?;
+        raw.insert("skill_state".into(), skill);
+        to_pretty(&path, &Value::Object(raw)).map_err(|e| e.to_string())
+    }
+
+    /// Makes the version just put in place of the state file durable when its backup (see
+    /// [`backup`]) could not be written (`e`: a full disk, something planted in its place): by
+    /// an fsync of the state file and of the directory.
+    pub(super) fn sync_without_backup(&self, dir: &Dir, id: &str, e: &io::Error) {
+        if lock(&self.backup_failing).insert(id.to_owned()) {
+            tracing::warn!(
+                "warning: cannot write the backup {}: {e}; its state file is fsynced instead \
+                 until it can",
+                self.backup_path(id).display()
+            );
+        }
+        let synced = dir
+            .open_read(&state_name(id))
+            .and_then(|file| file.sync_data())
+            .and_then(|()| dir.sync());
+        if let Err(e) = synced {
+            tracing::warn!(
+                "warning: cannot fsync {}: {e}",
+                self.state_path(id).display()
+            );
+        }
+    }
+}

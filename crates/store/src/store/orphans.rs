@@ -1,0 +1,646 @@
+//! The orphan merge: versions of the state file replaced by an exchange are kept for a while, a
+//! late write into one (a lockless writer that opened the file just before) is merged into the
+//! state file, and settled versions are reused as spares; a short-lived command hands its
+//! replaced versions over to a process that watches the directory.
+
+use super::*;
+
+/// How long a replaced version is kept for a late write into it by a writer that takes no lock
+/// (which writes within microseconds of opening the file, unless it is descheduled), at most.
+/// One still open elsewhere then is not written into again.
+pub const ORPHAN_LIFE: Duration = Duration::from_millis(300);
+
+/// How many settled versions of one loop are left for the next writes to reuse.
+pub(super) const MAX_SPARES: usize = 8;
+
+/// How long a short-lived command keeps its replaced versions before it exits ([`Store::close`]):
+/// a lockless writer that opened the file before the exchange writes within microseconds. Also
+/// how long a replaced version that no process has open is kept: an open of the state file begun
+/// before the exchange (its name looked up) and not yet done is over well within it.
+pub(crate) const ORPHAN_LIFE_SHORT: Duration = Duration::from_millis(30);
+
+/// The replaced versions kept in one state directory by this process.
+pub(super) type Orphans = Arc<Mutex<Kept>>;
+
+/// The replaced versions kept in one state directory, and what this process's watchers saw
+/// written into them.
+#[derive(Debug, Default)]
+pub(super) struct Kept {
+    pub(super) orphans: Vec<Orphan>,
+    /// Replaced versions a watcher saw written into before they were kept (the late write's event
+    /// can overtake the writer's bookkeeping), and when.
+    pub(super) early: Vec<(String, Instant)>,
+    /// The loops whose writes into replaced versions a watcher of this process reports
+    /// ([`Store::watch_orphans`]), and by how many watchers. A settle reads their versions only
+    /// when one was written into or its time is up; any other loop's, every time.
+    pub(super) watched: HashMap<String, usize>,
+    /// Woken when a version is kept: a watcher sleeps until the oldest one's time is up.
+    pub(super) added: Arc<tokio::sync::Notify>,
+    /// Settled versions, nobody's any more, left in place for the next writes to reuse (no inode
+    /// allocated or released per write: see [`Dir::open_existing_rw`]): by loop, their
+    /// temporary names.
+    pub(super) spares: Vec<(String, String)>,
+    /// Spares taken for a write, and when: the writes into them are the writer's own, not late
+    /// writes, until a watcher sees them renamed into place ([`Store::reusing`]).
+    pub(super) reusing: Vec<(String, Instant)>,
+}
+
+/// The replaced versions kept by this process's stores of the state directory `path`: one list
+/// however many stores the process has of it (the service's loops and its API each have one), so
+/// that a sweep by one never removes a version another keeps for a late write.
+pub(super) fn shared_orphans(path: &Path) -> Orphans {
+    static ALL: std::sync::LazyLock<Mutex<HashMap<PathBuf, Orphans>>> =
+        std::sync::LazyLock::new(Default::default);
+    let mut all = lock(&ALL);
+    all.entry(path.to_owned()).or_default().clone()
+}
+
+#[derive(Debug, Clone)]
+pub(super) struct Orphan {
+    pub(super) id: String,
+    pub(super) name: String,
+    /// What it held when it was replaced: a late write is what differs from it.
+    pub(super) base: Vec<u8>,
+    /// What replaced it: a key the state file no longer holds as written there was changed by
+    /// someone since, and is theirs to keep.
+    pub(super) written: Vec<u8>,
+    pub(super) since: Instant,
+    /// A watcher saw a write into it since it was last read.
+    pub(super) touched: bool,
+}
+
+/// A watcher's report of the writes into one loop's replaced versions; dropping it ends that.
+pub struct OrphanWatch {
+    orphans: Orphans,
+    id: String,
+}
+
+impl Drop for OrphanWatch {
+    fn drop(&mut self) {
+        let mut kept = lock(&self.orphans);
+        if let Some(n) = kept.watched.get_mut(&self.id) {
+            *n -= 1;
+            if *n == 0 {
+                kept.watched.remove(&self.id);
+            }
+        }
+    }
+}
+
+/// The top-level keys a lockless writer changed from `base` in `theirs`, but for the daemon's own
+/// fields and `updated_at`.
+pub(super) fn changed_keys(base: &Map<String, Value>, theirs: &Map<String, Value>) -> Vec<String> {
+    let mut keys: Vec<String> = base
+        .keys()
+        .chain(theirs.keys())
+        .filter(|k| !DAEMON_FIELDS.contains(&k.as_str()) && *k != "updated_at")
+        .filter(|k| base.get(*k) != theirs.get(*k))
+        .cloned()
+        .collect();
+    keys.sort();
+    keys.dedup();
+    keys
+}
+
+/// Who settles a loop's replaced versions once a short-lived writer is done with them (see
+/// [`Store::close_with`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Settler {
+    /// The writer itself, before it exits.
+    Nobody,
+    /// A watch of this process.
+    ThisProcess,
+    /// Another process that watches the state directory: a daemon of the loop, or the service.
+    Another,
+}
+
+/// The hand-over note of the replaced version `orphan` (`.{id}.json.XXXXXX.tmp`).
+pub(super) fn handover_name(orphan: &str) -> String {
+    format!(
+        "{}{HANDOVER_SUFFIX}",
+        orphan.strip_suffix(TEMP_SUFFIX).unwrap_or(orphan)
+    )
+}
+
+/// The suffix of a hand-over note.
+pub const HANDOVER_SUFFIX: &str = ".handover";
+
+/// The loop and the replaced version a hand-over note names, from its name alone.
+pub(super) fn handed_over(name: &str) -> Option<(&str, String)> {
+    let stem = name.strip_prefix('.')?.strip_suffix(HANDOVER_SUFFIX)?;
+    let (id, _) = stem.split_once(".json.")?;
+    (!stem.contains('/')).then(|| (id, format!(".{stem}{TEMP_SUFFIX}")))
+}
+
+impl Store {
+    pub(super) fn keep_orphan(&self, id: &str, name: String, base: Vec<u8>, written: Vec<u8>) {
+        let mut kept = lock(&self.orphans);
+        let touched = match kept.early.iter().position(|(n, _)| *n == name) {
+            Some(i) => {
+                kept.early.swap_remove(i);
+                true
+            }
+            None => false,
+        };
+        kept.orphans.push(Orphan {
+            id: id.to_owned(),
+            name,
+            base,
+            written,
+            since: Instant::now(),
+            touched,
+        });
+        kept.added.notify_waiters();
+    }
+
+    /// Merges late writes into this loop's replaced versions and removes the versions past their
+    /// time (see the module's documentation). Returns how many late writes were merged.
+    pub fn settle(&self, id: &str) -> Result<usize, StoreError> {
+        if !self.has_orphans(Some(id)) {
+            return Ok(0);
+        }
+        let dir = self.state_dir(false)?;
+        let _lock = self.lock(id)?;
+        Ok(self.settle_locked(&dir, id, false))
+    }
+
+    /// A watcher saw `name` (a file of the state directory) written into after it was renamed:
+    /// a late write into a replaced version. Returns whether this store keeps that version (then
+    /// [`Store::settle`] merges it); else it may not be kept yet, and is marked when it is.
+    pub fn written_into(&self, name: &str) -> bool {
+        let mut kept = lock(&self.orphans);
+        if let Some(o) = kept.orphans.iter_mut().find(|o| o.name == name) {
+            o.touched = true;
+            return true;
+        }
+        kept.early.retain(|(_, at)| at.elapsed() < ORPHAN_LIFE);
+        kept.early.push((name.to_owned(), Instant::now()));
+        false
+    }
+
+    /// Events may have been lost: every replaced version of `id` is read at the next settle.
+    pub fn touch_orphans(&self, id: &str) {
+        let mut kept = lock(&self.orphans);
+        kept.orphans
+            .iter_mut()
+            .filter(|o| o.id == id)
+            .for_each(|o| o.touched = true);
+    }
+
+    /// Declares that a watcher of this process reports the writes into the replaced versions of
+    /// `id` ([`Store::written_into`]) for as long as the returned value lives: a settle then reads
+    /// only the versions written into and those whose time is up, not every kept version at
+    /// every write.
+    pub fn watch_orphans(&self, id: &str) -> OrphanWatch {
+        *lock(&self.orphans)
+            .watched
+            .entry(id.to_owned())
+            .or_default() += 1;
+        OrphanWatch {
+            orphans: self.orphans.clone(),
+            id: id.to_owned(),
+        }
+    }
+
+    /// When the oldest replaced version of `id` (of any loop, without one) this store keeps is
+    /// due to be settled.
+    pub fn next_settle(&self, id: Option<&str>) -> Option<Instant> {
+        let kept = lock(&self.orphans);
+        kept.orphans
+            .iter()
+            .filter(|o| id.is_none_or(|id| o.id == id))
+            .map(|o| o.since + ORPHAN_LIFE)
+            .min()
+    }
+
+    /// Settles the replaced versions of every loop that has some (see [`Store::settle`]).
+    pub fn settle_every_loop(&self) {
+        let ids: Vec<String> = {
+            let kept = lock(&self.orphans);
+            let mut ids: Vec<String> = kept.orphans.iter().map(|o| o.id.clone()).collect();
+            ids.sort();
+            ids.dedup();
+            ids
+        };
+        for id in ids {
+            let _ = self.settle(&id);
+        }
+    }
+
+    /// Woken whenever a replaced version is kept in this state directory.
+    pub fn orphan_kept(&self) -> Arc<tokio::sync::Notify> {
+        lock(&self.orphans).added.clone()
+    }
+
+    /// Whether this store keeps replaced versions (of `id`, or of any loop).
+    pub fn has_orphans(&self, id: Option<&str>) -> bool {
+        lock(&self.orphans)
+            .orphans
+            .iter()
+            .any(|o| id.is_none_or(|id| o.id == id))
+    }
+
+    /// Leaves the settled version `name` of `id` for a later write to reuse; false when enough
+    /// are left already.
+    pub(super) fn spare(&self, id: &str, name: &str) -> bool {
+        let mut kept = lock(&self.orphans);
+        let room = kept.spares.iter().filter(|(of, _)| of == id).count() < MAX_SPARES;
+        if room {
+            kept.spares.push((id.to_owned(), name.to_owned()));
+        }
+        room
+    }
+
+    /// A settled version of `id` to write the next version into, if one is left.
+    pub(super) fn take_spare(&self, id: &str) -> Option<String> {
+        let mut kept = lock(&self.orphans);
+        let i = kept.spares.iter().position(|(of, _)| of == id)?;
+        let name = kept.spares.swap_remove(i).1;
+        // A watcher that lags this long reads the version at its settle anyway.
+        kept.reusing
+            .retain(|(_, since)| since.elapsed() < ORPHAN_LIFE);
+        kept.reusing.push((name.clone(), Instant::now()));
+        Some(name)
+    }
+
+    /// Whether `name` is a spare a write of this process is being made in: its writes are not
+    /// late writes. (`renamed`: a watcher saw it renamed, into place; from then on they are.)
+    pub fn reusing(&self, name: &str, renamed: bool) -> bool {
+        let mut kept = lock(&self.orphans);
+        let Some(i) = kept.reusing.iter().position(|(n, _)| n == name) else {
+            return false;
+        };
+        if renamed {
+            kept.reusing.swap_remove(i);
+        }
+        true
+    }
+
+    /// [`Store::close`] for a short-lived writer whose loops another watcher may settle: the
+    /// replaced versions of a loop `settler` names [`Settler::ThisProcess`] are left to this
+    /// process's watches; those of a loop it names [`Settler::Another`] are handed over to that
+    /// process ([`Store::hand_over`]); the others are settled here, as `close` does. A command
+    /// that wrote the state file of a loop a daemon or the service watches therefore exits as
+    /// soon as its write is durable.
+    pub fn close_with(&self, mut settler: impl FnMut(&str) -> Settler) {
+        self.wait_durable();
+        let Ok(dir) = self.state_dir(false) else {
+            return;
+        };
+        let ids: Vec<String> = {
+            let kept = lock(&self.orphans);
+            let mut ids: Vec<String> = kept.orphans.iter().map(|o| o.id.clone()).collect();
+            ids.sort();
+            ids.dedup();
+            ids
+        };
+        let mut left = Vec::new();
+        for id in ids {
+            match settler(&id) {
+                Settler::Nobody => {}
+                Settler::ThisProcess => {
+                    self.leave(&id);
+                    left.push(id);
+                }
+                Settler::Another => {
+                    if let Ok(_lock) = self.lock(&id) {
+                        self.hand_over(&dir, &id);
+                    }
+                }
+            }
+        }
+        self.settle_all(&left);
+    }
+
+    /// Forgets the replaced versions of `id` this store's writes left, without settling them:
+    /// another store of this process (a watch) keeps them (see [`Store::close_with`]). Its
+    /// spares are removed: this writer is done.
+    pub(super) fn leave(&self, id: &str) {
+        let Ok(dir) = self.state_dir(false) else {
+            return;
+        };
+        let mut kept = lock(&self.orphans);
+        kept.spares.retain(|(of, name)| {
+            of != id || {
+                let _ = dir.remove(name);
+                false
+            }
+        });
+        // The versions stay in the list this process's stores of the directory share, for its
+        // watch to settle; nothing else to do.
+    }
+
+    /// Hands the replaced versions of `id` over to another process that watches the state
+    /// directory: for each, a note `.{id}.json.XXXXXX.handover` says what it held when it was
+    /// replaced and what replaced it, and that process keeps and settles it as its own
+    /// ([`Store::adopt`]). A version whose note cannot be written stays here, to be settled
+    /// before the writer exits. Called with the loop's lock held.
+    pub(super) fn hand_over(&self, dir: &Dir, id: &str) {
+        let mine: Vec<Orphan> = {
+            let mut kept = lock(&self.orphans);
+            let (mine, rest) = std::mem::take(&mut kept.orphans)
+                .into_iter()
+                .partition(|o| o.id == id);
+            kept.orphans = rest;
+            kept.spares.retain(|(of, name)| {
+                of != id || {
+                    let _ = dir.remove(name);
+                    false
+                }
+            });
+            mine
+        };
+        for orphan in mine {
+            let note = serde_json::json!({
+                "orphan": orphan.name,
+                "base": String::from_utf8_lossy(&orphan.base),
+                "written": String::from_utf8_lossy(&orphan.written),
+            });
+            let written = serde_json::to_vec(&note)
+                .map_err(io::Error::other)
+                .and_then(|bytes| dir.write_atomic(&handover_name(&orphan.name), &bytes, false));
+            if let Err(e) = written {
+                tracing::debug!("cannot hand over {}: {e}; settling it here", orphan.name);
+                lock(&self.orphans).orphans.push(orphan);
+            }
+        }
+    }
+
+    /// Takes over a replaced version another process handed over (its note `name`, see
+    /// [`Store::hand_over`]): kept and settled as this process's own. Returns whether there was
+    /// a note to take (another watch of this process may have taken it first).
+    pub fn adopt(&self, name: &str) -> bool {
+        let Some((id, orphan)) = handed_over(name) else {
+            return false;
+        };
+        if validate_id(id).is_err() {
+            return false;
+        }
+        let Ok(dir) = self.state_dir(false) else {
+            return false;
+        };
+        let Ok(_lock) = self.lock(id) else {
+            return false;
+        };
+        let Ok(bytes) = dir.read(name, 2 * MAX_STATE_SIZE + 4096) else {
+            return false;
+        };
+        let _ = dir.remove(name);
+        let note: Value = serde_json::from_slice(&bytes).unwrap_or_default();
+        let text = |key: &str| note[key].as_str().map(|s| s.as_bytes().to_vec());
+        let (Some(base), Some(written)) = (text("base"), text("written")) else {
+            return false;
+        };
+        if note["orphan"].as_str() != Some(orphan.as_str()) || !dir.exists(&orphan) {
+            return false;
+        }
+        self.keep_orphan(id, orphan, base, written);
+        // Read at its settle whatever the events said: its writes came before this process knew
+        // it.
+        self.touch_orphans(id);
+        true
+    }
+
+    /// Settles every replaced version before a short-lived process exits (or a loop is let go):
+    /// each is kept until it is [`ORPHAN_LIFE_SHORT`] old, then merged if written into, else
+    /// removed, with the spares left for reuse.
+    pub fn close(&self) {
+        self.wait_durable();
+        self.settle_all(&[]);
+    }
+
+    /// Settles the replaced versions of every loop but those of `except`, waiting for them
+    /// (see [`Store::close`]).
+    pub(super) fn settle_all(&self, except: &[String]) {
+        // A merge writes a new version, itself kept: a few rounds settle everything.
+        for _ in 0..WRITE_RACE_RETRIES {
+            // The loops with kept versions or spares, and when the youngest version was kept.
+            let (ids, youngest) = {
+                let kept = lock(&self.orphans);
+                let mine = |id: &String| !except.contains(id);
+                let mut ids: Vec<String> = kept
+                    .orphans
+                    .iter()
+                    .map(|o| o.id.clone())
+                    .chain(kept.spares.iter().map(|(id, _)| id.clone()))
+                    .filter(mine)
+                    .collect();
+                ids.sort();
+                ids.dedup();
+                let youngest = kept
+                    .orphans
+                    .iter()
+                    .filter(|o| mine(&o.id))
+                    .map(|o| o.since)
+                    .max();
+                (ids, youngest)
+            };
+            if ids.is_empty() {
+                return;
+            }
+            if let Some(youngest) = youngest {
+                std::thread::sleep(ORPHAN_LIFE_SHORT.saturating_sub(youngest.elapsed()));
+            }
+            let Ok(dir) = self.state_dir(false) else {
+                return;
+            };
+            for id in ids {
+                if let Ok(_lock) = self.lock(&id) {
+                    self.settle_locked(&dir, &id, true);
+                }
+            }
+        }
+    }
+
+    /// [`Store::settle`] with the lock held; `all` removes every unwritten version, whatever its
+    /// age.
+    pub(super) fn settle_locked(&self, dir: &Dir, id: &str, all: bool) -> usize {
+        // Looked at without taking them off the list, which another thread may read meanwhile.
+        // Where a watcher reports the writes into them, only those written into and those settled
+        // (their time is up, or nothing has them open) are read.
+        let (watched, mine) = {
+            let mut kept = lock(&self.orphans);
+            let watched = !all && kept.watched.contains_key(id);
+            let mine: Vec<Orphan> = kept
+                .orphans
+                .iter_mut()
+                .filter(|o| o.id == id)
+                .filter(|o| !watched || o.touched || o.since.elapsed() >= ORPHAN_LIFE_SHORT)
+                .map(|o| {
+                    let seen = o.clone();
+                    o.touched = false;
+                    seen
+                })
+                .collect();
+            (watched, mine)
+        };
+        if mine.is_empty() {
+            return 0;
+        }
+        let path = self.state_path(id);
+        let mut late = Vec::new();
+        let mut done = Vec::new();
+        for orphan in mine {
+            let Orphan {
+                name,
+                base,
+                written,
+                since,
+                touched,
+                ..
+            } = orphan;
+            let age = since.elapsed();
+            let Ok(file) = dir.open_read(&name) else {
+                done.push(name); // gone, or made into something else: nothing to merge
+                continue;
+            };
+            // Open nowhere else (`Some(false)`): no writer is half-way through it, and none that
+            // opened the state file before it was replaced can still come, once it is older than
+            // such an open takes.
+            let elsewhere = loopd_fs::open_elsewhere(&file);
+            let settled =
+                all || age >= ORPHAN_LIFE || (elsewhere == Some(false) && age >= ORPHAN_LIFE_SHORT);
+            // Under a watcher, a version not reported written into is read once it is settled.
+            if watched && !touched && !settled {
+                continue;
+            }
+            let read = || dir.read(&name, MAX_STATE_SIZE).ok();
+            let Ok(mut now) = loopd_fs::read_capped(file, MAX_STATE_SIZE) else {
+                done.push(name);
+                continue;
+            };
+            // A writer is half-way through it (it truncated the file, and is descheduled before
+            // its write): one that must settle now gives it the orphan's life to finish.
+            while all
+                && elsewhere != Some(false)
+                && now != base
+                && serde_json::from_slice::<Value>(&now).is_err()
+                && since.elapsed() < ORPHAN_LIFE
+            {
+                std::thread::sleep(Duration::from_millis(5));
+                now = read().unwrap_or_default();
+            }
+            if now == base {
+                if settled {
+                    // One still open elsewhere is not written into again.
+                    if all || elsewhere == Some(true) || !self.spare(id, &name) {
+                        let _ = dir.remove(&name);
+                    }
+                    done.push(name);
+                }
+                continue;
+            }
+            match serde_json::from_slice::<Value>(&now) {
+                Ok(Value::Object(theirs)) => {
+                    late.push((base, theirs, written));
+                    let _ = dir.remove(&name);
+                    done.push(name);
+                }
+                // Still being written.
+                _ if !settled => {}
+                _ => {
+                    tracing::warn!(
+                        "warning: a late write into a replaced version of {} never completed; dropped",
+                        path.display()
+                    );
+                    let _ = dir.remove(&name);
+                    done.push(name);
+                }
+            }
+        }
+        {
+            let mut kept = lock(&self.orphans);
+            kept.orphans.retain(|o| !done.contains(&o.name));
+            if all {
+                kept.spares.retain(|(of, name)| {
+                    of != id || {
+                        let _ = dir.remove(name);
+                        false
+                    }
+                });
+            }
+        }
+        let mut merged = 0;
+        for (base, theirs, written) in late {
+            let object = |bytes: &[u8]| match serde_json::from_slice::<Value>(bytes) {
+                Ok(Value::Object(map)) => map,
+                _ => Map::new(),
+            };
+            let (base, written) = (object(&base), object(&written));
+            let changed = changed_keys(&base, &theirs);
+            if changed.is_empty() {
+                continue;
+            }
+            // A key someone changed in the state file since it replaced this version is theirs to
+            // keep: a late write into a replaced version was begun before the exchange, so a
+            // writer's later write of the same key went to the state file after it. (File times
+            // cannot say which came first: they tick by the jiffy, and a file loopd renames in
+            // bears its own time.)
+            tracing::debug!(
+                "a late write into a replaced version of {} changed {changed:?}; merging",
+                path.display()
+            );
+            let result = self.update_locked(dir, id, true, |raw, _| {
+                for key in &changed {
+                    if raw.get(key) != written.get(key) {
+                        continue;
+                    }
+                    match theirs.get(key) {
+                        Some(v) => raw.insert(key.clone(), v.clone()),
+                        None => raw.remove(key),
+                    };
+                }
+            });
+            match result {
+                Ok(_) => merged += 1,
+                Err(e) => tracing::warn!(
+                    "warning: cannot merge a late write into {}: {e}",
+                    path.display()
+                ),
+            }
+        }
+        merged
+    }
+
+    /// Removes temporary files that an interrupted write left behind (under the loop's lock, so
+    /// no write of another loopd is in progress), and replaced versions no living writer keeps.
+    /// Returns how many were removed.
+    pub fn sweep_temp_files(&self, id: &str) -> Result<usize, StoreError> {
+        let dir = self.state_dir(false)?;
+        // Versions another writer handed over, and nobody took: this process's now.
+        let notes = format!(".{}.", state_name(id));
+        for name in dir.entries().unwrap_or_default() {
+            if name.starts_with(&notes) && name.ends_with(HANDOVER_SUFFIX) {
+                self.adopt(&name);
+            }
+        }
+        let _lock = self.lock(id)?;
+        self.settle_locked(&dir, id, false);
+        let prefix = format!(".{}.", state_name(id));
+        let kept: Vec<String> = {
+            let kept = lock(&self.orphans);
+            let spares = kept.spares.iter().map(|(_, name)| name.clone());
+            kept.orphans
+                .iter()
+                .map(|o| o.name.clone())
+                .chain(spares)
+                .collect()
+        };
+        let mut removed = 0;
+        let progress = dir.subdir(&progress_name(id), false).ok();
+        for (dir, ours) in [(Some(&dir), true), (progress.as_ref(), false)] {
+            let Some(dir) = dir else { continue };
+            for name in dir.entries().unwrap_or_default() {
+                let temp = if ours {
+                    name.starts_with(&prefix) && !kept.contains(&name)
+                } else {
+                    name.starts_with('.')
+                };
+                if temp && name.ends_with(TEMP_SUFFIX) && dir.remove(&name).is_ok() {
+                    removed += 1;
+                }
+            }
+        }
+        Ok(removed)
+    }
+}
