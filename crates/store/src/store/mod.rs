@@ -60,10 +60,10 @@ mod write;
 
 pub use lock::WriteLock;
 pub(crate) use orphans::ORPHAN_LIFE_SHORT;
-use orphans::{Orphans, shared_orphans};
 pub use orphans::{HANDOVER_SUFFIX, ORPHAN_LIFE, OrphanWatch, Settler};
-use write::to_pretty;
+use orphans::{Orphans, shared_orphans};
 pub use write::keep_unknown;
+use write::to_pretty;
 
 use crate::lock;
 use crate::now_rfc3339;

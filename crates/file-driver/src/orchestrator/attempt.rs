@@ -1,0 +1,548 @@
+//! One attempt, as a small state machine: prepared (its files' names, its prompt and
+//! environment), spawned, recorded in flight, supervised (while the watcher may end it), and
+//! concluded (its result read and checked); or not started at all.
+
+use super::*;
+
+/// The action being run: what, how, and the iteration it counts for.
+pub(super) struct Step<'a> {
+    pub(super) dispatch: &'a Dispatch,
+    pub(super) plan: &'a Plan,
+    pub(super) def: &'a ActionDef,
+    pub(super) iteration: u64,
+}
+
+/// An attempt ready to spawn, and where its files go.
+pub(super) struct Prepared {
+    spec: Spec,
+    files: AttemptFiles,
+}
+
+/// Where an attempt's files are: its directory, its result file's name, its log.
+pub(super) struct AttemptFiles {
+    actions: loopd_fs::Dir,
+    result_name: String,
+    log_path: PathBuf,
+}
+
+/// The paths a prompt names.
+pub(super) struct Paths<'a> {
+    root: &'a Path,
+    state_file: &'a Path,
+    progress_dir: &'a Path,
+    result_file: &'a Path,
+}
+
+/// The file each attempt of a loop may write its result to (`$LOOPD_RESULT_FILE`), in the loop's
+/// `actions/`: one for all its attempts, emptied before each, so that no attempt costs a file
+/// made and later removed (which on ext4 costs a search for a free inode).
+pub(super) const RESULT_FILE: &str = "result.json";
+
+/// Empties the result file before an attempt, making it if it is missing; what is there that is
+/// not a plain file (an executor's symlink) is removed first.
+pub(super) fn empty_result_file(actions: &loopd_fs::Dir) {
+    let emptied = |dir: &loopd_fs::Dir| {
+        let file = dir.open_rw(RESULT_FILE)?;
+        match file.metadata()?.len() {
+            0 => Ok(()),
+            _ => file.set_len(0),
+        }
+    };
+    if emptied(actions).is_err() {
+        let _ = actions.remove(RESULT_FILE);
+        let _ = emptied(actions);
+    }
+}
+
+pub(super) enum Attempted {
+    Done(Verdict),
+    Interrupted(Interrupt),
+}
+
+/// Which attempt finished.
+pub(super) struct Done<'a> {
+    pub(super) dispatch: &'a Dispatch,
+    pub(super) iteration: u64,
+    pub(super) attempt: u32,
+    pub(super) started_at: &'a str,
+}
+
+impl Done<'_> {
+    pub(super) fn event(&self, event: &str) -> Event {
+        Event::new(event)
+            .with("iteration", self.iteration)
+            .with("action", self.dispatch.action.clone())
+            .with("attempt", self.attempt)
+            .with("task_id", self.dispatch.task_id.clone())
+    }
+}
+
+/// The event that says how an attempt ended: `action_finished`, `action_failed` or
+/// `action_interrupted`, with its process, time, outcome, spending and words.
+pub(super) fn attempt_event(
+    done: &Done<'_>,
+    v: &Verdict,
+    run: &loopd_exec::Run,
+    log_path: &Path,
+    interrupt: Option<&Interrupt>,
+) -> Event {
+    let mut event = done
+        .event(match v {
+            Verdict::Success(_) => name::ACTION_FINISHED,
+            Verdict::Interrupted | Verdict::NeedsInput { .. } => name::ACTION_INTERRUPTED,
+            Verdict::Failed { .. } | Verdict::RateLimited { .. } | Verdict::Blocked { .. } => {
+                name::ACTION_FAILED
+            }
+        })
+        .with("pid", run.spawned.pid)
+        .with("duration_ms", run.duration.as_millis() as u64)
+        .with("exit_code", run.status.and_then(|s| s.code()))
+        .with("outcome", v.outcome())
+        .with("log", log_path.display().to_string());
+    if let Some(agent) = &run.agent {
+        event = event
+            .with("tokens_in", agent.usage.input_tokens)
+            .with("tokens_out", agent.usage.output_tokens)
+            .with(
+                "tokens_cached",
+                agent.usage.cache_read_tokens + agent.usage.cache_write_tokens,
+            )
+            .with("cost_usd", agent.cost_usd);
+    }
+    match v {
+        Verdict::Success(result) => event.with(
+            "summary",
+            (!result.summary.is_empty()).then(|| result.summary.clone()),
+        ),
+        Verdict::Failed { message, .. }
+        | Verdict::RateLimited { message, .. }
+        | Verdict::Blocked { message } => event.with("error", message.clone()),
+        Verdict::NeedsInput { question } => event.with("question", question.clone()),
+        Verdict::Interrupted => event.with(
+            "message",
+            match interrupt {
+                Some(Interrupt::Shutdown(sig)) => format!("daemon received signal {sig}"),
+                _ => "the loop's status left running".to_owned(),
+            },
+        ),
+    }
+}
+
+/// An attempt's environment: the `LOOPD_*` variables, then the plan's own.
+pub(super) fn environment(
+    id: &str,
+    step: &Step<'_>,
+    attempt: u32,
+    paths: &Paths<'_>,
+    task: Option<(String, String)>,
+) -> Vec<(String, OsString)> {
+    let mut env: Vec<(String, OsString)> = vec![
+        ("LOOPD_LOOP_ID".into(), id.into()),
+        ("LOOPD_ACTION".into(), step.dispatch.action.clone().into()),
+        ("LOOPD_ITERATION".into(), step.iteration.to_string().into()),
+        ("LOOPD_ATTEMPT".into(), attempt.to_string().into()),
+        ("LOOPD_ROOT".into(), paths.root.into()),
+        ("LOOPD_STATE_FILE".into(), paths.state_file.into()),
+        ("LOOPD_PROGRESS_DIR".into(), paths.progress_dir.into()),
+        ("LOOPD_RESULT_FILE".into(), paths.result_file.into()),
+    ];
+    if let Some((task_id, description)) = task {
+        env.push(("LOOPD_TASK_ID".into(), task_id.into()));
+        env.push(("LOOPD_TASK".into(), description.into()));
+    }
+    env.extend(step.plan.env.iter().cloned());
+    env
+}
+
+/// An attempt's prompt: its action file rendered with the engine's values, the task's and the
+/// workflow's, and, after a question, the question and its answer.
+pub(super) fn prompt(
+    engine: &Engine,
+    state: &LoopState,
+    step: &Step<'_>,
+    attempt: u32,
+    paths: &Paths<'_>,
+    task: Option<(String, String)>,
+) -> String {
+    let max_iterations = state.max_iterations_or(engine.config.max_iterations);
+    let mut vars = template_vars(state, step, attempt, paths, max_iterations);
+    let (task_id, task_description) = task.unwrap_or_default();
+    vars.insert("task_id", task_id);
+    vars.insert("task_description", task_description);
+    vars.extend(engine.workflow.prompt_vars(state, step.dispatch));
+    let mut prompt = step.def.render(&vars);
+    if let Some(q) = state.skill_state.as_ref().and_then(|s| s.question.as_ref())
+        && let Some(answer) = &q.answer
+    {
+        prompt.push_str(&format!(
+            "\n\n## Your question, answered\n\nAn earlier {} asked:\n\n{}\n\nThe answer:\n\n{answer}\n",
+            q.action, q.text
+        ));
+    }
+    prompt
+}
+
+/// The engine's values of the template placeholders (see [`loopd_project::actions::PLACEHOLDERS`]).
+pub(super) fn template_vars(
+    state: &LoopState,
+    step: &Step<'_>,
+    attempt: u32,
+    paths: &Paths<'_>,
+    max_iterations: u64,
+) -> BTreeMap<&'static str, String> {
+    let (dispatch, iteration) = (step.dispatch, step.iteration);
+    let (errors, history) = state.skill_state.as_ref().map_or((&[][..], &[][..]), |s| {
+        (&s.errors[..], &s.action_history[..])
+    });
+    let errors = if errors.is_empty() {
+        "none".to_owned()
+    } else {
+        errors
+            .iter()
+            .map(|e| format!("- {} {}: {}", e.timestamp, e.action, e.message))
+            .collect::<Vec<_>>()
+            .join("\n")
+    };
+    let previous = if history.is_empty() {
+        "none".to_owned()
+    } else {
+        history
+            .iter()
+            .map(|h| {
+                let detail = h.summary.as_deref().or(h.error.as_deref()).unwrap_or("");
+                format!(
+                    "- #{} {} attempt {}: {} {detail}",
+                    h.iteration, h.action, h.attempt, h.outcome
+                )
+            })
+            .collect::<Vec<_>>()
+            .join("\n")
+    };
+    let path = |p: &Path| p.display().to_string();
+    BTreeMap::from([
+        ("loop_id", state.loop_id.clone()),
+        ("title", state.title.clone()),
+        ("description", state.description.clone()),
+        ("action", dispatch.action.clone()),
+        ("iteration", iteration.to_string()),
+        ("max_iterations", max_iterations.to_string()),
+        ("attempt", attempt.to_string()),
+        ("root", path(paths.root)),
+        ("state_file", path(paths.state_file)),
+        ("progress_dir", path(paths.progress_dir)),
+        ("result_file", path(paths.result_file)),
+        ("errors", errors),
+        ("previous", previous),
+        (
+            "outcome",
+            dispatch
+                .outcome
+                .map(Outcome::as_str)
+                .unwrap_or("")
+                .to_owned(),
+        ),
+    ])
+}
+
+impl LoopRun<'_> {
+    /// One attempt, as a small state machine: prepared (names, prompt, environment), spawned,
+    /// recorded in flight (a failed write is handled before supervision starts), supervised
+    /// against control changes and shutdown, then classified and recorded.
+    pub(super) async fn attempt(
+        &mut self,
+        state: &mut LoopState,
+        step: &Step<'_>,
+        attempt: u32,
+        consumed_choice: Option<String>,
+    ) -> Result<Attempted> {
+        // Subscribed before the last look, so no control change can fall in between: one the
+        // watcher published is in its snapshot, one it has not yet will wake `rx`. The file is
+        // read only to confirm a stop the snapshot shows (it may lag behind a resume).
+        let mut rx = self.watch.subscribe();
+        rx.borrow_and_update();
+        if !still_running(&rx)
+            && self
+                .store()
+                .read_control(self.id)
+                .is_some_and(|c| c.status != Status::Running)
+        {
+            return Ok(Attempted::Interrupted(Interrupt::Control));
+        }
+        let Prepared { spec, files } = self.prepare(state, step, attempt)?;
+        let started_at = now_rfc3339();
+        let done = Done {
+            dispatch: step.dispatch,
+            iteration: step.iteration,
+            attempt,
+            started_at: &started_at,
+        };
+        // Every finished action is durable before the next one starts.
+        if !self.store().all_durable() {
+            blocking(|| self.store().wait_durable());
+        }
+        let running = match self.engine.executor.spawn(spec) {
+            Ok(running) => running,
+            Err(e) => return self.not_started(state, &done, e).await,
+        };
+        let spawned = running.spawned();
+        // From now on a stop or pause ends it from the watcher's thread.
+        let armed = self.watch.arm(move || spawned.terminate());
+        let log = files
+            .log_path
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned());
+        if let Err(e) =
+            self.record_in_flight(state, &done, spawned, log, consumed_choice.as_deref())
+        {
+            // Nothing may run that the state file does not know of: end it, then fail.
+            let cancel = CancellationToken::new();
+            cancel.cancel();
+            let _ = running.supervise(cancel, &mut |_| {}).await;
+            return Err(e);
+        }
+        self.events.emit(
+            done.event(name::ACTION_STARTED)
+                .with("executor", step.plan.executor.clone())
+                .with("pid", spawned.pid)
+                .with("log", files.log_path.display().to_string()),
+        );
+        self.progress.stock_log();
+        let (run, mut interrupt) = self.supervise(running, &done, &mut rx).await;
+        let fired = armed.fired();
+        drop(armed);
+        let run = match run {
+            // The watcher ended the attempt for a controller before this task heard of it: an
+            // interruption, unless the executor had finished with success first.
+            Ok(mut run)
+                if fired && run.cut.is_none() && !run.status.is_some_and(|s| s.success()) =>
+            {
+                interrupt.get_or_insert(Interrupt::Control);
+                run.cut = Some(loopd_exec::Cut::Cancelled);
+                run
+            }
+            Ok(run) => run,
+            Err(e) => {
+                state.skill().in_flight = None;
+                return self.not_started(state, &done, e).await;
+            }
+        };
+        self.conclude(state, &done, step.plan, &files, run, interrupt)
+    }
+
+    /// The attempt's files' names, its prompt and its environment.
+    pub(super) fn prepare(
+        &self,
+        state: &LoopState,
+        step: &Step<'_>,
+        attempt: u32,
+    ) -> Result<Prepared> {
+        let engine = self.engine;
+        let (id, store, dispatch) = (self.id, &engine.store, step.dispatch);
+        let progress_dir = self.progress_dir.path();
+        let actions = self
+            .progress_dir
+            .actions()
+            .with_context(|| format!("cannot open {}/actions", progress_dir.display()))?;
+        let seq = state.skill_state.as_ref().map_or(0, |s| s.seq);
+        let stem = format!("{:04}-{}-{attempt}", seq.saturating_add(1), dispatch.action);
+        // One file per attempt: a rerun (after an interruption or a rate limit) gets its own.
+        let stem = (1..)
+            .map(|n| match n {
+                1 => stem.clone(),
+                n => format!("{stem}.{n}"),
+            })
+            .find(|s| !actions.exists(&format!("{s}.log")))
+            .unwrap_or(stem);
+        let result_name = RESULT_FILE.to_owned();
+        let result_path = actions.join(&result_name);
+        empty_result_file(&actions);
+        self.progress.reuse_log(&actions, &format!("{stem}.log"));
+        let task = engine.workflow.task(state, dispatch);
+        let paths = Paths {
+            root: &engine.work_tree,
+            state_file: &store.state_path(id),
+            progress_dir: &progress_dir,
+            result_file: &result_path,
+        };
+        let prompt = prompt(engine, state, step, attempt, &paths, task.clone());
+        let env = environment(id, step, attempt, &paths, task);
+        let (tokens, cost_usd) = engine.limits().remaining(state);
+        let spec = Spec {
+            argv: step.plan.argv.clone(),
+            prompt,
+            prompt_mode: step.plan.prompt_mode,
+            env,
+            cwd: engine.work_tree.clone(),
+            supervision: step.plan.supervision,
+            dir: actions.clone(),
+            stem: stem.clone(),
+            marker: procs::marker_name(&store.state_path(id)),
+            agent: AgentStream::for_format(step.plan.format),
+            budget: Budget { tokens, cost_usd },
+        };
+        Ok(Prepared {
+            spec,
+            files: AttemptFiles {
+                log_path: actions.join(&format!("{stem}.log")),
+                actions,
+                result_name,
+            },
+        })
+    }
+
+    /// Writes the attempt in flight, so that a daemon that dies leaves it to be cleaned up.
+    /// Durable against a daemon crash (the rename); an fsync buys nothing here, since after a
+    /// power loss no executor is left to clean up. A full disk only costs that record.
+    pub(super) fn record_in_flight(
+        &mut self,
+        state: &mut LoopState,
+        done: &Done<'_>,
+        spawned: loopd_exec::Spawned,
+        log: Option<String>,
+        consumed_choice: Option<&str>,
+    ) -> Result<()> {
+        state.skill().in_flight = Some(InFlight {
+            action: done.dispatch.action.clone(),
+            iteration: done.iteration,
+            attempt: done.attempt,
+            task_id: done.dispatch.task_id.clone(),
+            started_at: done.started_at.to_owned(),
+            pid: spawned.pid,
+            pgid: spawned.pgid,
+            proc_start: spawned.proc_start,
+            daemon_pid: std::process::id(),
+            log,
+            extra: Default::default(),
+        });
+        match self
+            .store()
+            .commit_with(state, None, consumed_choice, false)
+        {
+            Ok(committed) => self.ours = Some(committed),
+            Err(e) if e.is_transient() => self.events.emit(Event::new(name::WARNING).with(
+                "message",
+                format!("cannot record the attempt in flight: {e:#}"),
+            )),
+            Err(e) => return Err(e.into()),
+        }
+        Ok(())
+    }
+
+    /// Runs the attempt to its end, ending it early on a control change or a shutdown signal.
+    pub(super) async fn supervise(
+        &mut self,
+        running: Box<dyn loopd_exec::Attempt>,
+        done: &Done<'_>,
+        rx: &mut watch::Receiver<Option<Snapshot>>,
+    ) -> (std::io::Result<loopd_exec::Run>, Option<Interrupt>) {
+        let cancel = CancellationToken::new();
+        let events = &mut self.events;
+        let mut retrying = |retry: loopd_exec::agent::Retry| {
+            events.emit(
+                done.event(name::AGENT_RETRYING)
+                    .with("retry", retry.attempt)
+                    .with("max_retries", retry.max_retries)
+                    .with("status", retry.status)
+                    .with("delay_ms", retry.delay_ms)
+                    .with("error", retry.error),
+            );
+        };
+        let run = running.supervise(cancel.clone(), &mut retrying);
+        tokio::pin!(run);
+        let mut interrupt = None;
+        let shutdown = &mut self.shutdown;
+        loop {
+            tokio::select! {
+                run = &mut run => return (run, interrupt),
+                _ = rx.changed(), if interrupt.is_none() => {
+                    if !still_running(rx) {
+                        interrupt = Some(Interrupt::Control);
+                        cancel.cancel();
+                    }
+                }
+                _ = shutdown.changed(), if interrupt.is_none() => {
+                    if let Some(sig) = *shutdown.borrow() {
+                        interrupt = Some(Interrupt::Shutdown(sig));
+                        cancel.cancel();
+                    }
+                }
+            }
+        }
+    }
+
+    /// The executor could not start. No room for the attempt's files is the environment's
+    /// fault: the daemon waits and tries again. A program that cannot start (missing, a working
+    /// directory gone) blocks the loop: the environment's fault, not the task's.
+    pub(super) async fn not_started(
+        &mut self,
+        state: &mut LoopState,
+        done: &Done<'_>,
+        e: std::io::Error,
+    ) -> Result<Attempted> {
+        if loopd_store::store::is_transient_io(&e) {
+            self.events.emit(done.event(name::WARNING).with(
+                "message",
+                format!(
+                    "cannot start the attempt: {e}; waiting {}s",
+                    MAX_RETRY_PAUSE.as_secs()
+                ),
+            ));
+            return Ok(Attempted::Interrupted(
+                self.sleep_unless_interrupted(MAX_RETRY_PAUSE)
+                    .await
+                    .unwrap_or(Interrupt::Control),
+            ));
+        }
+        let v = Verdict::Blocked {
+            message: e.to_string(),
+        };
+        self.record(state, done, &v, None, None)?;
+        self.events.emit(
+            done.event(name::ACTION_FAILED)
+                .with("outcome", v.outcome())
+                .with("error", e.to_string()),
+        );
+        Ok(Attempted::Done(v))
+    }
+
+    /// Classifies a finished run, records it, and says it.
+    pub(super) fn conclude(
+        &mut self,
+        state: &mut LoopState,
+        done: &Done<'_>,
+        plan: &Plan,
+        files: &AttemptFiles,
+        run: loopd_exec::Run,
+        interrupt: Option<Interrupt>,
+    ) -> Result<Attempted> {
+        let engine = self.engine;
+        let dispatch = done.dispatch;
+        let log_path = &files.log_path;
+        let reported = loopd_exec::result::read_result_file(&files.actions, &files.result_name);
+        let mut v = verdict(plan.format, reported, &run);
+        if let Verdict::Success(result) = &v
+            && let Err(reason) = engine.workflow.validate(&dispatch.action, result)
+        {
+            v = Verdict::Failed {
+                outcome: AttemptOutcome::AgentError,
+                message: format!("invalid result: {reason}"),
+            };
+        }
+        let checkpoint = match &v {
+            Verdict::Interrupted => None,
+            _ if !engine.workflow.changes_work_tree(&dispatch.action) => None,
+            _ if self.checkpoints.is_none() => None,
+            _ => blocking(|| self.checkpoint(&format!("{}-{}", done.iteration, dispatch.action))),
+        };
+        let mut event = attempt_event(done, &v, &run, log_path, interrupt.as_ref());
+        if let Some(c) = &checkpoint {
+            event = event.with("checkpoint", serde_json::to_value(c).unwrap_or_default());
+        }
+        self.record(state, done, &v, run.agent.as_ref(), checkpoint)?;
+        self.events.emit(event);
+        Ok(match v {
+            Verdict::Interrupted => Attempted::Interrupted(interrupt.unwrap_or(Interrupt::Control)),
+            v => Attempted::Done(v),
+        })
+    }
+}
