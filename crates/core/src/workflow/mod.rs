@@ -329,19 +329,19 @@ pub trait Workflow: Send + Sync {
 pub fn problems(state: &LoopState, file_id: Option<&str>) -> Vec<String> {
     let mut problems = state.problems(file_id);
     if let Some(skill) = &state.skill_state
-        && let Some(workflow) = by_name(skill.workflow.as_deref().unwrap_or(ccw_loop::NAME))
+        && let Some(workflow) = by_name(skill.workflow.as_deref().unwrap_or(DEFAULT))
     {
         problems.extend(workflow.problems(skill));
     }
     problems
 }
 
-/// Every workflow by name.
 /// Every workflow loopd knows.
 pub fn all() -> impl Iterator<Item = &'static dyn Workflow> {
     WORKFLOWS.iter().filter_map(|name| by_name(name))
 }
 
+/// The workflow called `name`.
 pub fn by_name(name: &str) -> Option<&'static dyn Workflow> {
     match name {
         ccw_loop::NAME => Some(&ccw_loop::CcwLoop),
@@ -349,6 +349,9 @@ pub fn by_name(name: &str) -> Option<&'static dyn Workflow> {
         _ => None,
     }
 }
+
+/// The workflow of a loop whose state names none: CCW's loops are all ccw-loop.
+pub const DEFAULT: &str = ccw_loop::NAME;
 
 /// The names [`by_name`] knows.
 pub const WORKFLOWS: &[&str] = &[ccw_loop::NAME, skill_tuning::NAME];

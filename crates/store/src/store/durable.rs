@@ -268,11 +268,9 @@ impl Store {
         let name = raw
             .remove("skill_state")
             .and_then(|s| s.get("workflow")?.as_str().map(str::to_owned));
-        let workflow = loopd_core::workflow::by_name(
-            name.as_deref()
-                .unwrap_or(loopd_core::workflow::ccw_loop::NAME),
-        )
-        .ok_or_else(|| format!("its workflow {name:?} is unknown"))?;
+        let workflow =
+            loopd_core::workflow::by_name(name.as_deref().unwrap_or(loopd_core::workflow::DEFAULT))
+                .ok_or_else(|| format!("its workflow {name:?} is unknown"))?;
         let mut state: LoopState = serde_json::from_value(Value::Object(raw.clone()))
             .map_err(|e| format!("its top-level fields are broken too ({e})"))?;
         if let Some(problem) = loopd_core::workflow::problems(&state, Some(id))

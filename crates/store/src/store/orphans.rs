@@ -213,15 +213,18 @@ impl Store {
             .min()
     }
 
+    /// The loops this process keeps replaced versions of, in order.
+    fn orphan_ids(&self) -> Vec<String> {
+        let kept = lock(&self.orphans);
+        let mut ids: Vec<String> = kept.orphans.iter().map(|o| o.id.clone()).collect();
+        ids.sort();
+        ids.dedup();
+        ids
+    }
+
     /// Settles the replaced versions of every loop that has some (see [`Store::settle`]).
     pub fn settle_every_loop(&self) {
-        let ids: Vec<String> = {
-            let kept = lock(&self.orphans);
-            let mut ids: Vec<String> = kept.orphans.iter().map(|o| o.id.clone()).collect();
-            ids.sort();
-            ids.dedup();
-            ids
-        };
+        let ids = self.orphan_ids();
         for id in ids {
             let _ = self.settle(&id);
         }
@@ -287,13 +290,7 @@ impl Store {
         let Ok(dir) = self.state_dir(false) else {
             return;
         };
-        let ids: Vec<String> = {
-            let kept = lock(&self.orphans);
-            let mut ids: Vec<String> = kept.orphans.iter().map(|o| o.id.clone()).collect();
-            ids.sort();
-            ids.dedup();
-            ids
-        };
+        let ids = self.orphan_ids();
         let mut left = Vec::new();
         for id in ids {
             match settler(&id) {
