@@ -15,6 +15,7 @@
 //! Which layer may use which: this crate uses none of loopd's; the store, the executors, the
 //! drivers and the binary use it.
 
+pub mod attempt;
 pub mod protocol;
 pub mod state;
 pub mod test_output;

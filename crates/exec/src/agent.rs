@@ -11,53 +11,11 @@
 //! from the exit code.
 
 use chrono::{DateTime, Utc};
+use loopd_core::attempt::AttemptOutcome;
 use loopd_core::state::Usage;
 use serde_json::Value;
 
 use crate::settings::Format;
-
-/// How an attempt ended, the same for every format.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum AttemptOutcome {
-    Success,
-    /// The agent (or the executor's result) reported an error.
-    AgentError,
-    /// The agent stopped at its turn limit.
-    MaxTurns,
-    /// The agent's own budget, or the loop's, was reached.
-    BudgetExceeded,
-    /// The provider's rate or usage limit; retried after the reset, not an error.
-    RateLimited,
-    /// An overloaded or failing API (5xx, network): an error of the attempt, retried.
-    TransientApiError,
-    /// Wall-clock or idle timeout.
-    Timeout,
-    /// Ended by a signal loopd did not send.
-    Killed,
-    /// The agent finished without a final message or result.
-    NoResult,
-    /// The environment cannot run the agent at all: not logged in, no or a wrong API key, an
-    /// unknown model, a missing program, a rejected flag, an untrusted folder. Not the task's
-    /// fault: no retry, no error counted; the loop waits for a person.
-    EnvironmentError,
-}
-
-impl AttemptOutcome {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            AttemptOutcome::Success => "success",
-            AttemptOutcome::AgentError => "agent_error",
-            AttemptOutcome::MaxTurns => "max_turns",
-            AttemptOutcome::BudgetExceeded => "budget_exceeded",
-            AttemptOutcome::RateLimited => "rate_limited",
-            AttemptOutcome::TransientApiError => "transient_api_error",
-            AttemptOutcome::Timeout => "timeout",
-            AttemptOutcome::Killed => "killed",
-            AttemptOutcome::NoResult => "no_result",
-            AttemptOutcome::EnvironmentError => "environment_error",
-        }
-    }
-}
 
 /// What a chunk of output told the executor.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -1,12 +1,11 @@
 //! From a finished [`Run`] to an attempt's verdict: find the result (the result file, else the
 //! output according to the executor's format, else the exit code) and classify the attempt.
 
-use chrono::{DateTime, Utc};
+use loopd_core::attempt::{AttemptOutcome, Verdict};
 use loopd_core::protocol::{ActionResult, ResultStatus, last_json_object};
 use loopd_core::test_output::test_result;
 use serde_json::Value;
 
-use super::agent::AttemptOutcome;
 use super::{Cut, Run};
 use crate::settings::Format;
 use loopd_fs::Dir;
@@ -14,49 +13,8 @@ use loopd_fs::Dir;
 /// A result file larger than this is refused rather than read.
 const RESULT_FILE_CAP: u64 = 4 << 20;
 
-/// How an attempt ended.
-#[derive(Clone, Debug)]
-pub enum Verdict {
-    Success(ActionResult),
-    Failed {
-        outcome: AttemptOutcome,
-        message: String,
-    },
-    /// The provider's limit: try again after `until` (when known); not an error.
-    RateLimited {
-        until: Option<DateTime<Utc>>,
-        message: String,
-    },
-    /// Ended from outside (pause, stop, shutdown): neither a success nor an error.
-    Interrupted,
-    /// The environment cannot run the executor (see [`AttemptOutcome::EnvironmentError`]):
-    /// neither a success nor an error of the task; the loop waits for a person to fix it.
-    Blocked {
-        message: String,
-    },
-    /// The executor asks a person `question`: neither a success nor an error; the loop waits
-    /// for the answer and the next prompt gets it.
-    NeedsInput {
-        question: String,
-    },
-}
-
 /// The longest question kept, in characters.
 const MAX_QUESTION: usize = 4000;
-
-impl Verdict {
-    /// The attempt's outcome in the one taxonomy (`interrupted` aside).
-    pub fn outcome(&self) -> &'static str {
-        match self {
-            Verdict::Success(_) => AttemptOutcome::Success.as_str(),
-            Verdict::Failed { outcome, .. } => outcome.as_str(),
-            Verdict::RateLimited { .. } => AttemptOutcome::RateLimited.as_str(),
-            Verdict::Interrupted => "interrupted",
-            Verdict::Blocked { .. } => AttemptOutcome::EnvironmentError.as_str(),
-            Verdict::NeedsInput { .. } => "needs_input",
-        }
-    }
-}
 
 fn failed(outcome: AttemptOutcome, message: impl Into<String>) -> Verdict {
     Verdict::Failed {

@@ -2,33 +2,9 @@
 //! limit's reset), and what an attempt may ask for instead of a result (a block, a question).
 
 use super::attempt::{Attempted, Step};
+use loopd_core::attempt::AfterAttempt;
+
 use super::*;
-
-/// The pauses between the attempts of an action: `first`, doubled each time, `retries` of them.
-pub(super) struct Backoff {
-    left: u32,
-    next: Duration,
-}
-
-impl Backoff {
-    pub(super) fn new(retries: u32, first: Duration) -> Backoff {
-        Backoff {
-            left: retries,
-            next: first,
-        }
-    }
-}
-
-impl Iterator for Backoff {
-    type Item = Duration;
-
-    fn next(&mut self) -> Option<Duration> {
-        self.left = self.left.checked_sub(1)?;
-        let pause = self.next;
-        self.next = self.next.saturating_mul(2);
-        Some(pause)
-    }
-}
 
 impl LoopRun<'_> {
     /// Runs one action with its retries; returns how the loop ends, if it does.
@@ -55,14 +31,10 @@ impl LoopRun<'_> {
             )),
         };
         self.begin(&mut state, dispatch);
-        let mut backoff = Backoff::new(
-            engine.config.action_retries,
-            Duration::from_secs_f64(engine.config.retry_backoff),
-        );
+        let mut attempts = attempt_rules::Attempts::new(self.engine.retry_policy());
         let mut consumed_choice = consumed_choice;
-        let mut attempt = 1;
-        let mut rate_limited = 0;
-        let last_error = loop {
+        loop {
+            let attempt = attempts.attempt;
             let attempted = self
                 .attempt(&mut state, &step, attempt, consumed_choice.take())
                 .await?;
@@ -70,65 +42,38 @@ impl LoopRun<'_> {
                 Attempted::Done(verdict) => verdict,
                 Attempted::Interrupted(interrupt) => return Ok(interrupt.exit()),
             };
-            let error = match verdict {
-                Verdict::Success(result) => {
-                    return self.finish(state, dispatch, step.iteration, Finish::Success(result));
+            let interrupt = match attempts.next(verdict, Utc::now()) {
+                AfterAttempt::Finish(finish) => {
+                    return self.finish(state, dispatch, step.iteration, finish);
                 }
-                Verdict::Blocked { message } => {
+                AfterAttempt::Block(message) => {
                     return self.block(state, dispatch, step.plan, message);
                 }
-                Verdict::NeedsInput { question } => return self.ask(state, dispatch, question),
-                Verdict::Interrupted => unreachable!("handled as Attempted::Interrupted"),
-                Verdict::RateLimited { until, message } if rate_limited < MAX_RATE_LIMITS => {
-                    // Wait for the reset and try the same attempt again: not an error.
-                    rate_limited += 1;
-                    if let Some(interrupt) = self.rate_limited(&step, attempt, until, message).await
-                    {
-                        return Ok(interrupt.exit());
-                    }
-                    continue;
+                AfterAttempt::Ask(question) => return self.ask(state, dispatch, question),
+                AfterAttempt::Interrupted => unreachable!("handled as Attempted::Interrupted"),
+                AfterAttempt::WaitRateLimit { wait, message } => {
+                    self.rate_limited(&step, attempt, wait, message).await
                 }
-                // An agent that says "rate limited" forever is failing.
-                Verdict::RateLimited { message, .. } => {
-                    format!("rate limited {rate_limited} times in a row: {message}")
-                }
-                // No retry can help.
-                Verdict::Failed {
-                    outcome: AttemptOutcome::BudgetExceeded,
-                    message,
-                } => break message,
-                Verdict::Failed { message, .. } => message,
+                AfterAttempt::Retry { pause } => self.sleep_unless_interrupted(pause).await,
             };
-            let Some(pause) = backoff.next() else {
-                break error;
-            };
-            if let Some(interrupt) = self.sleep_unless_interrupted(pause).await {
+            if let Some(interrupt) = interrupt {
                 return Ok(interrupt.exit());
             }
-            attempt += 1;
-        };
-        self.finish(state, dispatch, step.iteration, Finish::Failed(last_error))
+        }
     }
 
     /// Marks the state as an action starts: what runs, the workflow's own marks, and what no
     /// longer holds (a choice waited for, a block, how a previous run ended).
     pub(super) fn begin(&mut self, state: &mut LoopState, dispatch: &Dispatch) {
-        state.skill().current_action = Some(dispatch.action.clone());
-        self.engine.workflow.begin(state, dispatch, &now_rfc3339());
-        if let Some(q) = state.skill_state.as_ref().and_then(|s| s.question.as_ref())
-            && let Some(answer) = &q.answer
-        {
+        let answered = attempt_rules::begin(self.engine.workflow, state, dispatch, &now_rfc3339());
+        if let Some((question, answer)) = answered {
             self.events.emit(
                 Event::new(name::ANSWERED)
                     .with("action", dispatch.action.clone())
-                    .with("question", q.text.clone())
-                    .with("answer", answer.clone()),
+                    .with("question", question)
+                    .with("answer", answer),
             );
         }
-        let skill = state.skill();
-        skill.awaiting_choice = None;
-        skill.blocked = None;
-        skill.outcome = None;
     }
 
     /// A rate limit: says so and waits for its reset (or the configured wait).
@@ -136,20 +81,19 @@ impl LoopRun<'_> {
         &mut self,
         step: &Step<'_>,
         attempt: u32,
-        until: Option<DateTime<Utc>>,
+        wait: Duration,
         message: String,
     ) -> Option<Interrupt> {
-        let wait = self.rate_limit_wait(until);
+        let until = Utc::now() + chrono::Duration::from_std(wait).unwrap_or_default();
         self.events.emit(
             Event::new(name::RATE_LIMITED)
                 .with("iteration", step.iteration)
                 .with("action", step.dispatch.action.clone())
                 .with("attempt", attempt)
-                .with("until", format_ts(Utc::now() + wait))
+                .with("until", format_ts(until))
                 .with("message", message),
         );
-        self.sleep_unless_interrupted(wait.to_std().unwrap_or_default())
-            .await
+        self.sleep_unless_interrupted(wait).await
     }
 
     /// The executor cannot run here: pause the loop (from `running` only) with the reason in
@@ -166,12 +110,7 @@ impl LoopRun<'_> {
             "{}: {reason} — fix it, then `loopd resume {}`",
             plan.executor, self.id
         );
-        state.skill().blocked = Some(loopd_core::state::Blocked {
-            since: now_rfc3339(),
-            action: dispatch.action.clone(),
-            executor: plan.executor.clone(),
-            reason,
-        });
+        attempt_rules::block(&mut state, dispatch, &plan.executor, reason, &now_rfc3339());
         let pause = Transition {
             from: &[Status::Running],
             to: Status::Paused,
@@ -196,14 +135,13 @@ impl LoopRun<'_> {
         dispatch: &Dispatch,
         question: String,
     ) -> Result<Option<Exit>> {
-        self.engine.workflow.asked(&mut state, dispatch);
-        state.skill().question = Some(loopd_core::state::Question {
-            since: now_rfc3339(),
-            action: dispatch.action.clone(),
-            text: question.clone(),
-            answer: None,
-            answered_at: None,
-        });
+        attempt_rules::ask(
+            self.engine.workflow,
+            &mut state,
+            dispatch,
+            question.clone(),
+            &now_rfc3339(),
+        );
         self.commit(&state, None, None, true)?;
         self.events.emit(
             Event::new(name::AWAITING_ANSWER)
@@ -215,22 +153,6 @@ impl LoopRun<'_> {
                 .with("question", question),
         );
         Ok(None)
-    }
-
-    /// How long to wait for a rate limit to reset: until the time the agent gave, else the
-    /// configured wait; never longer than `rate_limit_max_wait`.
-    pub(super) fn rate_limit_wait(&self, until: Option<DateTime<Utc>>) -> chrono::Duration {
-        let config = &self.engine.config;
-        let max = chrono::Duration::milliseconds((config.rate_limit_max_wait * 1000.0) as i64);
-        let wait = match until {
-            Some(t) => t - Utc::now(),
-            None => chrono::Duration::milliseconds((config.rate_limit_wait * 1000.0) as i64),
-        };
-        // A reset time already past still gets a moment, so a confused agent cannot spin.
-        wait.clamp(
-            chrono::Duration::seconds(1),
-            max.max(chrono::Duration::seconds(1)),
-        )
     }
 
     /// Sleeps, unless the status leaves `running` or a signal arrives first.

@@ -107,40 +107,24 @@ impl LoopRun<'_> {
         agent: Option<&AgentStream>,
         checkpoint: Option<Checkpoint>,
     ) -> Result<()> {
-        let skill = state.skill();
-        skill.in_flight = None;
-        if let Some(agent) = agent {
-            skill.usage.add(&agent.usage, agent.cost_usd);
-        }
-        let (summary, error) = match v {
-            Verdict::Success(r) => ((!r.summary.is_empty()).then(|| r.summary.clone()), None),
-            Verdict::Failed { message, .. }
-            | Verdict::RateLimited { message, .. }
-            | Verdict::Blocked { message } => (None, Some(message.clone())),
-            Verdict::NeedsInput { question } => (Some(question.clone()), None),
-            Verdict::Interrupted => (None, None),
-        };
-        workflow::record_attempt(
+        let finished_at = now_rfc3339();
+        attempt_rules::record(
             state,
-            HistoryEntry {
-                action: done.dispatch.action.clone(),
+            attempt_rules::Attempted {
+                dispatch: done.dispatch,
                 iteration: done.iteration,
                 attempt: done.attempt,
-                task_id: done.dispatch.task_id.clone(),
-                started_at: done.started_at.to_owned(),
-                finished_at: Some(now_rfc3339()),
-                outcome: v.outcome().to_owned(),
-                summary,
-                error,
+                started_at: done.started_at,
+                finished_at: &finished_at,
+                spent: agent.map(|a| (&a.usage, a.cost_usd)),
                 checkpoint,
-                ..HistoryEntry::default()
             },
+            v,
         );
         match v {
+            // Committed with the action's finish.
             Verdict::Success(_) => {}
             Verdict::Interrupted | Verdict::Blocked { .. } | Verdict::NeedsInput { .. } => {
-                // The attempt did not happen, as far as the workflow is concerned.
-                state.skill().current_action = None;
                 self.commit(state, None, None, true)?;
             }
             _ => {
@@ -161,8 +145,7 @@ impl LoopRun<'_> {
         let wf = self.engine.workflow;
         let inputs = self.inputs(dispatch)?;
         let now = inputs.now.clone();
-        let end = wf.apply(&mut state, dispatch, &finish, &inputs);
-        workflow::record_finish(wf, &mut state, dispatch, &finish, &now);
+        let end = attempt_rules::finish(wf, &mut state, dispatch, &finish, &inputs);
         if let Some(rate) = wf.pass_rate(&state, &dispatch.action)
             && self.engine.config.rollback_on_regression
             && self.checkpoints.is_some()

@@ -31,7 +31,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context as _, Result};
-use chrono::{DateTime, Utc};
+use chrono::Utc;
 use loopd_core::state::{
     AwaitingChoice, BestValidation, Checkpoint, HistoryEntry, InFlight, LoopState, Status,
     format_ts,
@@ -42,9 +42,10 @@ use loopd_core::workflow::{
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
-use loopd_exec::agent::{AgentStream, AttemptOutcome};
+use loopd_core::attempt::{self as attempt_rules, AttemptOutcome, Verdict};
+use loopd_exec::agent::AgentStream;
 use loopd_exec::checkpoint;
-use loopd_exec::result::{Verdict, verdict};
+use loopd_exec::result::verdict;
 use loopd_exec::{Budget, Executor, Spec, procs};
 use loopd_exec::{Format, PromptMode, Supervision};
 use loopd_project::actions::ActionDef;
@@ -97,9 +98,6 @@ impl Exit {
 
 /// The longest pause between tries of a write that failed for a reason that may go away.
 const MAX_RETRY_PAUSE: Duration = Duration::from_secs(5);
-
-/// Rate limits in a row after which an attempt counts as failed.
-const MAX_RATE_LIMITS: u32 = 20;
 
 /// How one action runs: its executor, resolved.
 #[derive(Clone, Debug)]
@@ -262,6 +260,17 @@ impl Engine {
         self.actions
             .iter()
             .map(|(name, def)| (name.as_str(), def.source.as_str()))
+    }
+
+    /// How an action's failed attempts are tried again, and rate limits waited out.
+    fn retry_policy(&self) -> attempt_rules::RetryPolicy {
+        let secs = |v: f64| Duration::try_from_secs_f64(v).unwrap_or_default();
+        attempt_rules::RetryPolicy {
+            retries: self.config.action_retries,
+            first_pause: secs(self.config.retry_backoff),
+            rate_limit_wait: secs(self.config.rate_limit_wait),
+            rate_limit_max_wait: secs(self.config.rate_limit_max_wait),
+        }
     }
 
     fn limits(&self) -> Limits {
