@@ -14,5 +14,6 @@
 
 pub mod actions;
 pub mod config;
+pub mod plan;
 pub mod project_file;
 pub mod trust;

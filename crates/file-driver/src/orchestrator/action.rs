@@ -1,7 +1,7 @@
 //! One action: its attempts, with a backoff between failed ones; the waits around them (a rate
 //! limit's reset), and what an attempt may ask for instead of a result (a block, a question).
 
-use super::attempt::{Attempted, Step};
+use super::attempt::Attempted;
 use loopd_core::attempt::AfterAttempt;
 
 use super::*;
@@ -19,13 +19,14 @@ impl LoopRun<'_> {
         consumed_choice: Option<String>,
     ) -> Result<Option<Exit>> {
         let engine = self.engine;
+        let (def, plan) = engine
+            .plans
+            .get(&dispatch.action)
+            .with_context(|| format!("no plan for action {}", dispatch.action))?;
         let step = Step {
             dispatch,
-            plan: engine
-                .plans
-                .get(&dispatch.action)
-                .with_context(|| format!("no plan for action {}", dispatch.action))?,
-            def: &engine.actions[&dispatch.action],
+            plan,
+            def,
             iteration: state.current_iteration.saturating_add(u64::from(
                 engine.workflow.counts_iteration(&dispatch.action),
             )),

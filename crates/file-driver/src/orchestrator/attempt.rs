@@ -2,15 +2,9 @@
 //! environment), spawned, recorded in flight, supervised (while the watcher may end it), and
 //! concluded (its result read and checked); or not started at all.
 
-use super::*;
+use loopd_project::plan;
 
-/// The action being run: what, how, and the iteration it counts for.
-pub(super) struct Step<'a> {
-    pub(super) dispatch: &'a Dispatch,
-    pub(super) plan: &'a Plan,
-    pub(super) def: &'a ActionDef,
-    pub(super) iteration: u64,
-}
+use super::*;
 
 /// An attempt ready to spawn, and where its files go.
 pub(super) struct Prepared {
@@ -23,14 +17,6 @@ pub(super) struct AttemptFiles {
     actions: loopd_fs::Dir,
     result_name: String,
     log_path: PathBuf,
-}
-
-/// The paths a prompt names.
-pub(super) struct Paths<'a> {
-    root: &'a Path,
-    state_file: &'a Path,
-    progress_dir: &'a Path,
-    result_file: &'a Path,
 }
 
 /// The file each attempt of a loop may write its result to (`$LOOPD_RESULT_FILE`), in the loop's
@@ -126,122 +112,6 @@ pub(super) fn attempt_event(
             },
         ),
     }
-}
-
-/// An attempt's environment: the `LOOPD_*` variables, then the plan's own.
-pub(super) fn environment(
-    id: &str,
-    step: &Step<'_>,
-    attempt: u32,
-    paths: &Paths<'_>,
-    task: Option<(String, String)>,
-) -> Vec<(String, OsString)> {
-    let mut env: Vec<(String, OsString)> = vec![
-        ("LOOPD_LOOP_ID".into(), id.into()),
-        ("LOOPD_ACTION".into(), step.dispatch.action.clone().into()),
-        ("LOOPD_ITERATION".into(), step.iteration.to_string().into()),
-        ("LOOPD_ATTEMPT".into(), attempt.to_string().into()),
-        ("LOOPD_ROOT".into(), paths.root.into()),
-        ("LOOPD_STATE_FILE".into(), paths.state_file.into()),
-        ("LOOPD_PROGRESS_DIR".into(), paths.progress_dir.into()),
-        ("LOOPD_RESULT_FILE".into(), paths.result_file.into()),
-    ];
-    if let Some((task_id, description)) = task {
-        env.push(("LOOPD_TASK_ID".into(), task_id.into()));
-        env.push(("LOOPD_TASK".into(), description.into()));
-    }
-    env.extend(step.plan.env.iter().cloned());
-    env
-}
-
-/// An attempt's prompt: its action file rendered with the engine's values, the task's and the
-/// workflow's, and, after a question, the question and its answer.
-pub(super) fn prompt(
-    engine: &Engine,
-    state: &LoopState,
-    step: &Step<'_>,
-    attempt: u32,
-    paths: &Paths<'_>,
-    task: Option<(String, String)>,
-) -> String {
-    let max_iterations = state.max_iterations_or(engine.config.max_iterations);
-    let mut vars = template_vars(state, step, attempt, paths, max_iterations);
-    let (task_id, task_description) = task.unwrap_or_default();
-    vars.insert("task_id", task_id);
-    vars.insert("task_description", task_description);
-    vars.extend(engine.workflow.prompt_vars(state, step.dispatch));
-    let mut prompt = step.def.render(&vars);
-    if let Some(q) = state.skill_state.as_ref().and_then(|s| s.question.as_ref())
-        && let Some(answer) = &q.answer
-    {
-        prompt.push_str(&format!(
-            "\n\n## Your question, answered\n\nAn earlier {} asked:\n\n{}\n\nThe answer:\n\n{answer}\n",
-            q.action, q.text
-        ));
-    }
-    prompt
-}
-
-/// The engine's values of the template placeholders (see [`loopd_project::actions::PLACEHOLDERS`]).
-pub(super) fn template_vars(
-    state: &LoopState,
-    step: &Step<'_>,
-    attempt: u32,
-    paths: &Paths<'_>,
-    max_iterations: u64,
-) -> BTreeMap<&'static str, String> {
-    let (dispatch, iteration) = (step.dispatch, step.iteration);
-    let (errors, history) = state.skill_state.as_ref().map_or((&[][..], &[][..]), |s| {
-        (&s.errors[..], &s.action_history[..])
-    });
-    let errors = if errors.is_empty() {
-        "none".to_owned()
-    } else {
-        errors
-            .iter()
-            .map(|e| format!("- {} {}: {}", e.timestamp, e.action, e.message))
-            .collect::<Vec<_>>()
-            .join("\n")
-    };
-    let previous = if history.is_empty() {
-        "none".to_owned()
-    } else {
-        history
-            .iter()
-            .map(|h| {
-                let detail = h.summary.as_deref().or(h.error.as_deref()).unwrap_or("");
-                format!(
-                    "- #{} {} attempt {}: {} {detail}",
-                    h.iteration, h.action, h.attempt, h.outcome
-                )
-            })
-            .collect::<Vec<_>>()
-            .join("\n")
-    };
-    let path = |p: &Path| p.display().to_string();
-    BTreeMap::from([
-        ("loop_id", state.loop_id.clone()),
-        ("title", state.title.clone()),
-        ("description", state.description.clone()),
-        ("action", dispatch.action.clone()),
-        ("iteration", iteration.to_string()),
-        ("max_iterations", max_iterations.to_string()),
-        ("attempt", attempt.to_string()),
-        ("root", path(paths.root)),
-        ("state_file", path(paths.state_file)),
-        ("progress_dir", path(paths.progress_dir)),
-        ("result_file", path(paths.result_file)),
-        ("errors", errors),
-        ("previous", previous),
-        (
-            "outcome",
-            dispatch
-                .outcome
-                .map(Outcome::as_str)
-                .unwrap_or("")
-                .to_owned(),
-        ),
-    ])
 }
 
 impl LoopRun<'_> {
@@ -364,8 +234,17 @@ impl LoopRun<'_> {
             progress_dir: &progress_dir,
             result_file: &result_path,
         };
-        let prompt = prompt(engine, state, step, attempt, &paths, task.clone());
-        let env = environment(id, step, attempt, &paths, task);
+        let max_iterations = state.max_iterations_or(engine.config.max_iterations);
+        let prompt = plan::prompt(
+            engine.workflow,
+            max_iterations,
+            state,
+            step,
+            attempt,
+            &paths,
+            task.clone(),
+        );
+        let env = plan::environment(id, step, attempt, &paths, task);
         let (tokens, cost_usd) = engine.limits().remaining(state);
         let spec = Spec {
             argv: step.plan.argv.clone(),

@@ -19,13 +19,14 @@
 //! starts: the fdatasync runs on the backup thread while the next attempt is readied
 //! ([`Store::defer_durability`]), and the spawn waits for it.
 //!
-//! The parts, a file each: the engine and its plans are here; `run` is one drive of a loop (its
-//! start, the selections), `action` one action (attempts, backoff, rate limits, blocks,
-//! questions), `attempt` one attempt (prepared, spawned, in flight, supervised, concluded), and
-//! `books` what an attempt leaves (history, totals, the loop's end, checkpoints).
+//! The parts, a file each: the engine is here (its plans, prompts and environments come from
+//! [`loopd_project::plan`], what an attempt does to the loop from [`loopd_core::attempt`]); `run`
+//! is one drive of a loop (its start, the selections), `action` one action (attempts, backoff,
+//! rate limits, blocks, questions), `attempt` one attempt (prepared, spawned, in flight,
+//! supervised, concluded), and `books` what an attempt leaves (history, totals, the loop's end,
+//! checkpoints).
 
 use std::collections::BTreeMap;
-use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -47,9 +48,8 @@ use loopd_exec::agent::AgentStream;
 use loopd_exec::checkpoint;
 use loopd_exec::result::verdict;
 use loopd_exec::{Budget, Executor, Spec, procs};
-use loopd_exec::{Format, PromptMode, Supervision};
-use loopd_project::actions::ActionDef;
-use loopd_project::config::{Checkpoints, Config, ExecutorConfig};
+use loopd_project::config::{Checkpoints, Config};
+use loopd_project::plan::{Paths, Plan, Plans, Step};
 use loopd_store::events::{Event, EventLog, Progress, ProgressDir, name};
 use loopd_store::now_rfc3339;
 use loopd_store::store::{Store, StoreError, Transition};
@@ -99,18 +99,6 @@ impl Exit {
 /// The longest pause between tries of a write that failed for a reason that may go away.
 const MAX_RETRY_PAUSE: Duration = Duration::from_secs(5);
 
-/// How one action runs: its executor, resolved.
-#[derive(Clone, Debug)]
-pub struct Plan {
-    /// The executor's name, or `command: ...` for an action's own shell command.
-    pub executor: String,
-    pub argv: Vec<String>,
-    pub prompt_mode: PromptMode,
-    pub format: Format,
-    pub env: Vec<(String, OsString)>,
-    pub supervision: Supervision,
-}
-
 /// Everything a daemon needs to drive a loop: the engine of a [`LoopRun`].
 pub struct Engine {
     pub root: PathBuf,
@@ -124,8 +112,7 @@ pub struct Engine {
     pub exit_on_pause: bool,
     /// Set when the state file was restored from its backup before the start, saying why.
     pub restored: Option<String>,
-    actions: BTreeMap<String, ActionDef>,
-    plans: BTreeMap<String, Plan>,
+    plans: Plans,
 }
 
 /// What ended the wait for an attempt or a backoff.
@@ -164,14 +151,7 @@ impl Engine {
         executor_override: Option<String>,
         exit_on_pause: bool,
     ) -> Result<Engine> {
-        let actions = loopd_project::actions::load(workflow.name(), workflow.actions(), &root)?;
-        let mut plans = BTreeMap::new();
-        for (name, def) in &actions {
-            plans.insert(
-                name.clone(),
-                plan(&config, def, executor_override.as_deref())?,
-            );
-        }
+        let plans = Plans::load(&root, &config, workflow, executor_override.as_deref())?;
         Ok(Engine {
             work_tree: root.clone(),
             root,
@@ -182,84 +162,33 @@ impl Engine {
             executor_override,
             exit_on_pause,
             restored: None,
-            actions,
             plans,
         })
     }
 
     /// How each action would run, by action.
     pub fn plans(&self) -> &BTreeMap<String, Plan> {
-        &self.plans
+        self.plans.plans()
     }
 
-    /// What would stop the loop's actions from running at all, one line each: an executor
-    /// program that is not installed, an action command whose program is not found. An action
-    /// left to the config's default executor says so.
+    /// What would stop the loop's actions from running at all, one line each (see
+    /// [`Plans::preflight`]).
     pub fn preflight(&self) -> Vec<String> {
-        let mut problems = Vec::new();
-        for action in self.workflow.actions() {
-            let Some(plan) = self.plans.get(*action) else {
-                continue;
-            };
-            let Some(program) = plan_program(plan) else {
-                continue;
-            };
-            let path = plan
-                .env
-                .iter()
-                .find(|(k, _)| k == "PATH")
-                .map(|(_, v)| v.clone())
-                .or_else(|| std::env::var_os("PATH"));
-            if loopd_exec::find_program_in(&program, &self.work_tree, path.as_deref()).is_some() {
-                continue;
-            }
-            let what = match plan.executor.strip_prefix("command: ") {
-                Some(command) => format!(
-                    "{action}: `{program}` (of `{command}`) is not found; check [actions.{action}] command"
-                ),
-                None => {
-                    let default = self.executor_override.is_none()
-                        && self
-                            .config
-                            .actions
-                            .get(*action)
-                            .is_none_or(|a| a.executor.is_none())
-                        && self.actions[*action].front.executor.is_none();
-                    format!(
-                        "{action}: executor {} needs `{program}`, which is not installed (not on PATH){}",
-                        plan.executor,
-                        if default {
-                            "; it is the default executor: set `executor` in .loop/config.toml, \
-                             or pass --executor"
-                        } else {
-                            ""
-                        }
-                    )
-                }
-            };
-            problems.push(what);
-        }
-        problems
+        self.plans.preflight(
+            &self.work_tree,
+            &self.config,
+            self.executor_override.as_deref(),
+        )
     }
 
-    /// The project's own files this daemon loaded, which need `loopd trust` (see [`loopd_project::trust`]).
+    /// The project's own files this daemon loaded, which need `loopd trust`.
     pub fn project_files(&self) -> Vec<&loopd_project::project_file::ProjectFile> {
-        self.config
-            .project_file
-            .iter()
-            .chain(
-                self.actions
-                    .values()
-                    .filter_map(|a| a.project_file.as_ref()),
-            )
-            .collect()
+        self.plans.project_files(&self.config)
     }
 
     /// Where each action's definition comes from, by action.
     pub fn action_sources(&self) -> impl Iterator<Item = (&str, &str)> {
-        self.actions
-            .iter()
-            .map(|(name, def)| (name.as_str(), def.source.as_str()))
+        self.plans.action_sources()
     }
 
     /// How an action's failed attempts are tried again, and rate limits waited out.
@@ -315,72 +244,6 @@ impl Engine {
         });
         exit
     }
-}
-
-/// The program a plan runs, for a check that it exists: the executor's program, or the first
-/// word of an action's shell command when that is a plain program name (not a builtin, a
-/// keyword, an assignment or anything the shell must interpret first).
-fn plan_program(plan: &Plan) -> Option<String> {
-    let Some(command) = plan.executor.strip_prefix("command: ") else {
-        return plan.argv.first().cloned();
-    };
-    let word = command.split_whitespace().next()?;
-    const SHELL_OWN: &[&str] = &[
-        "cd", "exec", "if", "for", "while", "until", "case", "{", "(", "!", "[", "[[", "test",
-        "true", "false", "echo", "printf", "set", "export", "unset", ".", "source", ":", "eval",
-        "exit", "read", "command", "time", "env",
-    ];
-    let plain = word
-        .chars()
-        .all(|c| c.is_ascii_alphanumeric() || "._-+/".contains(c));
-    (plain && !SHELL_OWN.contains(&word)).then(|| word.to_owned())
-}
-
-/// Resolves the executor of an action: `--executor`, else `[actions.NAME]` (its `executor`, or
-/// its own shell `command`), else the action file's front matter, else the config's `executor`.
-fn plan(config: &Config, def: &ActionDef, override_: Option<&str>) -> Result<Plan> {
-    let action_config = config.actions.get(&def.name);
-    let shell = ExecutorConfig::default();
-    let (name, executor, argv, format) =
-        match (action_config.and_then(|a| a.command.clone()), override_) {
-            (Some(command), None) => {
-                // A validate command is a test command; any other reports like a `json` executor.
-                let format = if def.name == "validate" {
-                    Format::Test
-                } else {
-                    Format::Json
-                };
-                let argv = vec!["sh".into(), "-c".into(), command.clone()];
-                (format!("command: {command}"), &shell, argv, format)
-            }
-            _ => {
-                let name = override_
-                    .map(str::to_owned)
-                    .or_else(|| action_config.and_then(|a| a.executor.clone()))
-                    .or_else(|| def.front.executor.clone())
-                    .unwrap_or_else(|| config.executor.clone());
-                let executor = config.executor_named(&name).map_err(|reason| {
-                    anyhow::anyhow!("action {} ({}): {reason}", def.name, def.source)
-                })?;
-                (name, executor, executor.command.clone(), executor.format)
-            }
-        };
-    Ok(Plan {
-        executor: name,
-        argv,
-        prompt_mode: executor.prompt,
-        format,
-        env: executor
-            .env
-            .iter()
-            .map(|(k, v)| (k.clone(), OsString::from(v)))
-            .collect(),
-        supervision: config.supervision(
-            executor,
-            action_config,
-            (def.front.timeout, def.front.idle_timeout),
-        ),
-    })
 }
 
 /// One drive of one loop by an [`Engine`]: its events, progress files, watch, and its own copy

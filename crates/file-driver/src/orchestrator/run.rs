@@ -362,7 +362,7 @@ impl LoopRun<'_> {
             .engine
             .plans
             .get(action)
-            .map_or(Duration::from_secs(5), |p| p.supervision.kill_grace);
+            .map_or(Duration::from_secs(5), |(_, p)| p.supervision.kill_grace);
         let state_file = self.store().state_path(self.id);
         self.engine.executor.end_leftovers(&state_file, grace).await
     }
