@@ -43,6 +43,10 @@ pub struct Cli {
     /// Print the result as JSON on stdout (one value; `logs` one event per line), for scripts
     #[arg(long, global = true)]
     pub json: bool,
+    /// The loop is on Temporal, at HOST:PORT (create, status, pause, resume, stop, worker)
+    #[cfg(feature = "temporal")]
+    #[arg(long, global = true, value_name = "HOST:PORT", env = "LOOPD_TEMPORAL")]
+    pub temporal: Option<String>,
     #[command(subcommand)]
     pub command: Command,
 }
@@ -54,6 +58,9 @@ pub enum Command {
     Serve(loopd_file_driver::serve::ServeArgs),
     /// Write a new loop (status `created`) and print its id
     Create(loopd_file_driver::create::CreateArgs),
+    /// Run loops on Temporal: their workflows, and their actions as this machine's processes
+    #[cfg(feature = "temporal")]
+    Worker(crate::temporal::WorkerArgs),
     /// Drive a loop in the foreground until it ends
     Run {
         id: String,
@@ -206,7 +213,15 @@ pub fn run(cli: Cli) -> Result<i32> {
         config,
         json,
         command,
+        #[cfg(feature = "temporal")]
+        temporal,
     } = cli;
+    #[cfg(feature = "temporal")]
+    if let Some(exit) = on_temporal(temporal.as_deref(), &command, json, || {
+        Project::open(roots.first().map(PathBuf::as_path), config.as_deref())
+    })? {
+        return Ok(exit);
+    }
     let root = match (&command, roots.as_slice()) {
         (Command::Serve(_), _) | (_, []) => None,
         (_, [root]) => Some(root.clone()),
@@ -218,6 +233,8 @@ pub fn run(cli: Cli) -> Result<i32> {
     match command {
         Command::Serve(_) if json => Err(usage("--json: serve prints a log, not a result")),
         Command::Serve(args) => loopd_file_driver::serve::run(&roots, config.as_deref(), &args),
+        #[cfg(feature = "temporal")]
+        Command::Worker(_) => unreachable!("a worker is run by on_temporal"),
         Command::Create(args) => {
             let p = project()?;
             let id = loopd_file_driver::create::create_loop(&p, &args)?;
@@ -762,4 +779,34 @@ fn logs(p: &Project, id: &str, shown: &LogsShown) -> Result<i32> {
 /// Whether no daemon drives the loop: nothing more will happen to it by itself.
 fn finished(p: &Project, id: &str) -> bool {
     loopd_file_driver::locks::daemon_pid(&p.store, id).is_none()
+}
+
+/// The commands of a loop on Temporal (`--temporal`), and `worker`; `None` for the others.
+#[cfg(feature = "temporal")]
+fn on_temporal(
+    address: Option<&str>,
+    command: &Command,
+    json: bool,
+    project: impl Fn() -> Result<Project>,
+) -> Result<Option<i32>> {
+    use crate::temporal;
+    use loopd_temporal::workflow::Control as Signal;
+    if let Command::Worker(args) = command {
+        return temporal::worker(address, args).map(Some);
+    }
+    if address.is_none() {
+        return Ok(None);
+    }
+    Ok(Some(match command {
+        Command::Create(args) => temporal::create(&project()?, address, args, json)?,
+        Command::Status { id } => temporal::status(address, id, json)?,
+        Command::Pause { id } => temporal::control(address, id, Signal::Pause, json)?,
+        Command::Resume { id } => temporal::control(address, id, Signal::Resume, json)?,
+        Command::Stop { id } => temporal::control(address, id, Signal::Stop, json)?,
+        _ => {
+            return Err(usage(
+                "--temporal: only create, status, pause, resume, stop and worker know loops on Temporal yet",
+            ));
+        }
+    }))
 }

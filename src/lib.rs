@@ -15,3 +15,5 @@ pub mod init;
 pub mod logging;
 pub mod output;
 pub mod recovery;
+#[cfg(feature = "temporal")]
+pub mod temporal;

@@ -105,7 +105,7 @@ impl Verdict {
 pub const MAX_RATE_LIMITS: u32 = 20;
 
 /// How an action's attempts are tried again, from the config.
-#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct RetryPolicy {
     /// Failed attempts tried again, after the first.
     pub retries: u32,
@@ -206,6 +206,21 @@ impl Attempts {
         };
         let floor = Duration::from_secs(1);
         wait.clamp(floor, self.policy.rate_limit_max_wait.max(floor))
+    }
+}
+
+/// The verdict of an attempt once its workflow has checked a successful result: one the
+/// workflow refuses is the agent's error.
+pub fn checked(workflow: &dyn Workflow, action: &str, verdict: Verdict) -> Verdict {
+    match verdict {
+        Verdict::Success(result) => match workflow.validate(action, &result) {
+            Ok(()) => Verdict::Success(result),
+            Err(reason) => Verdict::Failed {
+                outcome: AttemptOutcome::AgentError,
+                message: format!("invalid result: {reason}"),
+            },
+        },
+        other => other,
     }
 }
 

@@ -392,7 +392,7 @@ pub struct BestValidation {
 }
 
 /// Tokens of one attempt, as the agents report them.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct Usage {
     pub input_tokens: u64,
     pub output_tokens: u64,
@@ -541,7 +541,7 @@ pub struct Checkpoint {
 }
 
 /// A task of the loop's task list, as a workflow takes it.
-#[derive(Clone, Debug, Default, PartialEq)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct ListedTask {
     pub id: String,
     pub description: String,

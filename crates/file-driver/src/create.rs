@@ -199,6 +199,41 @@ fn check_texts(title: &str, description: &str, tasks: &[String]) -> Result<()> {
 
 /// Writes a new loop (and its task list); returns its id.
 pub fn create_loop(p: &Project, args: &CreateArgs) -> Result<String> {
+    let id = new_id();
+    let worktree = match args.worktree {
+        true => Some(crate::worktree::create(&p.root, &p.store, &id)?),
+        false => None,
+    };
+    let state = match new_state(p, args, &id, worktree.clone()) {
+        Ok(state) => state,
+        Err(e) => {
+            if let Some(w) = &worktree {
+                crate::worktree::remove(&p.root, w);
+            }
+            return Err(e);
+        }
+    };
+    if let Err(e) = p.store.create(&state) {
+        if let Some(w) = &worktree {
+            crate::worktree::remove(&p.root, w);
+        }
+        return Err(e.into());
+    }
+    if !args.tasks.is_empty() {
+        let texts: Vec<&str> = args.tasks.iter().map(String::as_str).collect();
+        p.store.add_tasks(&id, &texts, &[])?;
+    }
+    Ok(id)
+}
+
+/// A new loop's state as `create` makes it, every request checked (its task list aside, which
+/// the driver keeps): loop `id`, in `worktree` when it has one of its own.
+pub fn new_state(
+    p: &Project,
+    args: &CreateArgs,
+    id: &str,
+    worktree: Option<loopd_core::state::Worktree>,
+) -> Result<LoopState> {
     let CreateArgs {
         title,
         description,
@@ -206,7 +241,7 @@ pub fn create_loop(p: &Project, args: &CreateArgs) -> Result<String> {
         mode,
         workflow,
         tasks,
-        worktree,
+        worktree: _,
         tuning,
     } = args;
     let crate::create::Limits {
@@ -245,13 +280,8 @@ pub fn create_loop(p: &Project, args: &CreateArgs) -> Result<String> {
         .default_limits()
         .unwrap_or((p.config.max_iterations, p.config.max_errors));
     let now = now_rfc3339();
-    let id = new_id();
-    let worktree = match worktree {
-        true => Some(crate::worktree::create(&p.root, &p.store, &id)?),
-        false => None,
-    };
     let mut state = LoopState {
-        loop_id: id.clone(),
+        loop_id: id.to_owned(),
         title,
         description: description.to_owned(),
         max_iterations: Some(max_iterations.unwrap_or(defaults.0)),
@@ -279,15 +309,5 @@ pub fn create_loop(p: &Project, args: &CreateArgs) -> Result<String> {
         state.skill().set_part(tuning);
     }
     workflow.init_part(state.skill());
-    if let Err(e) = p.store.create(&state) {
-        if let Some(w) = &worktree {
-            crate::worktree::remove(&p.root, w);
-        }
-        return Err(e.into());
-    }
-    if !tasks.is_empty() {
-        let texts: Vec<&str> = tasks.iter().map(String::as_str).collect();
-        p.store.add_tasks(&id, &texts, &[])?;
-    }
-    Ok(id)
+    Ok(state)
 }

@@ -357,6 +357,17 @@ impl Config {
     }
 
     /// The limits of loops that do not set their own.
+    /// How an action's failed attempts are tried again, and rate limits waited out.
+    pub fn retry_policy(&self) -> loopd_core::attempt::RetryPolicy {
+        let secs = |v: f64| Duration::try_from_secs_f64(v).unwrap_or_default();
+        loopd_core::attempt::RetryPolicy {
+            retries: self.action_retries,
+            first_pause: secs(self.retry_backoff),
+            rate_limit_wait: secs(self.rate_limit_wait),
+            rate_limit_max_wait: secs(self.rate_limit_max_wait),
+        }
+    }
+
     pub fn limits(&self) -> loopd_core::workflow::Limits {
         loopd_core::workflow::Limits {
             max_iterations: self.max_iterations,

@@ -21,7 +21,8 @@ use crate::state::{
 };
 
 /// Why a loop completed.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum Outcome {
     /// The workflow's goal was met.
     Passed,
@@ -51,7 +52,7 @@ impl Outcome {
 }
 
 /// One action to run.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Dispatch {
     pub action: String,
     pub task_id: Option<String>,
@@ -104,7 +105,7 @@ pub enum Decision {
 }
 
 /// Defaults for limits a loop's state does not set.
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Copy, Debug, Default, serde::Serialize, serde::Deserialize)]
 pub struct Limits {
     pub max_iterations: u64,
     pub max_errors: u64,

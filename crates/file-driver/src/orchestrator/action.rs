@@ -32,7 +32,7 @@ impl LoopRun<'_> {
             )),
         };
         self.begin(&mut state, dispatch);
-        let mut attempts = attempt_rules::Attempts::new(self.engine.retry_policy());
+        let mut attempts = attempt_rules::Attempts::new(self.engine.config.retry_policy());
         let mut consumed_choice = consumed_choice;
         loop {
             let attempt = attempts.attempt;

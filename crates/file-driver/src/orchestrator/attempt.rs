@@ -398,15 +398,11 @@ impl LoopRun<'_> {
         let dispatch = done.dispatch;
         let log_path = &files.log_path;
         let reported = loopd_exec::result::read_result_file(&files.actions, &files.result_name);
-        let mut v = verdict(plan.format, reported, &run);
-        if let Verdict::Success(result) = &v
-            && let Err(reason) = engine.workflow.validate(&dispatch.action, result)
-        {
-            v = Verdict::Failed {
-                outcome: AttemptOutcome::AgentError,
-                message: format!("invalid result: {reason}"),
-            };
-        }
+        let v = attempt_rules::checked(
+            engine.workflow,
+            &dispatch.action,
+            verdict(plan.format, reported, &run),
+        );
         let checkpoint = match &v {
             Verdict::Interrupted => None,
             _ if !engine.workflow.changes_work_tree(&dispatch.action) => None,

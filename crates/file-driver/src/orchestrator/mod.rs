@@ -43,7 +43,7 @@ use loopd_core::workflow::{
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
-use loopd_core::attempt::{self as attempt_rules, AttemptOutcome, Verdict};
+use loopd_core::attempt::{self as attempt_rules, Verdict};
 use loopd_exec::agent::AgentStream;
 use loopd_exec::checkpoint;
 use loopd_exec::result::verdict;
@@ -189,17 +189,6 @@ impl Engine {
     /// Where each action's definition comes from, by action.
     pub fn action_sources(&self) -> impl Iterator<Item = (&str, &str)> {
         self.plans.action_sources()
-    }
-
-    /// How an action's failed attempts are tried again, and rate limits waited out.
-    fn retry_policy(&self) -> attempt_rules::RetryPolicy {
-        let secs = |v: f64| Duration::try_from_secs_f64(v).unwrap_or_default();
-        attempt_rules::RetryPolicy {
-            retries: self.config.action_retries,
-            first_pause: secs(self.config.retry_backoff),
-            rate_limit_wait: secs(self.config.rate_limit_wait),
-            rate_limit_max_wait: secs(self.config.rate_limit_max_wait),
-        }
     }
 
     fn limits(&self) -> Limits {

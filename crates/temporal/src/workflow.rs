@@ -1,0 +1,269 @@
+//! A loop as a Temporal workflow: the selections of the file driver's daemon, with the state in
+//! the workflow and every decision from the core.
+
+use std::time::{Duration, SystemTime};
+
+use chrono::{DateTime, Utc};
+use loopd_core::attempt::{self, AfterAttempt, Attempts, Verdict};
+use loopd_core::state::{LoopState, Status, format_ts};
+use loopd_core::workflow::{self, Decision, Dispatch, Finish, Inputs, LoopEnd, Workflow};
+use serde::{Deserialize, Serialize};
+use temporalio_macros::{workflow, workflow_methods};
+use temporalio_sdk::{
+    ActivityOptions, SyncWorkflowContext, WorkflowContext, WorkflowContextView, WorkflowResult,
+};
+
+use crate::LoopInput;
+use crate::activity::{AttemptInput, LoopActivities};
+
+/// How long an attempt may go without a heartbeat before Temporal gives it to another worker.
+const HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(10);
+/// The longest an attempt may take, whatever its executor's own timeout says.
+const ATTEMPT_LIMIT: Duration = Duration::from_secs(24 * 3600);
+
+/// A status change a person asks for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Control {
+    Pause,
+    Resume,
+    Stop,
+}
+
+/// One loop.
+#[workflow]
+#[derive(Default)]
+pub struct LoopWorkflow {
+    input: LoopInput,
+    /// Whether `run` has taken its input: a signal may come before.
+    started: bool,
+    /// Controls that came before the input, applied to it in order.
+    early: Vec<Control>,
+}
+
+#[workflow_methods]
+impl LoopWorkflow {
+    /// Drives the loop until it ends (completed, failed or stopped); returns its last state.
+    #[run]
+    pub async fn run(
+        ctx: &mut WorkflowContext<Self>,
+        input: LoopInput,
+    ) -> WorkflowResult<LoopState> {
+        ctx.state_mut(|s| {
+            s.input = input;
+            s.started = true;
+            for what in std::mem::take(&mut s.early) {
+                apply(&mut s.input.state, what);
+            }
+        });
+        loop {
+            let state = ctx.state(|s| s.input.state.clone());
+            match state.status {
+                Status::Created => {
+                    ctx.state_mut(|s| s.input.state.status = Status::Running);
+                    continue;
+                }
+                Status::Paused => {
+                    ctx.wait_condition(|s| s.input.state.status != Status::Paused)
+                        .await?;
+                    continue;
+                }
+                Status::Running => {}
+                _ => return Ok(state),
+            }
+            let (wf, limits) = (workflow_of(&state), ctx.state(|s| s.input.limits));
+            match workflow::decide(wf, &state, limits) {
+                Decision::Abort(reason) => ctx.state_mut(|s| {
+                    let state = &mut s.input.state;
+                    state.skill().outcome = Some("failed".into());
+                    state.status = Status::Failed;
+                    state.failure_reason = Some(reason);
+                }),
+                Decision::AwaitAnswer => {
+                    ctx.wait_condition(|s| {
+                        let state = &s.input.state;
+                        state.status != Status::Running
+                            || state
+                                .skill_state
+                                .as_ref()
+                                .and_then(|k| k.question.as_ref())
+                                .is_none_or(|q| !q.waiting())
+                    })
+                    .await?;
+                }
+                Decision::Wait { .. } => {
+                    ctx.wait_condition(|s| {
+                        s.input.state.status != Status::Running
+                            || s.input.state.next_action.is_some()
+                    })
+                    .await?;
+                }
+                Decision::Run(dispatch) => run_action(ctx, wf, dispatch).await?,
+            }
+        }
+    }
+
+    /// Pause, resume or stop, as `loopd pause|resume|stop` ask; a change that makes no sense
+    /// for the loop's status (pausing a loop that ended) changes nothing.
+    #[signal]
+    pub fn control(&mut self, _ctx: &mut SyncWorkflowContext<Self>, what: Control) {
+        match self.started {
+            true => apply(&mut self.input.state, what),
+            false => self.early.push(what),
+        }
+    }
+
+    /// The loop's state as it is now.
+    #[query]
+    pub fn state(&self, _ctx: &WorkflowContextView) -> LoopState {
+        self.input.state.clone()
+    }
+}
+
+/// A status change, where it makes sense for the loop's status.
+fn apply(state: &mut LoopState, what: Control) {
+    state.status = match (what, &state.status) {
+        (Control::Pause, Status::Running | Status::Created) => Status::Paused,
+        (Control::Resume, Status::Paused) => Status::Running,
+        (Control::Stop, Status::Running | Status::Created | Status::Paused) => Status::UserExit,
+        _ => return,
+    };
+}
+
+/// The workflow a loop runs.
+fn workflow_of(state: &LoopState) -> &'static dyn Workflow {
+    let name = state
+        .skill_state
+        .as_ref()
+        .and_then(|s| s.workflow.as_deref())
+        .unwrap_or(workflow::DEFAULT);
+    workflow::by_name(name).unwrap_or(&workflow::ccw_loop::CcwLoop)
+}
+
+/// The workflow's clock: the time of the workflow task, the same on every replay.
+fn now(ctx: &WorkflowContext<LoopWorkflow>) -> DateTime<Utc> {
+    DateTime::<Utc>::from(ctx.workflow_time().unwrap_or(SystemTime::UNIX_EPOCH))
+}
+
+/// One action: its attempts as activities, with the core's retries and waits as durable timers,
+/// until it is finished, the loop must wait for someone, or a person paused or stopped it.
+async fn run_action(
+    ctx: &mut WorkflowContext<LoopWorkflow>,
+    wf: &'static dyn Workflow,
+    dispatch: Dispatch,
+) -> WorkflowResult<()> {
+    let at = format_ts(now(ctx));
+    ctx.state_mut(|s| attempt::begin(wf, &mut s.input.state, &dispatch, &at));
+    let (root, executor, retry) = ctx.state(|s| {
+        (
+            s.input.root.clone(),
+            s.input.executor.clone(),
+            s.input.retry,
+        )
+    });
+    let mut attempts = Attempts::new(retry);
+    loop {
+        let state = ctx.state(|s| s.input.state.clone());
+        let iteration = state
+            .current_iteration
+            .saturating_add(u64::from(wf.counts_iteration(&dispatch.action)));
+        let started_at = format_ts(now(ctx));
+        let input = AttemptInput {
+            root: root.clone(),
+            state,
+            dispatch: dispatch.clone(),
+            iteration,
+            attempt: attempts.attempt,
+            executor: executor.clone(),
+        };
+        let options = ActivityOptions::with_start_to_close_timeout(ATTEMPT_LIMIT)
+            .heartbeat_timeout(HEARTBEAT_TIMEOUT)
+            .build();
+        let report = {
+            let activity = ctx.execute_activity(LoopActivities::attempt, input, options);
+            let controlled = ctx.wait_condition(|s| s.input.state.status != Status::Running);
+            futures::pin_mut!(activity);
+            futures::pin_mut!(controlled);
+            match futures::future::select(activity, controlled).await {
+                futures::future::Either::Left((report, _)) => Some(report?),
+                // The executor is ended by the activity's cancellation, at its next heartbeat.
+                futures::future::Either::Right(_) => None,
+            }
+        };
+        let (verdict, spent) = match report {
+            Some(report) => (
+                attempt::checked(wf, &dispatch.action, report.verdict),
+                report.spent,
+            ),
+            None => (Verdict::Interrupted, None),
+        };
+        let finished_at = format_ts(now(ctx));
+        ctx.state_mut(|s| {
+            attempt::record(
+                &mut s.input.state,
+                attempt::Attempted {
+                    dispatch: &dispatch,
+                    iteration,
+                    attempt: attempts.attempt,
+                    started_at: &started_at,
+                    finished_at: &finished_at,
+                    spent: spent.as_ref().map(|(u, c)| (u, *c)),
+                    checkpoint: None,
+                },
+                &verdict,
+            )
+        });
+        match attempts.next(verdict, now(ctx)) {
+            AfterAttempt::Finish(finish) => return finish_action(ctx, wf, &dispatch, finish),
+            AfterAttempt::Retry { pause } => {
+                ctx.timer(pause).await;
+            }
+            AfterAttempt::WaitRateLimit { wait, .. } => {
+                ctx.timer(wait).await;
+            }
+            AfterAttempt::Block(reason) => {
+                let at = format_ts(now(ctx));
+                let executor = executor.clone().unwrap_or_default();
+                ctx.state_mut(|s| {
+                    let state = &mut s.input.state;
+                    attempt::block(state, &dispatch, &executor, reason, &at);
+                    state.status = Status::Paused;
+                });
+                return Ok(());
+            }
+            AfterAttempt::Ask(question) => {
+                let at = format_ts(now(ctx));
+                ctx.state_mut(|s| attempt::ask(wf, &mut s.input.state, &dispatch, question, &at));
+                return Ok(());
+            }
+            AfterAttempt::Interrupted => return Ok(()),
+        }
+        if ctx.state(|s| s.input.state.status != Status::Running) {
+            return Ok(());
+        }
+    }
+}
+
+/// The action is done: the core applies its result and keeps the books; a loop it ends is
+/// completed.
+fn finish_action(
+    ctx: &mut WorkflowContext<LoopWorkflow>,
+    wf: &'static dyn Workflow,
+    dispatch: &Dispatch,
+    finish: Finish,
+) -> WorkflowResult<()> {
+    let at = format_ts(now(ctx));
+    ctx.state_mut(|s| {
+        let inputs = Inputs {
+            now: at.clone(),
+            listed_tasks: s.input.tasks.clone(),
+        };
+        let state = &mut s.input.state;
+        if let Some(LoopEnd::Completed(_)) = attempt::finish(wf, state, dispatch, &finish, &inputs)
+            && state.status == Status::Running
+        {
+            state.status = Status::Completed;
+            state.completed_at = Some(at.clone());
+        }
+    });
+    Ok(())
+}
