@@ -29,15 +29,10 @@ fn agents_bin() -> Option<PathBuf> {
     if missing.is_empty() {
         return Some(bin);
     }
-    assert!(
-        std::env::var("CI").as_deref() != Ok("true"),
-        "the agent CLIs {missing:?} are not installed in {}: .ci/run installs them",
-        bin.display()
-    );
-    eprintln!(
-        "skipped: the agent CLIs {missing:?} are not installed in {} (.ci/run installs them; \
-         by hand: README, Development, \"The real agent CLIs\")",
-        bin.display()
+    common::not_installed(
+        &format!("the agent CLIs {missing:?}"),
+        &bin,
+        "README, Development, \"The real agent CLIs\"",
     );
     None
 }

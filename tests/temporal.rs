@@ -27,14 +27,10 @@ fn temporal_bin() -> Option<PathBuf> {
     if bin.exists() {
         return Some(bin);
     }
-    assert!(
-        std::env::var("CI").as_deref() != Ok("true"),
-        "the Temporal server is not installed at {}: .ci/run installs it",
-        bin.display()
-    );
-    eprintln!(
-        "skipped: the Temporal server is not installed at {} (.ci/run installs it)",
-        bin.display()
+    common::not_installed(
+        "the Temporal server",
+        &bin,
+        "README, Development, \"Loops on Temporal\"",
     );
     None
 }
@@ -254,4 +250,22 @@ fn a_server_that_is_not_there_is_one_line_and_exit_2() {
     let err = stderr(&out);
     assert_eq!(err.trim().lines().count(), 1, "{err}");
     assert!(err.contains(&address), "{err}");
+}
+
+#[test]
+fn an_untrusted_project_blocks_the_loop_with_the_reason() {
+    let Some(bin) = temporal_bin() else { return };
+    let p = Project::new(GOOD_AGENT);
+    // Changed after `loopd trust`: no worker may run what it says.
+    let config = p.root.join(".loop/config.toml");
+    let text = std::fs::read_to_string(&config).unwrap();
+    std::fs::write(&config, format!("{text}\n# changed\n")).unwrap();
+    let mut temporal = Temporal::start(&p, &bin);
+    temporal.worker(&p);
+    let id = temporal.create(&p, &["--title", "untrusted"]);
+    let state = temporal.wait_for_status(&p, &id, "paused");
+    let reason = state["skill_state"]["blocked"]["reason"]
+        .as_str()
+        .unwrap_or_default();
+    assert!(reason.contains("trust"), "{state}");
 }

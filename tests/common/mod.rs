@@ -676,3 +676,17 @@ pub mod ccw {
         std::fs::write(tasks_path(p, id), text.join("\n")).unwrap();
     }
 }
+
+/// For a test whose tools (`what`, expected at `place`) are not installed: outside CI it says so
+/// and the test passes without them; in CI (`CI=true`), where `.ci/run` installs them, it fails.
+pub fn not_installed(what: &str, place: &Path, by_hand: &str) {
+    assert!(
+        std::env::var("CI").as_deref() != Ok("true"),
+        "{what} not installed at {}: .ci/run installs it",
+        place.display()
+    );
+    eprintln!(
+        "skipped: {what} not installed at {} (.ci/run installs it; by hand: {by_hand})",
+        place.display()
+    );
+}

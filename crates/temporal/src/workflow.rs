@@ -18,6 +18,9 @@ use crate::activity::{AttemptInput, LoopActivities};
 
 /// How long an attempt may go without a heartbeat before Temporal gives it to another worker.
 const HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(10);
+/// How often Temporal gives an attempt that failed to run at all (not one whose executor failed:
+/// that is the loop's to retry) to a worker: a worker that died while it ran counts.
+const ACTIVITY_TRIES: u32 = 3;
 /// The longest an attempt may take, whatever its executor's own timeout says.
 const ATTEMPT_LIMIT: Duration = Duration::from_secs(24 * 3600);
 
@@ -129,6 +132,20 @@ fn apply(state: &mut LoopState, what: Control) {
     };
 }
 
+/// Why an activity failed, in one line: the innermost message of its failure (the worker's own
+/// words, under Temporal's "activity task failed").
+fn why(e: &temporalio_sdk::ActivityExecutionError) -> String {
+    let mut message = e.to_string();
+    let mut failure = e.failure();
+    while let Some(f) = failure {
+        if !f.message.is_empty() {
+            message.clone_from(&f.message);
+        }
+        failure = f.cause.as_deref();
+    }
+    loopd_exec::result::one_line(&message)
+}
+
 /// The workflow a loop runs.
 fn workflow_of(state: &LoopState) -> &'static dyn Workflow {
     let name = state
@@ -177,6 +194,11 @@ async fn run_action(
         };
         let options = ActivityOptions::with_start_to_close_timeout(ATTEMPT_LIMIT)
             .heartbeat_timeout(HEARTBEAT_TIMEOUT)
+            .retry_policy(
+                temporalio_common::RetryPolicy::builder()
+                    .maximum_attempts(ACTIVITY_TRIES)
+                    .build(),
+            )
             .build();
         let report = {
             let activity = ctx.execute_activity(LoopActivities::attempt, input, options);
@@ -184,16 +206,19 @@ async fn run_action(
             futures::pin_mut!(activity);
             futures::pin_mut!(controlled);
             match futures::future::select(activity, controlled).await {
-                futures::future::Either::Left((report, _)) => Some(report?),
+                futures::future::Either::Left((report, _)) => Some(report.map_err(|e| why(&e))),
                 // The executor is ended by the activity's cancellation, at its next heartbeat.
                 futures::future::Either::Right(_) => None,
             }
         };
         let (verdict, spent) = match report {
-            Some(report) => (
+            Some(Ok(report)) => (
                 attempt::checked(wf, &dispatch.action, report.verdict),
                 report.spent,
             ),
+            // No worker could run it (its project's files do not load or are not trusted, its
+            // executor cannot start): the loop waits for a person, as a blocked executor does.
+            Some(Err(message)) => (Verdict::Blocked { message }, None),
             None => (Verdict::Interrupted, None),
         };
         let finished_at = format_ts(now(ctx));
