@@ -19,7 +19,7 @@ use temporalio_sdk::activities::{ActivityContext, ActivityError};
 use tokio_util::sync::CancellationToken;
 
 /// How often a running attempt tells Temporal it lives (and hears of a cancellation).
-const HEARTBEAT_EVERY: Duration = Duration::from_secs(1);
+const HEARTBEAT_EVERY: Duration = Duration::from_millis(200);
 /// The file an attempt may write its result to, in its actions directory.
 const RESULT_FILE: &str = "result.json";
 

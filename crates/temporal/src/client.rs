@@ -16,6 +16,8 @@ use crate::activity::LoopActivities;
 use crate::workflow::{Control, LoopWorkflow};
 use crate::{LoopInput, TemporalConfig};
 
+/// The longest a worker holds back an attempt's heartbeat (Temporal's default is 60 s).
+const HEARTBEAT_THROTTLE: Duration = Duration::from_millis(300);
 /// How long a connection may take before loopd says the service is not there.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -82,6 +84,8 @@ pub async fn run_worker(
         .map_err(|e| anyhow::anyhow!("cannot start the Temporal runtime: {e}"))?;
     let client = connect(config).await?;
     let options = WorkerOptions::new(config.task_queue.clone())
+        // A heartbeat is how a pause or stop reaches the attempt: none is held back long.
+        .max_heartbeat_throttle_interval(HEARTBEAT_THROTTLE)
         .register_workflow::<LoopWorkflow>()?
         .register_activities(LoopActivities)
         .build();
