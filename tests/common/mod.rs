@@ -129,6 +129,7 @@ impl Project {
             .env_remove("JOURNAL_STREAM")
             .env_remove("LOOPD_CONFIG")
             .env_remove("LOOPD_ROOT")
+            .env_remove("LOOPD_TEMPORAL")
             .env_remove("LOOPD_LOG")
             .stdin(Stdio::null());
         cmd
