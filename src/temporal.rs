@@ -88,7 +88,7 @@ pub fn create(p: &Project, address: Option<&str>, args: &CreateArgs, json: bool)
         .iter()
         .enumerate()
         .map(|(i, text)| ListedTask {
-            id: format!("task-{:03}", i + 1),
+            id: loopd_core::state::task_id(i as u64 + 1),
             description: text.clone(),
             ..ListedTask::default()
         })

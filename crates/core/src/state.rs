@@ -540,6 +540,16 @@ pub struct Checkpoint {
     pub deletions: u64,
 }
 
+/// The id of a loop's `n`th task (from 1), as loopd numbers the tasks it adds: `task-001`.
+pub fn task_id(n: u64) -> String {
+    format!("task-{n:03}")
+}
+
+/// The number of a task id loopd gave ([`task_id`]), if it is one.
+pub fn task_number(id: &str) -> Option<u64> {
+    id.strip_prefix("task-")?.parse().ok()
+}
+
 /// A task of the loop's task list, as a workflow takes it.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct ListedTask {

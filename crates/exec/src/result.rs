@@ -190,6 +190,27 @@ fn secs(d: std::time::Duration) -> String {
     format!("{}s", d.as_secs_f64())
 }
 
+/// The file each attempt of a loop may write its result to (`$LOOPD_RESULT_FILE`), in the loop's
+/// actions directory: one for all its attempts, emptied before each, so that no attempt costs a file
+/// made and later removed (which on ext4 costs a search for a free inode).
+pub const RESULT_FILE: &str = "result.json";
+
+/// Empties the result file before an attempt, making it if it is missing; what is there that is
+/// not a plain file (an executor's symlink) is removed first.
+pub fn empty_result_file(actions: &loopd_fs::Dir) {
+    let emptied = |dir: &loopd_fs::Dir| {
+        let file = dir.open_rw(RESULT_FILE)?;
+        match file.metadata()?.len() {
+            0 => Ok(()),
+            _ => file.set_len(0),
+        }
+    };
+    if emptied(actions).is_err() {
+        let _ = actions.remove(RESULT_FILE);
+        let _ = emptied(actions);
+    }
+}
+
 /// The result the executor wrote to `$LOOPD_RESULT_FILE` (`name` in the attempts' directory),
 /// if it wrote one. Read without blocking and at most [`RESULT_FILE_CAP`] bytes: a FIFO, a
 /// device, a symlink or a hard link there is a failed attempt, never a hang.

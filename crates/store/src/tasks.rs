@@ -545,14 +545,14 @@ impl Store {
                 .chain(own.records())
                 .map(|r| r.id.as_str())
                 .chain(taken.iter().map(String::as_str))
-                .filter_map(|t| t.strip_prefix("task-")?.parse::<u64>().ok());
+                .filter_map(loopd_core::state::task_number);
             let first = numbers.max().unwrap_or(0) + 1;
             let next_order = last_order(shared.records().chain(own.records())).map_or(0, |o| o + 1);
             descriptions
                 .iter()
                 .enumerate()
                 .map(|(i, description)| {
-                    let id = format!("task-{:03}", first + i as u64);
+                    let id = loopd_core::state::task_id(first + i as u64);
                     let mut map = Map::new();
                     map.insert("task_id".into(), id.clone().into());
                     map.insert("description".into(), (*description).into());

@@ -9,6 +9,7 @@ use loopd_core::attempt::Verdict;
 use loopd_core::state::{LoopState, Usage};
 use loopd_core::workflow::{self, Dispatch};
 use loopd_exec::agent::AgentStream;
+use loopd_exec::result::{RESULT_FILE, empty_result_file};
 use loopd_exec::{Budget, Executor as _, Spec, Subprocess, procs};
 use loopd_fs::Dir;
 use loopd_project::config::Config;
@@ -20,8 +21,6 @@ use tokio_util::sync::CancellationToken;
 
 /// How often a running attempt tells Temporal it lives (and hears of a cancellation).
 const HEARTBEAT_EVERY: Duration = Duration::from_millis(200);
-/// The file an attempt may write its result to, in its actions directory.
-const RESULT_FILE: &str = "result.json";
 
 /// One attempt to run.
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -38,6 +37,8 @@ pub struct AttemptInput {
 /// How an attempt ended, and what its executor spent.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct AttemptReport {
+    /// The executor that ran it, by name (`command: ...` for an action's own command).
+    pub executor: String,
     pub verdict: Verdict,
     pub spent: Option<(Usage, Option<f64>)>,
 }
@@ -88,7 +89,7 @@ async fn run_attempt(ctx: &ActivityContext, input: AttemptInput) -> anyhow::Resu
         .subdir(&format!("{id}.progress"), true)?
         .subdir("actions", true)?;
     let result_file = actions.join(RESULT_FILE);
-    let _ = actions.remove(RESULT_FILE);
+    empty_result_file(&actions);
     let step = Step {
         dispatch: &dispatch,
         plan,
@@ -145,5 +146,9 @@ async fn run_attempt(ctx: &ActivityContext, input: AttemptInput) -> anyhow::Resu
     let reported = loopd_exec::result::read_result_file(&actions, RESULT_FILE);
     let verdict = loopd_exec::result::verdict(plan.format, reported, &run);
     let spent = run.agent.map(|a| (a.usage, a.cost_usd));
-    Ok(AttemptReport { verdict, spent })
+    Ok(AttemptReport {
+        executor: plan.executor.clone(),
+        verdict,
+        spent,
+    })
 }

@@ -211,15 +211,16 @@ async fn run_action(
                 futures::future::Either::Right(_) => None,
             }
         };
-        let (verdict, spent) = match report {
+        let (verdict, spent, ran_by) = match report {
             Some(Ok(report)) => (
                 attempt::checked(wf, &dispatch.action, report.verdict),
                 report.spent,
+                report.executor,
             ),
             // No worker could run it (its project's files do not load or are not trusted, its
             // executor cannot start): the loop waits for a person, as a blocked executor does.
-            Some(Err(message)) => (Verdict::Blocked { message }, None),
-            None => (Verdict::Interrupted, None),
+            Some(Err(message)) => (Verdict::Blocked { message }, None, String::new()),
+            None => (Verdict::Interrupted, None, String::new()),
         };
         let finished_at = format_ts(now(ctx));
         ctx.state_mut(|s| {
@@ -238,19 +239,18 @@ async fn run_action(
             )
         });
         match attempts.next(verdict, now(ctx)) {
-            AfterAttempt::Finish(finish) => return finish_action(ctx, wf, &dispatch, finish),
-            AfterAttempt::Retry { pause } => {
-                ctx.timer(pause).await;
+            AfterAttempt::Finish(finish) => {
+                finish_action(ctx, wf, &dispatch, finish);
+                return Ok(());
             }
-            AfterAttempt::WaitRateLimit { wait, .. } => {
-                ctx.timer(wait).await;
+            AfterAttempt::Retry { pause: wait } | AfterAttempt::WaitRateLimit { wait, .. } => {
+                sleep_unless_controlled(ctx, wait).await;
             }
             AfterAttempt::Block(reason) => {
                 let at = format_ts(now(ctx));
-                let executor = executor.clone().unwrap_or_default();
                 ctx.state_mut(|s| {
                     let state = &mut s.input.state;
-                    attempt::block(state, &dispatch, &executor, reason, &at);
+                    attempt::block(state, &dispatch, &ran_by, reason, &at);
                     state.status = Status::Paused;
                 });
                 return Ok(());
@@ -275,12 +275,17 @@ fn finish_action(
     wf: &'static dyn Workflow,
     dispatch: &Dispatch,
     finish: Finish,
-) -> WorkflowResult<()> {
+) {
     let at = format_ts(now(ctx));
     ctx.state_mut(|s| {
+        // The task list, to the actions that take it (as the file driver gives it).
+        let listed_tasks = match wf.reads_task_list(&dispatch.action) {
+            true => s.input.tasks.clone(),
+            false => Vec::new(),
+        };
         let inputs = Inputs {
             now: at.clone(),
-            listed_tasks: s.input.tasks.clone(),
+            listed_tasks,
         };
         let state = &mut s.input.state;
         if let Some(LoopEnd::Completed(_)) = attempt::finish(wf, state, dispatch, &finish, &inputs)
@@ -290,5 +295,14 @@ fn finish_action(
             state.completed_at = Some(at.clone());
         }
     });
-    Ok(())
+}
+
+/// Waits `wait` on a durable timer, or less if a person pauses or stops the loop meanwhile: a
+/// stop takes effect at once, even during a long rate-limit wait.
+async fn sleep_unless_controlled(ctx: &mut WorkflowContext<LoopWorkflow>, wait: Duration) {
+    let timer = ctx.timer(wait);
+    let controlled = ctx.wait_condition(|s| s.input.state.status != Status::Running);
+    futures::pin_mut!(timer);
+    futures::pin_mut!(controlled);
+    let _ = futures::future::select(timer, controlled).await;
 }

@@ -2,6 +2,7 @@
 //! environment), spawned, recorded in flight, supervised (while the watcher may end it), and
 //! concluded (its result read and checked); or not started at all.
 
+use loopd_exec::result::{RESULT_FILE, empty_result_file};
 use loopd_project::plan;
 
 use super::*;
@@ -17,27 +18,6 @@ pub(super) struct AttemptFiles {
     actions: loopd_fs::Dir,
     result_name: String,
     log_path: PathBuf,
-}
-
-/// The file each attempt of a loop may write its result to (`$LOOPD_RESULT_FILE`), in the loop's
-/// `actions/`: one for all its attempts, emptied before each, so that no attempt costs a file
-/// made and later removed (which on ext4 costs a search for a free inode).
-pub(super) const RESULT_FILE: &str = "result.json";
-
-/// Empties the result file before an attempt, making it if it is missing; what is there that is
-/// not a plain file (an executor's symlink) is removed first.
-pub(super) fn empty_result_file(actions: &loopd_fs::Dir) {
-    let emptied = |dir: &loopd_fs::Dir| {
-        let file = dir.open_rw(RESULT_FILE)?;
-        match file.metadata()?.len() {
-            0 => Ok(()),
-            _ => file.set_len(0),
-        }
-    };
-    if emptied(actions).is_err() {
-        let _ = actions.remove(RESULT_FILE);
-        let _ = emptied(actions);
-    }
 }
 
 pub(super) enum Attempted {
