@@ -43,7 +43,8 @@ pub struct Cli {
     /// Print the result as JSON on stdout (one value; `logs` one event per line), for scripts
     #[arg(long, global = true)]
     pub json: bool,
-    /// The loop is on Temporal, at HOST:PORT (create, status, pause, resume, stop, worker)
+    /// The loop is on Temporal, at HOST:PORT (create, status, pause, resume, stop, next, answer,
+    /// set, task add; worker) [default: the config's `[temporal]`, when enabled]
     #[cfg(feature = "temporal")]
     #[arg(long, global = true, value_name = "HOST:PORT", env = "LOOPD_TEMPORAL")]
     pub temporal: Option<String>,
@@ -61,6 +62,10 @@ pub enum Command {
     /// Run loops on Temporal: their workflows, and their actions as this machine's processes
     #[cfg(feature = "temporal")]
     Worker(crate::temporal::WorkerArgs),
+    /// A worker's guard: ends its attempts' executors when the worker is gone (used by `worker`)
+    #[cfg(feature = "temporal")]
+    #[command(hide = true)]
+    WorkerGuard,
     /// Drive a loop in the foreground until it ends
     Run {
         id: String,
@@ -217,9 +222,13 @@ pub fn run(cli: Cli) -> Result<i32> {
         temporal,
     } = cli;
     #[cfg(feature = "temporal")]
-    if let Some(exit) = on_temporal(temporal.as_deref(), &command, json, || {
-        Project::open(roots.first().map(PathBuf::as_path), config.as_deref())
-    })? {
+    if let Some(exit) = on_temporal(
+        temporal.as_deref(),
+        &command,
+        json,
+        &roots,
+        config.as_deref(),
+    )? {
         return Ok(exit);
     }
     let root = match (&command, roots.as_slice()) {
@@ -234,7 +243,7 @@ pub fn run(cli: Cli) -> Result<i32> {
         Command::Serve(_) if json => Err(usage("--json: serve prints a log, not a result")),
         Command::Serve(args) => loopd_file_driver::serve::run(&roots, config.as_deref(), &args),
         #[cfg(feature = "temporal")]
-        Command::Worker(_) => unreachable!("a worker is run by on_temporal"),
+        Command::Worker(_) | Command::WorkerGuard => unreachable!("run by on_temporal"),
         Command::Create(args) => {
             let p = project()?;
             let id = loopd_file_driver::create::create_loop(&p, &args)?;
@@ -781,32 +790,70 @@ fn finished(p: &Project, id: &str) -> bool {
     loopd_file_driver::locks::daemon_pid(&p.store, id).is_none()
 }
 
-/// The commands of a loop on Temporal (`--temporal`), and `worker`; `None` for the others.
+/// The commands of a loop on Temporal (`--temporal`, or a project whose config's `[temporal]` is
+/// enabled), and `worker`; `None` for the others.
 #[cfg(feature = "temporal")]
 fn on_temporal(
     address: Option<&str>,
     command: &Command,
     json: bool,
-    project: impl Fn() -> Result<Project>,
+    roots: &[PathBuf],
+    config: Option<&Path>,
 ) -> Result<Option<i32>> {
     use crate::temporal;
-    use loopd_temporal::workflow::Control as Signal;
+    use loopd_temporal::change::Change;
+    let root = roots.first().map(PathBuf::as_path);
+    if let Command::WorkerGuard = command {
+        return temporal::guard().map(Some);
+    }
     if let Command::Worker(args) = command {
-        return temporal::worker(address, args).map(Some);
+        // A worker belongs to no project: the built-in, user and `--config` layers.
+        let service = loopd_project::config::Config::load_service(config)?;
+        return temporal::worker(temporal::settings(&service, address), args).map(Some);
     }
-    if address.is_none() {
-        return Ok(None);
+    let on_loops = matches!(
+        command,
+        Command::Create(_)
+            | Command::Status { .. }
+            | Command::Pause { .. }
+            | Command::Resume { .. }
+            | Command::Stop { .. }
+            | Command::Next { .. }
+            | Command::Answer { .. }
+            | Command::Set { .. }
+            | Command::Task(TaskCommand::Add { .. })
+    );
+    if !on_loops {
+        return match address {
+            Some(_) => Err(usage(
+                "--temporal: only create, status, pause, resume, stop, next, answer, set, task add \
+                 and worker know loops on Temporal yet",
+            )),
+            None => Ok(None),
+        };
     }
+    let project = match command {
+        Command::Create(_) => Project::open(root, config),
+        _ => Project::open_for_inspection(root, config),
+    };
+    let project = match (project, address) {
+        (Ok(p), _) if address.is_some() || p.config.temporal.enabled => p,
+        (Err(e), Some(_)) => return Err(e),
+        // The file store's loops; a config that does not load is reported there.
+        _ => return Ok(None),
+    };
+    let settings = temporal::settings(&project.config, address);
+    let change = |id: &str, change: Change| temporal::change(&settings, id, change, json);
     Ok(Some(match command {
-        Command::Create(args) => temporal::create(&project()?, address, args, json)?,
-        Command::Status { id } => temporal::status(address, id, json)?,
-        Command::Pause { id } => temporal::control(address, id, Signal::Pause, json)?,
-        Command::Resume { id } => temporal::control(address, id, Signal::Resume, json)?,
-        Command::Stop { id } => temporal::control(address, id, Signal::Stop, json)?,
-        _ => {
-            return Err(usage(
-                "--temporal: only create, status, pause, resume, stop and worker know loops on Temporal yet",
-            ));
-        }
+        Command::Create(args) => temporal::create(&project, &settings, args, json)?,
+        Command::Status { id } => temporal::status(&settings, id, json)?,
+        Command::Pause { id } => change(id, Change::Control(Control::Pause))?,
+        Command::Resume { id } => change(id, Change::Control(Control::Resume))?,
+        Command::Stop { id } => change(id, Change::Control(Control::Stop))?,
+        Command::Next { id, action } => change(id, Change::Next(action.clone()))?,
+        Command::Answer { id, text } => change(id, Change::Answer(text.clone()))?,
+        Command::Task(TaskCommand::Add { id, text }) => change(id, Change::Task(text.clone()))?,
+        Command::Set { id, limits } => change(id, temporal::set_limits(limits)?)?,
+        _ => unreachable!("a command of a loop"),
     }))
 }

@@ -1,35 +1,38 @@
 //! The commands of loops on Temporal (`--temporal HOST:PORT`, cargo feature `temporal`):
-//! `worker`, and `create`, `status`, `pause`, `resume` and `stop` of a loop there.
+//! `worker`, and `create`, `status` and the changes (`pause`, `resume`, `stop`, `next`, `task
+//! add`, `answer`, `set`) of a loop there.
 
-use anyhow::Result;
+use anyhow::{Context as _, Result};
 use loopd_core::state::ListedTask;
-use loopd_file_driver::create::CreateArgs;
+use loopd_exec::guard::Guard;
+use loopd_file_driver::create::{CreateArgs, Limits};
 use loopd_file_driver::error::usage;
 use loopd_file_driver::project::Project;
-use loopd_temporal::workflow::Control;
+use loopd_project::config::Config;
+use loopd_temporal::change::{Change, SetLimits};
 use loopd_temporal::{LoopInput, TemporalConfig, client};
 use serde_json::json;
 
 use crate::output::print_result;
 
-/// `loopd worker`'s options.
+/// `loopd worker`'s options, over the config's `[temporal]`.
 #[derive(Debug, clap::Args)]
 pub struct WorkerArgs {
-    /// The Temporal namespace
-    #[arg(long, default_value = "default")]
-    pub namespace: String,
-    /// The task queue of loopd's workflows and activities
-    #[arg(long, default_value = "loopd")]
-    pub task_queue: String,
+    /// The Temporal namespace [default: the config's, `default`]
+    #[arg(long)]
+    pub namespace: Option<String>,
+    /// The task queue of loopd's workflows and activities [default: the config's, `loopd`]
+    #[arg(long)]
+    pub task_queue: Option<String>,
 }
 
-/// Where the service is: `--temporal`, else a local dev server's default.
-pub fn config(address: Option<&str>) -> TemporalConfig {
-    let mut config = TemporalConfig::default();
+/// The config's `[temporal]`, at `--temporal`'s address when one is given.
+pub fn settings(config: &Config, address: Option<&str>) -> TemporalConfig {
+    let mut settings = config.temporal.clone();
     if let Some(address) = address {
-        config.address = address.to_owned();
+        settings.address = address.to_owned();
     }
-    config
+    settings
 }
 
 /// A client of the service; a service that cannot be reached is the user's to fix (exit 2).
@@ -45,13 +48,19 @@ fn runtime() -> Result<tokio::runtime::Runtime> {
         .build()?)
 }
 
-/// `loopd worker`: runs loops' workflows and their actions until SIGINT or SIGTERM.
-pub fn worker(address: Option<&str>, args: &WorkerArgs) -> Result<i32> {
+/// `loopd worker`: runs loops' workflows and their actions until SIGINT or SIGTERM, with a guard
+/// that ends the executors of its attempts should it die (`loopd worker-guard`).
+pub fn worker(settings: TemporalConfig, args: &WorkerArgs) -> Result<i32> {
     let config = TemporalConfig {
-        namespace: args.namespace.clone(),
-        task_queue: args.task_queue.clone(),
-        ..config(address)
+        namespace: args.namespace.clone().unwrap_or(settings.namespace),
+        task_queue: args.task_queue.clone().unwrap_or(settings.task_queue),
+        ..settings
     };
+    // An executor's child that escapes its session is reparented here, and ended with it.
+    loopd_exec::procs::become_subreaper();
+    let guard = std::env::current_exe()
+        .and_then(|me| Guard::start(&me, &["worker-guard"]))
+        .context("cannot start the guard of this worker's executors")?;
     runtime()?.block_on(async {
         let shutdown = async {
             let mut term =
@@ -69,13 +78,28 @@ pub fn worker(address: Option<&str>, args: &WorkerArgs) -> Result<i32> {
             config.namespace,
             config.task_queue
         );
-        client::run_worker(&config, shutdown).await
+        client::run_worker(&config, Some(guard), shutdown).await
     })?;
     Ok(0)
 }
 
+/// `loopd worker-guard`: the guard of a worker's executors, over the pipe on its stdin
+/// ([`loopd_exec::guard`]).
+pub fn guard() -> Result<i32> {
+    let left = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?
+        .block_on(loopd_exec::guard::watch(tokio::io::BufReader::new(
+            tokio::io::stdin(),
+        )));
+    if left > 0 {
+        tracing::warn!("the worker is gone: ended {left} processes of its attempts");
+    }
+    Ok(0)
+}
+
 /// `loopd create --temporal`: the loop's state made as `create` makes it, started as a workflow.
-pub fn create(p: &Project, address: Option<&str>, args: &CreateArgs, json: bool) -> Result<i32> {
+pub fn create(p: &Project, config: &TemporalConfig, args: &CreateArgs, json: bool) -> Result<i32> {
     if args.worktree {
         return Err(usage(
             "--worktree is for loops in the file store; a loop on Temporal runs in its root",
@@ -100,11 +124,11 @@ pub fn create(p: &Project, address: Option<&str>, args: &CreateArgs, json: bool)
         executor: None,
         limits: p.config.limits(),
         retry: p.config.retry_policy(),
+        history_limit: config.history_limit,
     };
-    let config = config(address);
     runtime()?.block_on(async {
-        let client = connect(&config).await?;
-        client::start(&client, &config, input).await
+        let client = connect(config).await?;
+        client::start(&client, config, input).await
     })?;
     print_result(
         json,
@@ -115,10 +139,9 @@ pub fn create(p: &Project, address: Option<&str>, args: &CreateArgs, json: bool)
 }
 
 /// `loopd status --temporal`: the loop's state as its workflow holds it.
-pub fn status(address: Option<&str>, id: &str, json: bool) -> Result<i32> {
-    let config = config(address);
+pub fn status(config: &TemporalConfig, id: &str, json: bool) -> Result<i32> {
     let state = runtime()?.block_on(async {
-        let client = connect(&config).await?;
+        let client = connect(config).await?;
         client::state(&client, id).await
     })?;
     let value = serde_json::to_value(&state)?;
@@ -131,17 +154,47 @@ pub fn status(address: Option<&str>, id: &str, json: bool) -> Result<i32> {
     Ok(0)
 }
 
-/// `loopd pause|resume|stop --temporal`.
-pub fn control(address: Option<&str>, id: &str, what: Control, json: bool) -> Result<i32> {
-    let config = config(address);
-    runtime()?.block_on(async {
-        let client = connect(&config).await?;
-        client::control(&client, id, what).await
+/// `loopd pause|resume|stop|next|task add|answer|set --temporal`: the change made by the loop's
+/// workflow (by the rules the file driver follows), refused in one line (exit 2) where it makes
+/// no sense.
+pub fn change(config: &TemporalConfig, id: &str, change: Change, json: bool) -> Result<i32> {
+    let said = runtime()?.block_on(async {
+        let client = connect(config).await?;
+        client::change(&client, config, id, &change, &loopd_store::now_rfc3339())
+            .await
+            .map_err(|e| usage(format!("{e:#}")))
     })?;
-    print_result(
-        json,
-        &json!({ "loop_id": id, "sent": format!("{what:?}").to_lowercase() }),
-        "",
-    )?;
+    let text = match &change {
+        Change::Control(_) => {
+            let (from, to) = (&said["from"], &said["to"]);
+            match said["changed"].as_bool() {
+                Some(true) => format!("loop {id}: {} → {}", plain(from), plain(to)),
+                _ => format!("loop {id} is already {}", plain(to)),
+            }
+        }
+        Change::Next(action) => format!("loop {id}: next action {action}"),
+        Change::Task(_) => plain(&said["task_id"]),
+        Change::Answer(_) => format!("loop {id}: answered {}'s question", plain(&said["action"])),
+        Change::Set(_) => format!("loop {id}: {}", said["set"]),
+    };
+    print_result(json, &said, &text)?;
     Ok(0)
+}
+
+/// The new limits `loopd set` gives, checked as for a loop in the file store.
+pub fn set_limits(limits: &Limits) -> Result<Change> {
+    limits.check()?;
+    Ok(Change::Set(SetLimits {
+        max_iterations: limits.max_iterations,
+        max_errors: limits.max_errors,
+        max_cost_usd: limits.max_cost_usd,
+        max_tokens: limits.max_tokens,
+    }))
+}
+
+/// A JSON string as it reads, without its quotes.
+fn plain(value: &serde_json::Value) -> String {
+    value
+        .as_str()
+        .map_or_else(|| value.to_string(), str::to_owned)
 }

@@ -75,7 +75,9 @@ impl Drop for Process {
 /// A dev server of its own, on a free port of 127.0.0.1, and workers of its loops.
 struct Temporal {
     address: String,
-    _server: Process,
+    /// Its frontend, HTTP and metrics ports, kept across a restart.
+    ports: [u16; 3],
+    server: Process,
     workers: Vec<Process>,
 }
 
@@ -85,37 +87,27 @@ impl Temporal {
         // services, which must not be the ports handed to another one before it binds them.
         static STARTING: std::sync::Mutex<()> = std::sync::Mutex::new(());
         let _one = STARTING.lock().unwrap_or_else(|e| e.into_inner());
-        let port = free_port();
-        let server = Command::new(bin)
-            .args(["server", "start-dev", "--headless", "--ip", "127.0.0.1"])
-            .args(["--port", &port.to_string(), "--log-level", "error"])
-            .args(["--http-port", &free_port().to_string()])
-            .args(["--metrics-port", &free_port().to_string()])
-            .arg("--db-filename")
-            .arg(p.root.join("temporal.db"))
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(p.root.join("temporal.log")).expect("its log"))
-            .spawn()
-            .expect("start the Temporal dev server");
-        let address = format!("127.0.0.1:{port}");
-        let mut server = Process(server);
-        wait_for("the Temporal server to serve", || {
-            assert!(
-                matches!(server.0.try_wait(), Ok(None)),
-                "the Temporal server on port {port} exited: {}",
-                std::fs::read_to_string(p.root.join("temporal.log")).unwrap_or_default()
-            );
-            Command::new(bin)
-                .args(["operator", "cluster", "health", "--address", &address])
-                .output()
-                .is_ok_and(|out| out.status.success())
-        });
+        let ports = [free_port(), free_port(), free_port()];
         Temporal {
-            address,
-            _server: server,
+            address: format!("127.0.0.1:{}", ports[0]),
+            ports,
+            server: serve(p, bin, ports),
             workers: Vec::new(),
         }
+    }
+
+    /// SIGKILLs the server and starts it again on the same ports and database.
+    fn restart(&mut self, p: &Project, bin: &PathBuf) {
+        self.server.0.kill().expect("SIGKILL the server");
+        self.server.0.wait().expect("reap the server");
+        self.server = serve(p, bin, self.ports);
+    }
+
+    /// SIGKILLs worker `i`: no goodbye, no cleanup of its own.
+    fn kill_worker(&mut self, i: usize) {
+        let worker = &mut self.workers[i].0;
+        worker.kill().expect("SIGKILL the worker");
+        worker.wait().expect("reap the worker");
     }
 
     /// Starts a `loopd worker` in the project.
@@ -137,6 +129,11 @@ impl Temporal {
         stdout(&out).trim().to_owned()
     }
 
+    /// `loopd --temporal ADDRESS ARGS...`.
+    fn command(&self, p: &Project, args: &[&str]) -> std::process::Output {
+        p.output(&[&["--temporal", &self.address], args].concat())
+    }
+
     /// The loop's state, as `loopd status --temporal --json` reads it from its workflow.
     fn state(&self, p: &Project, id: &str) -> Value {
         let out = p.output(&["status", "--temporal", &self.address, "--json", id]);
@@ -152,6 +149,37 @@ impl Temporal {
         });
         last
     }
+}
+
+/// Starts a dev server on `ports` (frontend, HTTP, metrics), its database in the project, and
+/// waits until it serves.
+fn serve(p: &Project, bin: &PathBuf, ports: [u16; 3]) -> Process {
+    let [port, http, metrics] = ports.map(|p| p.to_string());
+    let server = Command::new(bin)
+        .args(["server", "start-dev", "--headless", "--ip", "127.0.0.1"])
+        .args(["--port", &port, "--log-level", "error"])
+        .args(["--http-port", &http, "--metrics-port", &metrics])
+        .arg("--db-filename")
+        .arg(p.root.join("temporal.db"))
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(p.root.join("temporal.log")).expect("its log"))
+        .spawn()
+        .expect("start the Temporal dev server");
+    let address = format!("127.0.0.1:{port}");
+    let mut server = Process(server);
+    wait_for("the Temporal server to serve", || {
+        assert!(
+            matches!(server.0.try_wait(), Ok(None)),
+            "the Temporal server on port {port} exited: {}",
+            std::fs::read_to_string(p.root.join("temporal.log")).unwrap_or_default()
+        );
+        Command::new(bin)
+            .args(["operator", "cluster", "health", "--address", &address])
+            .output()
+            .is_ok_and(|out| out.status.success())
+    });
+    server
 }
 
 fn actions(state: &Value) -> Vec<(String, String)> {
@@ -194,11 +222,12 @@ fn a_loop_runs_to_completion_through_two_workers() {
 }
 
 #[test]
-fn a_stop_ends_the_running_executor_and_its_child_on_the_worker() {
+fn a_stop_ends_the_running_executor_and_its_child_and_a_resume_starts_a_new_run() {
     let Some(bin) = temporal_bin() else { return };
     let p = Project::new(&common::agent(&[(
         "develop",
-        "echo $$ > develop.pid; sleep 300 & echo $! > child.pid; wait",
+        "if [ ! -f stopped-once ]; then touch stopped-once; echo $$ > develop.pid; \
+         sleep 300 & echo $! > child.pid; wait; fi",
     )]));
     let mut temporal = Temporal::start(&p, &bin);
     temporal.worker(&p);
@@ -210,18 +239,25 @@ fn a_stop_ends_the_running_executor_and_its_child_on_the_worker() {
         read_pid(&p.root.join("develop.pid")),
         read_pid(&p.root.join("child.pid")),
     );
-    let out = p.output(&["stop", "--temporal", &temporal.address, &id]);
+    let out = temporal.command(&p, &["stop", &id]);
     assert_eq!(code(&out), 0, "stop: {}", stderr(&out));
     wait_for("the executor and its child to be gone", || {
         !alive(executor) && !alive(child)
     });
-    let state = temporal.wait_for_status(&p, &id, "user_exit");
+    let state = temporal.wait_for_status(&p, &id, "failed");
+    assert_eq!(state["failure_reason"], "Manually stopped by user");
     assert_eq!(
         actions(&state)
             .last()
             .map(|(a, o)| (a.as_str(), o.as_str())),
         Some(("develop", "interrupted"))
     );
+    // The stopped loop's workflow has ended; a resume starts its next run from its last state.
+    let out = temporal.command(&p, &["resume", &id]);
+    assert_eq!(code(&out), 0, "resume: {}", stderr(&out));
+    let state = temporal.wait_for_status(&p, &id, "completed");
+    assert_eq!(state["skill_state"]["outcome"], "passed");
+    assert_eq!(state["failure_reason"], Value::Null);
 }
 
 #[test]
@@ -231,14 +267,23 @@ fn a_pause_holds_the_loop_and_a_resume_lets_it_finish() {
     let mut temporal = Temporal::start(&p, &bin);
     temporal.worker(&p);
     let id = temporal.create(&p, &["--title", "paused and resumed"]);
-    let out = p.output(&["pause", "--temporal", &temporal.address, &id]);
+    let out = temporal.command(&p, &["pause", &id]);
     assert_eq!(code(&out), 0, "pause: {}", stderr(&out));
     temporal.wait_for_status(&p, &id, "paused");
     std::fs::write(p.root.join("go"), "").unwrap();
-    let out = p.output(&["resume", "--temporal", &temporal.address, &id]);
+    let out = temporal.command(&p, &["resume", &id]);
     assert_eq!(code(&out), 0, "resume: {}", stderr(&out));
     let state = temporal.wait_for_status(&p, &id, "completed");
     assert_eq!(state["skill_state"]["outcome"], "passed");
+    // A change that makes no sense now is refused by the loop, in one line.
+    let out = temporal.command(&p, &["pause", &id]);
+    assert_eq!(code(&out), 2, "{}", stderr(&out));
+    let err = stderr(&out);
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+    assert!(
+        err.contains("cannot pause loop") && err.contains("passed"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -268,4 +313,226 @@ fn an_untrusted_project_blocks_the_loop_with_the_reason() {
         .as_str()
         .unwrap_or_default();
     assert!(reason.contains("trust"), "{state}");
+}
+
+/// A skill-tuning agent: nothing found, so the gate passes at the report.
+const TUNING_AGENT: &str = r#"
+cat > /dev/null
+case "$LOOPD_ACTION" in
+  analyze-requirements) r='{"status":"success","summary":"clear","state_updates":{"coverage":"satisfied"}}' ;;
+  diagnose-*) r='{"status":"success","summary":"nothing","state_updates":{"issues":[]}}' ;;
+  propose-fixes) r='{"status":"success","state_updates":{"fixes":[]}}' ;;
+  *) r='{"status":"success","summary":"done"}' ;;
+esac
+echo "$r" > "$LOOPD_RESULT_FILE"
+"#;
+
+#[test]
+fn a_skill_tuning_loop_runs_to_completion_through_two_workers() {
+    let Some(bin) = temporal_bin() else { return };
+    let p = Project::new(TUNING_AGENT);
+    std::fs::create_dir_all(p.root.join("skills/s")).unwrap();
+    std::fs::write(p.root.join("skills/s/SKILL.md"), "# s\n").unwrap();
+    let mut temporal = Temporal::start(&p, &bin);
+    temporal.worker(&p);
+    temporal.worker(&p);
+    let id = temporal.create(
+        &p,
+        &[
+            "--workflow",
+            "skill-tuning",
+            "--target-skill",
+            "skills/s",
+            "--focus",
+            "memory,docs",
+        ],
+    );
+    let state = temporal.wait_for_status(&p, &id, "completed");
+    assert_eq!(state["skill_state"]["outcome"], "passed", "{state}");
+    assert_eq!(state["skill_state"]["quality_gate"], "pass", "{state}");
+    let done: Vec<String> = actions(&state).into_iter().map(|(a, _)| a).collect();
+    assert_eq!(
+        done,
+        [
+            "init",
+            "analyze-requirements",
+            "diagnose-memory",
+            "diagnose-docs",
+            "generate-report",
+            "complete"
+        ]
+    );
+}
+
+#[test]
+fn a_question_is_answered_and_a_task_added_from_the_command_line() {
+    let Some(bin) = temporal_bin() else { return };
+    // The first develop asks; the answer reaches the next prompt. Validate waits for `go`.
+    let p = Project::new(&format!(
+        "prompt=$(cat)\n\
+         if [ \"$LOOPD_ACTION\" = develop ] && [ ! -f asked ]; then touch asked; \
+           echo '{{\"status\":\"needs_input\",\"summary\":\"a choice\",\"question\":\"Postgres or SQLite?\"}}' > \"$LOOPD_RESULT_FILE\"; exit 0; fi\n\
+         case \"$prompt\" in *SQLite,\\ please*) touch answer-seen ;; esac\n\
+         if [ \"$LOOPD_ACTION\" = validate ]; then {}; fi\n{GOOD_AGENT}",
+        common::wait_for_file("go")
+    ));
+    let mut temporal = Temporal::start(&p, &bin);
+    temporal.worker(&p);
+    let id = temporal.create(&p, &["--title", "asks once"]);
+    wait_for("the question", || {
+        temporal.state(&p, &id)["skill_state"]["question"]["text"] == "Postgres or SQLite?"
+    });
+    let out = temporal.command(&p, &["answer", &id, "SQLite, please"]);
+    assert_eq!(code(&out), 0, "answer: {}", stderr(&out));
+    let out = temporal.command(&p, &["answer", &id, "again"]);
+    assert_eq!(code(&out), 2, "a second answer: {}", stderr(&out));
+    assert!(
+        stderr(&out).contains("waiting for no answer"),
+        "{}",
+        stderr(&out)
+    );
+    // Added while the loop works: developed before it validates again.
+    let out = temporal.command(&p, &["--json", "task", "add", &id, "a third"]);
+    assert_eq!(code(&out), 0, "task add: {}", stderr(&out));
+    let added: Value = serde_json::from_str(&stdout(&out)).expect("JSON");
+    assert_eq!(added["task_id"], "task-003", "{added}");
+    let out = temporal.command(&p, &["set", &id, "--max-iterations", "30"]);
+    assert_eq!(code(&out), 0, "set: {}", stderr(&out));
+    std::fs::write(p.root.join("go"), "").unwrap();
+    let state = temporal.wait_for_status(&p, &id, "completed");
+    assert_eq!(state["max_iterations"], 30);
+    assert!(
+        p.root.join("answer-seen").exists(),
+        "the answer reached the prompt"
+    );
+    let tasks = state["skill_state"]["develop"]["tasks"].as_array().unwrap();
+    assert!(
+        tasks
+            .iter()
+            .any(|t| t["description"] == "a third" && t["status"] == "completed"),
+        "{tasks:?}"
+    );
+}
+
+#[test]
+fn a_worker_killed_mid_action_leaves_no_executor_and_another_worker_finishes() {
+    let Some(bin) = temporal_bin() else { return };
+    let p = Project::new(&common::agent(&[(
+        "develop",
+        "if [ ! -f ran-once ]; then touch ran-once; echo $$ > develop.pid; \
+         setsid sleep 300 & echo $! > child.pid; wait; fi",
+    )]));
+    let mut temporal = Temporal::start(&p, &bin);
+    temporal.worker(&p);
+    let id = temporal.create(&p, &["--title", "its worker dies"]);
+    let (executor, child) = (
+        read_pid(&p.root.join("develop.pid")),
+        read_pid(&p.root.join("child.pid")),
+    );
+    temporal.worker(&p);
+    temporal.kill_worker(0);
+    wait_for(
+        "the dead worker's executor and its child to be gone",
+        || !alive(executor) && !alive(child),
+    );
+    // Its activity, given up on at the heartbeat timeout, runs again on the other worker.
+    let state = temporal.wait_for_status(&p, &id, "completed");
+    assert_eq!(state["skill_state"]["outcome"], "passed", "{state}");
+    let done: Vec<(String, String)> = actions(&state);
+    assert_eq!(
+        done.iter().filter(|(a, _)| a == "develop").count(),
+        2,
+        "each task developed once, none lost: {done:?}"
+    );
+}
+
+/// An agent whose init plans `n` tasks.
+fn planning_agent(n: usize) -> String {
+    let tasks: Vec<String> = (1..=n)
+        .map(|i| format!(r#"{{"description":"task {i}"}}"#))
+        .collect();
+    GOOD_AGENT.replace(
+        r#"{"description":"first"},{"description":"second"}"#,
+        &tasks.join(","),
+    )
+}
+
+#[test]
+fn a_long_loop_continues_as_new_runs_whose_histories_replay() {
+    let Some(bin) = temporal_bin() else { return };
+    let p = Project::new(&planning_agent(12));
+    let config = p.root.join(".loop/config.toml");
+    let text = std::fs::read_to_string(&config).unwrap();
+    std::fs::write(
+        &config,
+        format!("{text}\n[temporal]\nhistory_limit = {HISTORY_LIMIT}\n"),
+    )
+    .unwrap();
+    assert!(p.trust(), "trust the changed config");
+    let mut temporal = Temporal::start(&p, &bin);
+    temporal.worker(&p);
+    let id = temporal.create(&p, &["--title", "a long one", "--max-iterations", "40"]);
+    let state = temporal.wait_for_status(&p, &id, "completed");
+    assert_eq!(state["skill_state"]["outcome"], "passed", "{state}");
+    let tasks = state["skill_state"]["develop"]["tasks"].as_array().unwrap();
+    assert_eq!(tasks.len(), 12, "{tasks:?}");
+    assert!(
+        tasks.iter().all(|t| t["status"] == "completed"),
+        "{tasks:?}"
+    );
+    // The loop's runs: each holds at most the limit and one action's events, and replays.
+    let config = loopd_temporal::TemporalConfig {
+        address: temporal.address.clone(),
+        namespace: "default".into(),
+        ..Default::default()
+    };
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let histories = rt
+        .block_on(async {
+            let client = loopd_temporal::client::connect(&config).await?;
+            loopd_temporal::client::histories(&client, &id).await
+        })
+        .expect("the loop's histories");
+    assert!(
+        histories.len() >= 3,
+        "a loop of 16 actions in runs of {HISTORY_LIMIT} events: {} runs",
+        histories.len()
+    );
+    for (i, history) in histories.iter().enumerate() {
+        let events = serde_json::from_slice::<Value>(history).expect("a history")["events"]
+            .as_array()
+            .map_or(0, Vec::len);
+        assert!(
+            events <= HISTORY_LIMIT as usize + ONE_ACTION_EVENTS,
+            "run {i} holds {events} events"
+        );
+        rt.block_on(loopd_temporal::client::replay(history))
+            .unwrap_or_else(|e| panic!("run {i} does not replay: {e:#}"));
+    }
+}
+
+/// The `[temporal] history_limit` of the test above, and the most events one action adds past it
+/// (its workflow tasks, activity and timers).
+const HISTORY_LIMIT: u32 = 40;
+const ONE_ACTION_EVENTS: usize = 20;
+
+#[test]
+fn a_server_restarted_mid_loop_is_reconnected_to_and_the_loop_completes() {
+    let Some(bin) = temporal_bin() else { return };
+    let p = Project::new(&common::agent(&[("develop", &common::wait_for_file("go"))]));
+    let mut temporal = Temporal::start(&p, &bin);
+    temporal.worker(&p);
+    let id = temporal.create(&p, &["--title", "its server restarts"]);
+    wait_for("the develop action", || {
+        actions(&temporal.state(&p, &id))
+            .iter()
+            .any(|(a, _)| a == "init")
+    });
+    temporal.restart(&p, &bin);
+    std::fs::write(p.root.join("go"), "").unwrap();
+    let state = temporal.wait_for_status(&p, &id, "completed");
+    assert_eq!(state["skill_state"]["outcome"], "passed", "{state}");
 }

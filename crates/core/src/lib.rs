@@ -5,7 +5,8 @@
 //! termination checks ([`workflow::check`]) it picks the next action ([`workflow::decide`]),
 //! checks an action's result ([`protocol::ActionResult`]) and applies it, and the bookkeeping
 //! every workflow shares (attempts, sliding windows of history and errors, limits) is kept by
-//! [`workflow::record_attempt`] and [`workflow::record_finish`].
+//! [`workflow::record_attempt`] and [`workflow::record_finish`]. What a person may change of a living loop (pause, resume, stop,
+//! the next action, a task, an answer) is decided by [`control`], for every driver.
 //!
 //! Nothing here reads a file, starts a process, waits or looks at the clock: a driver reads the
 //! state and the task list, runs the action, and passes in what it saw and the time (`now`). The
@@ -16,6 +17,7 @@
 //! drivers and the binary use it.
 
 pub mod attempt;
+pub mod control;
 pub mod protocol;
 pub mod state;
 pub mod test_output;

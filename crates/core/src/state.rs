@@ -550,6 +550,11 @@ pub fn task_number(id: &str) -> Option<u64> {
     id.strip_prefix("task-")?.parse().ok()
 }
 
+/// The number of the next task: past every one of `ids` that loopd gave.
+pub fn next_task_number<'a>(ids: impl IntoIterator<Item = &'a str>) -> u64 {
+    ids.into_iter().filter_map(task_number).max().unwrap_or(0) + 1
+}
+
 /// A task of the loop's task list, as a workflow takes it.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct ListedTask {
@@ -616,6 +621,34 @@ impl LoopState {
     /// The skill state, created empty when missing.
     pub fn skill(&mut self) -> &mut SkillState {
         self.skill_state.get_or_insert_with(SkillState::default)
+    }
+
+    /// How the loop stands, in a few words: its status and what ended it (`passed`, `iteration
+    /// limit`, `failed: REASON`, `stopped`, `blocked`, `waiting for an answer`).
+    pub fn standing(&self) -> String {
+        let skill = self.skill_state.as_ref();
+        let outcome = skill.and_then(|k| k.outcome.as_deref());
+        match &self.status {
+            Status::Running
+                if skill
+                    .and_then(|k| k.question.as_ref())
+                    .is_some_and(Question::waiting) =>
+            {
+                "waiting for an answer".to_owned()
+            }
+            Status::Paused if skill.is_some_and(|k| k.blocked.is_some()) => "blocked".to_owned(),
+            Status::Completed => match outcome {
+                Some("iteration_limit") => "iteration limit".to_owned(),
+                Some("incomplete") => "incomplete".to_owned(),
+                _ => "passed".to_owned(),
+            },
+            Status::Failed if outcome == Some("failed") => format!(
+                "failed: {}",
+                self.failure_reason.as_deref().unwrap_or("no reason given")
+            ),
+            Status::Failed | Status::UserExit => "stopped".to_owned(),
+            other => other.as_str().to_owned(),
+        }
     }
 
     pub fn max_iterations_or(&self, default: u64) -> u64 {

@@ -21,6 +21,7 @@
 pub mod agent;
 pub mod checkpoint;
 pub mod git;
+pub mod guard;
 pub mod procs;
 pub mod result;
 mod settings;

@@ -30,6 +30,25 @@ use nix::unistd::Pid;
 /// another's executor, whose owner waits for it.
 static RUNNING: Mutex<Vec<u32>> = Mutex::new(Vec::new());
 
+/// Children of this process that are no attempt's (a worker's guard, see [`crate::guard`]):
+/// never taken for an attempt's orphans.
+static SPARED: Mutex<Vec<u32>> = Mutex::new(Vec::new());
+
+/// Marks `pid`, a child of this process, as no attempt's: ending an attempt never ends it.
+pub fn spare(pid: u32) {
+    SPARED
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .push(pid);
+}
+
+fn spared(pid: u32) -> bool {
+    SPARED
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .contains(&pid)
+}
+
 /// How many times this process has begun ending an attempt's processes: a signal handler compares
 /// it before and after, to tell whether a first signal has been acted on.
 static ENDINGS: AtomicU64 = AtomicU64::new(0);
@@ -228,6 +247,7 @@ pub fn attempt_processes(pgids: &[u32], marker: &str) -> Vec<u32> {
             && p.is_alive()
             && !pgids.contains(&p.pgid)
             && !running().contains(&p.pid)
+            && !spared(p.pid)
             && (!others || holds_marker(p.pid, &target))
     });
     let mut stack: Vec<u32> = procs
@@ -290,6 +310,7 @@ pub async fn end_attempt(pgid: u32, marker: &str, grace: Duration) -> bool {
         let link = marker_link(marker);
         let mine = |pid: &u32| {
             !running().contains(pid)
+                && !spared(*pid)
                 && ProcStat::read(*pid).is_some_and(|p| p.is_alive())
                 && (!others_in_flight || holds_marker(*pid, &link))
         };

@@ -219,7 +219,9 @@ fn next_step(s: &LoopState, daemon: Option<u32>) -> Option<String> {
         Status::Running if daemon.is_none() => {
             format!("nothing drives it: `loopd start {id}` picks it up where it was")
         }
-        Status::Running if waits_for_answer(s) => format!("answer with `loopd answer {id} TEXT`"),
+        Status::Running if loopd_core::control::waiting_question(s).is_some() => {
+            format!("answer with `loopd answer {id} TEXT`")
+        }
         Status::Running => match skill.and_then(|k| k.awaiting_choice.as_ref()) {
             Some(_) => format!("choose with `loopd next {id} ACTION`"),
             None => format!("watch it with `loopd logs {id} --follow`"),
@@ -235,32 +237,10 @@ fn next_step(s: &LoopState, daemon: Option<u32>) -> Option<String> {
 
 /// How a loop stands, in a few words: its status, what ended it, whether anything drives it.
 pub fn standing(s: &LoopState, daemon: Option<u32>) -> String {
-    let skill = s.skill_state.as_ref();
-    let outcome = skill.and_then(|k| k.outcome.as_deref());
     match &s.status {
         Status::Running if daemon.is_none() => "running (no daemon)".to_owned(),
-        Status::Running if waits_for_answer(s) => "waiting for an answer".to_owned(),
-        Status::Paused if skill.is_some_and(|k| k.blocked.is_some()) => "blocked".to_owned(),
-        Status::Completed => match outcome {
-            Some("iteration_limit") => "iteration limit".to_owned(),
-            Some("incomplete") => "incomplete".to_owned(),
-            _ => "passed".to_owned(),
-        },
-        Status::Failed if outcome == Some("failed") => format!(
-            "failed: {}",
-            s.failure_reason.as_deref().unwrap_or("no reason given")
-        ),
-        Status::Failed | Status::UserExit => "stopped".to_owned(),
-        other => other.as_str().to_owned(),
+        _ => s.standing(),
     }
-}
-
-/// An executor of the loop asked a question that has no answer yet.
-fn waits_for_answer(s: &LoopState) -> bool {
-    s.skill_state
-        .as_ref()
-        .and_then(|k| k.question.as_ref())
-        .is_some_and(|q| q.waiting())
 }
 
 /// A duration as people read it: `42s`, `3m05s`, `2h10m`.

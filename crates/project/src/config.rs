@@ -51,11 +51,30 @@ pub struct Config {
     /// drops below it.
     pub rollback_on_regression: bool,
     pub executor_defaults: ExecutorDefaults,
+    pub temporal: TemporalConfig,
     pub executors: BTreeMap<String, ExecutorConfig>,
     pub actions: BTreeMap<String, ActionConfig>,
     /// The project layer as it was read, when there is one: it needs `loopd trust`.
     #[serde(skip)]
     pub project_file: Option<crate::project_file::ProjectFile>,
+}
+
+/// The smallest `[temporal] history_limit`: a run must hold a few actions' events.
+pub const MIN_HISTORY_LIMIT: u32 = 30;
+
+/// `[temporal]`: where loops on Temporal live, and which of its queues loopd uses.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TemporalConfig {
+    /// Every command of the project's loops goes to Temporal, without `--temporal`.
+    pub enabled: bool,
+    /// `host:port` of the frontend (a dev server: `temporal server start-dev`).
+    pub address: String,
+    pub namespace: String,
+    /// The task queue of loopd's workflows and activities.
+    pub task_queue: String,
+    /// Events a loop's run keeps in its history before it continues as a new run.
+    pub history_limit: u32,
 }
 
 #[derive(Clone, Debug, Default, Deserialize)]
@@ -251,6 +270,12 @@ impl Config {
                 ))
             }
         };
+        if self.temporal.history_limit < MIN_HISTORY_LIMIT {
+            return Err((
+                "temporal.history_limit".into(),
+                format!("must be at least {MIN_HISTORY_LIMIT} (events of a few actions)"),
+            ));
+        }
         if self.checkpoint_keep == 0 {
             return Err(("checkpoint_keep".into(), "must be at least 1".into()));
         }

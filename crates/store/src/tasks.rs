@@ -540,13 +540,13 @@ impl Store {
         let added = {
             let _lock = self.lock(id)?;
             let (shared, own) = self.parse_lists(id)?;
-            let numbers = shared
-                .records()
-                .chain(own.records())
-                .map(|r| r.id.as_str())
-                .chain(taken.iter().map(String::as_str))
-                .filter_map(loopd_core::state::task_number);
-            let first = numbers.max().unwrap_or(0) + 1;
+            let first = loopd_core::state::next_task_number(
+                shared
+                    .records()
+                    .chain(own.records())
+                    .map(|r| r.id.as_str())
+                    .chain(taken.iter().map(String::as_str)),
+            );
             let next_order = last_order(shared.records().chain(own.records())).map_or(0, |o| o + 1);
             descriptions
                 .iter()

@@ -2,6 +2,7 @@
 //! loop's project root, as the file driver runs it.
 
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context as _;
@@ -9,6 +10,7 @@ use loopd_core::attempt::Verdict;
 use loopd_core::state::{LoopState, Usage};
 use loopd_core::workflow::{self, Dispatch};
 use loopd_exec::agent::AgentStream;
+use loopd_exec::guard::Guard;
 use loopd_exec::result::{RESULT_FILE, empty_result_file};
 use loopd_exec::{Budget, Executor as _, Spec, Subprocess, procs};
 use loopd_fs::Dir;
@@ -44,7 +46,10 @@ pub struct AttemptReport {
 }
 
 /// The activities of loopd's workers.
-pub struct LoopActivities;
+pub struct LoopActivities {
+    /// Ends the executors of this worker's attempts if the worker dies (see [`Guard`]).
+    pub guard: Option<Guard>,
+}
 
 #[activities]
 impl LoopActivities {
@@ -53,14 +58,25 @@ impl LoopActivities {
     /// supervised; a cancellation (the loop paused or stopped) ends its processes.
     #[activity]
     pub async fn attempt(
+        self: Arc<Self>,
         ctx: ActivityContext,
         input: AttemptInput,
     ) -> Result<AttemptReport, ActivityError> {
-        Ok(run_attempt(&ctx, input).await?)
+        let report = run_attempt(&ctx, self.guard.as_ref(), input).await?;
+        // Cancelled, its executor ended: by its loop (paused, stopped), which no longer waits
+        // for it, or by this worker's shutdown, which gives it to another worker at once.
+        match ctx.is_cancelled() {
+            true => Err(ActivityError::cancelled()),
+            false => Ok(report),
+        }
     }
 }
 
-async fn run_attempt(ctx: &ActivityContext, input: AttemptInput) -> anyhow::Result<AttemptReport> {
+async fn run_attempt(
+    ctx: &ActivityContext,
+    guard: Option<&Guard>,
+    input: AttemptInput,
+) -> anyhow::Result<AttemptReport> {
     let AttemptInput {
         root,
         state,
@@ -97,6 +113,7 @@ async fn run_attempt(ctx: &ActivityContext, input: AttemptInput) -> anyhow::Resu
         iteration,
     };
     let state_file = state_dir.join(format!("{id}.json"));
+    let marker = procs::marker_name(&state_file);
     let paths = Paths {
         root: &root,
         state_file: &state_file,
@@ -125,10 +142,11 @@ async fn run_attempt(ctx: &ActivityContext, input: AttemptInput) -> anyhow::Resu
         supervision: plan.supervision,
         dir: actions.clone(),
         stem: format!("{iteration:04}-{}-{attempt}", dispatch.action),
-        marker: procs::marker_name(&state_file),
+        marker: marker.clone(),
         agent: AgentStream::for_format(plan.format),
         budget: Budget { tokens, cost_usd },
     };
+    let _guarded = guard.map(|g| g.attempt(&marker));
     let running = Subprocess.spawn(spec)?;
     let cancel = CancellationToken::new();
     let mut quiet = |_| {};

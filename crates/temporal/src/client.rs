@@ -5,21 +5,29 @@ use std::time::Duration;
 
 use anyhow::{Context as _, Result};
 use loopd_core::state::LoopState;
+use serde_json::Value;
 pub use temporalio_client::Client;
+use temporalio_client::errors::{WorkflowGetResultError, WorkflowUpdateError};
 use temporalio_client::{
-    ClientOptions, Connection, ConnectionOptions, Url, WorkflowQueryOptions, WorkflowSignalOptions,
-    WorkflowStartOptions,
+    ClientOptions, Connection, ConnectionOptions, Url, WorkflowExecuteUpdateOptions,
+    WorkflowFetchHistoryOptions, WorkflowGetResultOptions, WorkflowHistory, WorkflowListOptions,
+    WorkflowQueryOptions, WorkflowStartOptions,
 };
+use temporalio_sdk::workflow_replayer::{WorkflowReplayer, WorkflowReplayerOptions};
 use temporalio_sdk::{Runtime, Worker, WorkerOptions};
 
 use crate::activity::LoopActivities;
-use crate::workflow::{Control, LoopWorkflow};
+use crate::change::Change;
+use crate::workflow::LoopWorkflow;
 use crate::{LoopInput, TemporalConfig};
+use loopd_exec::guard::Guard;
 
 /// The longest a worker holds back an attempt's heartbeat (Temporal's default is 60 s).
 const HEARTBEAT_THROTTLE: Duration = Duration::from_millis(300);
 /// How long a connection may take before loopd says the service is not there.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long a change may wait for a worker to take it into the loop.
+const ANSWER_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// A client of the service `config` names; one clear line when it cannot be reached.
 pub async fn connect(config: &TemporalConfig) -> Result<Client> {
@@ -52,17 +60,55 @@ pub async fn start(client: &Client, config: &TemporalConfig, input: LoopInput) -
     Ok(())
 }
 
-/// Pauses, resumes or stops a loop.
-pub async fn control(client: &Client, id: &str, what: Control) -> Result<()> {
+/// Makes a change to a loop ([`Change`]); returns what the command prints, or why the loop
+/// refused it, in one line. A loop whose workflow has ended (completed, failed, stopped) takes
+/// the change into its last state, and a change that leaves it running (a resume) starts its
+/// next run from there.
+pub async fn change(
+    client: &Client,
+    config: &TemporalConfig,
+    id: &str,
+    change: &Change,
+    at: &str,
+) -> Result<Value> {
+    let handle = client.get_workflow_handle::<LoopWorkflow>(id);
+    let update = handle.execute_update(
+        LoopWorkflow::change,
+        change.clone(),
+        WorkflowExecuteUpdateOptions::default(),
+    );
+    match tokio::time::timeout(ANSWER_TIMEOUT, update).await {
+        Ok(Ok(said)) => Ok(said),
+        Ok(Err(WorkflowUpdateError::Failed(failure))) => Err(anyhow::anyhow!(
+            "{}",
+            loopd_exec::result::one_line(&failure.message)
+        )),
+        Ok(Err(WorkflowUpdateError::NotFound(_))) => {
+            let mut input = ended(client, id).await?;
+            let said = input.change(change, at).map_err(anyhow::Error::msg)?;
+            if input.state.status == loopd_core::state::Status::Running {
+                start(client, config, input).await?;
+            }
+            Ok(said)
+        }
+        Ok(Err(e)) => Err(e).with_context(|| format!("cannot change loop {id} on Temporal")),
+        Err(_) => anyhow::bail!(
+            "loop {id} did not answer within {}s: is a `loopd worker` running for it?",
+            ANSWER_TIMEOUT.as_secs()
+        ),
+    }
+}
+
+/// What a loop whose workflow has ended would start its next run from.
+async fn ended(client: &Client, id: &str) -> Result<LoopInput> {
     client
         .get_workflow_handle::<LoopWorkflow>(id)
-        .signal(
-            LoopWorkflow::control,
-            what,
-            WorkflowSignalOptions::default(),
-        )
+        .get_result(WorkflowGetResultOptions::default())
         .await
-        .with_context(|| format!("cannot reach loop {id} on Temporal"))
+        .map_err(|e| match e {
+            WorkflowGetResultError::NotFound(_) => anyhow::anyhow!("no loop {id} on Temporal"),
+            e => anyhow::anyhow!("cannot read loop {id} on Temporal: {e}"),
+        })
 }
 
 /// A loop's state as its workflow holds it now.
@@ -75,9 +121,11 @@ pub async fn state(client: &Client, id: &str) -> Result<LoopState> {
 }
 
 /// Runs a worker of loopd's workflows and activities until `shutdown` resolves; the attempt it
-/// runs then is cancelled (its executor ended) and given back to the service.
+/// runs then is cancelled (its executor ended) and given back to the service. `guard` ends the
+/// executors of its attempts should the worker die.
 pub async fn run_worker(
     config: &TemporalConfig,
+    guard: Option<Guard>,
     shutdown: impl std::future::Future<Output = ()>,
 ) -> Result<()> {
     let runtime = Runtime::from_current_tokio(Default::default())
@@ -86,8 +134,10 @@ pub async fn run_worker(
     let options = WorkerOptions::new(config.task_queue.clone())
         // A heartbeat is how a pause or stop reaches the attempt: none is held back long.
         .max_heartbeat_throttle_interval(HEARTBEAT_THROTTLE)
+        // A worker told to stop ends its attempts at once; each goes to another worker.
+        .graceful_shutdown_period(Duration::ZERO)
         .register_workflow::<LoopWorkflow>()?
-        .register_activities(LoopActivities)
+        .register_activities(LoopActivities { guard })
         .build();
     let mut worker = Worker::new(&runtime, client, options)?;
     let stop = worker.shutdown_handle();
@@ -99,4 +149,45 @@ pub async fn run_worker(
         () = &mut shutdown => stop(),
     }
     run.await.context("the worker stopped")
+}
+
+/// Replays a loop's recorded history (JSON, as `temporal workflow show --output json` writes it)
+/// through this build's workflow code; an error names the non-determinism it found: a change to
+/// the workflow that the loops running now could not take.
+pub async fn replay(history_json: &[u8]) -> Result<()> {
+    let history = WorkflowHistory::from_json(history_json).context("not a workflow history")?;
+    let options = WorkflowReplayerOptions::new()
+        .register_workflow::<LoopWorkflow>()?
+        .build();
+    WorkflowReplayer::new(options)?
+        .replay_workflow(history)
+        .await
+        .context("the history does not replay")
+}
+
+/// The recorded histories of every run of loop `id` (JSON, what [`replay`] takes), newest first.
+pub async fn histories(client: &Client, id: &str) -> Result<Vec<Vec<u8>>> {
+    use futures::StreamExt as _;
+    use temporalio_client::{NamespacedClient as _, WorkflowExecutionInfo};
+    let mut runs = client.list_workflows(
+        format!("WorkflowId = '{id}'"),
+        WorkflowListOptions::default(),
+    );
+    let mut histories = Vec::new();
+    while let Some(run) = runs.next().await {
+        let run = run.with_context(|| format!("cannot list the runs of loop {id}"))?;
+        let info = WorkflowExecutionInfo::builder()
+            .namespace(client.namespace())
+            .workflow_id(id)
+            .run_id(run.run_id())
+            .build();
+        let history = info
+            .bind_untyped(client.clone())
+            .fetch_history(WorkflowFetchHistoryOptions::default())
+            .to_json()
+            .await
+            .with_context(|| format!("cannot read run {} of loop {id}", run.run_id()))?;
+        histories.push(history);
+    }
+    Ok(histories)
 }

@@ -18,6 +18,7 @@
 //! the binary uses it, behind the cargo feature `temporal`.
 
 pub mod activity;
+pub mod change;
 pub mod client;
 pub mod workflow;
 
@@ -28,26 +29,7 @@ use loopd_core::state::{ListedTask, LoopState};
 use loopd_core::workflow::Limits;
 use serde::{Deserialize, Serialize};
 
-/// Where the Temporal service is, and which of its queues loopd uses.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct TemporalConfig {
-    /// `host:port` of the frontend (a dev server: `temporal server start-dev`).
-    pub address: String,
-    pub namespace: String,
-    /// The task queue of loopd's workflows and activities.
-    pub task_queue: String,
-}
-
-impl Default for TemporalConfig {
-    fn default() -> TemporalConfig {
-        TemporalConfig {
-            address: "127.0.0.1:7233".into(),
-            namespace: "default".into(),
-            task_queue: "loopd".into(),
-        }
-    }
-}
+pub use loopd_project::config::TemporalConfig;
 
 /// What a loop's workflow starts from: the state `loopd create` made, and what the project's
 /// config says that the workflow must not read itself (it reads no file).
@@ -62,4 +44,8 @@ pub struct LoopInput {
     pub executor: Option<String>,
     pub limits: Limits,
     pub retry: RetryPolicy,
+    /// How many events a run's history may reach before the loop continues as a new run
+    /// (config `[temporal] history_limit`): checked before each action, so a run ends with at
+    /// most one action's events past it.
+    pub history_limit: u32,
 }

@@ -7,14 +7,16 @@ use chrono::{DateTime, Utc};
 use loopd_core::attempt::{self, AfterAttempt, Attempts, Verdict};
 use loopd_core::state::{LoopState, Status, format_ts};
 use loopd_core::workflow::{self, Decision, Dispatch, Finish, Inputs, LoopEnd, Workflow};
-use serde::{Deserialize, Serialize};
+use serde_json::{Value, json};
 use temporalio_macros::{workflow, workflow_methods};
 use temporalio_sdk::{
-    ActivityOptions, SyncWorkflowContext, WorkflowContext, WorkflowContextView, WorkflowResult,
+    ActivityOptions, ContinueAsNewOptions, SyncWorkflowContext, WorkflowContext,
+    WorkflowContextView, WorkflowResult,
 };
 
 use crate::LoopInput;
 use crate::activity::{AttemptInput, LoopActivities};
+use crate::change::Change;
 
 /// How long an attempt may go without a heartbeat before Temporal gives it to another worker.
 const HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(10);
@@ -24,42 +26,31 @@ const ACTIVITY_TRIES: u32 = 3;
 /// The longest an attempt may take, whatever its executor's own timeout says.
 const ATTEMPT_LIMIT: Duration = Duration::from_secs(24 * 3600);
 
-/// A status change a person asks for.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub enum Control {
-    Pause,
-    Resume,
-    Stop,
-}
-
 /// One loop.
 #[workflow]
-#[derive(Default)]
 pub struct LoopWorkflow {
     input: LoopInput,
-    /// Whether `run` has taken its input: a signal may come before.
-    started: bool,
-    /// Controls that came before the input, applied to it in order.
-    early: Vec<Control>,
 }
 
 #[workflow_methods]
 impl LoopWorkflow {
-    /// Drives the loop until it ends (completed, failed or stopped); returns its last state.
+    #[init]
+    pub fn new(_ctx: &WorkflowContextView, input: LoopInput) -> Self {
+        LoopWorkflow { input }
+    }
+
+    /// Drives the loop until it ends (completed, failed or stopped), continuing as a new run
+    /// whenever its history grows past [`LoopInput::history_limit`] events; returns what the
+    /// loop's next run would start from.
     #[run]
-    pub async fn run(
-        ctx: &mut WorkflowContext<Self>,
-        input: LoopInput,
-    ) -> WorkflowResult<LoopState> {
-        ctx.state_mut(|s| {
-            s.input = input;
-            s.started = true;
-            for what in std::mem::take(&mut s.early) {
-                apply(&mut s.input.state, what);
-            }
-        });
+    pub async fn run(ctx: &mut WorkflowContext<Self>) -> WorkflowResult<LoopInput> {
         loop {
-            let state = ctx.state(|s| s.input.state.clone());
+            let (state, history_limit) =
+                ctx.state(|s| (s.input.state.clone(), s.input.history_limit));
+            if history_limit > 0 && ctx.history_length() >= history_limit {
+                let input = ctx.state(|s| s.input.clone());
+                ctx.continue_as_new(input, ContinueAsNewOptions::default())?;
+            }
             match state.status {
                 Status::Created => {
                     ctx.state_mut(|s| s.input.state.status = Status::Running);
@@ -71,9 +62,19 @@ impl LoopWorkflow {
                     continue;
                 }
                 Status::Running => {}
-                _ => return Ok(state),
+                _ => return Ok(ctx.state(|s| s.input.clone())),
             }
             let (wf, limits) = (workflow_of(&state), ctx.state(|s| s.input.limits));
+            // Tasks added since the last look join the loop as pending, as in the file driver.
+            let at = format_ts(now(ctx));
+            let joined = ctx.state_mut(|s| {
+                let input = &mut s.input;
+                wf.absorb_tasks(&mut input.state, &input.tasks, &at)
+            });
+            let state = match joined {
+                0 => state,
+                _ => ctx.state(|s| s.input.state.clone()),
+            };
             match workflow::decide(wf, &state, limits) {
                 Decision::Abort(reason) => ctx.state_mut(|s| {
                     let state = &mut s.input.state;
@@ -85,11 +86,7 @@ impl LoopWorkflow {
                     ctx.wait_condition(|s| {
                         let state = &s.input.state;
                         state.status != Status::Running
-                            || state
-                                .skill_state
-                                .as_ref()
-                                .and_then(|k| k.question.as_ref())
-                                .is_none_or(|q| !q.waiting())
+                            || loopd_core::control::waiting_question(state).is_none()
                     })
                     .await?;
                 }
@@ -105,14 +102,27 @@ impl LoopWorkflow {
         }
     }
 
-    /// Pause, resume or stop, as `loopd pause|resume|stop` ask; a change that makes no sense
-    /// for the loop's status (pausing a loop that ended) changes nothing.
-    #[signal]
-    pub fn control(&mut self, _ctx: &mut SyncWorkflowContext<Self>, what: Control) {
-        match self.started {
-            true => apply(&mut self.input.state, what),
-            false => self.early.push(what),
-        }
+    /// Refuses a change that makes no sense for the loop as it is now, in one line, before it
+    /// is written to the loop's history.
+    #[update_validator(change)]
+    fn check_change(
+        &self,
+        _ctx: &WorkflowContextView,
+        change: &Change,
+    ) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+        self.input.clone().change(change, "")?;
+        Ok(())
+    }
+
+    /// Makes a change a person asks for (`loopd pause|resume|stop|next|task add|answer|set`);
+    /// returns what the command prints.
+    #[update]
+    pub fn change(&mut self, ctx: &mut SyncWorkflowContext<Self>, change: Change) -> Value {
+        let at = format_ts(time_of(ctx.workflow_time()));
+        // Checked by the validator against this same state.
+        self.input
+            .change(&change, &at)
+            .unwrap_or_else(|refused| json!({ "refused": refused }))
     }
 
     /// The loop's state as it is now.
@@ -120,16 +130,6 @@ impl LoopWorkflow {
     pub fn state(&self, _ctx: &WorkflowContextView) -> LoopState {
         self.input.state.clone()
     }
-}
-
-/// A status change, where it makes sense for the loop's status.
-fn apply(state: &mut LoopState, what: Control) {
-    state.status = match (what, &state.status) {
-        (Control::Pause, Status::Running | Status::Created) => Status::Paused,
-        (Control::Resume, Status::Paused) => Status::Running,
-        (Control::Stop, Status::Running | Status::Created | Status::Paused) => Status::UserExit,
-        _ => return,
-    };
 }
 
 /// Why an activity failed, in one line: the innermost message of its failure (the worker's own
@@ -147,7 +147,7 @@ fn why(e: &temporalio_sdk::ActivityExecutionError) -> String {
 }
 
 /// The workflow a loop runs.
-fn workflow_of(state: &LoopState) -> &'static dyn Workflow {
+pub(crate) fn workflow_of(state: &LoopState) -> &'static dyn Workflow {
     let name = state
         .skill_state
         .as_ref()
@@ -158,7 +158,11 @@ fn workflow_of(state: &LoopState) -> &'static dyn Workflow {
 
 /// The workflow's clock: the time of the workflow task, the same on every replay.
 fn now(ctx: &WorkflowContext<LoopWorkflow>) -> DateTime<Utc> {
-    DateTime::<Utc>::from(ctx.workflow_time().unwrap_or(SystemTime::UNIX_EPOCH))
+    time_of(ctx.workflow_time())
+}
+
+fn time_of(workflow_time: Option<SystemTime>) -> DateTime<Utc> {
+    DateTime::<Utc>::from(workflow_time.unwrap_or(SystemTime::UNIX_EPOCH))
 }
 
 /// One action: its attempts as activities, with the core's retries and waits as durable timers,
