@@ -84,7 +84,7 @@ pub async fn change(
             loopd_exec::result::one_line(&failure.message)
         )),
         Ok(Err(WorkflowUpdateError::NotFound(_))) => {
-            let mut input = ended(client, id).await?;
+            let mut input = finished(client, id).await?;
             let said = input.change(change, at).map_err(anyhow::Error::msg)?;
             if input.state.status == loopd_core::state::Status::Running {
                 start(client, config, input).await?;
@@ -99,8 +99,9 @@ pub async fn change(
     }
 }
 
-/// What a loop whose workflow has ended would start its next run from.
-async fn ended(client: &Client, id: &str) -> Result<LoopInput> {
+/// Waits until loop `id`'s workflow has ended (through every run it continued as); returns what
+/// its next run would start from.
+pub async fn finished(client: &Client, id: &str) -> Result<LoopInput> {
     client
         .get_workflow_handle::<LoopWorkflow>(id)
         .get_result(WorkflowGetResultOptions::default())

