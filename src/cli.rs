@@ -43,8 +43,8 @@ pub struct Cli {
     /// Print the result as JSON on stdout (one value; `logs` one event per line), for scripts
     #[arg(long, global = true)]
     pub json: bool,
-    /// The loop is on Temporal, at HOST:PORT (create, status, pause, resume, stop, next, answer,
-    /// set, task add; worker) [default: the config's `[temporal]`, when enabled]
+    /// The loop is on Temporal, at HOST:PORT (create, status, list, pause, resume, stop, next,
+    /// answer, set, task add; worker) [default: the config's `[temporal]`, when enabled]
     #[cfg(feature = "temporal")]
     #[arg(long, global = true, value_name = "HOST:PORT", env = "LOOPD_TEMPORAL")]
     pub temporal: Option<String>,
@@ -822,12 +822,13 @@ fn on_temporal(
             | Command::Answer { .. }
             | Command::Set { .. }
             | Command::Task(TaskCommand::Add { .. })
+            | Command::List { .. }
     );
     if !on_loops {
         return match address {
             Some(_) => Err(usage(
-                "--temporal: only create, status, pause, resume, stop, next, answer, set, task add \
-                 and worker know loops on Temporal yet",
+                "--temporal: only create, status, list, pause, resume, stop, next, answer, set, \
+                 task add and worker know loops on Temporal yet",
             )),
             None => Ok(None),
         };
@@ -847,6 +848,9 @@ fn on_temporal(
     Ok(Some(match command {
         Command::Create(args) => temporal::create(&project, &settings, args, json)?,
         Command::Status { id } => temporal::status(&settings, id, json)?,
+        Command::List { all } => {
+            temporal::list(&settings, (!all).then_some(project.root.as_path()), json)?
+        }
         Command::Pause { id } => change(id, Change::Control(Control::Pause))?,
         Command::Resume { id } => change(id, Change::Control(Control::Resume))?,
         Command::Stop { id } => change(id, Change::Control(Control::Stop))?,

@@ -2,6 +2,8 @@
 //! `worker`, and `create`, `status` and the changes (`pause`, `resume`, `stop`, `next`, `task
 //! add`, `answer`, `set`) of a loop there.
 
+use std::path::Path;
+
 use anyhow::{Context as _, Result};
 use loopd_core::state::ListedTask;
 use loopd_exec::guard::Guard;
@@ -138,19 +140,55 @@ pub fn create(p: &Project, config: &TemporalConfig, args: &CreateArgs, json: boo
     Ok(0)
 }
 
-/// `loopd status --temporal`: the loop's state as its workflow holds it.
+/// `loopd status --temporal`: the loop's state as its workflow holds it, and the attempt it runs
+/// now as its last heartbeat told (with `--json`, a `heartbeat` key beside the state's: action,
+/// iteration, attempt, the last of its output).
 pub fn status(config: &TemporalConfig, id: &str, json: bool) -> Result<i32> {
-    let state = runtime()?.block_on(async {
+    let (state, progress) = runtime()?.block_on(async {
         let client = connect(config).await?;
-        client::state(&client, id).await
+        let state = client::state(&client, id).await?;
+        // Best effort: the state is what was asked for.
+        let progress = client::progress(&client, id).await.ok().flatten();
+        anyhow::Ok((state, progress))
     })?;
-    let value = serde_json::to_value(&state)?;
-    let iteration = state.current_iteration;
-    print_result(
-        json,
-        &value,
-        &format!("loop {id}: {} (iteration {iteration})", state.status),
-    )?;
+    let mut value = serde_json::to_value(&state)?;
+    value["heartbeat"] = serde_json::to_value(&progress)?;
+    let mut text = format!(
+        "loop {id}: {} (iteration {})",
+        state.standing(),
+        state.current_iteration
+    );
+    if let Some(p) = &progress {
+        text.push_str(&format!(
+            "\nrunning {} (iteration {}, attempt {}); its last output:\n{}",
+            p.action,
+            p.iteration,
+            p.attempt,
+            p.output.trim_end()
+        ));
+    }
+    print_result(json, &value, &text)?;
+    Ok(0)
+}
+
+/// `loopd list --temporal`: the project's loops on Temporal (every project's with `all`), as the
+/// visibility store knows them.
+pub fn list(config: &TemporalConfig, root: Option<&Path>, json: bool) -> Result<i32> {
+    let listed = runtime()?.block_on(async {
+        let client = connect(config).await?;
+        client::list(&client, root).await
+    })?;
+    let mut text = format!(
+        "{:<34} {:<10} {:>4}  {:<12} PROJECT",
+        "ID", "STATUS", "ITER", "WORKFLOW"
+    );
+    for l in &listed {
+        text.push_str(&format!(
+            "\n{:<34} {:<10} {:>4}  {:<12} {}",
+            l.loop_id, l.status, l.iteration, l.workflow, l.project
+        ));
+    }
+    print_result(json, &serde_json::to_value(&listed)?, &text)?;
     Ok(0)
 }
 

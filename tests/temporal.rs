@@ -219,6 +219,20 @@ fn a_loop_runs_to_completion_through_two_workers() {
         tasks.iter().all(|t| t["status"] == "completed"),
         "{tasks:?}"
     );
+    // Listed from the visibility store, by the search attributes the workflow keeps.
+    let expected = serde_json::json!([{
+        "loop_id": id, "status": "completed", "workflow": "ccw-loop",
+        "project": p.root.display().to_string(), "iteration": state["current_iteration"],
+    }]);
+    let mut listed = Value::Null;
+    wait_for("the list to show the completed loop", || {
+        let out = temporal.command(&p, &["--json", "list"]);
+        assert_eq!(code(&out), 0, "list: {}", stderr(&out));
+        listed = serde_json::from_str(&stdout(&out)).expect("JSON");
+        listed == expected
+    });
+    let out = temporal.command(&p, &["list"]);
+    assert!(stdout(&out).contains(&id), "{}", stdout(&out));
 }
 
 #[test]
@@ -226,8 +240,8 @@ fn a_stop_ends_the_running_executor_and_its_child_and_a_resume_starts_a_new_run(
     let Some(bin) = temporal_bin() else { return };
     let p = Project::new(&common::agent(&[(
         "develop",
-        "if [ ! -f stopped-once ]; then touch stopped-once; echo $$ > develop.pid; \
-         sleep 300 & echo $! > child.pid; wait; fi",
+        "if [ ! -f stopped-once ]; then touch stopped-once; echo working on it; \
+         echo $$ > develop.pid; sleep 300 & echo $! > child.pid; wait; fi",
     )]));
     let mut temporal = Temporal::start(&p, &bin);
     temporal.worker(&p);
@@ -239,6 +253,14 @@ fn a_stop_ends_the_running_executor_and_its_child_and_a_resume_starts_a_new_run(
         read_pid(&p.root.join("develop.pid")),
         read_pid(&p.root.join("child.pid")),
     );
+    // Its heartbeat tells what runs, and what it printed last.
+    wait_for("the heartbeat to carry the output", || {
+        let state = temporal.state(&p, &id);
+        state["heartbeat"]["action"] == "develop"
+            && state["heartbeat"]["output"]
+                .as_str()
+                .is_some_and(|o| o.contains("working on it"))
+    });
     let out = temporal.command(&p, &["stop", &id]);
     assert_eq!(code(&out), 0, "stop: {}", stderr(&out));
     wait_for("the executor and its child to be gone", || {

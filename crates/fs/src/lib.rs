@@ -212,6 +212,18 @@ impl Dir {
         read_capped(file, cap).map_err(|e| with_path(&self.join(name), e))
     }
 
+    /// The last `want` bytes of a regular file, as text (a character cut at the start is
+    /// replaced); `None` when it cannot be read.
+    pub fn read_tail(&self, name: &str, want: u64) -> Option<String> {
+        use std::io::{Read as _, Seek as _, SeekFrom};
+        let mut file = self.open_read(name).ok()?;
+        let len = file.metadata().ok()?.len();
+        file.seek(SeekFrom::Start(len.saturating_sub(want))).ok()?;
+        let mut bytes = Vec::new();
+        file.read_to_end(&mut bytes).ok()?;
+        Some(String::from_utf8_lossy(&bytes).into_owned())
+    }
+
     /// Opens a file for appending, creating it (0600) if missing.
     pub fn append(&self, name: &str) -> io::Result<File> {
         self.open_checked(

@@ -36,6 +36,20 @@ pub struct AttemptInput {
     pub executor: Option<String>,
 }
 
+/// What a running attempt tells Temporal with each heartbeat (`loopd status --temporal` shows
+/// it): which attempt it is, and the last of what its executor printed.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Progress {
+    pub action: String,
+    pub iteration: u64,
+    pub attempt: u32,
+    /// The last [`PROGRESS_TAIL`] bytes of the attempt's log.
+    pub output: String,
+}
+
+/// How much of an attempt's log each heartbeat carries.
+pub const PROGRESS_TAIL: u64 = 1024;
+
 /// How an attempt ended, and what its executor spent.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct AttemptReport {
@@ -146,6 +160,13 @@ async fn run_attempt(
         agent: AgentStream::for_format(plan.format),
         budget: Budget { tokens, cost_usd },
     };
+    let log = format!("{}.log", spec.stem);
+    let progress = |output| Progress {
+        action: dispatch.action.clone(),
+        iteration,
+        attempt,
+        output,
+    };
     let _guarded = guard.map(|g| g.attempt(&marker));
     let running = Subprocess.spawn(spec)?;
     let cancel = CancellationToken::new();
@@ -157,7 +178,8 @@ async fn run_attempt(
             run = &mut supervised => break run?,
             () = ctx.cancelled(), if !cancel.is_cancelled() => cancel.cancel(),
             () = tokio::time::sleep(HEARTBEAT_EVERY) => {
-                let _ = ctx.record_heartbeat(dispatch.action.clone()).await;
+                let output = actions.read_tail(&log, PROGRESS_TAIL).unwrap_or_default();
+                let _ = ctx.record_heartbeat(progress(output)).await;
             }
         }
     };

@@ -9,15 +9,16 @@ use serde_json::Value;
 pub use temporalio_client::Client;
 use temporalio_client::errors::{WorkflowGetResultError, WorkflowUpdateError};
 use temporalio_client::{
-    ClientOptions, Connection, ConnectionOptions, Url, WorkflowExecuteUpdateOptions,
-    WorkflowFetchHistoryOptions, WorkflowGetResultOptions, WorkflowHistory, WorkflowListOptions,
-    WorkflowQueryOptions, WorkflowStartOptions,
+    ClientOptions, Connection, ConnectionOptions, Url, WorkflowDescribeOptions,
+    WorkflowExecuteUpdateOptions, WorkflowFetchHistoryOptions, WorkflowGetResultOptions,
+    WorkflowHistory, WorkflowListOptions, WorkflowQueryOptions, WorkflowStartOptions,
 };
 use temporalio_sdk::workflow_replayer::{WorkflowReplayer, WorkflowReplayerOptions};
 use temporalio_sdk::{Runtime, Worker, WorkerOptions};
 
-use crate::activity::LoopActivities;
+use crate::activity::{LoopActivities, Progress};
 use crate::change::Change;
+use crate::visibility::{self, Listed};
 use crate::workflow::LoopWorkflow;
 use crate::{LoopInput, TemporalConfig};
 use loopd_exec::guard::Guard;
@@ -46,18 +47,40 @@ pub async fn connect(config: &TemporalConfig) -> Result<Client> {
     )?)
 }
 
-/// Starts loop `input.state.loop_id` as a workflow of that id.
+/// Starts loop `input.state.loop_id` as a workflow of that id, shown in the visibility store
+/// ([`visibility`]) from its start.
 pub async fn start(client: &Client, config: &TemporalConfig, input: LoopInput) -> Result<()> {
+    visibility::register(client, &config.namespace).await?;
     let id = input.state.loop_id.clone();
+    let options = WorkflowStartOptions::new(config.task_queue.clone(), id.clone())
+        .search_attributes(visibility::of(&input))
+        .build();
     client
-        .start_workflow(
-            LoopWorkflow::run,
-            input,
-            WorkflowStartOptions::new(config.task_queue.clone(), id.clone()).build(),
-        )
+        .start_workflow(LoopWorkflow::run, input, options)
         .await
         .with_context(|| format!("cannot start loop {id} on Temporal"))?;
     Ok(())
+}
+
+/// The loops on Temporal, newest first: of the project `root`, or all of them.
+pub async fn list(client: &Client, root: Option<&std::path::Path>) -> Result<Vec<Listed>> {
+    use futures::StreamExt as _;
+    let mut query = "WorkflowType = 'LoopWorkflow'".to_owned();
+    if let Some(root) = root {
+        // A Keyword compared whole; a quote in the path is doubled as the query language asks.
+        let root = root.display().to_string().replace('\'', "''");
+        query.push_str(&format!(" AND {} = '{root}'", visibility::PROJECT.name()));
+    }
+    let mut runs = client.list_workflows(query, WorkflowListOptions::default());
+    let mut listed = Vec::new();
+    while let Some(run) = runs.next().await {
+        let run = run.context("cannot list the loops on Temporal")?;
+        // A loop's earlier runs (continued as new, or resumed) come after its newest.
+        if !listed.iter().any(|l: &Listed| l.loop_id == run.id()) {
+            listed.push(Listed::from(run.id(), &run.search_attributes()));
+        }
+    }
+    Ok(listed)
 }
 
 /// Makes a change to a loop ([`Change`]); returns what the command prints, or why the loop
@@ -121,6 +144,23 @@ pub async fn state(client: &Client, id: &str) -> Result<LoopState> {
         .with_context(|| format!("cannot read loop {id} on Temporal"))
 }
 
+/// The attempt loop `id` runs now, as its last heartbeat told (`None` when none runs).
+pub async fn progress(client: &Client, id: &str) -> Result<Option<Progress>> {
+    let description = client
+        .get_workflow_handle::<LoopWorkflow>(id)
+        .describe(WorkflowDescribeOptions::default())
+        .await
+        .with_context(|| format!("cannot read loop {id} on Temporal"))?;
+    let details = description
+        .raw_description
+        .pending_activities
+        .iter()
+        .filter_map(|a| a.heartbeat_details.as_ref())
+        .find_map(|d| d.payloads.first());
+    // A heartbeat's details are JSON (the SDK's default converter).
+    Ok(details.and_then(|p| serde_json::from_slice(&p.data).ok()))
+}
+
 /// Runs a worker of loopd's workflows and activities until `shutdown` resolves; the attempt it
 /// runs then is cancelled (its executor ended) and given back to the service. `guard` ends the
 /// executors of its attempts should the worker die.
@@ -132,6 +172,7 @@ pub async fn run_worker(
     let runtime = Runtime::from_current_tokio(Default::default())
         .map_err(|e| anyhow::anyhow!("cannot start the Temporal runtime: {e}"))?;
     let client = connect(config).await?;
+    visibility::register(&client, &config.namespace).await?;
     let options = WorkerOptions::new(config.task_queue.clone())
         // A heartbeat is how a pause or stop reaches the attempt: none is held back long.
         .max_heartbeat_throttle_interval(HEARTBEAT_THROTTLE)

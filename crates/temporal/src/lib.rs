@@ -21,6 +21,7 @@ pub mod activity;
 pub mod change;
 pub mod client;
 pub mod reference;
+pub mod visibility;
 pub mod workflow;
 
 use std::path::PathBuf;

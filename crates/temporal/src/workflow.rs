@@ -17,6 +17,7 @@ use temporalio_sdk::{
 use crate::LoopInput;
 use crate::activity::{AttemptInput, LoopActivities};
 use crate::change::Change;
+use crate::visibility;
 
 /// How long an attempt may go without a heartbeat before Temporal gives it to another worker.
 const HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(10);
@@ -30,13 +31,15 @@ const ATTEMPT_LIMIT: Duration = Duration::from_secs(24 * 3600);
 #[workflow]
 pub struct LoopWorkflow {
     input: LoopInput,
+    /// The status and iteration the visibility store shows ([`visibility`]), once set this run.
+    shown: Option<(String, i64)>,
 }
 
 #[workflow_methods]
 impl LoopWorkflow {
     #[init]
     pub fn new(_ctx: &WorkflowContextView, input: LoopInput) -> Self {
-        LoopWorkflow { input }
+        LoopWorkflow { input, shown: None }
     }
 
     /// Drives the loop until it ends (completed, failed or stopped), continuing as a new run
@@ -51,6 +54,7 @@ impl LoopWorkflow {
                 let input = ctx.state(|s| s.input.clone());
                 ctx.continue_as_new(input, ContinueAsNewOptions::default())?;
             }
+            show(ctx, &state);
             match state.status {
                 Status::Created => {
                     ctx.state_mut(|s| s.input.state.status = Status::Running);
@@ -129,6 +133,15 @@ impl LoopWorkflow {
     #[query]
     pub fn state(&self, _ctx: &WorkflowContextView) -> LoopState {
         self.input.state.clone()
+    }
+}
+
+/// Tells the visibility store the loop's status and iteration, where they changed.
+fn show(ctx: &mut WorkflowContext<LoopWorkflow>, state: &LoopState) {
+    let now = visibility::moving(state);
+    if ctx.state(|s| s.shown.as_ref() != Some(&now)) {
+        ctx.upsert_search_attributes(visibility::updates(now.clone()));
+        ctx.state_mut(|s| s.shown = Some(now));
     }
 }
 

@@ -503,7 +503,7 @@ fn last_event(p: &Project, id: &str) -> Option<Value> {
         .ok()?
         .subdir(&format!("{id}.progress"), false)
         .ok()?;
-    let text = read_tail(&progress, loopd_store::events::EVENTS, 4096)?;
+    let text = progress.read_tail(loopd_store::events::EVENTS, 4096)?;
     let line = text.lines().rev().find(|l| !l.trim().is_empty())?;
     serde_json::from_str(line).ok()
 }
@@ -860,7 +860,7 @@ async fn tail(
         // The attempt's log, by its name alone, in the progress directory.
         let text = flight.log.as_deref().and_then(|name| {
             let actions = p.store.progress(id).ok()?.subdir("actions", false).ok()?;
-            read_tail(&actions, name, want)
+            actions.read_tail(name, want)
         });
         Ok(Json(json!({
             "loop_id": id,
@@ -875,15 +875,4 @@ async fn tail(
         })))
     })
     .await
-}
-
-/// The last `want` bytes of a file of `dir`, as text.
-fn read_tail(dir: &Dir, name: &str, want: u64) -> Option<String> {
-    use std::io::{Read as _, Seek as _, SeekFrom};
-    let mut file = dir.open_read(name).ok()?;
-    let len = file.metadata().ok()?.len();
-    file.seek(SeekFrom::Start(len.saturating_sub(want))).ok()?;
-    let mut bytes = Vec::new();
-    file.read_to_end(&mut bytes).ok()?;
-    Some(String::from_utf8_lossy(&bytes).into_owned())
 }
