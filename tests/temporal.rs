@@ -103,6 +103,21 @@ impl Temporal {
         self.server = serve(p, bin, self.ports);
     }
 
+    /// The recorded histories of every run of loop `id` (JSON), newest first.
+    fn histories(&self, id: &str) -> Vec<Vec<u8>> {
+        let config = loopd_temporal::TemporalConfig {
+            address: self.address.clone(),
+            namespace: "default".into(),
+            ..Default::default()
+        };
+        runtime()
+            .block_on(async {
+                let client = loopd_temporal::client::connect(&config).await?;
+                loopd_temporal::client::histories(&client, id).await
+            })
+            .expect("the loop's histories")
+    }
+
     /// SIGKILLs worker `i`: no goodbye, no cleanup of its own.
     fn kill_worker(&mut self, i: usize) {
         let worker = &mut self.workers[i].0;
@@ -434,6 +449,38 @@ fn a_question_is_answered_and_a_task_added_from_the_command_line() {
             .any(|t| t["description"] == "a third" && t["status"] == "completed"),
         "{tasks:?}"
     );
+    // `LOOPD_RECORD_HISTORIES=1`: this history becomes one that every later build must replay.
+    if std::env::var_os("LOOPD_RECORD_HISTORIES").is_some() {
+        let history = temporal.histories(&id).remove(0);
+        std::fs::write(histories_dir().join("updates.json"), history).unwrap();
+    }
+}
+
+/// Recorded histories of loops (`LOOPD_RECORD_HISTORIES=1`), which this build's workflow must
+/// replay: a change to it that loops already running could not take fails here.
+fn histories_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/histories")
+}
+
+#[test]
+fn recorded_histories_replay_on_this_build() {
+    let mut replayed = 0;
+    for entry in std::fs::read_dir(histories_dir()).expect("tests/histories") {
+        let path = entry.unwrap().path();
+        let history = std::fs::read(&path).unwrap();
+        runtime()
+            .block_on(loopd_temporal::client::replay(&history))
+            .unwrap_or_else(|e| panic!("{} does not replay: {e:#}", path.display()));
+        replayed += 1;
+    }
+    assert!(replayed > 0, "no recorded history in {}", histories_dir().display());
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("a runtime")
 }
 
 #[test]
@@ -503,21 +550,8 @@ fn a_long_loop_continues_as_new_runs_whose_histories_replay() {
         "{tasks:?}"
     );
     // The loop's runs: each holds at most the limit and one action's events, and replays.
-    let config = loopd_temporal::TemporalConfig {
-        address: temporal.address.clone(),
-        namespace: "default".into(),
-        ..Default::default()
-    };
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    let histories = rt
-        .block_on(async {
-            let client = loopd_temporal::client::connect(&config).await?;
-            loopd_temporal::client::histories(&client, &id).await
-        })
-        .expect("the loop's histories");
+    let histories = temporal.histories(&id);
+    let rt = runtime();
     assert!(
         histories.len() >= 3,
         "a loop of 16 actions in runs of {HISTORY_LIMIT} events: {} runs",
