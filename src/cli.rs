@@ -43,8 +43,8 @@ pub struct Cli {
     /// Print the result as JSON on stdout (one value; `logs` one event per line), for scripts
     #[arg(long, global = true)]
     pub json: bool,
-    /// The loop is on Temporal, at HOST:PORT (create, status, list, pause, resume, stop, next,
-    /// answer, set, task add; worker) [default: the config's `[temporal]`, when enabled]
+    /// The loop is on Temporal, at HOST:PORT (create, status, list, logs, pause, resume, stop,
+    /// next, answer, set, task add; worker) [default: the config's `[temporal]`, when enabled]
     #[cfg(feature = "temporal")]
     #[arg(long, global = true, value_name = "HOST:PORT", env = "LOOPD_TEMPORAL")]
     pub temporal: Option<String>,
@@ -823,12 +823,13 @@ fn on_temporal(
             | Command::Set { .. }
             | Command::Task(TaskCommand::Add { .. })
             | Command::List { .. }
+            | Command::Logs { .. }
     );
     if !on_loops {
         return match address {
             Some(_) => Err(usage(
-                "--temporal: only create, status, list, pause, resume, stop, next, answer, set, \
-                 task add and worker know loops on Temporal yet",
+                "--temporal: only create, status, list, logs, pause, resume, stop, next, answer, \
+                 set, task add and worker know loops on Temporal yet",
             )),
             None => Ok(None),
         };
@@ -850,6 +851,18 @@ fn on_temporal(
         Command::Status { id } => temporal::status(&settings, id, json)?,
         Command::List { all } => {
             temporal::list(&settings, (!all).then_some(project.root.as_path()), json)?
+        }
+        Command::Logs { follow: true, .. } => {
+            return Err(usage(
+                "--follow: not for loops on Temporal yet; run `logs` again",
+            ));
+        }
+        Command::Logs { id, utc, .. } => {
+            let clock = match utc {
+                true => loopd_store::events::Clock::Utc,
+                false => loopd_store::events::Clock::Local,
+            };
+            temporal::logs(&settings, id, clock, json)?
         }
         Command::Pause { id } => change(id, Change::Control(Control::Pause))?,
         Command::Resume { id } => change(id, Change::Control(Control::Resume))?,

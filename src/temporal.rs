@@ -192,6 +192,29 @@ pub fn list(config: &TemporalConfig, root: Option<&Path>, json: bool) -> Result<
     Ok(0)
 }
 
+/// `loopd logs --temporal ID`: the loop's events, read from its workflow's history.
+pub fn logs(
+    config: &TemporalConfig,
+    id: &str,
+    clock: loopd_store::events::Clock,
+    json: bool,
+) -> Result<i32> {
+    let events = runtime()?.block_on(async {
+        let client = connect(config).await?;
+        client::events(&client, id)
+            .await
+            .map_err(|e| usage(format!("{e:#}")))
+    })?;
+    for event in &events {
+        let line = match json {
+            true => event.to_string(),
+            false => loopd_store::events::render(event, clock),
+        };
+        crate::outln!("{line}")?;
+    }
+    Ok(0)
+}
+
 /// `loopd pause|resume|stop|next|task add|answer|set --temporal`: the change made by the loop's
 /// workflow (by the rules the file driver follows), refused in one line (exit 2) where it makes
 /// no sense.

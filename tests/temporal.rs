@@ -449,6 +449,27 @@ fn a_question_is_answered_and_a_task_added_from_the_command_line() {
             .any(|t| t["description"] == "a third" && t["status"] == "completed"),
         "{tasks:?}"
     );
+    // Its events, read from its history: every change a person made among them.
+    let out = temporal.command(&p, &["--json", "logs", &id]);
+    assert_eq!(code(&out), 0, "logs: {}", stderr(&out));
+    let events: Vec<Value> = stdout(&out)
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("an event per line"))
+        .collect();
+    let names: Vec<&str> = events.iter().filter_map(|e| e["event"].as_str()).collect();
+    assert_eq!(names.first(), Some(&"loop_started"), "{names:?}");
+    assert_eq!(names.last(), Some(&"loop_ended"), "{names:?}");
+    assert_eq!(
+        names.iter().filter(|n| **n == "changed").count(),
+        3,
+        "{names:?}"
+    );
+    let out = temporal.command(&p, &["logs", "--utc", &id]);
+    let shown = stdout(&out);
+    assert!(
+        shown.contains("action finished") && shown.contains("needs_input"),
+        "{shown}"
+    );
     // `LOOPD_RECORD_HISTORIES=1`: this history becomes one that every later build must replay.
     if std::env::var_os("LOOPD_RECORD_HISTORIES").is_some() {
         let history = temporal.histories(&id).remove(0);
@@ -473,7 +494,11 @@ fn recorded_histories_replay_on_this_build() {
             .unwrap_or_else(|e| panic!("{} does not replay: {e:#}", path.display()));
         replayed += 1;
     }
-    assert!(replayed > 0, "no recorded history in {}", histories_dir().display());
+    assert!(
+        replayed > 0,
+        "no recorded history in {}",
+        histories_dir().display()
+    );
 }
 
 fn runtime() -> tokio::runtime::Runtime {

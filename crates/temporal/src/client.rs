@@ -209,6 +209,28 @@ pub async fn replay(history_json: &[u8]) -> Result<()> {
 
 /// The recorded histories of every run of loop `id` (JSON, what [`replay`] takes), newest first.
 pub async fn histories(client: &Client, id: &str) -> Result<Vec<Vec<u8>>> {
+    let mut histories = Vec::new();
+    for history in runs(client, id).await? {
+        histories.push(history.to_json().await?);
+    }
+    Ok(histories)
+}
+
+/// Loop `id`'s events, oldest first, read from the histories of its runs ([`history::events`]).
+pub async fn events(client: &Client, id: &str) -> Result<Vec<Value>> {
+    let mut events = Vec::new();
+    for history in runs(client, id).await?.into_iter().rev() {
+        let history = history
+            .into_events()
+            .await
+            .with_context(|| format!("cannot read the history of loop {id}"))?;
+        events.extend(crate::history::events(&history));
+    }
+    Ok(events)
+}
+
+/// The histories of every run of loop `id`, newest first, not fetched yet.
+async fn runs(client: &Client, id: &str) -> Result<Vec<WorkflowHistory>> {
     use futures::StreamExt as _;
     use temporalio_client::{NamespacedClient as _, WorkflowExecutionInfo};
     let mut runs = client.list_workflows(
@@ -223,13 +245,13 @@ pub async fn histories(client: &Client, id: &str) -> Result<Vec<Vec<u8>>> {
             .workflow_id(id)
             .run_id(run.run_id())
             .build();
-        let history = info
-            .bind_untyped(client.clone())
-            .fetch_history(WorkflowFetchHistoryOptions::default())
-            .to_json()
-            .await
-            .with_context(|| format!("cannot read run {} of loop {id}", run.run_id()))?;
-        histories.push(history);
+        histories.push(
+            info.bind_untyped(client.clone())
+                .fetch_history(WorkflowFetchHistoryOptions::default()),
+        );
+    }
+    if histories.is_empty() {
+        anyhow::bail!("no loop {id} on Temporal");
     }
     Ok(histories)
 }

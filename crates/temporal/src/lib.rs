@@ -20,6 +20,7 @@
 pub mod activity;
 pub mod change;
 pub mod client;
+pub mod history;
 pub mod reference;
 pub mod visibility;
 pub mod workflow;
