@@ -9,7 +9,8 @@
 //!      the workflow's end; and the same loop on the file driver (`loopd run`);
 //!   c) stop latency: a loop whose develop action is a shell that becomes `sleep 1000`; from the
 //!      spawn of `loopd --temporal ADDR stop ID` to the executor gone (p50, p99);
-//!   d) throughput: `LOOPS` loops of 5 actions each over 3 workers: actions per second.
+//!   d) throughput: `LOOPS` loops of 5 actions each over 3 workers: actions per second;
+//!   e) a worker SIGKILLed while its executor runs: from the kill to the executor gone.
 //!
 //! Run: `cargo bench --bench temporal --features temporal`. Environment:
 //!   LOOPD_TEMPORAL_BIN   the `temporal` program (default: ~/.cache/loopd/temporal-1.9.1/bin/temporal)
@@ -127,18 +128,11 @@ fn main() {
             .stdout(Stdio::null())
             .spawn()
             .expect("loopd stop");
-        while alive(pid) {
-            assert!(
-                started.elapsed() < Duration::from_secs(60),
-                "the executor outlived a stop"
-            );
-            std::thread::sleep(Duration::from_micros(200));
-        }
-        stops.push(ms(started.elapsed()));
+        stops.push(wait_gone(pid, started, "a stop"));
         assert!(stop.wait().expect("loopd stop").success());
     }
-    std::fs::remove_file(p.root.join("hold")).expect("hold");
     drop(workers);
+    std::fs::remove_file(p.root.join("hold")).expect("hold");
     stops.sort_by(f64::total_cmp);
     let p99 = stops[((stops.len() * 99).div_ceil(100)).saturating_sub(1)];
     println!(
@@ -160,6 +154,40 @@ fn main() {
     println!(
         "d) {loops} loops of 5 actions over 3 workers: {elapsed:.1} s, {:.1} actions/s",
         (loops * 5) as f64 / elapsed
+    );
+
+    // e) A worker SIGKILLed mid-action: from the kill to its executor gone (its guard's work).
+    let p = project(2);
+    std::fs::write(p.root.join("hold"), "").expect("hold");
+    let mut orphans = Vec::new();
+    let mut worker = Workers::start(&p, &server.address, 1);
+    for _ in 0..trials.min(10) {
+        let pid_file = p.root.join("develop.pid");
+        let _ = std::fs::remove_file(&pid_file);
+        let id = create(&p, &server.address);
+        let pid = wait_for_pid(&pid_file);
+        let started = Instant::now();
+        worker.kill_all();
+        orphans.push(wait_gone(pid, started, "its worker"));
+        // The next worker takes the change: the loop stops before its attempt is retried.
+        worker = Workers::start(&p, &server.address, 1);
+        let out = p
+            .loopd()
+            .args(["--temporal", &server.address, "stop", &id])
+            .output()
+            .expect("loopd stop");
+        assert!(
+            out.status.success(),
+            "stop: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    drop(worker);
+    println!(
+        "e) worker SIGKILLed → its executor gone: median {:.0} ms, max {:.0} ms ({} trials)",
+        median(&mut orphans.clone()),
+        orphans.iter().copied().fold(0.0, f64::max),
+        orphans.len()
     );
 }
 
@@ -207,6 +235,18 @@ async fn finished(config: &TemporalConfig, id: &str) {
         "loop {id}: {:?}",
         input.state.failure_reason
     );
+}
+
+/// Waits until process `pid` is gone; the milliseconds since `started`.
+fn wait_gone(pid: u32, started: Instant, what: &str) -> f64 {
+    while alive(pid) {
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "the executor outlived {what}"
+        );
+        std::thread::sleep(Duration::from_micros(200));
+    }
+    ms(started.elapsed())
 }
 
 fn wait_for_pid(path: &Path) -> u32 {
@@ -306,13 +346,21 @@ impl Server {
 
 /// `n` `loopd worker` processes of a project, ended when dropped.
 struct Workers {
-    _processes: Vec<Process>,
+    processes: Vec<Process>,
 }
 
 impl Workers {
+    /// SIGKILLs every worker, as a machine's death would.
+    fn kill_all(&mut self) {
+        for p in &mut self.processes {
+            let _ = p.0.kill();
+            let _ = p.0.wait();
+        }
+    }
+
     fn start(p: &Project, address: &str, n: usize) -> Workers {
         Workers {
-            _processes: (0..n)
+            processes: (0..n)
                 .map(|_| {
                     Process(
                         p.loopd()

@@ -27,6 +27,8 @@ use loopd_exec::guard::Guard;
 const HEARTBEAT_THROTTLE: Duration = Duration::from_millis(300);
 /// How long a connection may take before loopd says the service is not there.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long a loop's next workflow task waits for the worker that ran its last one.
+const STICKY_TIMEOUT: Duration = Duration::from_secs(2);
 /// How long a change may wait for a worker to take it into the loop.
 const ANSWER_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -178,6 +180,8 @@ pub async fn run_worker(
         .max_heartbeat_throttle_interval(HEARTBEAT_THROTTLE)
         // A worker told to stop ends its attempts at once; each goes to another worker.
         .graceful_shutdown_period(Duration::ZERO)
+        // A loop whose worker died is taken up by another within seconds, not Temporal's 10 s.
+        .sticky_queue_schedule_to_start_timeout(STICKY_TIMEOUT)
         .register_workflow::<LoopWorkflow>()?
         .register_activities(LoopActivities { guard })
         .build();
