@@ -147,8 +147,14 @@ pub fn status(config: &TemporalConfig, id: &str, json: bool) -> Result<i32> {
     let (state, progress) = runtime()?.block_on(async {
         let client = connect(config).await?;
         let state = client::state(&client, id).await?;
-        // Best effort: the state is what was asked for.
-        let progress = client::progress(&client, id).await.ok().flatten();
+        // Best effort: the state is what was asked for. A loop that no longer runs has no
+        // attempt in flight, whatever its last heartbeat said.
+        let progress = match state.status {
+            loopd_core::state::Status::Running => {
+                client::progress(&client, id).await.ok().flatten()
+            }
+            _ => None,
+        };
         anyhow::Ok((state, progress))
     })?;
     let mut value = serde_json::to_value(&state)?;
@@ -159,12 +165,13 @@ pub fn status(config: &TemporalConfig, id: &str, json: bool) -> Result<i32> {
         state.current_iteration
     );
     if let Some(p) = &progress {
+        let output = match p.output.trim_end() {
+            "" => "(none yet)",
+            output => output,
+        };
         text.push_str(&format!(
-            "\nrunning {} (iteration {}, attempt {}); its last output:\n{}",
-            p.action,
-            p.iteration,
-            p.attempt,
-            p.output.trim_end()
+            "\nrunning {} (iteration {}, attempt {}); its last output:\n{output}",
+            p.action, p.iteration, p.attempt,
         ));
     }
     print_result(json, &value, &text)?;

@@ -470,6 +470,8 @@ fn a_question_is_answered_and_a_task_added_from_the_command_line() {
         shown.contains("action finished") && shown.contains("needs_input"),
         "{shown}"
     );
+    assert!(shown.contains("answer: SQLite, please"), "{shown}");
+    assert!(shown.contains("set: max_iterations = 30"), "{shown}");
     // `LOOPD_RECORD_HISTORIES=1`: this history becomes one that every later build must replay.
     if std::env::var_os("LOOPD_RECORD_HISTORIES").is_some() {
         let history = temporal.histories(&id).remove(0);

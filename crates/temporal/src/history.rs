@@ -88,14 +88,16 @@ pub fn events(history: &[HistoryEvent]) -> Vec<Value> {
                     .and_then(|r| r.input.as_ref())
                     .and_then(|i| i.args.as_ref());
                 let change: Option<Change> = decode(args);
-                ("changed", json!({ "change": change }))
+                let said = change.as_ref().map(Change::to_string);
+                ("changed", json!({ "change": change, "message": said }))
             }
             Attributes::TimerStartedEventAttributes(a) => {
                 let seconds = a
                     .start_to_fire_timeout
                     .as_ref()
                     .map(|d| d.seconds as f64 + f64::from(d.nanos) / 1e9);
-                ("waiting", json!({ "seconds": seconds }))
+                let said = seconds.map(|s| format!("{s:.1}s"));
+                ("waiting", json!({ "seconds": seconds, "message": said }))
             }
             Attributes::WorkflowExecutionContinuedAsNewEventAttributes(a) => {
                 ("continued_as_new", json!({ "run": a.new_execution_run_id }))
@@ -105,7 +107,10 @@ pub fn events(history: &[HistoryEvent]) -> Vec<Value> {
                 let (status, reason) = ended.map_or((None, None), |i| {
                     (Some(i.state.standing()), i.state.failure_reason)
                 });
-                ("loop_ended", json!({ "status": status, "reason": reason }))
+                (
+                    "loop_ended",
+                    json!({ "status": status, "outcome": status, "message": reason }),
+                )
             }
             _ => continue,
         };
