@@ -852,17 +852,14 @@ fn on_temporal(
         Command::List { all } => {
             temporal::list(&settings, (!all).then_some(project.root.as_path()), json)?
         }
-        Command::Logs { follow: true, .. } => {
-            return Err(usage(
-                "--follow: not for loops on Temporal yet; run `logs` again",
-            ));
-        }
-        Command::Logs { id, utc, .. } => {
+        Command::Logs {
+            id, utc, follow, ..
+        } => {
             let clock = match utc {
                 true => loopd_store::events::Clock::Utc,
                 false => loopd_store::events::Clock::Local,
             };
-            temporal::logs(&settings, id, clock, json)?
+            temporal::logs(&settings, id, clock, *follow, json)?
         }
         Command::Pause { id } => change(id, Change::Control(Control::Pause))?,
         Command::Resume { id } => change(id, Change::Control(Control::Resume))?,

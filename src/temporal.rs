@@ -199,28 +199,41 @@ pub fn list(config: &TemporalConfig, root: Option<&Path>, json: bool) -> Result<
     Ok(0)
 }
 
-/// `loopd logs --temporal ID`: the loop's events, read from its workflow's history.
+/// `loopd logs --temporal ID [--follow]`: the loop's events, read from its workflow's history;
+/// with `follow`, new ones as they come (looked for every [`FOLLOW_EVERY`]) until the loop ends.
 pub fn logs(
     config: &TemporalConfig,
     id: &str,
     clock: loopd_store::events::Clock,
+    follow: bool,
     json: bool,
 ) -> Result<i32> {
-    let events = runtime()?.block_on(async {
+    runtime()?.block_on(async {
         let client = connect(config).await?;
-        client::events(&client, id)
-            .await
-            .map_err(|e| usage(format!("{e:#}")))
-    })?;
-    for event in &events {
-        let line = match json {
-            true => event.to_string(),
-            false => loopd_store::events::render(event, clock),
-        };
-        crate::outln!("{line}")?;
-    }
-    Ok(0)
+        let mut shown = 0;
+        loop {
+            let events = client::events(&client, id)
+                .await
+                .map_err(|e| usage(format!("{e:#}")))?;
+            for event in events.iter().skip(shown) {
+                let line = match json {
+                    true => event.to_string(),
+                    false => loopd_store::events::render(event, clock),
+                };
+                crate::outln!("{line}")?;
+            }
+            shown = events.len().max(shown);
+            let ended = events.last().is_some_and(|e| e["event"] == "loop_ended");
+            if !follow || ended {
+                return Ok(0);
+            }
+            tokio::time::sleep(FOLLOW_EVERY).await;
+        }
+    })
 }
+
+/// How often `logs --follow` looks for new events of a loop on Temporal.
+const FOLLOW_EVERY: std::time::Duration = std::time::Duration::from_millis(500);
 
 /// `loopd pause|resume|stop|next|task add|answer|set --temporal`: the change made by the loop's
 /// workflow (by the rules the file driver follows), refused in one line (exit 2) where it makes

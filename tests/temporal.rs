@@ -304,6 +304,20 @@ fn a_pause_holds_the_loop_and_a_resume_lets_it_finish() {
     let mut temporal = Temporal::start(&p, &bin);
     temporal.worker(&p);
     let id = temporal.create(&p, &["--title", "paused and resumed"]);
+    // Followed from the start: the events come as they happen, and it ends with the loop.
+    let follow = p
+        .loopd()
+        .args([
+            "--temporal",
+            &temporal.address,
+            "logs",
+            "--follow",
+            "--json",
+            &id,
+        ])
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("logs --follow");
     let out = temporal.command(&p, &["pause", &id]);
     assert_eq!(code(&out), 0, "pause: {}", stderr(&out));
     temporal.wait_for_status(&p, &id, "paused");
@@ -312,6 +326,28 @@ fn a_pause_holds_the_loop_and_a_resume_lets_it_finish() {
     assert_eq!(code(&out), 0, "resume: {}", stderr(&out));
     let state = temporal.wait_for_status(&p, &id, "completed");
     assert_eq!(state["skill_state"]["outcome"], "passed");
+    let followed = follow
+        .wait_with_output()
+        .expect("logs --follow ends with the loop");
+    let names: Vec<String> = stdout(&followed)
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).expect("an event per line")["event"].to_string())
+        .collect();
+    assert_eq!(
+        names.first().map(String::as_str),
+        Some("\"loop_started\""),
+        "{names:?}"
+    );
+    assert_eq!(
+        names.last().map(String::as_str),
+        Some("\"loop_ended\""),
+        "{names:?}"
+    );
+    assert_eq!(
+        names.iter().filter(|n| *n == "\"changed\"").count(),
+        2,
+        "pause, resume: {names:?}"
+    );
     // A change that makes no sense now is refused by the loop, in one line.
     let out = temporal.command(&p, &["pause", &id]);
     assert_eq!(code(&out), 2, "{}", stderr(&out));
@@ -321,6 +357,13 @@ fn a_pause_holds_the_loop_and_a_resume_lets_it_finish() {
         err.contains("cannot pause loop") && err.contains("passed"),
         "{err}"
     );
+    for args in [&["logs", "no-such-loop"][..], &["stop", "no-such-loop"]] {
+        let out = temporal.command(&p, args);
+        assert_eq!(code(&out), 2, "{args:?}: {}", stderr(&out));
+        let err = stderr(&out);
+        assert_eq!(err.trim().lines().count(), 1, "{err}");
+        assert!(err.contains("no loop no-such-loop"), "{err}");
+    }
 }
 
 #[test]

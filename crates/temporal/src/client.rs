@@ -7,7 +7,9 @@ use anyhow::{Context as _, Result};
 use loopd_core::state::LoopState;
 use serde_json::Value;
 pub use temporalio_client::Client;
-use temporalio_client::errors::{WorkflowGetResultError, WorkflowUpdateError};
+use temporalio_client::errors::{
+    WorkflowGetResultError, WorkflowInteractionError, WorkflowUpdateError,
+};
 use temporalio_client::{
     ClientOptions, Connection, ConnectionOptions, Url, WorkflowDescribeOptions,
     WorkflowExecuteUpdateOptions, WorkflowFetchHistoryOptions, WorkflowGetResultOptions,
@@ -255,7 +257,19 @@ async fn runs(client: &Client, id: &str) -> Result<Vec<WorkflowHistory>> {
         );
     }
     if histories.is_empty() {
-        anyhow::bail!("no loop {id} on Temporal");
+        // The visibility store learns of a new workflow a moment after its start: its newest
+        // run, if it has one, is asked for by id.
+        let handle = client.get_workflow_handle::<LoopWorkflow>(id);
+        handle
+            .describe(WorkflowDescribeOptions::default())
+            .await
+            .map_err(|e| match e {
+                WorkflowInteractionError::NotFound(_) => {
+                    anyhow::anyhow!("no loop {id} on Temporal")
+                }
+                e => anyhow::anyhow!("cannot read loop {id} on Temporal: {e}"),
+            })?;
+        histories.push(handle.fetch_history(WorkflowFetchHistoryOptions::default()));
     }
     Ok(histories)
 }
