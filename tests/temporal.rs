@@ -662,3 +662,35 @@ fn a_server_restarted_mid_loop_is_reconnected_to_and_the_loop_completes() {
     let state = temporal.wait_for_status(&p, &id, "completed");
     assert_eq!(state["skill_state"]["outcome"], "passed", "{state}");
 }
+
+#[test]
+fn a_loop_at_its_iteration_limit_goes_on_once_its_limit_is_raised() {
+    let Some(bin) = temporal_bin() else { return };
+    let p = Project::new(GOOD_AGENT);
+    let mut temporal = Temporal::start(&p, &bin);
+    temporal.worker(&p);
+    let id = temporal.create(&p, &["--title", "too short", "--max-iterations", "1"]);
+    let state = temporal.wait_for_status(&p, &id, "completed");
+    assert_eq!(
+        state["skill_state"]["outcome"], "iteration_limit",
+        "{state}"
+    );
+    // Its workflow has ended: the refusal, the raised limit and the resume reach its last state.
+    let out = temporal.command(&p, &["resume", &id]);
+    assert_eq!(code(&out), 2, "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("--max-iterations N"),
+        "{}",
+        stderr(&out)
+    );
+    let out = temporal.command(&p, &["set", &id, "--max-iterations", "10"]);
+    assert_eq!(code(&out), 0, "set: {}", stderr(&out));
+    let out = temporal.command(&p, &["resume", &id]);
+    assert_eq!(code(&out), 0, "resume: {}", stderr(&out));
+    let mut state = Value::Null;
+    wait_for("the resumed loop to pass", || {
+        state = temporal.state(&p, &id);
+        state["skill_state"]["outcome"] == "passed"
+    });
+    assert_eq!(state["max_iterations"], 10, "{state}");
+}

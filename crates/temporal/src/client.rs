@@ -89,8 +89,7 @@ pub async fn list(client: &Client, root: Option<&std::path::Path>) -> Result<Vec
 
 /// Makes a change to a loop ([`Change`]); returns what the command prints, or why the loop
 /// refused it, in one line. A loop whose workflow has ended (completed, failed, stopped) takes
-/// the change into its last state, and a change that leaves it running (a resume) starts its
-/// next run from there.
+/// the change into its last state, from which its next run starts.
 pub async fn change(
     client: &Client,
     config: &TemporalConfig,
@@ -111,11 +110,11 @@ pub async fn change(
             loopd_exec::result::one_line(&failure.message)
         )),
         Ok(Err(WorkflowUpdateError::NotFound(_))) => {
+            // The changed state becomes the next run: one that goes on (a resume), or one that
+            // ends at once and keeps the change (a raised limit, a task) for the next command.
             let mut input = finished(client, id).await?;
             let said = input.change(change, at).map_err(anyhow::Error::msg)?;
-            if input.state.status == loopd_core::state::Status::Running {
-                start(client, config, input).await?;
-            }
+            start(client, config, input).await?;
             Ok(said)
         }
         Ok(Err(e)) => Err(e).with_context(|| format!("cannot change loop {id} on Temporal")),
