@@ -169,8 +169,13 @@ pub fn status(config: &TemporalConfig, id: &str, json: bool) -> Result<i32> {
             "" => "(none yet)",
             output => output,
         };
+        let spent = match (p.tokens, p.cost_usd) {
+            (0, None) => String::new(),
+            (tokens, None) => format!(", {tokens} tokens so far"),
+            (tokens, Some(usd)) => format!(", {tokens} tokens and ${usd:.2} so far"),
+        };
         text.push_str(&format!(
-            "\nrunning {} (iteration {}, attempt {}); its last output:\n{output}",
+            "\nrunning {} (iteration {}, attempt {}{spent}); its last output:\n{output}",
             p.action, p.iteration, p.attempt,
         ));
     }

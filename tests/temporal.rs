@@ -694,3 +694,37 @@ fn a_loop_at_its_iteration_limit_goes_on_once_its_limit_is_raised() {
     });
     assert_eq!(state["max_iterations"], 10, "{state}");
 }
+
+#[test]
+fn a_running_agents_heartbeat_carries_what_it_has_spent() {
+    let Some(bin) = temporal_bin() else { return };
+    let p = Project::new(GOOD_AGENT);
+    // Develop is an agent whose stream says what it spent, then works on.
+    p.script(
+        "stream.sh",
+        r#"cat > /dev/null
+echo '{"type":"assistant","message":{"content":[{"type":"text","text":"on it"}],"usage":{"input_tokens":100,"output_tokens":23}}}'
+echo $$ > develop.pid
+exec sleep 300
+"#,
+    );
+    p.config(&format!(
+        "{}\n[executors.stream]\ncommand = [\"sh\", \"bin/stream.sh\"]\nprompt = \"stdin\"\n\
+         format = \"claude-stream-json\"\n\n[actions.develop]\nexecutor = \"stream\"\n",
+        common::TEST_CONFIG
+    ));
+    let mut temporal = Temporal::start(&p, &bin);
+    temporal.worker(&p);
+    let id = temporal.create(&p, &["--title", "an agent at work"]);
+    let executor = read_pid(&p.root.join("develop.pid"));
+    let mut state = Value::Null;
+    wait_for("the heartbeat to carry the agent's tokens", || {
+        state = temporal.state(&p, &id);
+        state["heartbeat"]["tokens"] == 123
+    });
+    let shown = stdout(&temporal.command(&p, &["status", &id]));
+    assert!(shown.contains("123 tokens so far"), "{shown}");
+    let out = temporal.command(&p, &["stop", &id]);
+    assert_eq!(code(&out), 0, "stop: {}", stderr(&out));
+    wait_for("the agent to be gone", || !alive(executor));
+}

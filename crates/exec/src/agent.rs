@@ -49,6 +49,15 @@ pub struct Retry {
     pub error: Option<String>,
 }
 
+/// What an agent's stream tells while the attempt runs.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Told {
+    /// It retries an API request on its own.
+    Retry(Retry),
+    /// What it has spent so far, when that changed: tokens, and dollars where it says.
+    Spent { tokens: u64, cost_usd: Option<f64> },
+}
+
 /// The final event, reduced.
 #[derive(Clone, Debug, PartialEq)]
 struct FinalEvent {

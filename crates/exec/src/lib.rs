@@ -178,11 +178,12 @@ pub trait Attempt: Send {
     fn spawned(&self) -> Spawned;
     /// Supervises the attempt to its end: output to the log, timeouts, the agent's stream, the
     /// cancellation token. However it ends, every process of its group is ended and the main one
-    /// reaped. `retrying` hears each request the agent retries on its own.
+    /// reaped. `told` hears what the agent's stream tells as it goes: each request it retries
+    /// on its own, what it has spent so far.
     async fn supervise(
         self: Box<Self>,
         cancel: CancellationToken,
-        retrying: &mut (dyn FnMut(agent::Retry) + Send),
+        told: &mut (dyn FnMut(agent::Told) + Send),
     ) -> io::Result<Run>;
 }
 
@@ -248,16 +249,23 @@ enum Heard {
 }
 
 impl Output {
-    fn stdout(&mut self, bytes: &[u8], retrying: &mut (dyn FnMut(agent::Retry) + Send)) -> Heard {
+    fn stdout(&mut self, bytes: &[u8], told: &mut (dyn FnMut(agent::Told) + Send)) -> Heard {
         self.log.write(bytes);
         self.stdout_tail.push(bytes);
         self.output_tail.push(bytes);
         let Some(stream) = &mut self.agent else {
             return Heard::Progress;
         };
+        let spent = (stream.usage.total(), stream.cost_usd);
         let signal = stream.feed(bytes);
         for retry in stream.take_retries() {
-            retrying(retry);
+            told(agent::Told::Retry(retry));
+        }
+        if (stream.usage.total(), stream.cost_usd) != spent {
+            told(agent::Told::Spent {
+                tokens: stream.usage.total(),
+                cost_usd: stream.cost_usd,
+            });
         }
         if self.budget.crossed(stream) {
             return Heard::OverBudget;
@@ -351,7 +359,7 @@ impl Attempt for SubprocessAttempt {
     async fn supervise(
         mut self: Box<Self>,
         cancel: CancellationToken,
-        retrying: &mut (dyn FnMut(agent::Retry) + Send),
+        told: &mut (dyn FnMut(agent::Told) + Send),
     ) -> io::Result<Run> {
         let mut stdout = self.child.stdout.take();
         let mut stderr = self.child.stderr.take();
@@ -370,7 +378,7 @@ impl Attempt for SubprocessAttempt {
         while stdout.is_some() || stderr.is_some() || status.is_none() {
             tokio::select! {
                 n = read_some(&mut stdout, &mut out_buf) => match n {
-                    Some(n) => match self.output.stdout(&out_buf[..n], retrying) {
+                    Some(n) => match self.output.stdout(&out_buf[..n], told) {
                         Heard::OverBudget => { cut = Some(Cut::Budget); break }
                         Heard::Noise => {}
                         Heard::Final => {

@@ -2,14 +2,14 @@
 //! loop's project root, as the file driver runs it.
 
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::{Arc, PoisonError};
 use std::time::Duration;
 
 use anyhow::Context as _;
 use loopd_core::attempt::Verdict;
 use loopd_core::state::{LoopState, Usage};
 use loopd_core::workflow::{self, Dispatch};
-use loopd_exec::agent::AgentStream;
+use loopd_exec::agent::{AgentStream, Told};
 use loopd_exec::guard::Guard;
 use loopd_exec::result::{RESULT_FILE, empty_result_file};
 use loopd_exec::{Budget, Executor as _, Spec, Subprocess, procs};
@@ -45,6 +45,9 @@ pub struct Progress {
     pub attempt: u32,
     /// The last [`PROGRESS_TAIL`] bytes of the attempt's log.
     pub output: String,
+    /// What an agent has spent so far (0 and `None` for an executor that does not say).
+    pub tokens: u64,
+    pub cost_usd: Option<f64>,
 }
 
 /// How much of an attempt's log each heartbeat carries.
@@ -161,17 +164,25 @@ async fn run_attempt(
         budget: Budget { tokens, cost_usd },
     };
     let log = format!("{}.log", spec.stem);
-    let progress = |output| Progress {
+    let progress = |output, (tokens, cost_usd)| Progress {
         action: dispatch.action.clone(),
         iteration,
         attempt,
         output,
+        tokens,
+        cost_usd,
     };
     let _guarded = guard.map(|g| g.attempt(&marker));
     let running = Subprocess.spawn(spec)?;
     let cancel = CancellationToken::new();
-    let mut quiet = |_| {};
-    let supervised = running.supervise(cancel.clone(), &mut quiet);
+    // What the agent has spent so far, for the heartbeats.
+    let spent = std::sync::Mutex::new((0, None));
+    let mut told = |told| {
+        if let Told::Spent { tokens, cost_usd } = told {
+            *spent.lock().unwrap_or_else(PoisonError::into_inner) = (tokens, cost_usd);
+        }
+    };
+    let supervised = running.supervise(cancel.clone(), &mut told);
     tokio::pin!(supervised);
     let run = loop {
         tokio::select! {
@@ -179,7 +190,8 @@ async fn run_attempt(
             () = ctx.cancelled(), if !cancel.is_cancelled() => cancel.cancel(),
             () = tokio::time::sleep(HEARTBEAT_EVERY) => {
                 let output = actions.read_tail(&log, PROGRESS_TAIL).unwrap_or_default();
-                let _ = ctx.record_heartbeat(progress(output)).await;
+                let spent = *spent.lock().unwrap_or_else(PoisonError::into_inner);
+                let _ = ctx.record_heartbeat(progress(output, spent)).await;
             }
         }
     };

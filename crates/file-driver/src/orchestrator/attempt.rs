@@ -296,17 +296,19 @@ impl LoopRun<'_> {
     ) -> (std::io::Result<loopd_exec::Run>, Option<Interrupt>) {
         let cancel = CancellationToken::new();
         let events = &mut self.events;
-        let mut retrying = |retry: loopd_exec::agent::Retry| {
-            events.emit(
-                done.event(name::AGENT_RETRYING)
-                    .with("retry", retry.attempt)
-                    .with("max_retries", retry.max_retries)
-                    .with("status", retry.status)
-                    .with("delay_ms", retry.delay_ms)
-                    .with("error", retry.error),
-            );
+        let mut told = |told: loopd_exec::agent::Told| {
+            if let loopd_exec::agent::Told::Retry(retry) = told {
+                events.emit(
+                    done.event(name::AGENT_RETRYING)
+                        .with("retry", retry.attempt)
+                        .with("max_retries", retry.max_retries)
+                        .with("status", retry.status)
+                        .with("delay_ms", retry.delay_ms)
+                        .with("error", retry.error),
+                );
+            }
         };
-        let run = running.supervise(cancel.clone(), &mut retrying);
+        let run = running.supervise(cancel.clone(), &mut told);
         tokio::pin!(run);
         let mut interrupt = None;
         let shutdown = &mut self.shutdown;
