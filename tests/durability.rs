@@ -783,9 +783,21 @@ fn a_full_disk_is_waited_out_and_nothing_is_lost() {
         }
     }
     let _unmount = Unmount(mount.path().to_owned());
-    // The project on the small filesystem; the agent's signal file outside it.
+    // The project on the small filesystem; the agent's signal file outside it. Develop's result
+    // makes the state some 10 KiB larger: written on the full disk it needs new pages, whichever
+    // earlier version of the file the store reuses for it (those hold their pages).
     let signals = tempfile::tempdir().unwrap();
+    let files: Vec<String> = (0..50)
+        .map(|i| format!("\"src/{i:03}/{}.rs\"", "f".repeat(190)))
+        .collect();
     let agent = WAITING_AGENT
+        .replace(
+            r#"'{"status":"success","summary":"done"}'"#,
+            &format!(
+                r#"'{{"status":"success","summary":"done","files_changed":[{}]}}'"#,
+                files.join(",")
+            ),
+        )
         .replace(
             "touch waiting",
             &format!("touch {}/waiting", signals.path().display()),
@@ -844,9 +856,15 @@ fn a_full_disk_is_waited_out_and_nothing_is_lost() {
         .status();
     std::fs::write(signals.path().join("go"), "").unwrap();
     let state_path = root.join(format!(".loop/{id}.json"));
-    wait_for("the daemon to wait for space", || {
-        log.lock().unwrap().contains("retrying until it goes away")
-    });
+    let waiting = std::time::Instant::now();
+    while !log.lock().unwrap().contains("retrying until it goes away") {
+        assert!(
+            waiting.elapsed() < DEADLINE,
+            "the daemon never said it waits for space; its log:\n{}",
+            log.lock().unwrap()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
     std::fs::remove_file(&filler).unwrap();
     let status = wait_output(child, DEADLINE).status;
     reader.join().unwrap();
