@@ -44,7 +44,7 @@ pub struct Cli {
     #[arg(long, global = true)]
     pub json: bool,
     /// The loop is on Temporal, at HOST:PORT (create, status, list, logs, pause, resume, stop,
-    /// next, answer, set, task add; worker) [default: the config's `[temporal]`, when enabled]
+    /// next, answer, set, task add; serve shows them too; worker) [default: the config's `[temporal]`, when enabled]
     #[cfg(feature = "temporal")]
     #[arg(long, global = true, value_name = "HOST:PORT", env = "LOOPD_TEMPORAL")]
     pub temporal: Option<String>,
@@ -241,7 +241,13 @@ pub fn run(cli: Cli) -> Result<i32> {
     let inspect = || Project::open_for_inspection(root.as_deref(), config.as_deref());
     match command {
         Command::Serve(_) if json => Err(usage("--json: serve prints a log, not a result")),
-        Command::Serve(args) => loopd_file_driver::serve::run(&roots, config.as_deref(), &args),
+        Command::Serve(args) => {
+            #[cfg(feature = "temporal")]
+            let elsewhere = crate::temporal::elsewhere(temporal.as_deref(), config.as_deref())?;
+            #[cfg(not(feature = "temporal"))]
+            let elsewhere = None;
+            loopd_file_driver::serve::run(&roots, config.as_deref(), &args, elsewhere)
+        }
         #[cfg(feature = "temporal")]
         Command::Worker(_) | Command::WorkerGuard => unreachable!("run by on_temporal"),
         Command::Create(args) => {
@@ -827,9 +833,11 @@ fn on_temporal(
     );
     if !on_loops {
         return match address {
+            // The service serves them beside the file store's.
+            Some(_) if matches!(command, Command::Serve(_)) => Ok(None),
             Some(_) => Err(usage(
                 "--temporal: only create, status, list, logs, pause, resume, stop, next, answer, \
-                 set, task add and worker know loops on Temporal yet",
+                 set, task add, serve and worker know loops on Temporal yet",
             )),
             None => Ok(None),
         };

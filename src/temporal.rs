@@ -2,10 +2,10 @@
 //! `worker`, and `create`, `status` and the changes (`pause`, `resume`, `stop`, `next`, `task
 //! add`, `answer`, `set`) of a loop there.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use anyhow::{Context as _, Result};
-use loopd_core::state::ListedTask;
+use loopd_core::state::{ListedTask, LoopState};
 use loopd_exec::guard::Guard;
 use loopd_file_driver::create::{CreateArgs, Limits};
 use loopd_file_driver::error::usage;
@@ -98,6 +98,53 @@ pub fn guard() -> Result<i32> {
         tracing::warn!("the worker is gone: ended {left} processes of its attempts");
     }
     Ok(0)
+}
+
+/// The loops on Temporal, for `loopd serve --temporal`'s API and page: listed, shown and
+/// changed beside the file store's ([`loopd_file_driver::serve::Elsewhere`]).
+pub struct OnTemporal {
+    config: TemporalConfig,
+}
+
+/// How long the service's list waits for a loop's workflow to tell its state.
+const LIST_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+
+#[async_trait::async_trait]
+impl loopd_file_driver::serve::Elsewhere for OnTemporal {
+    fn name(&self) -> &'static str {
+        "temporal"
+    }
+
+    async fn loops(&self) -> Result<Vec<(PathBuf, LoopState)>> {
+        let client = client::connect(&self.config).await?;
+        client::held_all(&client, LIST_WAIT).await
+    }
+
+    async fn get(&self, id: &str) -> Result<Option<(PathBuf, LoopState)>> {
+        let client = client::connect(&self.config).await?;
+        client::held(&client, id).await
+    }
+
+    async fn change(&self, id: &str, change: Change) -> Result<serde_json::Value> {
+        let client = client::connect(&self.config).await?;
+        let at = loopd_store::now_rfc3339();
+        client::change(&client, &self.config, id, &change, &at).await
+    }
+}
+
+/// What `loopd serve` serves of Temporal: its loops where `--temporal` or the config's
+/// `[temporal] enabled` says so.
+pub fn elsewhere(
+    address: Option<&str>,
+    config: Option<&Path>,
+) -> Result<Option<std::sync::Arc<dyn loopd_file_driver::serve::Elsewhere>>> {
+    let service = Config::load_service(config)?;
+    if address.is_none() && !service.temporal.enabled {
+        return Ok(None);
+    }
+    let config = settings(&service, address);
+    tracing::info!("serving the loops on Temporal at {} too", config.address);
+    Ok(Some(std::sync::Arc::new(OnTemporal { config })))
 }
 
 /// `loopd create --temporal`: the loop's state made as `create` makes it, started as a workflow.
@@ -252,7 +299,7 @@ pub fn change(config: &TemporalConfig, id: &str, change: Change, json: bool) -> 
     })?;
     let text = match &change {
         Change::Control(_) => {
-            let (from, to) = (&said["from"], &said["to"]);
+            let (from, to) = (&said["from"], &said["status"]);
             match said["changed"].as_bool() {
                 Some(true) => format!("loop {id}: {} → {}", plain(from), plain(to)),
                 _ => format!("loop {id} is already {}", plain(to)),

@@ -5,91 +5,12 @@
 mod common;
 
 use std::collections::BTreeSet;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
+use common::http::{To, call, runtime, send};
 use common::*;
-use http_body_util::{BodyExt as _, Full};
-use hyper::body::Bytes;
+use http_body_util::BodyExt as _;
 use serde_json::{Value, json};
-
-/// Where a request goes: the Unix socket, or TCP with a token (or none).
-enum To<'a> {
-    Socket(&'a Path),
-    Tcp(&'a str, Option<&'a str>),
-}
-
-fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("runtime")
-}
-
-/// Sends a request and returns the response, its body still to read.
-async fn send(
-    to: &To<'_>,
-    method: &str,
-    path: &str,
-    body: Option<&str>,
-    headers: &[(&str, &str)],
-) -> hyper::Response<hyper::body::Incoming> {
-    let mut request = hyper::Request::builder()
-        .method(method)
-        .uri(path)
-        .header("host", "loopd");
-    if body.is_some() {
-        request = request.header("content-type", "application/json");
-    }
-    if let To::Tcp(_, Some(token)) = to {
-        request = request.header("authorization", format!("Bearer {token}"));
-    }
-    for (k, v) in headers {
-        request = request.header(*k, *v);
-    }
-    let request = request
-        .body(Full::new(Bytes::from(body.unwrap_or("").to_owned())))
-        .expect("request");
-    macro_rules! over {
-        ($stream:expr) => {{
-            let io = hyper_util::rt::TokioIo::new($stream);
-            let (mut sender, conn) = hyper::client::conn::http1::handshake(io)
-                .await
-                .expect("handshake");
-            tokio::spawn(conn);
-            sender.send_request(request).await.expect("send")
-        }};
-    }
-    match to {
-        To::Socket(path) => over!(
-            tokio::net::UnixStream::connect(path)
-                .await
-                .expect("connect")
-        ),
-        To::Tcp(addr, _) => over!(tokio::net::TcpStream::connect(addr).await.expect("connect")),
-    }
-}
-
-/// A whole request: its status and its body as JSON.
-fn call(to: &To<'_>, method: &str, path: &str, body: Option<Value>) -> (u16, Value) {
-    let body = body.map(|b| b.to_string());
-    runtime().block_on(async {
-        let response = send(to, method, path, body.as_deref(), &[]).await;
-        let status = response.status().as_u16();
-        let bytes = response
-            .into_body()
-            .collect()
-            .await
-            .expect("body")
-            .to_bytes();
-        let value = serde_json::from_slice(&bytes).unwrap_or_else(|_| {
-            panic!(
-                "{method} {path}: not JSON: {}",
-                String::from_utf8_lossy(&bytes)
-            )
-        });
-        (status, value)
-    })
-}
 
 /// A stream of Server-Sent Events, open: the server has answered (and subscribed).
 struct Events {

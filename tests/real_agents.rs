@@ -328,12 +328,15 @@ fn no_key_or_a_rejected_key_blocks_the_loop_without_using_it_up() {
             let mut daemon = a.spawn_run(&id);
             let state = wait_blocked(&a, &id);
             // No retry, no error, no iteration, no task touched.
-            let started = p
-                .events(&id)
+            let events = p.events(&id);
+            let started = events
                 .iter()
                 .filter(|e| e["event"] == "action_started")
                 .count();
-            assert_eq!(started, 1, "{cli}, {what}: one attempt, no retries");
+            assert_eq!(
+                started, 1,
+                "{cli}, {what}: one attempt, no retries: {events:#?}"
+            );
             assert_eq!(state["skill_state"]["error_count"], 0, "{cli}, {what}");
             assert_eq!(state["current_iteration"], 0, "{cli}, {what}");
             let blocked = &state["skill_state"]["blocked"];

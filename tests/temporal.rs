@@ -13,6 +13,7 @@ use std::net::TcpListener;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 
+use common::http::{To, call};
 use common::{DEADLINE, GOOD_AGENT, Project, alive, code, read_pid, stderr, stdout, wait_for};
 use serde_json::Value;
 
@@ -727,4 +728,75 @@ exec sleep 300
     let out = temporal.command(&p, &["stop", &id]);
     assert_eq!(code(&out), 0, "stop: {}", stderr(&out));
     wait_for("the agent to be gone", || !alive(executor));
+}
+
+#[test]
+fn the_service_lists_shows_and_changes_loops_on_temporal_beside_its_own() {
+    let Some(bin) = temporal_bin() else { return };
+    let p = Project::new(&common::agent(&[("develop", &common::wait_for_file("go"))]));
+    let mut temporal = Temporal::start(&p, &bin);
+    temporal.worker(&p);
+    let id = temporal.create(&p, &["--title", "on temporal"]);
+    let local = p.create(&["--title", "in the file store"]);
+    let service = p.serve(&["--temporal", &temporal.address, "--listen", "127.0.0.1:0"]);
+    let info = service.info().expect("the service's info");
+    let addr = info["listen"].as_str().expect("listen").to_owned();
+    let token = std::fs::read_to_string(p.home.join(".local/state/loopd/run/token")).unwrap();
+    let to = To::Tcp(&addr, Some(token.trim()));
+    // Listed beside the project's own loop, with the driver that holds it.
+    let mut listed = Value::Null;
+    wait_for("the list to show both loops", || {
+        let (status, value) = call(&to, "GET", "/v1/loops", None);
+        assert_eq!(status, 200, "{value}");
+        listed = value;
+        let ids: Vec<&str> = listed
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter_map(|l| l["view"]["loop_id"].as_str())
+            .collect();
+        ids.contains(&id.as_str()) && ids.contains(&local.as_str())
+    });
+    let held = listed
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|l| l["view"]["loop_id"] == id)
+        .unwrap();
+    assert_eq!(held["driver"], "temporal", "{held}");
+    assert_eq!(held["view"]["title"], "on temporal", "{held}");
+    let (status, shown) = call(&to, "GET", &format!("/v1/loops/{id}"), None);
+    assert_eq!(status, 200, "{shown}");
+    assert_eq!(shown["state"]["loop_id"], id.as_str(), "{shown}");
+    // Changed through the API as a loop of the file store is.
+    let (status, said) = call(&to, "POST", &format!("/v1/loops/{id}/pause"), None);
+    assert_eq!(status, 200, "{said}");
+    assert_eq!(said["status"], "paused", "{said}");
+    temporal.wait_for_status(&p, &id, "paused");
+    let (status, said) = call(
+        &to,
+        "POST",
+        &format!("/v1/loops/{id}/tasks"),
+        Some(serde_json::json!({ "text": "one more" })),
+    );
+    assert_eq!(status, 201, "{said}");
+    assert_eq!(said["task_id"], "task-003", "{said}");
+    let (status, said) = call(
+        &to,
+        "POST",
+        &format!("/v1/loops/{id}/answer"),
+        Some(serde_json::json!({ "text": "yes" })),
+    );
+    assert_eq!(status, 400, "no question waits: {said}");
+    let (status, said) = call(&to, "POST", "/v1/loops/no-such-loop/pause", None);
+    assert_eq!(status, 404, "{said}");
+    std::fs::write(p.root.join("go"), "").unwrap();
+    let (status, said) = call(&to, "POST", &format!("/v1/loops/{id}/resume"), None);
+    assert_eq!(status, 200, "{said}");
+    let state = temporal.wait_for_status(&p, &id, "completed");
+    let tasks = state["skill_state"]["develop"]["tasks"].as_array().unwrap();
+    assert!(
+        tasks.iter().any(|t| t["description"] == "one more"),
+        "{tasks:?}"
+    );
 }

@@ -2,60 +2,13 @@
 //! `resume`, `stop`, `next`, `task add`, `answer`, `set`), decided by the same rules
 //! ([`loopd_core::control`]) and written into the state the workflow holds.
 
-use loopd_core::control::{self as rules, Control};
+use loopd_core::control::{self as rules};
+pub use loopd_core::control::{Change, SetLimits};
 use loopd_core::state::{ListedTask, next_task_number, task_id};
-use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
 use crate::LoopInput;
 use crate::workflow::workflow_of;
-
-/// One change, as a command asks for it.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub enum Change {
-    Control(Control),
-    /// The next action of an interactive loop.
-    Next(String),
-    /// One more task for the loop's task list.
-    Task(String),
-    /// The answer to the question an executor asked.
-    Answer(String),
-    Set(SetLimits),
-}
-
-impl std::fmt::Display for Change {
-    /// The change as the command that asked for it reads: `stop`, `answer: TEXT`, ...
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Change::Control(what) => f.write_str(what.verb()),
-            Change::Next(action) => write!(f, "next: {action}"),
-            Change::Task(text) => write!(f, "task add: {text}"),
-            Change::Answer(text) => write!(f, "answer: {text}"),
-            Change::Set(set) => {
-                let limits = [
-                    ("max_iterations", set.max_iterations.map(|n| n.to_string())),
-                    ("max_errors", set.max_errors.map(|n| n.to_string())),
-                    ("max_cost_usd", set.max_cost_usd.map(|n| n.to_string())),
-                    ("max_tokens", set.max_tokens.map(|n| n.to_string())),
-                ];
-                let said: Vec<String> = limits
-                    .into_iter()
-                    .filter_map(|(key, value)| Some(format!("{key} = {}", value?)))
-                    .collect();
-                write!(f, "set: {}", said.join(", "))
-            }
-        }
-    }
-}
-
-/// New limits and budgets for a loop; those left `None` stay as they are.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
-pub struct SetLimits {
-    pub max_iterations: Option<u64>,
-    pub max_errors: Option<u64>,
-    pub max_cost_usd: Option<f64>,
-    pub max_tokens: Option<u64>,
-}
 
 impl LoopInput {
     /// Makes `change` to the loop at time `at`, or says in one line why it makes no sense;
@@ -71,7 +24,7 @@ impl LoopInput {
                 if changed {
                     what.apply(state);
                 }
-                json!({ "loop_id": id, "from": from, "to": what.target(), "changed": changed })
+                json!({ "loop_id": id, "from": from, "status": what.target(), "changed": changed })
             }
             Change::Next(action) => {
                 rules::check_next(workflow_of(state), state, &id, action, limits)?;
@@ -142,6 +95,7 @@ impl LoopInput {
 
 #[cfg(test)]
 mod tests {
+    use loopd_core::control::Control;
     use loopd_core::state::{Mode, SkillState, Status};
 
     use super::*;

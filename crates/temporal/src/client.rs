@@ -1,6 +1,7 @@
 //! loopd's side of a Temporal service: connecting, starting a loop, controlling and reading it,
 //! and running a worker.
 
+use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::{Context as _, Result};
@@ -8,7 +9,7 @@ use loopd_core::state::LoopState;
 use serde_json::Value;
 pub use temporalio_client::Client;
 use temporalio_client::errors::{
-    WorkflowGetResultError, WorkflowInteractionError, WorkflowUpdateError,
+    WorkflowGetResultError, WorkflowInteractionError, WorkflowQueryError, WorkflowUpdateError,
 };
 use temporalio_client::{
     ClientOptions, Connection, ConnectionOptions, Url, WorkflowDescribeOptions,
@@ -145,6 +146,41 @@ pub async fn state(client: &Client, id: &str) -> Result<LoopState> {
         .query(LoopWorkflow::state, (), WorkflowQueryOptions::default())
         .await
         .with_context(|| format!("cannot read loop {id} on Temporal"))
+}
+
+/// Loop `id`'s project root and state as its workflow holds them; `None` when there is no
+/// such loop.
+pub async fn held(client: &Client, id: &str) -> Result<Option<(PathBuf, LoopState)>> {
+    let asked = client
+        .get_workflow_handle::<LoopWorkflow>(id)
+        .query(LoopWorkflow::held, (), WorkflowQueryOptions::default())
+        .await;
+    match asked {
+        Ok(held) => Ok(Some(held)),
+        Err(WorkflowQueryError::NotFound(_)) => Ok(None),
+        Err(e) => Err(e).with_context(|| format!("cannot read loop {id} on Temporal")),
+    }
+}
+
+/// Every loop on Temporal with its project root and state: each asked of its workflow, and
+/// shown as the visibility store knows it where the workflow does not answer within `wait` (no
+/// worker runs, say).
+pub async fn held_all(client: &Client, wait: Duration) -> Result<Vec<(PathBuf, LoopState)>> {
+    let listed = list(client, None).await?;
+    let asked = futures::future::join_all(
+        listed
+            .iter()
+            .map(|l| tokio::time::timeout(wait, held(client, &l.loop_id))),
+    )
+    .await;
+    Ok(listed
+        .into_iter()
+        .zip(asked)
+        .map(|(listed, asked)| match asked {
+            Ok(Ok(Some(held))) => held,
+            _ => listed.as_held(),
+        })
+        .collect())
 }
 
 /// The attempt loop `id` runs now, as its last heartbeat told (`None` when none runs).

@@ -79,6 +79,20 @@ impl Listed {
     }
 }
 
+impl Listed {
+    /// The loop's project root and what its state is known to be: its status and iteration.
+    pub fn as_held(&self) -> (std::path::PathBuf, LoopState) {
+        let status = serde_json::from_value(serde_json::json!(self.status)).unwrap_or_default();
+        let state = LoopState {
+            loop_id: self.loop_id.clone(),
+            status,
+            current_iteration: u64::try_from(self.iteration).unwrap_or(0),
+            ..LoopState::default()
+        };
+        (self.project.clone().into(), state)
+    }
+}
+
 /// Registers the attributes in `namespace` where they are missing.
 pub async fn register(client: &Client, namespace: &str) -> Result<()> {
     let mut operator = client.connection().operator_service();

@@ -1,6 +1,7 @@
 //! A loop as a Temporal workflow: the selections of the file driver's daemon, with the state in
 //! the workflow and every decision from the core.
 
+use std::path::PathBuf;
 use std::time::{Duration, SystemTime};
 
 use chrono::{DateTime, Utc};
@@ -133,6 +134,12 @@ impl LoopWorkflow {
     #[query]
     pub fn state(&self, _ctx: &WorkflowContextView) -> LoopState {
         self.input.state.clone()
+    }
+
+    /// The loop's project root and state.
+    #[query]
+    pub fn held(&self, _ctx: &WorkflowContextView) -> (PathBuf, LoopState) {
+        (self.input.root.clone(), self.input.state.clone())
     }
 }
 

@@ -30,6 +30,7 @@ use serde_json::{Value, json};
 use super::ServiceInfo;
 use crate::control::Control;
 use crate::project::Project;
+use loopd_core::control::Change;
 use loopd_fs::Dir;
 use loopd_store::store::StoreError;
 
@@ -45,6 +46,8 @@ pub struct Shared {
     /// The projects the service serves, opened once: a request reads through them rather than
     /// open every project (its configuration read, its directory opened) to find one loop.
     pub projects: Arc<RwLock<BTreeMap<PathBuf, Arc<Project>>>>,
+    /// Loops another driver holds, listed and changed beside the projects' ([`super::Elsewhere`]).
+    pub elsewhere: Option<Arc<dyn super::Elsewhere>>,
 }
 
 impl Default for Shared {
@@ -53,6 +56,7 @@ impl Default for Shared {
             info: Arc::default(),
             changes: tokio::sync::broadcast::channel(1024).0,
             projects: Arc::default(),
+            elsewhere: None,
         }
     }
 }
@@ -557,7 +561,9 @@ async fn service(State(shared): State<Shared>) -> Json<ServiceInfo> {
 async fn list_loops(State(shared): State<Shared>) -> ApiResult<Json<Value>> {
     let info = shared.info();
     let projects = shared.projects();
-    blocking(move || {
+    let shown = info.clone();
+    let mut loops = blocking(move || {
+        let info = shown;
         let mut loops = Vec::new();
         for p in &projects {
             let root = &p.root;
@@ -571,9 +577,47 @@ async fn list_loops(State(shared): State<Shared>) -> ApiResult<Json<Value>> {
                 }
             }
         }
-        Ok(Json(Value::Array(loops)))
+        Ok(loops)
     })
-    .await
+    .await?;
+    if let Some(other) = shared.elsewhere.clone() {
+        let held = other.loops().await?;
+        let driver = other.name();
+        loops.extend(
+            blocking(move || {
+                Ok(held
+                    .iter()
+                    .map(|(root, state)| held_summary(root, state, driver, &info))
+                    .collect::<Vec<_>>())
+            })
+            .await?,
+        );
+    }
+    Ok(Json(Value::Array(loops)))
+}
+
+/// A loop another driver holds, as the API shows a loop ([`summary`]), with `driver` naming
+/// where it lives. Its project's settings are read where its root is on this machine.
+fn held_summary(
+    root: &Path,
+    state: &loopd_core::state::LoopState,
+    driver: &str,
+    info: &ServiceInfo,
+) -> Value {
+    let mut value = match Project::open_for_inspection(Some(root), None) {
+        Ok(p) => summary(&p, state, info),
+        Err(_) => json!({
+            "root": root,
+            "status": state.status.as_str(),
+            "view": { "loop_id": state.loop_id, "title": state.title,
+                      "iteration": state.current_iteration },
+        }),
+    };
+    value["driver"] = json!(driver);
+    // No daemon of this service drives it: its standing is its own.
+    value["view"]["standing"] = json!(state.standing());
+    value["view"]["daemon_pid"] = Value::Null;
+    value
 }
 
 async fn one_loop(
@@ -583,13 +627,55 @@ async fn one_loop(
 ) -> ApiResult<Json<Value>> {
     let (UrlPath(id), Query(place), info) = (id?, place?, shared.info());
     let shown = info.clone();
-    on_loop(&shared, id, place.root, move |p, id| {
+    let local = on_loop(&shared, id.clone(), place.root, move |p, id| {
         let loaded = p.store.load(id)?;
         let mut value = summary(p, &loaded.state, &shown);
         value["state"] = Value::Object(loaded.raw);
         Ok(Json(value))
     })
-    .await
+    .await;
+    match (local, shared.elsewhere.clone()) {
+        (Err(e), Some(other)) if e.status == StatusCode::NOT_FOUND => {
+            let Some((root, state)) = other.get(&id).await? else {
+                return Err(e);
+            };
+            blocking(move || {
+                let mut value = held_summary(&root, &state, other.name(), &info);
+                value["state"] = serde_json::to_value(&state)?;
+                Ok(Json(value))
+            })
+            .await
+        }
+        (local, _) => local,
+    }
+}
+
+/// A change to loop `id`: made by `local` where a project of the service holds the loop, else
+/// by the driver that holds it elsewhere, whose answer `remote` shapes.
+async fn change_loop<T: Send + 'static>(
+    shared: &Shared,
+    id: String,
+    root: Option<PathBuf>,
+    change: Change,
+    local: impl FnOnce(&Project, &str) -> Result<T> + Send + 'static,
+    remote: impl FnOnce(Value) -> T,
+) -> ApiResult<T> {
+    match (
+        on_loop_to_change(shared, id.clone(), root, local).await,
+        &shared.elsewhere,
+    ) {
+        (Err(e), Some(other)) if e.status == StatusCode::NOT_FOUND => {
+            if other.get(&id).await?.is_none() {
+                return Err(e);
+            }
+            let said = other
+                .change(&id, change)
+                .await
+                .map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, format!("{e:#}")))?;
+            Ok(remote(said))
+        }
+        (local, _) => local,
+    }
 }
 
 /// What `POST /v1/loops` takes: `loopd create`'s options.
@@ -664,7 +750,7 @@ async fn control(
         "stop" => Control::Stop,
         _ => return Err(ApiError::new(StatusCode::NOT_FOUND, "no such route")),
     };
-    on_loop_to_change(&shared, id, place.root, move |p, id| {
+    let local = move |p: &Project, id: &str| {
         let done = crate::control::set_control(p, id, what)?;
         Ok(Json(json!({
             "loop_id": id,
@@ -672,8 +758,8 @@ async fn control(
             "status": done.to.as_str(),
             "changed": done.changed,
         })))
-    })
-    .await
+    };
+    change_loop(&shared, id, place.root, Change::Control(what), local, Json).await
 }
 
 /// A body of one text: `{"action": ...}` or `{"text": ...}`.
@@ -696,10 +782,10 @@ async fn next(
     body: std::result::Result<Json<Choice>, JsonRejection>,
 ) -> ApiResult<Json<Value>> {
     let (UrlPath(id), Query(place), Json(choice)) = (id?, place?, body?);
-    on_loop_to_change(&shared, id, place.root, move |p, id| {
-        Ok(Json(crate::control::choose_next(p, id, &choice.action)?))
-    })
-    .await
+    let change = Change::Next(choice.action.clone());
+    let local =
+        move |p: &Project, id: &str| Ok(Json(crate::control::choose_next(p, id, &choice.action)?));
+    change_loop(&shared, id, place.root, change, local, Json).await
 }
 
 async fn answer(
@@ -709,10 +795,10 @@ async fn answer(
     body: std::result::Result<Json<Text>, JsonRejection>,
 ) -> ApiResult<Json<Value>> {
     let (UrlPath(id), Query(place), Json(text)) = (id?, place?, body?);
-    on_loop_to_change(&shared, id, place.root, move |p, id| {
-        Ok(Json(crate::control::give_answer(p, id, &text.text)?))
-    })
-    .await
+    let change = Change::Answer(text.text.clone());
+    let local =
+        move |p: &Project, id: &str| Ok(Json(crate::control::give_answer(p, id, &text.text)?));
+    change_loop(&shared, id, place.root, change, local, Json).await
 }
 
 async fn add_task(
@@ -722,11 +808,13 @@ async fn add_task(
     body: std::result::Result<Json<Text>, JsonRejection>,
 ) -> ApiResult<(StatusCode, Json<Value>)> {
     let (UrlPath(id), Query(place), Json(text)) = (id?, place?, body?);
-    on_loop_to_change(&shared, id, place.root, move |p, id| {
+    let change = Change::Task(text.text.clone());
+    let local = move |p: &Project, id: &str| {
         let value = crate::control::add_task(p, id, &text.text)?;
         Ok((StatusCode::CREATED, Json(value)))
-    })
-    .await
+    };
+    let remote = |said| (StatusCode::CREATED, Json(said));
+    change_loop(&shared, id, place.root, change, local, remote).await
 }
 
 /// `?after=N`: events after the Nth (what `Last-Event-ID` says, for clients that cannot set

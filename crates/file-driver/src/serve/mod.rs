@@ -45,6 +45,25 @@ pub struct ServeArgs {
     pub listen: Option<std::net::SocketAddr>,
 }
 
+/// Loops that another driver holds (on Temporal, in a build with that feature): the service's
+/// API and page list, show and change them beside the loops of its projects. The file driver
+/// knows none of them; the binary gives the service one ([`run`]).
+#[async_trait::async_trait]
+pub trait Elsewhere: Send + Sync {
+    /// What the API says holds them (`temporal`).
+    fn name(&self) -> &'static str;
+    /// Every such loop: its project root and state.
+    async fn loops(&self) -> Result<Vec<(PathBuf, loopd_core::state::LoopState)>>;
+    /// Loop `id`'s project root and state; `None` when no such loop is there.
+    async fn get(&self, id: &str) -> Result<Option<(PathBuf, loopd_core::state::LoopState)>>;
+    /// Makes a change a person asks for; what the route answers (the file store's shape).
+    async fn change(
+        &self,
+        id: &str,
+        change: loopd_core::control::Change,
+    ) -> Result<serde_json::Value>;
+}
+
 /// The most threads for blocking sections at once.
 const MAX_BLOCKING_THREADS: usize = 16;
 
@@ -140,7 +159,12 @@ struct Supervisor {
 }
 
 /// `loopd serve`: runs until SIGTERM or SIGINT; returns the exit code.
-pub fn run(roots: &[PathBuf], config_flag: Option<&Path>, args: &ServeArgs) -> Result<i32> {
+pub fn run(
+    roots: &[PathBuf],
+    config_flag: Option<&Path>,
+    args: &ServeArgs,
+    elsewhere: Option<Arc<dyn Elsewhere>>,
+) -> Result<i32> {
     let root_flags = roots
         .iter()
         .map(|r| crate::project::resolve_root(Some(r)))
@@ -192,7 +216,10 @@ pub fn run(roots: &[PathBuf], config_flag: Option<&Path>, args: &ServeArgs) -> R
                 started_at: loopd_store::now_rfc3339(),
                 ..ServiceInfo::default()
             },
-            shared: api::Shared::default(),
+            shared: api::Shared {
+                elsewhere,
+                ..api::Shared::default()
+            },
             published: None,
             _registry: None,
         };
