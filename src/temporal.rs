@@ -130,6 +130,27 @@ impl loopd_file_driver::serve::Elsewhere for OnTemporal {
         let at = loopd_store::now_rfc3339();
         client::change(&client, &self.config, id, &change, &at).await
     }
+
+    async fn events(&self, id: &str) -> Result<Vec<serde_json::Value>> {
+        let client = client::connect(&self.config).await?;
+        client::events(&client, id).await
+    }
+
+    async fn tail(&self, id: &str) -> Result<serde_json::Value> {
+        let client = client::connect(&self.config).await?;
+        let progress = client::progress(&client, id).await?;
+        Ok(match progress {
+            Some(p) => json!({
+                "loop_id": id,
+                "in_flight": {
+                    "action": p.action, "iteration": p.iteration, "attempt": p.attempt,
+                    "tokens": p.tokens, "cost_usd": p.cost_usd,
+                },
+                "text": p.output,
+            }),
+            None => json!({ "loop_id": id, "in_flight": null, "text": null }),
+        })
+    }
 }
 
 /// What `loopd serve` serves of Temporal: its loops where `--temporal` or the config's

@@ -13,7 +13,7 @@ use std::net::TcpListener;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 
-use common::http::{To, call};
+use common::http::{To, call, fetch};
 use common::{DEADLINE, GOOD_AGENT, Project, alive, code, read_pid, stderr, stdout, wait_for};
 use serde_json::Value;
 
@@ -768,6 +768,12 @@ fn the_service_lists_shows_and_changes_loops_on_temporal_beside_its_own() {
     let (status, shown) = call(&to, "GET", &format!("/v1/loops/{id}"), None);
     assert_eq!(status, 200, "{shown}");
     assert_eq!(shown["state"]["loop_id"], id.as_str(), "{shown}");
+    // The attempt in flight (develop, waiting for `go`), as its heartbeat tells it.
+    wait_for("the tail to show the running develop", || {
+        let (status, tail) = call(&to, "GET", &format!("/v1/loops/{id}/tail"), None);
+        assert_eq!(status, 200, "{tail}");
+        tail["in_flight"]["action"] == "develop" && tail["text"].is_string()
+    });
     // Changed through the API as a loop of the file store is.
     let (status, said) = call(&to, "POST", &format!("/v1/loops/{id}/pause"), None);
     assert_eq!(status, 200, "{said}");
@@ -790,8 +796,22 @@ fn the_service_lists_shows_and_changes_loops_on_temporal_beside_its_own() {
     assert_eq!(status, 400, "no question waits: {said}");
     let (status, said) = call(&to, "POST", "/v1/loops/no-such-loop/pause", None);
     assert_eq!(status, 404, "{said}");
+    // Its events, from its history, numbered as the file store's; the stream ends, and a client
+    // that comes back with Last-Event-ID gets only what came since.
+    let events = sse_body(&to, &format!("/v1/loops/{id}/events"), None);
+    assert!(
+        events.contains("id: 1\n") && events.contains("loop_started"),
+        "{events}"
+    );
+    let after = sse_body(&to, &format!("/v1/loops/{id}/events"), Some("1"));
+    assert!(
+        !after.contains("id: 1\n") && after.contains("id: 2\n"),
+        "{after}"
+    );
     std::fs::write(p.root.join("go"), "").unwrap();
     let (status, said) = call(&to, "POST", &format!("/v1/loops/{id}/resume"), None);
+    assert_eq!(status, 200, "{said}");
+
     assert_eq!(status, 200, "{said}");
     let state = temporal.wait_for_status(&p, &id, "completed");
     let tasks = state["skill_state"]["develop"]["tasks"].as_array().unwrap();
@@ -799,4 +819,15 @@ fn the_service_lists_shows_and_changes_loops_on_temporal_beside_its_own() {
         tasks.iter().any(|t| t["description"] == "one more"),
         "{tasks:?}"
     );
+}
+
+/// A Server-Sent Events response of the service that ends, whole.
+fn sse_body(to: &To<'_>, path: &str, last_id: Option<&str>) -> String {
+    let headers: Vec<(&str, &str)> = last_id
+        .map(|id| ("last-event-id", id))
+        .into_iter()
+        .collect();
+    let (status, text) = fetch(to, "GET", path, None, &headers);
+    assert_eq!(status, 200, "{path}: {text}");
+    text
 }

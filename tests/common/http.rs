@@ -67,8 +67,22 @@ pub async fn send(
 /// A whole request: its status and its body as JSON.
 pub fn call(to: &To<'_>, method: &str, path: &str, body: Option<Value>) -> (u16, Value) {
     let body = body.map(|b| b.to_string());
+    let (status, text) = fetch(to, method, path, body.as_deref(), &[]);
+    let value =
+        serde_json::from_str(&text).unwrap_or_else(|_| panic!("{method} {path}: not JSON: {text}"));
+    (status, value)
+}
+
+/// A whole request: its status and its body as text (a stream read until it ends).
+pub fn fetch(
+    to: &To<'_>,
+    method: &str,
+    path: &str,
+    body: Option<&str>,
+    headers: &[(&str, &str)],
+) -> (u16, String) {
     runtime().block_on(async {
-        let response = send(to, method, path, body.as_deref(), &[]).await;
+        let response = send(to, method, path, body, headers).await;
         let status = response.status().as_u16();
         let bytes = response
             .into_body()
@@ -76,12 +90,6 @@ pub fn call(to: &To<'_>, method: &str, path: &str, body: Option<Value>) -> (u16,
             .await
             .expect("body")
             .to_bytes();
-        let value = serde_json::from_slice(&bytes).unwrap_or_else(|_| {
-            panic!(
-                "{method} {path}: not JSON: {}",
-                String::from_utf8_lossy(&bytes)
-            )
-        });
-        (status, value)
+        (status, String::from_utf8_lossy(&bytes).into_owned())
     })
 }

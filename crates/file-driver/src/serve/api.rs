@@ -835,7 +835,7 @@ async fn events(
     id: std::result::Result<UrlPath<String>, PathRejection>,
     query: std::result::Result<Query<After>, QueryRejection>,
     headers: HeaderMap,
-) -> ApiResult<impl IntoResponse> {
+) -> ApiResult<Response> {
     let (UrlPath(id), Query(query)) = (id?, query?);
     let last = headers
         .get("last-event-id")
@@ -849,12 +849,26 @@ async fn events(
         })
         .transpose()?;
     let root = query.root;
-    let (store, dir) = blocking(move || {
-        let p = find(&shared, &id, root.as_deref())?;
-        let dir = p.store.progress(&id)?;
-        Ok((loopd_store::events::EventTail::new(&p.store, &id), dir))
+    let skip = last.or(query.after).unwrap_or(0);
+    let elsewhere = shared.elsewhere.clone();
+    let found = blocking({
+        let id = id.clone();
+        move || {
+            let p = find(&shared, &id, root.as_deref())?;
+            let dir = p.store.progress(&id)?;
+            Ok((loopd_store::events::EventTail::new(&p.store, &id), dir))
+        }
     })
-    .await?;
+    .await;
+    let (store, dir) = match (found, elsewhere) {
+        (Err(e), Some(other)) if e.status == StatusCode::NOT_FOUND => {
+            if other.get(&id).await?.is_none() {
+                return Err(e);
+            }
+            return Ok(held_events(other.events(&id).await?, skip));
+        }
+        (found, _) => found?,
+    };
     let wake = Arc::new(tokio::sync::Notify::new());
     let subscription = {
         let wake = wake.clone();
@@ -865,7 +879,7 @@ async fn events(
     };
     let events = Events {
         tail: Some(store),
-        skip: last.or(query.after).unwrap_or(0),
+        skip,
         seen: 0,
         pending: std::collections::VecDeque::new(),
         wake,
@@ -875,8 +889,37 @@ async fn events(
         let event = events.next().await?;
         Some((Ok::<_, Infallible>(event), events))
     });
-    Ok(Sse::new(stream).keep_alive(KeepAlive::default()))
+    Ok(Sse::new(stream)
+        .keep_alive(KeepAlive::default())
+        .into_response())
 }
+
+/// The events of a loop another driver holds, after the `skip`th, as Server-Sent Events numbered
+/// as in [`events`]; the stream ends there, and the client's reconnection (every
+/// [`HELD_EVENTS_RETRY`], with `Last-Event-ID`) brings what came since.
+fn held_events(all: Vec<Value>, skip: u64) -> Response {
+    let retry = SseEvent::default()
+        .retry(HELD_EVENTS_RETRY)
+        .comment("held elsewhere");
+    let events = all
+        .into_iter()
+        .enumerate()
+        .skip(usize::try_from(skip).unwrap_or(usize::MAX))
+        .map(|(i, event)| {
+            SseEvent::default()
+                .id((i + 1).to_string())
+                .data(event.to_string())
+        });
+    let stream = futures_util::stream::iter(
+        std::iter::once(retry)
+            .chain(events)
+            .map(Ok::<_, Infallible>),
+    );
+    Sse::new(stream).into_response()
+}
+
+/// How soon a client reconnects to the events of a loop another driver holds.
+const HELD_EVENTS_RETRY: Duration = Duration::from_secs(2);
 
 /// A loop's events for one client: the lines read, numbered, those it has seen left out.
 struct Events {
@@ -937,7 +980,7 @@ async fn tail(
 ) -> ApiResult<Json<Value>> {
     let (UrlPath(id), Query(query)) = (id?, query?);
     let want = query.bytes.unwrap_or(16 * 1024).min(1 << 20);
-    on_loop(&shared, id, query.root, move |p, id| {
+    let local = on_loop(&shared, id.clone(), query.root, move |p, id| {
         let state = p.store.load(id)?.state;
         let flight = state.skill_state.as_ref().and_then(|s| s.in_flight.clone());
         let Some(flight) = flight else {
@@ -962,5 +1005,14 @@ async fn tail(
             "text": text,
         })))
     })
-    .await
+    .await;
+    match (local, shared.elsewhere.clone()) {
+        (Err(e), Some(other)) if e.status == StatusCode::NOT_FOUND => {
+            if other.get(&id).await?.is_none() {
+                return Err(e);
+            }
+            Ok(Json(other.tail(&id).await?))
+        }
+        (local, _) => local,
+    }
 }

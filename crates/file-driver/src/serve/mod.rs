@@ -62,6 +62,11 @@ pub trait Elsewhere: Send + Sync {
         id: &str,
         change: loopd_core::control::Change,
     ) -> Result<serde_json::Value>;
+    /// Loop `id`'s events so far, oldest first, as the file store's event log holds them.
+    async fn events(&self, id: &str) -> Result<Vec<serde_json::Value>>;
+    /// The attempt loop `id` runs now and the last of its output, as the tail route answers
+    /// (`{loop_id, in_flight, text}`).
+    async fn tail(&self, id: &str) -> Result<serde_json::Value>;
 }
 
 /// The most threads for blocking sections at once.
