@@ -104,6 +104,16 @@ pub fn guard() -> Result<i32> {
 /// changed beside the file store's ([`loopd_file_driver::serve::Elsewhere`]).
 pub struct OnTemporal {
     config: TemporalConfig,
+    /// Connected at the first request, then kept for the others.
+    client: tokio::sync::OnceCell<client::Client>,
+}
+
+impl OnTemporal {
+    async fn client(&self) -> Result<&client::Client> {
+        self.client
+            .get_or_try_init(|| client::connect(&self.config))
+            .await
+    }
 }
 
 /// How long the service's list waits for a loop's workflow to tell its state.
@@ -116,29 +126,24 @@ impl loopd_file_driver::serve::Elsewhere for OnTemporal {
     }
 
     async fn loops(&self) -> Result<Vec<(PathBuf, LoopState)>> {
-        let client = client::connect(&self.config).await?;
-        client::held_all(&client, LIST_WAIT).await
+        client::held_all(self.client().await?, LIST_WAIT).await
     }
 
     async fn get(&self, id: &str) -> Result<Option<(PathBuf, LoopState)>> {
-        let client = client::connect(&self.config).await?;
-        client::held(&client, id).await
+        client::held(self.client().await?, id).await
     }
 
     async fn change(&self, id: &str, change: Change) -> Result<serde_json::Value> {
-        let client = client::connect(&self.config).await?;
         let at = loopd_store::now_rfc3339();
-        client::change(&client, &self.config, id, &change, &at).await
+        client::change(self.client().await?, &self.config, id, &change, &at).await
     }
 
     async fn events(&self, id: &str) -> Result<Vec<serde_json::Value>> {
-        let client = client::connect(&self.config).await?;
-        client::events(&client, id).await
+        client::events(self.client().await?, id).await
     }
 
     async fn tail(&self, id: &str) -> Result<serde_json::Value> {
-        let client = client::connect(&self.config).await?;
-        let progress = client::progress(&client, id).await?;
+        let progress = client::progress(self.client().await?, id).await?;
         Ok(match progress {
             Some(p) => json!({
                 "loop_id": id,
@@ -165,7 +170,10 @@ pub fn elsewhere(
     }
     let config = settings(&service, address);
     tracing::info!("serving the loops on Temporal at {} too", config.address);
-    Ok(Some(std::sync::Arc::new(OnTemporal { config })))
+    Ok(Some(std::sync::Arc::new(OnTemporal {
+        config,
+        client: tokio::sync::OnceCell::new(),
+    })))
 }
 
 /// `loopd create --temporal`: the loop's state made as `create` makes it, started as a workflow.

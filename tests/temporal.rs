@@ -396,24 +396,10 @@ fn an_untrusted_project_blocks_the_loop_with_the_reason() {
     assert!(reason.contains("trust"), "{state}");
 }
 
-/// A skill-tuning agent: nothing found, so the gate passes at the report.
-const TUNING_AGENT: &str = r#"
-cat > /dev/null
-case "$LOOPD_ACTION" in
-  analyze-requirements) r='{"status":"success","summary":"clear","state_updates":{"coverage":"satisfied"}}' ;;
-  diagnose-*) r='{"status":"success","summary":"nothing","state_updates":{"issues":[]}}' ;;
-  propose-fixes) r='{"status":"success","state_updates":{"fixes":[]}}' ;;
-  *) r='{"status":"success","summary":"done"}' ;;
-esac
-echo "$r" > "$LOOPD_RESULT_FILE"
-"#;
-
 #[test]
 fn a_skill_tuning_loop_runs_to_completion_through_two_workers() {
     let Some(bin) = temporal_bin() else { return };
-    let p = Project::new(TUNING_AGENT);
-    std::fs::create_dir_all(p.root.join("skills/s")).unwrap();
-    std::fs::write(p.root.join("skills/s/SKILL.md"), "# s\n").unwrap();
+    let p = common::tuning_project(common::TUNING_AGENT);
     let mut temporal = Temporal::start(&p, &bin);
     temporal.worker(&p);
     temporal.worker(&p);

@@ -7,31 +7,6 @@ mod common;
 use common::*;
 use serde_json::Value;
 
-/// A scripted agent for every skill-tuning action: nothing found, so the gate passes at the
-/// report. `diagnose-memory` first waits for `go` in the project root when `hold` exists there,
-/// writing its pid to `agent.pid`.
-const TUNING_AGENT: &str = r#"
-cat > /dev/null
-if [ "$LOOPD_ACTION" = diagnose-memory ] && [ -f hold ]; then
-  echo $$ > agent.pid
-  i=0; while [ ! -f go ] && [ $i -lt 3000 ]; do sleep 0.02; i=$((i+1)); done
-fi
-case "$LOOPD_ACTION" in
-  analyze-requirements) r='{"status":"success","summary":"clear","state_updates":{"coverage":"satisfied"}}' ;;
-  diagnose-*) r='{"status":"success","summary":"nothing","state_updates":{"issues":[]}}' ;;
-  propose-fixes) r='{"status":"success","state_updates":{"fixes":[]}}' ;;
-  *) r='{"status":"success","summary":"done"}' ;;
-esac
-echo "$r" > "$LOOPD_RESULT_FILE"
-"#;
-
-fn project(agent: &str) -> Project {
-    let p = Project::new(agent);
-    std::fs::create_dir_all(p.root.join("skills/s")).unwrap();
-    std::fs::write(p.root.join("skills/s/SKILL.md"), "# s\n").unwrap();
-    p
-}
-
 fn create(p: &Project, extra: &[&str]) -> String {
     let mut args = vec!["--workflow", "skill-tuning", "--target-skill", "skills/s"];
     args.extend_from_slice(extra);
@@ -84,7 +59,7 @@ fn the_demo_tunes_its_skill_until_the_gate_passes() {
 
 #[test]
 fn a_skill_tuning_loop_runs_whole_and_is_shown_as_its_workflow() {
-    let p = project(TUNING_AGENT);
+    let p = tuning_project(TUNING_AGENT);
     let id = create(&p, &["--focus", "memory,docs", "--issue", "it forgets"]);
     let state = p.state(&id);
     assert_eq!(state["max_iterations"], 5, "the workflow's own default");
@@ -122,7 +97,7 @@ fn a_skill_tuning_loop_runs_whole_and_is_shown_as_its_workflow() {
 
 #[test]
 fn create_refuses_what_a_skill_tuning_loop_cannot_take_in_one_line() {
-    let p = project(TUNING_AGENT);
+    let p = tuning_project(TUNING_AGENT);
     std::fs::create_dir_all(p.root.join("not-a-skill")).unwrap();
     for (args, says) in [
         (
@@ -166,7 +141,7 @@ fn create_refuses_what_a_skill_tuning_loop_cannot_take_in_one_line() {
 
 #[test]
 fn pause_resume_stop_and_a_daemon_killed_mid_action_work_the_same_on_skill_tuning() {
-    let p = project(TUNING_AGENT);
+    let p = tuning_project(TUNING_AGENT);
     std::fs::write(p.root.join("hold"), "").unwrap();
     let id = create(&p, &[]);
     let out = p.output(&["start", &id]);
@@ -230,7 +205,7 @@ fn pause_resume_stop_and_a_daemon_killed_mid_action_work_the_same_on_skill_tunin
 
 #[test]
 fn a_requirement_analysis_that_asks_waits_for_the_answer() {
-    let p = project(&format!(
+    let p = tuning_project(&format!(
         "prompt=$(cat)\n\
          if [ \"$LOOPD_ACTION\" = analyze-requirements ]; then case \"$prompt\" in\n\
            *'The answer:'*) ;;\n\
@@ -269,7 +244,7 @@ fn a_requirement_analysis_that_asks_waits_for_the_answer() {
 
 #[test]
 fn a_broken_skill_tuning_state_comes_back_from_its_backup_and_never_as_another_workflow() {
-    let p = project(TUNING_AGENT);
+    let p = tuning_project(TUNING_AGENT);
     let id = create(&p, &["--focus", "docs"]);
     assert_eq!(code(&p.run(&id, &[])), 0);
     let good = p.state(&id);

@@ -39,6 +39,32 @@ case "$LOOPD_ACTION" in
 esac
 "#;
 
+/// A scripted agent for every skill-tuning action: nothing found, so the gate passes at the
+/// report. `diagnose-memory` first waits for `go` in the project root when `hold` exists there,
+/// writing its pid to `agent.pid`.
+pub const TUNING_AGENT: &str = r#"
+cat > /dev/null
+if [ "$LOOPD_ACTION" = diagnose-memory ] && [ -f hold ]; then
+  echo $$ > agent.pid
+  i=0; while [ ! -f go ] && [ $i -lt 3000 ]; do sleep 0.02; i=$((i+1)); done
+fi
+case "$LOOPD_ACTION" in
+  analyze-requirements) r='{"status":"success","summary":"clear","state_updates":{"coverage":"satisfied"}}' ;;
+  diagnose-*) r='{"status":"success","summary":"nothing","state_updates":{"issues":[]}}' ;;
+  propose-fixes) r='{"status":"success","state_updates":{"fixes":[]}}' ;;
+  *) r='{"status":"success","summary":"done"}' ;;
+esac
+echo "$r" > "$LOOPD_RESULT_FILE"
+"#;
+
+/// A project with the skill `skills/s` to tune, and `agent` as its executor.
+pub fn tuning_project(agent: &str) -> Project {
+    let p = Project::new(agent);
+    std::fs::create_dir_all(p.root.join("skills/s")).unwrap();
+    std::fs::write(p.root.join("skills/s/SKILL.md"), "# s\n").unwrap();
+    p
+}
+
 pub struct Project {
     _dir: Option<tempfile::TempDir>,
     pub root: PathBuf,

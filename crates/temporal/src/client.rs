@@ -257,7 +257,7 @@ pub async fn histories(client: &Client, id: &str) -> Result<Vec<Vec<u8>>> {
     Ok(histories)
 }
 
-/// Loop `id`'s events, oldest first, read from the histories of its runs ([`history::events`]).
+/// Loop `id`'s events, oldest first, read from the histories of its runs ([`crate::history::events`]).
 pub async fn events(client: &Client, id: &str) -> Result<Vec<Value>> {
     let mut events = Vec::new();
     for history in runs(client, id).await?.into_iter().rev() {

@@ -10,8 +10,10 @@
 //! worker loads the project's config and action files from the loop's root (workers share the
 //! project's file system), renders the prompt as the file driver does ([`loopd_project::plan`]),
 //! and runs the executor with [`loopd_exec`], heartbeating while it runs; a cancelled activity
-//! ends the executor's process group. Control (pause, resume, stop) arrives as signals; the
-//! state is read by a query ([`client`]).
+//! ends the executor's process group. A person's change (pause, resume, stop, next, a task, an
+//! answer, new limits) arrives as an update that the loop checks by the core's rules
+//! ([`change`]); the state is read by a query, the loops are listed by search attributes
+//! ([`visibility`]) and their events read from their histories ([`history`]) ([`client`]).
 //!
 //! Which layer may use which: this crate uses the core, the executors and the project's settings
 //! (and [`loopd_fs`] for an attempt's files), nothing of the file store or the file driver; only
