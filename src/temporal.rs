@@ -12,7 +12,7 @@ use loopd_file_driver::error::usage;
 use loopd_file_driver::project::Project;
 use loopd_project::config::Config;
 use loopd_temporal::change::{Change, SetLimits};
-use loopd_temporal::{LoopInput, TemporalConfig, client};
+use loopd_temporal::{GitSource, LoopInput, TemporalConfig, client, workspace};
 use serde_json::json;
 
 use crate::output::print_result;
@@ -26,6 +26,17 @@ pub struct WorkerArgs {
     /// The task queue of loopd's workflows and activities [default: the config's, `loopd`]
     #[arg(long)]
     pub task_queue: Option<String>,
+    /// This worker's name: its own task queue is TASK_QUEUE@NAME, where the actions of the
+    /// loops whose work trees it keeps go first [default: the config's, else the host name]
+    #[arg(long)]
+    pub name: Option<String>,
+    /// Where it keeps its clones and work trees, a directory no other worker uses
+    /// [default: the config's, else ~/.cache/loopd/worker/NAME]
+    #[arg(long, value_name = "DIR")]
+    pub cache: Option<PathBuf>,
+    /// Actions it runs at once; the rest wait in Temporal's queue [default: the config's, 4]
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_actions: Option<u32>,
 }
 
 /// The config's `[temporal]`, at `--temporal`'s address when one is given.
@@ -58,11 +69,44 @@ pub fn worker(settings: TemporalConfig, args: &WorkerArgs) -> Result<i32> {
         task_queue: args.task_queue.clone().unwrap_or(settings.task_queue),
         ..settings
     };
+    let name = match (&args.name, config.worker_name.as_str()) {
+        (Some(name), _) => name.clone(),
+        (None, "") => nix::unistd::gethostname()
+            .ok()
+            .and_then(|h| h.into_string().ok())
+            .unwrap_or_else(|| "worker".to_owned()),
+        (None, name) => name.to_owned(),
+    };
+    if name.is_empty()
+        || !name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
+    {
+        return Err(usage(format!(
+            "worker name {name:?}: letters, digits, '-', '_' and '.' only"
+        )));
+    }
+    let cache = match (&args.cache, config.cache_dir.as_str()) {
+        (Some(dir), _) => dir.clone(),
+        (None, "") => cache_home()
+            .context("neither $XDG_CACHE_HOME nor $HOME is set: give the worker --cache DIR")?
+            .join("loopd/worker")
+            .join(&name),
+        (None, dir) => PathBuf::from(dir),
+    };
+    let cache = std::sync::Arc::new(loopd_temporal::workspace::Cache::open(&cache)?);
     // An executor's child that escapes its session is reparented here, and ended with it.
     loopd_exec::procs::become_subreaper();
     let guard = std::env::current_exe()
         .and_then(|me| Guard::start(&me, &["worker-guard"]))
         .context("cannot start the guard of this worker's executors")?;
+    let setup = client::WorkerSetup {
+        guard: Some(std::sync::Arc::new(guard)),
+        name: name.clone(),
+        cache: cache.clone(),
+        max_actions: args.max_actions.unwrap_or(config.max_actions) as usize,
+        tree_grace: std::time::Duration::from_secs_f64(config.tree_grace),
+    };
     runtime()?.block_on(async {
         let shutdown = async {
             let mut term =
@@ -75,14 +119,27 @@ pub fn worker(settings: TemporalConfig, args: &WorkerArgs) -> Result<i32> {
             tracing::info!("signal: the worker stops");
         };
         tracing::info!(
-            "worker on {} (namespace {}, task queue {})",
+            "worker {name} on {} (namespace {}, task queues {q} and {q}@{name}, {} actions at \
+             once, cache {})",
             config.address,
             config.namespace,
-            config.task_queue
+            setup.max_actions,
+            cache.dir().display(),
+            q = config.task_queue,
         );
-        client::run_worker(&config, Some(guard), shutdown).await
+        client::run_worker(&config, setup, shutdown).await
     })?;
     Ok(0)
+}
+
+/// `$XDG_CACHE_HOME`, else `~/.cache`.
+fn cache_home() -> Option<PathBuf> {
+    let absolute = |var| {
+        std::env::var_os(var)
+            .map(PathBuf::from)
+            .filter(|p| p.is_absolute())
+    };
+    absolute("XDG_CACHE_HOME").or_else(|| absolute("HOME").map(|h| h.join(".cache")))
 }
 
 /// `loopd worker-guard`: the guard of a worker's executors, over the pipe on its stdin
@@ -185,6 +242,10 @@ pub fn create(p: &Project, config: &TemporalConfig, args: &CreateArgs, json: boo
     }
     let id = loopd_store::store::new_id();
     let state = loopd_file_driver::create::new_state(p, args, &id, None)?;
+    let git = match &args.remote {
+        Some(remote) => Some(git_source(p, &state, remote, args.base.as_deref())?),
+        None => None,
+    };
     let tasks = args
         .tasks
         .iter()
@@ -197,6 +258,9 @@ pub fn create(p: &Project, config: &TemporalConfig, args: &CreateArgs, json: boo
         .collect();
     let input = LoopInput {
         root: p.root.clone(),
+        git: git.clone(),
+        head: None,
+        holder: None,
         state,
         tasks,
         executor: None,
@@ -206,6 +270,11 @@ pub fn create(p: &Project, config: &TemporalConfig, args: &CreateArgs, json: boo
     };
     runtime()?.block_on(async {
         let client = connect(config).await?;
+        if let Some(git) = &git {
+            workspace::publish(&p.root, &git.remote, &id, &git.base)
+                .await
+                .map_err(|e| usage(format!("{e:#}")))?;
+        }
         client::start(&client, config, input).await
     })?;
     print_result(
@@ -216,13 +285,46 @@ pub fn create(p: &Project, config: &TemporalConfig, args: &CreateArgs, json: boo
     Ok(0)
 }
 
+/// A loop's git remote: the commit it starts from, and the project's files as they are trusted
+/// here (a worker runs them only as they are now).
+fn git_source(
+    p: &Project,
+    state: &LoopState,
+    remote: &str,
+    base: Option<&str>,
+) -> Result<GitSource> {
+    if remote.is_empty() || remote.starts_with('-') {
+        return Err(usage(format!("--remote {remote:?}: not a git remote")));
+    }
+    let base = runtime()?
+        .block_on(workspace::resolve(&p.root, base.unwrap_or("HEAD")))
+        .map_err(|e| usage(format!("--base: {e:#}")))?;
+    let wf = loopd_temporal::workflow::workflow_of(state);
+    let plans = loopd_project::plan::Plans::load(&p.root, &p.config, wf, None)?;
+    let files = plans.project_files(&p.config);
+    loopd_project::trust::check(&p.root, &files)?;
+    let trusted = files
+        .iter()
+        .map(|f| {
+            let path = f.path.strip_prefix(&p.root).unwrap_or(&f.path);
+            (path.to_owned(), f.digest.clone())
+        })
+        .collect();
+    Ok(GitSource {
+        remote: remote.to_owned(),
+        base,
+        trusted,
+    })
+}
+
 /// `loopd status --temporal`: the loop's state as its workflow holds it, and the attempt it runs
 /// now as its last heartbeat told (with `--json`, a `heartbeat` key beside the state's: action,
 /// iteration, attempt, the last of its output).
 pub fn status(config: &TemporalConfig, id: &str, json: bool) -> Result<i32> {
-    let (state, progress) = runtime()?.block_on(async {
+    let (state, holder, progress) = runtime()?.block_on(async {
         let client = connect(config).await?;
         let state = client::state(&client, id).await?;
+        let holder = client::holder(&client, id).await?;
         // Best effort: the state is what was asked for. A loop that no longer runs has no
         // attempt in flight, whatever its last heartbeat said.
         let progress = match state.status {
@@ -231,15 +333,20 @@ pub fn status(config: &TemporalConfig, id: &str, json: bool) -> Result<i32> {
             }
             _ => None,
         };
-        anyhow::Ok((state, progress))
+        anyhow::Ok((state, holder, progress))
     })?;
+    let worker = holder.map(|h| h.name);
     let mut value = serde_json::to_value(&state)?;
     value["heartbeat"] = serde_json::to_value(&progress)?;
+    value["worker"] = serde_json::to_value(&worker)?;
     let mut text = format!(
         "loop {id}: {} (iteration {})",
         state.standing(),
         state.current_iteration
     );
+    if let Some(worker) = &worker {
+        text.push_str(&format!(", its work tree on worker {worker}"));
+    }
     if let Some(p) = &progress {
         let output = match p.output.trim_end() {
             "" => "(none yet)",
@@ -267,13 +374,17 @@ pub fn list(config: &TemporalConfig, root: Option<&Path>, json: bool) -> Result<
         client::list(&client, root).await
     })?;
     let mut text = format!(
-        "{:<34} {:<10} {:>4}  {:<12} PROJECT",
-        "ID", "STATUS", "ITER", "WORKFLOW"
+        "{:<34} {:<10} {:>4}  {:<12} {:<12} PROJECT",
+        "ID", "STATUS", "ITER", "WORKFLOW", "WORKER"
     );
     for l in &listed {
+        let worker = match l.worker.as_str() {
+            "" => "-",
+            worker => worker,
+        };
         text.push_str(&format!(
-            "\n{:<34} {:<10} {:>4}  {:<12} {}",
-            l.loop_id, l.status, l.iteration, l.workflow, l.project
+            "\n{:<34} {:<10} {:>4}  {:<12} {:<12} {}",
+            l.loop_id, l.status, l.iteration, l.workflow, worker, l.project
         ));
     }
     print_result(json, &serde_json::to_value(&listed)?, &text)?;

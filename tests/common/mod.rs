@@ -3,6 +3,8 @@
 #![allow(dead_code)]
 
 pub mod http;
+#[cfg(feature = "temporal")]
+pub mod temporal;
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};

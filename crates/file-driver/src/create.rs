@@ -80,6 +80,14 @@ pub struct CreateArgs {
     /// dir's worktrees/), so that it can run beside the project's other loops
     #[arg(long)]
     pub worktree: bool,
+    /// A loop on Temporal whose workers share no file system: the git remote (a URL or the
+    /// path of a bare repository) its work goes to, on branch `loopd/<id>`; the project's
+    /// files are taken as they are here and now
+    #[arg(long, value_name = "URL")]
+    pub remote: Option<String>,
+    /// With --remote: the commit the loop starts from, pushed as its branch [default: HEAD]
+    #[arg(long, value_name = "REV", requires = "remote")]
+    pub base: Option<String>,
     #[command(flatten)]
     pub tuning: TuningArgs,
 }
@@ -199,6 +207,11 @@ fn check_texts(title: &str, description: &str, tasks: &[String]) -> Result<()> {
 
 /// Writes a new loop (and its task list); returns its id.
 pub fn create_loop(p: &Project, args: &CreateArgs) -> Result<String> {
+    if args.remote.is_some() {
+        return Err(usage(
+            "--remote is for loops on Temporal (`loopd create --temporal ADDR --remote URL`)",
+        ));
+    }
     let id = new_id();
     let worktree = match args.worktree {
         true => Some(crate::worktree::create(&p.root, &p.store, &id)?),
@@ -242,6 +255,8 @@ pub fn new_state(
         workflow,
         tasks,
         worktree: _,
+        remote: _,
+        base: _,
         tuning,
     } = args;
     let crate::create::Limits {

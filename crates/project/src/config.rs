@@ -63,7 +63,7 @@ pub struct Config {
 pub const MIN_HISTORY_LIMIT: u32 = 30;
 
 /// `[temporal]`: where loops on Temporal live, and which of its queues loopd uses.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct TemporalConfig {
     /// Every command of the project's loops goes to Temporal, without `--temporal`.
@@ -75,6 +75,15 @@ pub struct TemporalConfig {
     pub task_queue: String,
     /// Events a loop's run keeps in its history before it continues as a new run.
     pub history_limit: u32,
+    /// This worker's name: its own task queue (`TASK_QUEUE@NAME`), where the actions of the
+    /// loops it holds go first, and its cache's directory. Empty: the machine's host name.
+    pub worker_name: String,
+    /// Where a worker keeps its clones and work trees. Empty: `~/.cache/loopd/worker/NAME`.
+    pub cache_dir: String,
+    /// Actions a worker runs at once; the rest wait in Temporal's queue.
+    pub max_actions: u32,
+    /// Seconds a work tree no action used is kept before the worker removes it.
+    pub tree_grace: f64,
 }
 
 #[derive(Clone, Debug, Default, Deserialize)]
@@ -276,6 +285,10 @@ impl Config {
                 format!("must be at least {MIN_HISTORY_LIMIT} (events of a few actions)"),
             ));
         }
+        if self.temporal.max_actions == 0 {
+            return Err(("temporal.max_actions".into(), "must be at least 1".into()));
+        }
+        positive("temporal.tree_grace", self.temporal.tree_grace)?;
         if self.checkpoint_keep == 0 {
             return Err(("checkpoint_keep".into(), "must be at least 1".into()));
         }

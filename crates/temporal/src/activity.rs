@@ -1,13 +1,15 @@
-//! An attempt as a Temporal activity: the executor run on whichever worker takes it, in the
-//! loop's project root, as the file driver runs it.
+//! An attempt as a Temporal activity: the executor run on whichever worker takes it, as the
+//! file driver runs it: in the loop's project root, or, for a loop whose project is a git
+//! remote, in the worker's work tree of the loop, put at its last checkpoint before and pushed
+//! after ([`crate::workspace`]).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, PoisonError};
 use std::time::Duration;
 
 use anyhow::Context as _;
-use loopd_core::attempt::Verdict;
-use loopd_core::state::{LoopState, Usage};
+use loopd_core::attempt::{AttemptOutcome, Verdict};
+use loopd_core::state::{Checkpoint, LoopState, Usage};
 use loopd_core::workflow::{self, Dispatch};
 use loopd_exec::agent::{AgentStream, Told};
 use loopd_exec::guard::Guard;
@@ -20,6 +22,9 @@ use serde::{Deserialize, Serialize};
 use temporalio_macros::activities;
 use temporalio_sdk::activities::{ActivityContext, ActivityError};
 use tokio_util::sync::CancellationToken;
+
+use crate::workspace::Cache;
+use crate::{GitSource, Holder};
 
 /// How often a running attempt tells Temporal it lives (and hears of a cancellation).
 const HEARTBEAT_EVERY: Duration = Duration::from_millis(200);
@@ -34,6 +39,10 @@ pub struct AttemptInput {
     pub iteration: u64,
     pub attempt: u32,
     pub executor: Option<String>,
+    /// The loop's remote, and the commit of its last checkpoint there (its base before the
+    /// first), when its work tree comes from one.
+    #[serde(default)]
+    pub git: Option<(GitSource, String)>,
 }
 
 /// What a running attempt tells Temporal with each heartbeat (`loopd status --temporal` shows
@@ -60,12 +69,26 @@ pub struct AttemptReport {
     pub executor: String,
     pub verdict: Verdict,
     pub spent: Option<(Usage, Option<f64>)>,
+    /// The checkpoint pushed to the loop's remote after a successful action that changes the
+    /// work tree: where the loop's next action starts.
+    #[serde(default)]
+    pub checkpoint: Option<Checkpoint>,
+    /// The worker that keeps the loop's work tree now, when it has one.
+    #[serde(default)]
+    pub holder: Option<Holder>,
 }
 
 /// The activities of loopd's workers.
 pub struct LoopActivities {
     /// Ends the executors of this worker's attempts if the worker dies (see [`Guard`]).
-    pub guard: Option<Guard>,
+    pub guard: Option<Arc<Guard>>,
+    /// The worker's clones and work trees, for loops whose project is a git remote.
+    pub cache: Option<Arc<Cache>>,
+    /// This worker, as a loop it runs will know it.
+    pub holder: Option<Holder>,
+    /// The actions this worker may run at once (`[temporal] max_actions`), whichever of its
+    /// task queues they came from.
+    pub slots: Arc<tokio::sync::Semaphore>,
 }
 
 #[activities]
@@ -79,7 +102,7 @@ impl LoopActivities {
         ctx: ActivityContext,
         input: AttemptInput,
     ) -> Result<AttemptReport, ActivityError> {
-        let report = run_attempt(&ctx, self.guard.as_ref(), input).await?;
+        let report = run_attempt(&ctx, &self, input).await?;
         // Cancelled, its executor ended: by its loop (paused, stopped), which no longer waits
         // for it, or by this worker's shutdown, which gives it to another worker at once.
         match ctx.is_cancelled() {
@@ -91,7 +114,7 @@ impl LoopActivities {
 
 async fn run_attempt(
     ctx: &ActivityContext,
-    guard: Option<&Guard>,
+    worker: &LoopActivities,
     input: AttemptInput,
 ) -> anyhow::Result<AttemptReport> {
     let AttemptInput {
@@ -101,7 +124,31 @@ async fn run_attempt(
         iteration,
         attempt,
         executor,
+        git,
     } = input;
+    let waiting = Progress {
+        action: dispatch.action.clone(),
+        iteration,
+        attempt,
+        ..Progress::default()
+    };
+    let Some(_slot) = beating(ctx, &waiting, worker.slots.acquire()).await else {
+        return Ok(AttemptReport::interrupted());
+    };
+    let id = state.loop_id.as_str();
+    // The loop's work tree on this worker, at its last checkpoint.
+    let tree = match (&git, &worker.cache) {
+        (None, _) => None,
+        (Some(_), None) => anyhow::bail!("this worker keeps no work trees"),
+        (Some((source, commit)), Some(cache)) => {
+            match beating(ctx, &waiting, cache.check_out(source, id, commit)).await {
+                None => return Ok(AttemptReport::interrupted()),
+                Some(Err(e)) => return Ok(AttemptReport::git_failed(&e)),
+                Some(Ok(tree)) => Some(tree),
+            }
+        }
+    };
+    let root = tree.as_ref().map_or(root, |t| t.path.clone());
     let config = Config::load(&root, None)?;
     let name = state
         .skill_state
@@ -110,11 +157,18 @@ async fn run_attempt(
         .unwrap_or(workflow::DEFAULT);
     let wf = workflow::by_name(name).with_context(|| format!("unknown workflow {name:?}"))?;
     let plans = Plans::load(&root, &config, wf, executor.as_deref())?;
-    loopd_project::trust::check(&root, &plans.project_files(&config))?;
+    match &git {
+        Some((source, _)) => trusted_as_made(&root, source, &plans.project_files(&config))?,
+        None => loopd_project::trust::check(&root, &plans.project_files(&config))?,
+    }
+    if let Some(tree) = &tree
+        && let Err(e) = tree.clean(&config.state_dir).await
+    {
+        return Ok(AttemptReport::git_failed(&e));
+    }
     let (def, plan) = plans
         .get(&dispatch.action)
         .with_context(|| format!("no plan for action {}", dispatch.action))?;
-    let id = state.loop_id.as_str();
     let state_dir = root.join(&config.state_dir);
     let progress_dir = state_dir.join(format!("{id}.progress"));
     let actions = Dir::open(&root)?
@@ -172,7 +226,7 @@ async fn run_attempt(
         tokens,
         cost_usd,
     };
-    let _guarded = guard.map(|g| g.attempt(&marker));
+    let _guarded = worker.guard.as_ref().map(|g| g.attempt(&marker));
     let running = Subprocess.spawn(spec)?;
     let cancel = CancellationToken::new();
     // What the agent has spent so far, for the heartbeats.
@@ -198,9 +252,126 @@ async fn run_attempt(
     let reported = loopd_exec::result::read_result_file(&actions, RESULT_FILE);
     let verdict = loopd_exec::result::verdict(plan.format, reported, &run);
     let spent = run.agent.map(|a| (a.usage, a.cost_usd));
-    Ok(AttemptReport {
+    let mut report = AttemptReport {
         executor: plan.executor.clone(),
         verdict,
         spent,
+        checkpoint: None,
+        holder: None,
+    };
+    if let (Some(tree), Some((source, commit))) = (tree, &git) {
+        // Only a success moves the loop on: what a failed or interrupted attempt left stays
+        // here, and the next attempt starts from the checkpoint again.
+        if matches!(report.verdict, Verdict::Success(_)) && wf.changes_work_tree(&dispatch.action) {
+            let name = format!("{iteration}-{}", dispatch.action);
+            let index = progress_dir.join("checkpoint.index");
+            let recorded = record(&tree.path, &state_dir, index, id, &name, commit);
+            let checkpoint = match beating(ctx, &waiting, recorded).await {
+                None => return Ok(AttemptReport::interrupted()),
+                Some(Err(e)) => {
+                    tree.forget().await;
+                    return Ok(AttemptReport::git_failed(&e));
+                }
+                Some(Ok(checkpoint)) => checkpoint,
+            };
+            match beating(ctx, &waiting, tree.push(source, &checkpoint)).await {
+                None => return Ok(AttemptReport::interrupted()),
+                Some(Err(e)) => return Ok(AttemptReport::git_failed(&e)),
+                Some(Ok(())) => report.checkpoint = Some(checkpoint),
+            }
+        }
+        report.holder = worker.holder.clone();
+    }
+    Ok(report)
+}
+
+impl AttemptReport {
+    /// An attempt ended from outside before its executor ran or finished.
+    fn interrupted() -> AttemptReport {
+        AttemptReport {
+            executor: String::new(),
+            verdict: Verdict::Interrupted,
+            spent: None,
+            checkpoint: None,
+            holder: None,
+        }
+    }
+
+    /// An attempt whose work tree could not be fetched, put at its checkpoint, recorded or
+    /// pushed: a failed attempt (the loop's retries decide what follows), with git's reason,
+    /// the next one for any worker.
+    fn git_failed(e: &anyhow::Error) -> AttemptReport {
+        tracing::warn!("{e:#}");
+        AttemptReport {
+            verdict: Verdict::Failed {
+                outcome: AttemptOutcome::TransientApiError,
+                message: loopd_exec::result::one_line(&format!("{e:#}")),
+            },
+            ..AttemptReport::interrupted()
+        }
+    }
+}
+
+/// Waits for `work`, telling Temporal the attempt lives meanwhile; `None` if the attempt was
+/// cancelled first (then `work` is dropped: a git it ran is killed).
+async fn beating<T>(
+    ctx: &ActivityContext,
+    progress: &Progress,
+    work: impl std::future::Future<Output = T>,
+) -> Option<T> {
+    tokio::pin!(work);
+    loop {
+        tokio::select! {
+            done = &mut work => return Some(done),
+            () = ctx.cancelled() => return None,
+            () = tokio::time::sleep(HEARTBEAT_EVERY) => {
+                let _ = ctx.record_heartbeat(progress.clone()).await;
+            }
+        }
+    }
+}
+
+/// Records the work tree at `tree` as checkpoint `name`, the child of `parent`
+/// ([`loopd_exec::checkpoint`]).
+async fn record(
+    tree: &Path,
+    state_dir: &Path,
+    index: PathBuf,
+    id: &str,
+    name: &str,
+    parent: &str,
+) -> anyhow::Result<Checkpoint> {
+    let (tree, state_dir, id, name, parent) = (
+        tree.to_owned(),
+        state_dir.to_owned(),
+        id.to_owned(),
+        name.to_owned(),
+        parent.to_owned(),
+    );
+    tokio::task::spawn_blocking(move || {
+        let repo = loopd_exec::checkpoint::Repo::open(&tree, &state_dir, index, &id)
+            .context("the work tree is not in a git repository")?;
+        repo.record(&name, Some(&parent))
     })
+    .await?
+}
+
+/// Refuses a project file of the work tree that is not as the person who made the loop trusted
+/// it: the files of a remote run only as `loopd create` found them.
+fn trusted_as_made(
+    root: &Path,
+    source: &GitSource,
+    files: &[&loopd_project::project_file::ProjectFile],
+) -> anyhow::Result<()> {
+    for file in files {
+        let path = file.path.strip_prefix(root).unwrap_or(&file.path);
+        if source.trusted.get(path) != Some(&file.digest) {
+            anyhow::bail!(
+                "{} is not as it was when the loop was made (a loop on a remote runs its \
+                 project's files only as `loopd create` trusted them)",
+                path.display()
+            );
+        }
+    }
+    Ok(())
 }

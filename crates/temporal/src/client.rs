@@ -23,8 +23,11 @@ use crate::activity::{LoopActivities, Progress};
 use crate::change::Change;
 use crate::visibility::{self, Listed};
 use crate::workflow::LoopWorkflow;
-use crate::{LoopInput, TemporalConfig};
+use crate::workspace::Cache;
+use crate::{Holder, LoopInput, TemporalConfig};
 use loopd_exec::guard::Guard;
+use std::sync::Arc;
+use temporalio_sdk::runtime::worker_tuner::{FixedSizeSlotSupplier, TunerHolder};
 
 /// The longest a worker holds back an attempt's heartbeat (Temporal's default is 60 s).
 const HEARTBEAT_THROTTLE: Duration = Duration::from_millis(300);
@@ -148,6 +151,15 @@ pub async fn state(client: &Client, id: &str) -> Result<LoopState> {
         .with_context(|| format!("cannot read loop {id} on Temporal"))
 }
 
+/// The worker that keeps loop `id`'s work tree, if one does.
+pub async fn holder(client: &Client, id: &str) -> Result<Option<Holder>> {
+    client
+        .get_workflow_handle::<LoopWorkflow>(id)
+        .query(LoopWorkflow::holder, (), WorkflowQueryOptions::default())
+        .await
+        .with_context(|| format!("cannot read loop {id} on Temporal"))
+}
+
 /// Loop `id`'s project root and state as its workflow holds them; `None` when there is no
 /// such loop.
 pub async fn held(client: &Client, id: &str) -> Result<Option<(PathBuf, LoopState)>> {
@@ -200,38 +212,100 @@ pub async fn progress(client: &Client, id: &str) -> Result<Option<Progress>> {
     Ok(details.and_then(|p| serde_json::from_slice(&p.data).ok()))
 }
 
+/// A worker as `loopd worker` runs it.
+pub struct WorkerSetup {
+    /// Ends the executors of its attempts should the worker die.
+    pub guard: Option<Arc<Guard>>,
+    /// Its name: its own task queue is `TASK_QUEUE@NAME`.
+    pub name: String,
+    /// Its clones and work trees.
+    pub cache: Arc<Cache>,
+    /// Actions it runs at once.
+    pub max_actions: usize,
+    /// How long it keeps a work tree no action used.
+    pub tree_grace: Duration,
+}
+
 /// Runs a worker of loopd's workflows and activities until `shutdown` resolves; the attempt it
-/// runs then is cancelled (its executor ended) and given back to the service. `guard` ends the
-/// executors of its attempts should the worker die.
+/// runs then is cancelled (its executor ended) and given back to the service. The worker polls
+/// two task queues: the loops' own, for their workflows and for attempts any worker may run,
+/// and one of its own, for the attempts of the loops whose work trees it keeps.
 pub async fn run_worker(
     config: &TemporalConfig,
-    guard: Option<Guard>,
+    setup: WorkerSetup,
     shutdown: impl std::future::Future<Output = ()>,
 ) -> Result<()> {
     let runtime = Runtime::from_current_tokio(Default::default())
         .map_err(|e| anyhow::anyhow!("cannot start the Temporal runtime: {e}"))?;
     let client = connect(config).await?;
     visibility::register(&client, &config.namespace).await?;
-    let options = WorkerOptions::new(config.task_queue.clone())
+    let own_queue = format!("{}@{}", config.task_queue, setup.name);
+    let slots = Arc::new(tokio::sync::Semaphore::new(setup.max_actions));
+    let activities = || LoopActivities {
+        guard: setup.guard.clone(),
+        cache: Some(setup.cache.clone()),
+        holder: Some(Holder {
+            name: setup.name.clone(),
+            queue: own_queue.clone(),
+        }),
+        slots: slots.clone(),
+    };
+    let tuner = || {
+        TunerHolder::builder()
+            .workflow_task_slot_supplier(FixedSizeSlotSupplier::new(100))
+            .activity_task_slot_supplier(FixedSizeSlotSupplier::new(setup.max_actions))
+            .local_activity_task_slot_supplier(FixedSizeSlotSupplier::new(1))
+            .nexus_task_slot_supplier(FixedSizeSlotSupplier::new(1))
+            .build()
+    };
+    let shared = WorkerOptions::new(config.task_queue.clone())
         // A heartbeat is how a pause or stop reaches the attempt: none is held back long.
         .max_heartbeat_throttle_interval(HEARTBEAT_THROTTLE)
         // A worker told to stop ends its attempts at once; each goes to another worker.
         .graceful_shutdown_period(Duration::ZERO)
         // A loop whose worker died is taken up by another within seconds, not Temporal's 10 s.
         .sticky_queue_schedule_to_start_timeout(STICKY_TIMEOUT)
+        .tuner(tuner())
+        .client_identity_override(format!("loopd worker {}", setup.name))
         .register_workflow::<LoopWorkflow>()?
-        .register_activities(LoopActivities { guard })
+        .register_activities(activities())
         .build();
-    let mut worker = Worker::new(&runtime, client, options)?;
-    let stop = worker.shutdown_handle();
-    let run = worker.run();
+    let own = WorkerOptions::new(own_queue.clone())
+        .max_heartbeat_throttle_interval(HEARTBEAT_THROTTLE)
+        .graceful_shutdown_period(Duration::ZERO)
+        .tuner(tuner())
+        .client_identity_override(format!("loopd worker {}", setup.name))
+        .register_activities(activities())
+        .build();
+    let mut shared = Worker::new(&runtime, client.clone(), shared)?;
+    let mut own = Worker::new(&runtime, client, own)?;
+    let (stop_shared, stop_own) = (shared.shutdown_handle(), own.shutdown_handle());
+    let sweep = sweep(&setup.cache, setup.tree_grace);
+    let run = futures::future::try_join(shared.run(), own.run());
     tokio::pin!(run);
     tokio::pin!(shutdown);
+    tokio::pin!(sweep);
     tokio::select! {
-        ended = &mut run => return ended.context("the worker stopped"),
-        () = &mut shutdown => stop(),
+        ended = &mut run => return ended.map(|_| ()).context("the worker stopped"),
+        () = &mut shutdown => {
+            stop_shared();
+            stop_own();
+        }
+        () = &mut sweep => {}
     }
-    run.await.context("the worker stopped")
+    run.await.map(|_| ()).context("the worker stopped")
+}
+
+/// Removes the work trees no action used for `grace`, looking every quarter of it (at most
+/// every minute), for as long as the worker runs.
+async fn sweep(cache: &Cache, grace: Duration) {
+    let every = (grace / 4).clamp(Duration::from_millis(100), Duration::from_secs(60));
+    loop {
+        tokio::time::sleep(every).await;
+        for id in cache.sweep(grace).await {
+            tracing::info!("loop {id}: its work tree was not used for {grace:?}, removed");
+        }
+    }
 }
 
 /// Replays a loop's recorded history (JSON, as `temporal workflow show --output json` writes it)

@@ -26,7 +26,9 @@ pub mod history;
 pub mod reference;
 pub mod visibility;
 pub mod workflow;
+pub mod workspace;
 
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 use loopd_core::attempt::RetryPolicy;
@@ -40,8 +42,20 @@ pub use loopd_project::config::TemporalConfig;
 /// config says that the workflow must not read itself (it reads no file).
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct LoopInput {
-    /// The project root, where the actions run (on every worker's file system).
+    /// The project root, where the actions run (on every worker's file system), unless the
+    /// loop's work tree comes from a git remote (`git`); then where `loopd create` ran.
     pub root: PathBuf,
+    /// The git remote the loop's work tree comes from and goes back to after each action, when
+    /// workers share no file system.
+    #[serde(default)]
+    pub git: Option<GitSource>,
+    /// The commit of the loop's last checkpoint on the remote: where its next action starts.
+    #[serde(default)]
+    pub head: Option<String>,
+    /// The worker that ran the loop's last action and keeps its work tree: the next action goes
+    /// to it first.
+    #[serde(default)]
+    pub holder: Option<Holder>,
     pub state: LoopState,
     /// The loop's task list, as `create` was given it.
     pub tasks: Vec<ListedTask>,
@@ -53,4 +67,25 @@ pub struct LoopInput {
     /// (config `[temporal] history_limit`): checked before each action, so a run ends with at
     /// most one action's events past it.
     pub history_limit: u32,
+}
+
+/// Where a loop's work tree comes from when workers share no file system: a git remote, of
+/// which the loop's work goes to branch `loopd/ID` and its checkpoints to `refs/loopd/ID/*`.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct GitSource {
+    /// The remote repository, a URL or a path as git takes it (with git's own credentials).
+    pub remote: String,
+    /// The commit the loop starts from (its `0-start` checkpoint).
+    pub base: String,
+    /// The digests of the project's own files (its config and action files) by path in the
+    /// work tree, as the person who made the loop trusted them: a worker runs them only as
+    /// they were then (see [`loopd_project::trust`]).
+    pub trusted: BTreeMap<PathBuf, String>,
+}
+
+/// A worker, as a loop's workflow knows it: by name, and by its own task queue.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Holder {
+    pub name: String,
+    pub queue: String,
 }

@@ -1,5 +1,5 @@
 //! What Temporal's visibility store knows of each loop, so that loops are listed and searched
-//! without asking each one: four search attributes the workflow keeps up to date.
+//! without asking each one: five search attributes the workflow keeps up to date.
 //!
 //! | attribute | type | value |
 //! |---|---|---|
@@ -7,6 +7,7 @@
 //! | `LoopdWorkflow` | Keyword | its workflow (`ccw-loop`, `skill-tuning`) |
 //! | `LoopdProject` | Keyword | its project root |
 //! | `LoopdIteration` | Int | its iteration |
+//! | `LoopdWorker` | Keyword | the worker that keeps its work tree (a loop on a git remote) |
 //!
 //! `temporal workflow list --query "LoopdStatus = 'paused'"` finds the paused loops. A workflow
 //! that sets an attribute its namespace does not know fails its task, so `loopd create` and
@@ -34,24 +35,36 @@ pub const STATUS: SearchAttributeKey<String> = SearchAttributeKey::keyword("Loop
 pub const WORKFLOW: SearchAttributeKey<String> = SearchAttributeKey::keyword("LoopdWorkflow");
 pub const PROJECT: SearchAttributeKey<String> = SearchAttributeKey::keyword("LoopdProject");
 pub const ITERATION: SearchAttributeKey<i64> = SearchAttributeKey::int("LoopdIteration");
+pub const WORKER: SearchAttributeKey<String> = SearchAttributeKey::keyword("LoopdWorker");
 
-/// What changes as a loop goes: its status and iteration.
-pub fn moving(state: &LoopState) -> (String, i64) {
+/// What changes as a loop goes: its status, iteration and worker.
+pub fn moving(input: &LoopInput) -> (String, i64, String) {
+    let state = &input.state;
     let iteration = i64::try_from(state.current_iteration).unwrap_or(i64::MAX);
-    (state.status.as_str().to_owned(), iteration)
+    let worker = input.holder.as_ref().map(|h| h.name.clone());
+    (
+        state.status.as_str().to_owned(),
+        iteration,
+        worker.unwrap_or_default(),
+    )
 }
 
 /// The updates that show `moving` values.
-pub fn updates((status, iteration): (String, i64)) -> [SearchAttributeUpdate; 2] {
-    [STATUS.value_set(status), ITERATION.value_set(iteration)]
+pub fn updates((status, iteration, worker): (String, i64, String)) -> [SearchAttributeUpdate; 3] {
+    [
+        STATUS.value_set(status),
+        ITERATION.value_set(iteration),
+        WORKER.value_set(worker),
+    ]
 }
 
 /// Every attribute of a loop, as it starts.
 pub fn of(input: &LoopInput) -> SearchAttributes {
-    let [status, iteration] = updates(moving(&input.state));
+    let [status, iteration, worker] = updates(moving(input));
     SearchAttributes::new([
         status,
         iteration,
+        worker,
         WORKFLOW.value_set(workflow_of(&input.state).name().to_owned()),
         PROJECT.value_set(input.root.display().to_string()),
     ])
@@ -65,6 +78,8 @@ pub struct Listed {
     pub workflow: String,
     pub project: String,
     pub iteration: i64,
+    /// The worker that keeps the loop's work tree (empty if none).
+    pub worker: String,
 }
 
 impl Listed {
@@ -75,6 +90,7 @@ impl Listed {
             workflow: attributes.get(&WORKFLOW).unwrap_or_default(),
             project: attributes.get(&PROJECT).unwrap_or_default(),
             iteration: attributes.get(&ITERATION).unwrap_or_default(),
+            worker: attributes.get(&WORKER).unwrap_or_default(),
         }
     }
 }
@@ -108,6 +124,7 @@ pub async fn register(client: &Client, namespace: &str) -> Result<()> {
         (WORKFLOW.name(), IndexedValueType::Keyword),
         (PROJECT.name(), IndexedValueType::Keyword),
         (ITERATION.name(), IndexedValueType::Int),
+        (WORKER.name(), IndexedValueType::Keyword),
     ];
     let missing: HashMap<String, i32> = wanted
         .into_iter()

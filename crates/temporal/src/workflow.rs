@@ -15,10 +15,10 @@ use temporalio_sdk::{
     WorkflowContextView, WorkflowResult,
 };
 
-use crate::LoopInput;
-use crate::activity::{AttemptInput, LoopActivities};
+use crate::activity::{AttemptInput, AttemptReport, LoopActivities};
 use crate::change::Change;
 use crate::visibility;
+use crate::{Holder, LoopInput};
 
 /// How long an attempt may go without a heartbeat before Temporal gives it to another worker.
 const HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(10);
@@ -27,13 +27,16 @@ const HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(10);
 const ACTIVITY_TRIES: u32 = 3;
 /// The longest an attempt may take, whatever its executor's own timeout says.
 const ATTEMPT_LIMIT: Duration = Duration::from_secs(24 * 3600);
+/// How long an attempt waits for the worker that keeps the loop's work tree before it goes to
+/// any worker.
+const HOLDER_WAIT: Duration = Duration::from_secs(3);
 
 /// One loop.
 #[workflow]
 pub struct LoopWorkflow {
     input: LoopInput,
     /// The status and iteration the visibility store shows ([`visibility`]), once set this run.
-    shown: Option<(String, i64)>,
+    shown: Option<(String, i64, String)>,
 }
 
 #[workflow_methods]
@@ -55,7 +58,7 @@ impl LoopWorkflow {
                 let input = ctx.state(|s| s.input.clone());
                 ctx.continue_as_new(input, ContinueAsNewOptions::default())?;
             }
-            show(ctx, &state);
+            show(ctx);
             match state.status {
                 Status::Created => {
                     ctx.state_mut(|s| s.input.state.status = Status::Running);
@@ -136,6 +139,12 @@ impl LoopWorkflow {
         self.input.state.clone()
     }
 
+    /// The worker that keeps the loop's work tree, if one does.
+    #[query]
+    pub fn holder(&self, _ctx: &WorkflowContextView) -> Option<Holder> {
+        self.input.holder.clone()
+    }
+
     /// The loop's project root and state.
     #[query]
     pub fn held(&self, _ctx: &WorkflowContextView) -> (PathBuf, LoopState) {
@@ -143,9 +152,9 @@ impl LoopWorkflow {
     }
 }
 
-/// Tells the visibility store the loop's status and iteration, where they changed.
-fn show(ctx: &mut WorkflowContext<LoopWorkflow>, state: &LoopState) {
-    let now = visibility::moving(state);
+/// Tells the visibility store the loop's status, iteration and worker, where they changed.
+fn show(ctx: &mut WorkflowContext<LoopWorkflow>) {
+    let now = ctx.state(|s| visibility::moving(&s.input));
     if ctx.state(|s| s.shown.as_ref() != Some(&now)) {
         ctx.upsert_search_attributes(visibility::updates(now.clone()));
         ctx.state_mut(|s| s.shown = Some(now));
@@ -167,7 +176,7 @@ fn why(e: &temporalio_sdk::ActivityExecutionError) -> String {
 }
 
 /// The workflow a loop runs.
-pub(crate) fn workflow_of(state: &LoopState) -> &'static dyn Workflow {
+pub fn workflow_of(state: &LoopState) -> &'static dyn Workflow {
     let name = state
         .skill_state
         .as_ref()
@@ -194,16 +203,24 @@ async fn run_action(
 ) -> WorkflowResult<()> {
     let at = format_ts(now(ctx));
     ctx.state_mut(|s| attempt::begin(wf, &mut s.input.state, &dispatch, &at));
-    let (root, executor, retry) = ctx.state(|s| {
+    let (root, executor, retry, git) = ctx.state(|s| {
         (
             s.input.root.clone(),
             s.input.executor.clone(),
             s.input.retry,
+            s.input.git.clone(),
         )
     });
     let mut attempts = Attempts::new(retry);
     loop {
-        let state = ctx.state(|s| s.input.state.clone());
+        let (state, head, holder) = ctx.state(|s| {
+            let input = &s.input;
+            (
+                input.state.clone(),
+                input.head.clone(),
+                input.holder.clone(),
+            )
+        });
         let iteration = state
             .current_iteration
             .saturating_add(u64::from(wf.counts_iteration(&dispatch.action)));
@@ -215,36 +232,50 @@ async fn run_action(
             iteration,
             attempt: attempts.attempt,
             executor: executor.clone(),
+            git: git
+                .as_ref()
+                .map(|g| (g.clone(), head.unwrap_or_else(|| g.base.clone()))),
         };
-        let options = ActivityOptions::with_start_to_close_timeout(ATTEMPT_LIMIT)
-            .heartbeat_timeout(HEARTBEAT_TIMEOUT)
-            .retry_policy(
-                temporalio_common::RetryPolicy::builder()
-                    .maximum_attempts(ACTIVITY_TRIES)
-                    .build(),
-            )
-            .build();
         let report = {
-            let activity = ctx.execute_activity(LoopActivities::attempt, input, options);
+            let activity = attempt(ctx, input, holder);
             let controlled = ctx.wait_condition(|s| s.input.state.status != Status::Running);
             futures::pin_mut!(activity);
             futures::pin_mut!(controlled);
             match futures::future::select(activity, controlled).await {
-                futures::future::Either::Left((report, _)) => Some(report.map_err(|e| why(&e))),
+                futures::future::Either::Left((report, _)) => Some(report),
                 // The executor is ended by the activity's cancellation, at its next heartbeat.
                 futures::future::Either::Right(_) => None,
             }
         };
-        let (verdict, spent, ran_by) = match report {
+        // Where the loop's work tree is now: the worker that reported it, none after a failure.
+        if git.is_some()
+            && let Some(report) = &report
+        {
+            let (holder, checkpoint) = match report {
+                Ok(r) => (
+                    r.holder.clone(),
+                    r.checkpoint.as_ref().map(|c| c.commit.clone()),
+                ),
+                Err(_) => (None, None),
+            };
+            ctx.state_mut(|s| {
+                s.input.holder = holder;
+                if let Some(commit) = checkpoint {
+                    s.input.head = Some(commit);
+                }
+            });
+        }
+        let (verdict, spent, ran_by, checkpoint) = match report {
             Some(Ok(report)) => (
                 attempt::checked(wf, &dispatch.action, report.verdict),
                 report.spent,
                 report.executor,
+                report.checkpoint,
             ),
             // No worker could run it (its project's files do not load or are not trusted, its
             // executor cannot start): the loop waits for a person, as a blocked executor does.
-            Some(Err(message)) => (Verdict::Blocked { message }, None, String::new()),
-            None => (Verdict::Interrupted, None, String::new()),
+            Some(Err(message)) => (Verdict::Blocked { message }, None, String::new(), None),
+            None => (Verdict::Interrupted, None, String::new(), None),
         };
         let finished_at = format_ts(now(ctx));
         ctx.state_mut(|s| {
@@ -257,7 +288,7 @@ async fn run_action(
                     started_at: &started_at,
                     finished_at: &finished_at,
                     spent: spent.as_ref().map(|(u, c)| (u, *c)),
-                    checkpoint: None,
+                    checkpoint,
                 },
                 &verdict,
             )
@@ -290,6 +321,45 @@ async fn run_action(
             return Ok(());
         }
     }
+}
+
+/// One attempt as an activity: first on the task queue of the worker that keeps the loop's work
+/// tree, if that worker takes it within [`HOLDER_WAIT`] and runs it; else on the loop's own task
+/// queue, for any worker. Its report, or why no worker could run it, in one line.
+async fn attempt(
+    ctx: &WorkflowContext<LoopWorkflow>,
+    input: AttemptInput,
+    holder: Option<Holder>,
+) -> Result<AttemptReport, String> {
+    let options = |tries| {
+        ActivityOptions::with_start_to_close_timeout(ATTEMPT_LIMIT)
+            .heartbeat_timeout(HEARTBEAT_TIMEOUT)
+            .retry_policy(
+                temporalio_common::RetryPolicy::builder()
+                    .maximum_attempts(tries)
+                    .build(),
+            )
+    };
+    if let Some(holder) = holder {
+        // Once: a holder that is gone, busy or broken gives the attempt to the others.
+        let there = options(1)
+            .task_queue(holder.queue)
+            .schedule_to_start_timeout(HOLDER_WAIT)
+            .build();
+        if let Ok(report) = ctx
+            .execute_activity(LoopActivities::attempt, input.clone(), there)
+            .await
+        {
+            return Ok(report);
+        }
+    }
+    ctx.execute_activity(
+        LoopActivities::attempt,
+        input,
+        options(ACTIVITY_TRIES).build(),
+    )
+    .await
+    .map_err(|e| why(&e))
 }
 
 /// The action is done: the core applies its result and keeps the books; a loop it ends is

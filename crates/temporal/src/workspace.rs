@@ -1,0 +1,490 @@
+//! A worker's work trees of loops whose project is a git remote ([`crate::GitSource`]): how a
+//! loop's work follows it from machine to machine.
+//!
+//! Theory of operation: a worker keeps a cache directory of its own (locked, so no two workers
+//! share one): `clones/KEY`, one bare repository per remote (KEY a digest of its URL), and
+//! `trees/ID`, a work tree of that clone per loop (`git worktree`). Before an action the worker
+//! fetches the loop's branch `loopd/ID` and its checkpoint refs (nothing else of the remote), and
+//! puts the loop's work tree at the commit its workflow names, the loop's last checkpoint:
+//! tracked files reset, untracked ones removed, ignored ones (build outputs) and loopd's state
+//! directory kept. After an action that changes the work tree the checkpoint is recorded as the
+//! file driver records it ([`loopd_exec::checkpoint`]) and pushed, branch and checkpoint ref at
+//! once (`--atomic`), the branch with a lease on the value fetched before the action: an attempt
+//! that another worker took over meanwhile cannot overwrite its work. What a failed or
+//! interrupted attempt left is never pushed, and the next attempt starts from the checkpoint
+//! again. git's own credentials serve (helpers, SSH agent); it never prompts.
+//!
+//! A work tree no action used for a grace period is removed ([`Cache::sweep`]): the loop's work
+//! is on the remote, and a worker that takes the loop again fetches it.
+
+use std::collections::{HashMap, HashSet};
+use std::fs::File;
+use std::os::unix::fs::DirBuilderExt as _;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, Result};
+use loopd_core::state::Checkpoint;
+use sha2::Digest as _;
+
+use crate::GitSource;
+
+/// The longest one git command may take (a fetch of a large history, say) before the attempt
+/// fails with a timeout: a remote that stops answering must not hold an attempt forever.
+const GIT_TIMEOUT: Duration = Duration::from_secs(600);
+
+/// The branch a loop's work goes to.
+pub fn branch(id: &str) -> String {
+    format!("refs/heads/loopd/{id}")
+}
+
+/// A worker's clones and work trees.
+pub struct Cache {
+    dir: PathBuf,
+    /// Held while the worker runs: another worker given the same directory refuses to start.
+    _lock: File,
+    /// One git command that changes a clone at a time (fetches and work trees of its loops).
+    clones: Mutex<HashMap<PathBuf, Arc<tokio::sync::Mutex<()>>>>,
+    trees: Mutex<Trees>,
+}
+
+/// Which work trees an attempt uses now, and when each was last used.
+struct Trees {
+    busy: HashSet<String>,
+    used: HashMap<String, Instant>,
+    /// Trees this worker found at its start count as used then.
+    opened: Instant,
+}
+
+impl Cache {
+    /// Opens (creating it 0700) the cache directory `dir`, which no other worker may use at
+    /// the same time.
+    pub fn open(dir: &Path) -> Result<Cache> {
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(dir)
+            .with_context(|| format!("cannot create the worker's cache {}", dir.display()))?;
+        for sub in ["clones", "trees"] {
+            std::fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(dir.join(sub))
+                .with_context(|| format!("cannot create {}", dir.join(sub).display()))?;
+        }
+        let lock = loopd_fs::Dir::open(dir)
+            .and_then(|d| d.open_rw("lock"))
+            .with_context(|| format!("cannot open {}", dir.join("lock").display()))?;
+        if let Err(std::fs::TryLockError::WouldBlock) = lock.try_lock() {
+            anyhow::bail!(
+                "another worker uses the cache {}: give each worker a name of its own (--name)",
+                dir.display()
+            );
+        }
+        Ok(Cache {
+            dir: dir.to_owned(),
+            _lock: lock,
+            clones: Mutex::default(),
+            trees: Mutex::new(Trees {
+                busy: HashSet::new(),
+                used: HashMap::new(),
+                opened: Instant::now(),
+            }),
+        })
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The clone of `remote` in this cache.
+    fn clone_dir(&self, remote: &str) -> PathBuf {
+        let digest = sha2::Sha256::digest(remote.as_bytes());
+        let key: String = digest[..8].iter().map(|b| format!("{b:02x}")).collect();
+        self.dir.join("clones").join(key)
+    }
+
+    /// Loop `id`'s work tree, checked out at `commit` (fetched from the remote first): kept by
+    /// this worker's sweep until the returned [`Tree`] is dropped.
+    pub async fn check_out(
+        self: &Arc<Self>,
+        source: &GitSource,
+        id: &str,
+        commit: &str,
+    ) -> Result<Tree> {
+        let clone = self.clone_dir(&source.remote);
+        let path = self.dir.join("trees").join(id);
+        let mut tree = Tree {
+            cache: self.clone(),
+            path,
+            clone,
+            id: id.to_owned(),
+            seen: None,
+        };
+        self.trees
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .busy
+            .insert(id.to_owned());
+        let one = self.one_at_a_time(&tree.clone);
+        let placed = {
+            let _one = one.lock().await;
+            match tree.fetch(source, commit).await {
+                Ok(seen) => {
+                    tree.seen = seen;
+                    tree.place(commit).await
+                }
+                // The clone is at fault, not the remote, if the remote answers.
+                Err(e) if reachable(&self.dir, source, id).await => Err(e),
+                Err(e) => return Err(e),
+            }
+        };
+        match placed {
+            Ok(()) => Ok(tree),
+            Err(e) => {
+                tree.forget().await;
+                Err(e)
+            }
+        }
+    }
+
+    /// The lock of `clone`'s fetches and work tree changes.
+    fn one_at_a_time(&self, clone: &Path) -> Arc<tokio::sync::Mutex<()>> {
+        let mut clones = self.clones.lock().unwrap_or_else(PoisonError::into_inner);
+        clones.entry(clone.to_owned()).or_default().clone()
+    }
+
+    /// Removes the work trees no attempt used for `grace` (those found at the worker's start
+    /// count as used then); returns the loops whose trees it removed.
+    pub async fn sweep(&self, grace: Duration) -> Vec<String> {
+        let idle: Vec<String> = {
+            let trees = self.trees.lock().unwrap_or_else(PoisonError::into_inner);
+            let names = std::fs::read_dir(self.dir.join("trees"))
+                .map(|entries| {
+                    entries
+                        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+                        .collect::<Vec<_>>()
+                })
+                .unwrap_or_default();
+            names
+                .into_iter()
+                .filter(|id| !trees.busy.contains(id))
+                .filter(|id| {
+                    trees
+                        .used
+                        .get(id)
+                        .copied()
+                        .unwrap_or(trees.opened)
+                        .elapsed()
+                        >= grace
+                })
+                .collect()
+        };
+        let mut removed = Vec::new();
+        for id in idle {
+            let path = self.dir.join("trees").join(&id);
+            match std::fs::remove_dir_all(&path) {
+                Ok(()) => removed.push(id),
+                Err(e) => tracing::warn!("cannot remove the work tree {}: {e}", path.display()),
+            }
+        }
+        if !removed.is_empty() {
+            // The clones' records of the removed work trees.
+            let clones = std::fs::read_dir(self.dir.join("clones"))
+                .map(|e| e.filter_map(|e| Some(e.ok()?.path())).collect::<Vec<_>>())
+                .unwrap_or_default();
+            for clone in clones {
+                let _ = git(&clone, &["worktree", "prune"]).await;
+            }
+        }
+        removed
+    }
+
+    /// Forgets loop `id`'s work tree and the clone it came from, which an attempt found broken
+    /// (a corrupt object, a full disk): the next attempt here clones again.
+    async fn forget(&self, clone: &Path, id: &str) {
+        let one = self.one_at_a_time(clone);
+        let _one = one.lock().await;
+        tracing::warn!(
+            "loop {id}: the worker's clone {} is given up after a failure of git; the next \
+             attempt here clones again",
+            clone.display()
+        );
+        for dir in [self.dir.join("trees").join(id), clone.to_owned()] {
+            if let Err(e) = std::fs::remove_dir_all(&dir)
+                && e.kind() != std::io::ErrorKind::NotFound
+            {
+                tracing::warn!("cannot remove {}: {e}", dir.display());
+            }
+        }
+    }
+}
+
+/// One loop's work tree in a worker's cache, in use by an attempt.
+pub struct Tree {
+    cache: Arc<Cache>,
+    pub path: PathBuf,
+    clone: PathBuf,
+    id: String,
+    /// The remote's branch of the loop when it was fetched: the lease of the push.
+    seen: Option<String>,
+}
+
+impl Tree {
+    /// Fetches the loop's branch and checkpoints into the clone (made first if missing);
+    /// returns the branch's commit.
+    async fn fetch(&self, source: &GitSource, commit: &str) -> Result<Option<String>> {
+        if !self.clone.join("HEAD").exists() {
+            let _ = std::fs::remove_dir_all(&self.clone);
+            git(
+                self.cache.dir.as_path(),
+                &["init", "--bare", "--quiet", "--", path_arg(&self.clone)?],
+            )
+            .await?;
+        }
+        let branch = branch(&self.id);
+        let refs = format!("refs/loopd/{}/*", self.id);
+        git(
+            &self.clone,
+            &[
+                "fetch",
+                "--no-tags",
+                "--no-write-fetch-head",
+                "--quiet",
+                "--end-of-options",
+                &source.remote,
+                &format!("+{branch}:{branch}"),
+                &format!("+{refs}:{refs}"),
+            ],
+        )
+        .await
+        .context("cannot fetch the loop's branch")?;
+        git(
+            &self.clone,
+            &["cat-file", "-e", &format!("{commit}^{{commit}}")],
+        )
+        .await
+        .with_context(|| format!("the loop's last checkpoint {commit} is not on the remote"))?;
+        Ok(
+            git(&self.clone, &["rev-parse", "--verify", "--quiet", &branch])
+                .await
+                .ok(),
+        )
+    }
+
+    /// Puts the work tree at `commit` (made if missing): tracked files as they are there.
+    async fn place(&self, commit: &str) -> Result<()> {
+        if self.path.join(".git").exists() {
+            git(&self.path, &["reset", "--hard", "--quiet", commit]).await?;
+        } else {
+            let _ = std::fs::remove_dir_all(&self.path);
+            git(&self.clone, &["worktree", "prune"]).await?;
+            git(
+                &self.clone,
+                &[
+                    "worktree",
+                    "add",
+                    "--detach",
+                    "--force",
+                    "--quiet",
+                    path_arg(&self.path)?,
+                    commit,
+                ],
+            )
+            .await?;
+        }
+        Ok(())
+    }
+
+    /// Removes the files an earlier attempt made and no checkpoint holds; ignored files and
+    /// the state directory `state_dir` (relative to the tree) stay.
+    pub async fn clean(&self, state_dir: &str) -> Result<()> {
+        let keep = format!("/{}/", state_dir.trim_matches('/'));
+        git(&self.path, &["clean", "-ffdq", "-e", &keep]).await?;
+        Ok(())
+    }
+
+    /// Pushes `checkpoint` as the loop's branch and checkpoint ref, at once; refused (with the
+    /// remote's reason) if the branch moved since it was fetched.
+    pub async fn push(&self, source: &GitSource, checkpoint: &Checkpoint) -> Result<()> {
+        let branch = branch(&self.id);
+        let lease = format!(
+            "--force-with-lease={branch}:{}",
+            self.seen.as_deref().unwrap_or("")
+        );
+        let commit = &checkpoint.commit;
+        git(
+            &self.path,
+            &[
+                "push",
+                "--atomic",
+                "--porcelain",
+                "--quiet",
+                &lease,
+                "--end-of-options",
+                &source.remote,
+                &format!("{commit}:{branch}"),
+                &format!("+{commit}:refs/loopd/{}/{}", self.id, checkpoint.name),
+            ],
+        )
+        .await
+        .context("cannot push the checkpoint")?;
+        Ok(())
+    }
+
+    /// Gives up this work tree and its clone after a failure of git itself: the next attempt
+    /// on this worker starts from a fresh clone.
+    pub async fn forget(self) {
+        self.cache.forget(&self.clone, &self.id).await;
+    }
+}
+
+impl Drop for Tree {
+    fn drop(&mut self) {
+        let mut trees = self
+            .cache
+            .trees
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        trees.busy.remove(&self.id);
+        trees.used.insert(self.id.clone(), Instant::now());
+    }
+}
+
+/// Starts loop `id` on `remote` from commit `base` of the repository at `root`: pushes it as
+/// the loop's branch and its `0-start` checkpoint.
+pub async fn publish(root: &Path, remote: &str, id: &str, base: &str) -> Result<()> {
+    let branch = branch(id);
+    git(
+        root,
+        &[
+            "push",
+            "--porcelain",
+            "--quiet",
+            "--end-of-options",
+            remote,
+            &format!("{base}:{branch}"),
+            &format!("{base}:refs/loopd/{id}/{}", loopd_exec::checkpoint::START),
+        ],
+    )
+    .await
+    .with_context(|| format!("cannot push the loop's branch to {remote}"))?;
+    Ok(())
+}
+
+/// The commit `rev` names in the repository at `root`.
+pub async fn resolve(root: &Path, rev: &str) -> Result<String> {
+    git(
+        root,
+        &[
+            "rev-parse",
+            "--verify",
+            "--end-of-options",
+            &format!("{rev}^{{commit}}"),
+        ],
+    )
+    .await
+    .with_context(|| format!("{rev:?} is not a commit of {}", root.display()))
+}
+
+/// Whether the remote answers for loop `id`'s branch.
+async fn reachable(dir: &Path, source: &GitSource, id: &str) -> bool {
+    let branch = branch(id);
+    let args = [
+        "ls-remote",
+        "--exit-code",
+        "--end-of-options",
+        &source.remote,
+        &branch,
+    ];
+    git(dir, &args).await.is_ok()
+}
+
+/// A path as one argument of git's.
+fn path_arg(path: &Path) -> Result<&str> {
+    path.to_str()
+        .with_context(|| format!("not a UTF-8 path: {}", path.display()))
+}
+
+/// Runs git in `dir` ([`loopd_exec::git::command`]), never prompting for a credential, for at
+/// most [`GIT_TIMEOUT`]; its output, or the line of what it printed that says why it failed.
+async fn git(dir: &Path, args: &[&str]) -> Result<String> {
+    let mut cmd = tokio::process::Command::from(loopd_exec::git::command(dir));
+    cmd.args(args)
+        .env("GIT_TERMINAL_PROMPT", "0")
+        .env("LC_ALL", "C")
+        .kill_on_drop(true);
+    let output = tokio::time::timeout(GIT_TIMEOUT, cmd.output())
+        .await
+        .map_err(|_| {
+            anyhow::anyhow!(
+                "git {} took longer than {}s",
+                args[0],
+                GIT_TIMEOUT.as_secs()
+            )
+        })?
+        .context("cannot run git")?;
+    if output.status.success() {
+        return Ok(String::from_utf8_lossy(&output.stdout)
+            .trim_end()
+            .to_owned());
+    }
+    let said = format!(
+        "{}\n{}",
+        String::from_utf8_lossy(&output.stderr),
+        String::from_utf8_lossy(&output.stdout)
+    );
+    anyhow::bail!("git {}: {}", args[0], reason(&said));
+}
+
+/// The line of what git printed that says why it failed: the remote's own words (a hook's,
+/// say) first, then a refused ref's reason, then git's first fatal error or error.
+fn reason(said: &str) -> String {
+    let lines: Vec<&str> = said
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .collect();
+    let remote = lines
+        .iter()
+        .filter_map(|l| l.strip_prefix("remote:"))
+        .map(str::trim)
+        .find(|l| !l.is_empty());
+    // `--porcelain`: "!\tSRC:DST\t[rejected] (stale info)".
+    let refused = lines
+        .iter()
+        .find(|l| l.starts_with('!'))
+        .and_then(|l| l.rsplit('\t').next());
+    let first = |prefix: &str| lines.iter().find(|l| l.starts_with(prefix)).copied();
+    remote
+        .or(refused)
+        .or_else(|| first("fatal:"))
+        .or_else(|| first("error:"))
+        .or_else(|| lines.last().copied())
+        .map_or_else(|| "git failed".to_owned(), loopd_exec::result::one_line)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::reason;
+
+    #[test]
+    fn the_reason_is_the_line_that_says_why() {
+        let unreachable = "fatal: '/srv/remote.git' does not appear to be a git repository\n\
+             fatal: Could not read from remote repository.\n\n\
+             Please make sure you have the correct access rights\nand the repository exists.\n";
+        assert_eq!(
+            reason(unreachable),
+            "fatal: '/srv/remote.git' does not appear to be a git repository"
+        );
+        let hook = "remote: \nremote: pushes to loopd/* are closed today\nTo /srv/r.git\n\
+             !\tabc:refs/heads/loopd/x\t[remote rejected] (pre-receive hook declined)\n\
+             error: failed to push some refs to '/srv/r.git'\n";
+        assert_eq!(reason(hook), "pushes to loopd/* are closed today");
+        let stale = "To /srv/r.git\n!\tabc:refs/heads/loopd/x\t[rejected] (stale info)\nDone\n\
+             error: failed to push some refs to '/srv/r.git'\n";
+        assert_eq!(reason(stale), "[rejected] (stale info)");
+        assert_eq!(reason(""), "git failed");
+    }
+}
