@@ -7,8 +7,8 @@
 mod common;
 
 use std::os::unix::net::UnixDatagram;
-use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::path::PathBuf;
+use std::process::Stdio;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
@@ -96,17 +96,6 @@ fn rss_and_fds(pid: u32) -> (u64, usize) {
     (rss, fds)
 }
 
-/// Whether this machine lets a test make a mount namespace with a tmpfs in it.
-fn can_mount() -> bool {
-    Command::new("unshare")
-        .args(["-m", "--propagation", "private", "sh", "-c"])
-        .arg("d=$(mktemp -d) && mount -t tmpfs -o size=64k tmpfs \"$d\" && umount \"$d\"; r=$?; rmdir \"$d\"; exit $r")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success())
-}
-
 #[test]
 fn the_service_under_load_answers_every_request_and_finishes_every_loop() {
     let first = Project::new(AGENT);
@@ -118,7 +107,7 @@ fn the_service_under_load_answers_every_request_and_finishes_every_loop() {
         .collect();
     // One more project, whose state directory is a tiny tmpfs in the service's own mount
     // namespace, filled once its loop runs.
-    let full = can_mount().then(|| {
+    let full = common::can_mount().then(|| {
         // Its results on stdout (the disk is full); its second develop waits for `go`.
         let p = Project::beside(
             &first,
@@ -153,28 +142,10 @@ fn the_service_under_load_answers_every_request_and_finishes_every_loop() {
         cmd.env("NOTIFY_SOCKET", &notify_path)
             .env("WATCHDOG_USEC", "100000");
         if let Some(dir) = &full_state {
-            // The same command, in a mount namespace of its own with a 256 KiB tmpfs there.
-            let program = PathBuf::from(cmd.get_program());
-            let args: Vec<_> = cmd.get_args().map(ToOwned::to_owned).collect();
-            let mut wrapped = Command::new("unshare");
-            wrapped
-                .args(["-m", "--propagation", "private", "sh", "-c"])
-                .arg("mount -t tmpfs -o size=256k,mode=0700 tmpfs \"$0\" && exec \"$@\"")
-                .arg(dir)
-                .arg(program)
-                .args(args);
-            for (k, v) in cmd.get_envs() {
-                match v {
-                    Some(v) => wrapped.env(k, v),
-                    None => wrapped.env_remove(k),
-                };
-            }
-            wrapped
-                .current_dir(cmd.get_current_dir().unwrap_or(Path::new("/")))
-                .stdin(Stdio::null())
+            common::in_tmpfs(cmd, dir, "256k");
+            cmd.stdin(Stdio::null())
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped());
-            *cmd = wrapped;
         }
     });
     let info = service.info().expect("info");

@@ -1,5 +1,8 @@
-//! What both benchmarks share: a temporary project driven through the real binary.
+//! What the benchmarks share: a temporary project driven through the real binary.
 #![allow(dead_code)]
+
+#[cfg(feature = "temporal")]
+pub mod temporal;
 
 use std::path::PathBuf;
 use std::process::{Command, Stdio};

@@ -721,3 +721,38 @@ pub fn not_installed(what: &str, place: &Path, by_hand: &str) {
         place.display()
     );
 }
+
+/// Whether this machine lets a test make a mount namespace with a tmpfs in it.
+pub fn can_mount() -> bool {
+    Command::new("unshare")
+        .args(["-m", "--propagation", "private", "sh", "-c"])
+        .arg("d=$(mktemp -d) && mount -t tmpfs -o size=64k tmpfs \"$d\" && umount \"$d\"; r=$?; rmdir \"$d\"; exit $r")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+/// Makes `cmd` run in a mount namespace of its own with a tmpfs of `size` (`256k`, `2m`) on
+/// `dir` (private, 0700): a disk that fills ([`can_mount`] says whether the machine allows it).
+pub fn in_tmpfs(cmd: &mut Command, dir: &Path, size: &str) {
+    let program = PathBuf::from(cmd.get_program());
+    let args: Vec<_> = cmd.get_args().map(ToOwned::to_owned).collect();
+    let mut wrapped = Command::new("unshare");
+    wrapped
+        .args(["-m", "--propagation", "private", "sh", "-c"])
+        .arg(format!(
+            "mount -t tmpfs -o size={size},mode=0700 tmpfs \"$0\" && exec \"$@\""
+        ))
+        .arg(dir)
+        .arg(program)
+        .args(args);
+    for (k, v) in cmd.get_envs() {
+        match v {
+            Some(v) => wrapped.env(k, v),
+            None => wrapped.env_remove(k),
+        };
+    }
+    wrapped.current_dir(cmd.get_current_dir().unwrap_or(Path::new("/")));
+    *cmd = wrapped;
+}

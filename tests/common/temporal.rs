@@ -56,6 +56,10 @@ pub struct Process(pub Child);
 
 impl Drop for Process {
     fn drop(&mut self) {
+        // Reaped already (killed by the test): its pid may be another process's by now.
+        if let Ok(Some(_)) = self.0.try_wait() {
+            return;
+        }
         let pid = nix::unistd::Pid::from_raw(self.0.id() as i32);
         let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
         let deadline = std::time::Instant::now() + DEADLINE;
@@ -123,13 +127,29 @@ impl Temporal {
         worker.wait().expect("reap the worker");
     }
 
+    /// Stops worker `i` as a service manager would (SIGTERM), and waits until it has exited.
+    pub fn stop_worker(&mut self, i: usize) {
+        let worker = &mut self.workers[i].0;
+        let pid = nix::unistd::Pid::from_raw(worker.id() as i32);
+        nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).expect("SIGTERM");
+        let deadline = std::time::Instant::now() + DEADLINE;
+        while !matches!(worker.try_wait(), Ok(Some(_))) {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "worker {i} did not stop"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+    }
+
     /// Starts a `loopd worker` in the project, named `wN` (N from 0, in the order started).
     pub fn worker(&mut self, p: &Project) {
         let name = format!("w{}", self.workers.len());
         self.worker_with(p, &name, |_| {});
     }
 
-    /// Starts a `loopd worker` named `name` in the project, as `configure` changes its command;
+    /// Starts a `loopd worker` named `name` in the project, as `configure` changes its command
+    /// (its standard streams set after);
     /// its log goes to `worker-NAME.log` in the project.
     pub fn worker_with(&mut self, p: &Project, name: &str, configure: impl FnOnce(&mut Command)) {
         let log = std::fs::OpenOptions::new()
@@ -138,10 +158,9 @@ impl Temporal {
             .open(p.root.join(format!("worker-{name}.log")))
             .expect("the worker's log");
         let mut cmd = p.loopd();
-        cmd.args(["worker", "--temporal", &self.address, "--name", name])
-            .stdout(Stdio::null())
-            .stderr(log);
+        cmd.args(["worker", "--temporal", &self.address, "--name", name]);
         configure(&mut cmd);
+        cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(log);
         self.workers
             .push(Process(cmd.spawn().expect("start a worker")));
     }

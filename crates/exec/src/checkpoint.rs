@@ -5,10 +5,11 @@
 //!
 //! Theory of operation: the tree is built the way `git stash create` builds one, in an index file
 //! of loopd's own (`GIT_INDEX_FILE`, in the loop's progress directory, so that the next checkpoint
-//! only hashes what changed): `git add -A` of the whole work tree (tracked and untracked files;
-//! ignored ones and loopd's state directory left out), `git write-tree`, `git commit-tree` with
-//! the loop's previous checkpoint as parent, `git update-ref`. The user's branch, index, HEAD and stash are
-//! never touched, and a loop's refs are its own: loops of one repository never mix them.
+//! only hashes what changed; a new one starts as the parent's tree): `git add -A` of the whole
+//! work tree (tracked and untracked files; ignored ones and loopd's state directory left out, the
+//! latter kept as the parent has it), `git write-tree`, `git commit-tree` with the loop's previous
+//! checkpoint as parent, `git update-ref`. The user's branch, index, HEAD and stash are never
+//! touched, and a loop's refs are its own: loops of one repository never mix them.
 //!
 //! git is run through [`crate::git`].
 
@@ -96,13 +97,20 @@ impl Repo {
     /// Records the work tree as checkpoint `name`, the child of the loop's checkpoint `parent`
     /// (else of HEAD, if the repository has one); returns it with what changed since `parent`.
     pub fn record(&self, name: &str, parent: Option<&str>) -> Result<Checkpoint> {
-        let tree = self.tree_now()?;
         let parent = match parent {
             Some(parent) => Some(parent.to_owned()),
             None => self
                 .run(&["rev-parse", "--verify", "--quiet", "HEAD^{commit}"])
                 .ok(),
         };
+        // A new index starts as the parent's tree: what the checkpoint leaves out (the state
+        // directory) stays as the parent has it, rather than looking deleted.
+        if let Some(parent) = &parent
+            && !self.index.exists()
+        {
+            self.run(&["read-tree", parent])?;
+        }
+        let tree = self.tree_now()?;
         let message = format!("loopd: loop {}, {name}", self.loop_id);
         let mut commit = vec!["commit-tree", tree.as_str(), "-m", message.as_str()];
         if let Some(parent) = &parent {

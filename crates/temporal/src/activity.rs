@@ -264,7 +264,9 @@ async fn run_attempt(
         // here, and the next attempt starts from the checkpoint again.
         if matches!(report.verdict, Verdict::Success(_)) && wf.changes_work_tree(&dispatch.action) {
             let name = format!("{iteration}-{}", dispatch.action);
+            // Made afresh from the last checkpoint, which another worker may have recorded.
             let index = progress_dir.join("checkpoint.index");
+            let _ = std::fs::remove_file(&index);
             let recorded = record(&tree.path, &state_dir, index, id, &name, commit);
             let checkpoint = match beating(ctx, &waiting, recorded).await {
                 None => return Ok(AttemptReport::interrupted()),

@@ -1,0 +1,501 @@
+//! A fleet of workers that share no directory: loops on Temporal whose project is a git remote (a
+//! bare repository of the test), each worker with a home, working directory and cache of its own,
+//! against a real Temporal dev server ([`common::temporal`]). A loop's work must follow it from
+//! worker to worker through its checkpoints on the remote, whatever happens to a worker or to the
+//! remote. Built with `--features temporal`.
+#![cfg(feature = "temporal")]
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::temporal::{Temporal, temporal_bin};
+use common::{Project, alive, code, read_pid, stderr, stdout};
+use serde_json::Value;
+
+/// How long a test waits for its fleet to finish its loops: a bound that catches a hang.
+const FLEET_DEADLINE: Duration = Duration::from_secs(180);
+
+/// The agent of the fleet's loops: init plans two tasks; each develop appends its task's id to
+/// `work.txt` in the work tree; validate passes. `$MARKS` (set by the project's config) is a
+/// directory of the test where a step of a test's own (`$STEP`, run before each action) leaves
+/// its marks.
+const AGENT: &str = r#"
+cat > /dev/null
+[ -f "$MARKS/step.sh" ] && . "$MARKS/step.sh"
+case "$LOOPD_ACTION" in
+  init) r='{"status":"success","summary":"planned","state_updates":{"tasks":[{"description":"first"},{"description":"second"}]}}' ;;
+  develop) echo "$LOOPD_TASK_ID" >> work.txt; r="{\"status\":\"success\",\"summary\":\"did $LOOPD_TASK_ID\"}" ;;
+  validate) r='{"status":"success","summary":"ok","state_updates":{"passed":true,"pass_rate":100}}' ;;
+  *) r='{"status":"success","summary":"done"}' ;;
+esac
+echo "$r" > "$LOOPD_RESULT_FILE"
+"#;
+
+/// A project in a git repository whose remote is a bare repository of the test, workers in
+/// directories of their own, and a Temporal server.
+struct Fleet {
+    p: Project,
+    temporal: Temporal,
+    /// The bare repository the loops' work goes to.
+    remote: PathBuf,
+    /// Where a test's step leaves its marks (`$MARKS`).
+    marks: PathBuf,
+    /// The workers' homes, caches and working directories.
+    places: tempfile::TempDir,
+}
+
+impl Fleet {
+    /// `None` where the Temporal server is not installed (outside CI).
+    fn new() -> Option<Fleet> {
+        let bin = temporal_bin()?;
+        let p = Project::new(AGENT);
+        let marks = p.root.join("marks");
+        let places = tempfile::tempdir().expect("tempdir");
+        let remote = places.path().join("remote.git");
+        std::fs::create_dir_all(&marks).expect("mkdir marks");
+        p.config(&format!(
+            "retry_backoff = 0.05\naction_retries = 8\nexecutor = \"fake\"\nmax_errors = 20\n\
+             [executor_defaults]\nkill_grace = 0.5\n\n\
+             [executors.fake]\ncommand = [\"sh\", \"bin/agent.sh\"]\nprompt = \"stdin\"\n\
+             format = \"json\"\nenv = {{ MARKS = \"{}\" }}\n",
+            marks.display()
+        ));
+        std::fs::write(
+            p.root.join(".gitignore"),
+            "/marks/\n/temporal.*\n/worker-*.log\n",
+        )
+        .expect("write .gitignore");
+        git(&p.root, &["init", "--quiet", "--initial-branch=main"]);
+        git(&p.root, &["add", "--all"]);
+        git(&p.root, &["commit", "--quiet", "-m", "the project"]);
+        git(places.path(), &["init", "--quiet", "--bare", "remote.git"]);
+        let temporal = Temporal::start(&p, &bin);
+        Some(Fleet {
+            p,
+            temporal,
+            remote,
+            marks,
+            places,
+        })
+    }
+
+    /// Starts worker `name` in a directory of its own (its home, working directory and cache).
+    fn worker(&mut self, name: &str) {
+        self.worker_configured(name, "");
+    }
+
+    /// Starts worker `name` as [`Fleet::worker`] does, `config` its user's config file.
+    fn worker_configured(&mut self, name: &str, config: &str) {
+        let place = self.place(name);
+        std::fs::create_dir_all(place.join(".config/loopd")).expect("mkdir the worker's config");
+        std::fs::write(place.join(".config/loopd/config.toml"), config)
+            .expect("write the worker's config");
+        let cache = place.join("cache");
+        self.temporal.worker_with(&self.p, name, |cmd| {
+            cmd.env("HOME", &place)
+                .current_dir(&place)
+                .arg("--cache")
+                .arg(&cache);
+        });
+    }
+
+    /// Worker `name`'s directory (made if missing).
+    fn place(&self, name: &str) -> PathBuf {
+        let place = self.places.path().join(name);
+        std::fs::create_dir_all(&place).expect("mkdir the worker's place");
+        place
+    }
+
+    /// `loopd create --temporal ADDR --remote REMOTE ARGS...`: the new loop's id.
+    fn create(&self, args: &[&str]) -> String {
+        let remote = self.remote.display().to_string();
+        self.temporal
+            .create(&self.p, &[&["--remote", remote.as_str()], args].concat())
+    }
+
+    /// The loops on Temporal as `loopd list --temporal --json` lists them.
+    fn list(&self) -> Vec<Value> {
+        let out = self.temporal.command(&self.p, &["--json", "list"]);
+        assert_eq!(code(&out), 0, "list: {}", stderr(&out));
+        serde_json::from_str::<Value>(&stdout(&out))
+            .expect("JSON")
+            .as_array()
+            .cloned()
+            .unwrap_or_default()
+    }
+
+    /// Waits until every loop of `ids` is completed (listed so), for at most [`FLEET_DEADLINE`].
+    fn wait_completed(&self, ids: &[String]) {
+        let mut listed = Vec::new();
+        wait_until("every loop to complete", FLEET_DEADLINE, || {
+            listed = self.list();
+            ids.iter().all(|id| {
+                listed
+                    .iter()
+                    .any(|l| l["loop_id"] == id.as_str() && l["status"] == "completed")
+            })
+        });
+    }
+
+    /// Loop `id`'s state as its workflow holds it.
+    fn state(&self, id: &str) -> Value {
+        self.temporal.state(&self.p, id)
+    }
+
+    /// Checks what loop `id` left on the remote: its branch holds one commit per develop
+    /// action, in order, each its checkpoint, on top of the base; `work.txt` holds each task
+    /// once, in order, and nothing an attempt that did not succeed wrote.
+    fn check_branch(&self, id: &str) {
+        let branch = format!("loopd/{id}");
+        let base = git(
+            &self.remote,
+            &["rev-parse", &format!("refs/loopd/{id}/0-start")],
+        );
+        let commits = git(
+            &self.remote,
+            &[
+                "log",
+                "--reverse",
+                "--format=%H %s",
+                &format!("{base}..{branch}"),
+            ],
+        );
+        let commits: Vec<(&str, &str)> = commits
+            .lines()
+            .map(|l| l.split_once(' ').expect("hash and subject"))
+            .collect();
+        let names: Vec<&str> = commits
+            .iter()
+            .map(|(_, subject)| subject.rsplit(", ").next().expect("a checkpoint name"))
+            .collect();
+        assert_eq!(
+            names,
+            ["1-develop", "2-develop"],
+            "loop {id}'s branch: {commits:?}"
+        );
+        for ((commit, _), name) in commits.iter().zip(&names) {
+            let checkpoint = git(
+                &self.remote,
+                &["rev-parse", &format!("refs/loopd/{id}/{name}")],
+            );
+            assert_eq!(checkpoint, *commit, "checkpoint {name} of loop {id}");
+        }
+        let work = git(&self.remote, &["show", &format!("{branch}:work.txt")]);
+        assert_eq!(work, "task-001\ntask-002", "loop {id}'s work.txt");
+        let state = self.state(id);
+        assert_eq!(
+            state["skill_state"]["outcome"], "passed",
+            "loop {id}: {state}"
+        );
+    }
+
+    /// The pid of the worker process whose descendant `pid` is.
+    fn worker_of(&self, pid: u32) -> usize {
+        let mut at = pid;
+        while at > 1 {
+            if let Some(i) = self.temporal.workers.iter().position(|w| w.0.id() == at) {
+                return i;
+            }
+            at = parent(at);
+        }
+        panic!("process {pid} is no worker's");
+    }
+
+    /// Writes the step every action of the fleet's agent runs first (`$MARKS/step.sh`).
+    fn step(&self, script: &str) {
+        std::fs::write(self.marks.join("step.sh"), script).expect("write step.sh");
+    }
+
+    fn mark(&self, name: &str) -> PathBuf {
+        self.marks.join(name)
+    }
+}
+
+/// Runs git in `dir`; its output, trimmed. Panics with git's words if it fails.
+fn git(dir: &Path, args: &[&str]) -> String {
+    let out = Command::new("git")
+        .arg("-C")
+        .arg(dir)
+        .args(args)
+        .env("GIT_AUTHOR_NAME", "test")
+        .env("GIT_AUTHOR_EMAIL", "test@localhost")
+        .env("GIT_COMMITTER_NAME", "test")
+        .env("GIT_COMMITTER_EMAIL", "test@localhost")
+        .stdin(Stdio::null())
+        .output()
+        .expect("run git");
+    assert!(
+        out.status.success(),
+        "git {args:?} in {}: {}",
+        dir.display(),
+        stderr(&out)
+    );
+    stdout(&out).trim_end().to_owned()
+}
+
+/// The parent of process `pid` (0 when it is gone).
+fn parent(pid: u32) -> u32 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("PPid:"))
+        .and_then(|p| p.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// Waits for `cond`, looking every 100 ms, for at most `limit`.
+fn wait_until(what: &str, limit: Duration, mut cond: impl FnMut() -> bool) {
+    let deadline = Instant::now() + limit;
+    while !cond() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// The messages of the failed attempts loop `id` remembers.
+fn failures(state: &Value) -> Vec<String> {
+    state["skill_state"]["action_history"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|h| h["error"].as_str().map(str::to_owned))
+        .collect()
+}
+
+#[test]
+fn thirty_loops_over_three_workers_each_leave_one_commit_per_develop_on_the_remote() {
+    let Some(mut fleet) = Fleet::new() else {
+        return;
+    };
+    for name in ["w0", "w1", "w2"] {
+        fleet.worker(name);
+    }
+    let ids: Vec<String> = (0..30)
+        .map(|i| fleet.create(&["--title", &format!("loop {i}")]))
+        .collect();
+    fleet.wait_completed(&ids);
+    for id in &ids {
+        fleet.check_branch(id);
+    }
+    // Each loop names the worker that keeps its work tree.
+    let listed = fleet.list();
+    for l in &listed {
+        assert!(
+            ["w0", "w1", "w2"].contains(&l["worker"].as_str().unwrap_or_default()),
+            "{l}"
+        );
+    }
+    let out = fleet.temporal.command(&fleet.p, &["status", &ids[0]]);
+    assert!(
+        stdout(&out).contains("its work tree on worker w"),
+        "{}",
+        stdout(&out)
+    );
+}
+
+#[test]
+fn a_worker_killed_mid_action_loses_only_that_action_and_leaves_no_process() {
+    let Some(mut fleet) = Fleet::new() else {
+        return;
+    };
+    // The second develop, the first time: its change half made, it hangs (a child too).
+    fleet.step(
+        "if [ \"$LOOPD_TASK_ID\" = task-002 ] && [ ! -f \"$MARKS/once\" ]; then \
+           touch \"$MARKS/once\"; echo partial >> work.txt; \
+           sleep 300 & echo $! > \"$MARKS/child.pid\"; echo $$ > \"$MARKS/develop.pid\"; wait; \
+         fi\n",
+    );
+    for name in ["w0", "w1"] {
+        fleet.worker(name);
+    }
+    let id = fleet.create(&["--title", "its worker dies"]);
+    wait_until("the second develop to run", FLEET_DEADLINE, || {
+        fleet.mark("develop.pid").exists()
+    });
+    let (executor, child) = (
+        read_pid(&fleet.mark("develop.pid")),
+        read_pid(&fleet.mark("child.pid")),
+    );
+    let dead = fleet.worker_of(executor);
+    fleet.temporal.kill_worker(dead);
+    wait_until(
+        "the executor and its child to be gone",
+        FLEET_DEADLINE,
+        || !alive(executor) && !alive(child),
+    );
+    fleet.wait_completed(std::slice::from_ref(&id));
+    fleet.check_branch(&id);
+    let state = fleet.state(&id);
+    let live = ["w0", "w1"][1 - dead];
+    assert_eq!(state["worker"], live, "{state}");
+}
+
+#[test]
+fn a_corrupted_clone_fails_its_attempt_clearly_and_the_loop_goes_on() {
+    let Some(mut fleet) = Fleet::new() else {
+        return;
+    };
+    // The first develop, the first time: the worker's clone loses its objects under it.
+    fleet.step(
+        "if [ \"$LOOPD_ACTION\" = develop ] && [ ! -f \"$MARKS/once\" ]; then \
+           touch \"$MARKS/once\"; rm -rf \"$(git rev-parse --git-common-dir)/objects\"/*; \
+         fi\n",
+    );
+    for name in ["w0", "w1"] {
+        fleet.worker(name);
+    }
+    let id = fleet.create(&["--title", "its clone breaks"]);
+    fleet.wait_completed(std::slice::from_ref(&id));
+    fleet.check_branch(&id);
+    let state = fleet.state(&id);
+    let failed = failures(&state);
+    assert!(
+        failed
+            .iter()
+            .any(|f| f.starts_with("git") && f.contains("fatal:")),
+        "a failure in git's words: {failed:?}"
+    );
+}
+
+#[test]
+fn a_worker_whose_disk_fills_fails_its_attempt_clearly_and_the_loop_goes_on_elsewhere() {
+    let Some(mut fleet) = Fleet::new() else {
+        return;
+    };
+    if !common::can_mount() {
+        eprintln!("no mount namespace here: the full disk is left out");
+        return;
+    }
+    // Run on the worker whose cache is a tmpfs, the first develop does its work, then fills it.
+    fleet.step(
+        "if [ \"$LOOPD_ACTION\" = develop ] && [ \"$(stat -f -c %T .)\" = tmpfs ] \
+            && [ ! -f \"$MARKS/filled\" ]; then \
+           echo \"$LOOPD_TASK_ID\" >> work.txt; echo '{\"status\":\"success\"}' > \"$LOOPD_RESULT_FILE\"; \
+           dd if=/dev/zero of=\"$(git rev-parse --git-common-dir)/../../fill\" bs=64k \
+              2>/dev/null; touch \"$MARKS/filled\"; exit 0; \
+         fi\n",
+    );
+    let place = fleet.place("full");
+    let cache = place.join("cache");
+    std::fs::create_dir_all(&cache).expect("mkdir cache");
+    fleet.temporal.worker_with(&fleet.p, "full", |cmd| {
+        cmd.env("HOME", &place)
+            .current_dir(&place)
+            .arg("--cache")
+            .arg(&cache);
+        common::in_tmpfs(cmd, &cache, "2m");
+    });
+    let id = fleet.create(&["--title", "its worker's disk fills"]);
+    wait_until("the disk to fill", FLEET_DEADLINE, || {
+        fleet.mark("filled").exists()
+    });
+    fleet.worker("w1");
+    fleet.wait_completed(std::slice::from_ref(&id));
+    fleet.check_branch(&id);
+    let failed = failures(&fleet.state(&id));
+    assert!(
+        failed
+            .iter()
+            .any(|f| f.contains("Out of diskspace") || f.contains("No space left on device")),
+        "a failure that says the disk is full: {failed:?}"
+    );
+}
+
+#[test]
+fn a_remote_gone_for_a_while_fails_attempts_with_its_reason_and_the_loop_completes_when_it_is_back()
+{
+    let Some(mut fleet) = Fleet::new() else {
+        return;
+    };
+    // The second develop, the first time, waits for `go` (the remote taken away meanwhile).
+    fleet.step(
+        "if [ \"$LOOPD_TASK_ID\" = task-002 ] && [ ! -f \"$MARKS/once\" ]; then \
+           touch \"$MARKS/once\"; \
+           i=0; while [ ! -f \"$MARKS/go\" ] && [ $i -lt 3000 ]; do sleep 0.02; i=$((i+1)); done; \
+         fi\n",
+    );
+    fleet.worker("w0");
+    let id = fleet.create(&["--title", "its remote goes away"]);
+    wait_until("the second develop to run", FLEET_DEADLINE, || {
+        fleet.mark("once").exists()
+    });
+    let away = fleet.remote.with_extension("away");
+    std::fs::rename(&fleet.remote, &away).expect("take the remote away");
+    std::fs::write(fleet.mark("go"), "").expect("touch go");
+    let mut failed = Vec::new();
+    wait_until(
+        "two attempts to fail for the remote",
+        FLEET_DEADLINE,
+        || {
+            failed = failures(&fleet.state(&id));
+            failed.len() >= 2
+        },
+    );
+    assert!(
+        failed
+            .iter()
+            .all(|f| f.contains("does not appear to be a git repository")),
+        "the remote's reason: {failed:?}"
+    );
+    std::fs::rename(&away, &fleet.remote).expect("bring the remote back");
+    fleet.wait_completed(std::slice::from_ref(&id));
+    fleet.check_branch(&id);
+}
+
+#[test]
+fn workers_restarted_one_by_one_while_thirty_loops_run_lose_nothing() {
+    let Some(mut fleet) = Fleet::new() else {
+        return;
+    };
+    // Each develop takes a moment, so that the restarts fall amid the loops' actions.
+    fleet.step("[ \"$LOOPD_ACTION\" = develop ] && sleep 0.2\n");
+    for name in ["w0", "w1", "w2"] {
+        fleet.worker(name);
+    }
+    let ids: Vec<String> = (0..30)
+        .map(|i| fleet.create(&["--title", &format!("loop {i}")]))
+        .collect();
+    for (i, name) in ["w0", "w1", "w2"].into_iter().enumerate() {
+        // Some loop went on since the last restart.
+        let done = |fleet: &Fleet| {
+            fleet
+                .list()
+                .iter()
+                .filter(|l| l["status"] == "completed")
+                .count()
+        };
+        let before = done(&fleet);
+        wait_until("a loop to complete", FLEET_DEADLINE, || {
+            done(&fleet) > before || before == ids.len()
+        });
+        fleet.temporal.stop_worker(i);
+        fleet.worker(name);
+        let restarted = fleet.temporal.workers.len() - 1;
+        fleet.temporal.workers.swap(i, restarted);
+    }
+    fleet.wait_completed(&ids);
+    for id in &ids {
+        fleet.check_branch(id);
+    }
+}
+
+#[test]
+fn a_work_tree_no_action_used_for_its_grace_period_is_removed() {
+    let Some(mut fleet) = Fleet::new() else {
+        return;
+    };
+    fleet.worker_configured("w0", "[temporal]\ntree_grace = 1.0\n");
+    let id = fleet.create(&["--title", "its tree goes"]);
+    let tree = fleet.place("w0").join("cache/trees").join(&id);
+    wait_until("the loop's work tree", FLEET_DEADLINE, || tree.exists());
+    fleet.wait_completed(std::slice::from_ref(&id));
+    wait_until("the idle work tree to be removed", FLEET_DEADLINE, || {
+        !tree.exists()
+    });
+    fleet.check_branch(&id);
+    let log = std::fs::read_to_string(fleet.p.root.join("worker-w0.log")).unwrap_or_default();
+    assert!(log.contains("removed"), "{log}");
+}
