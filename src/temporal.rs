@@ -296,6 +296,12 @@ fn git_source(
     if remote.is_empty() || remote.starts_with('-') {
         return Err(usage(format!("--remote {remote:?}: not a git remote")));
     }
+    if has_password(remote) {
+        return Err(usage(
+            "--remote: a URL with a password would be kept in the loop's history; give git the \
+             credential (a credential helper, an SSH key) and the URL without it",
+        ));
+    }
     let base = runtime()?
         .block_on(workspace::resolve(&p.root, base.unwrap_or("HEAD")))
         .map_err(|e| usage(format!("--base: {e:#}")))?;
@@ -315,6 +321,17 @@ fn git_source(
         base,
         trusted,
     })
+}
+
+/// Whether a remote's URL carries a password (`https://user:secret@host/...`).
+fn has_password(remote: &str) -> bool {
+    let Some((_, rest)) = remote.split_once("://") else {
+        return false;
+    };
+    let authority = rest.split('/').next().unwrap_or_default();
+    authority
+        .rsplit_once('@')
+        .is_some_and(|(userinfo, _)| userinfo.contains(':'))
 }
 
 /// `loopd status --temporal`: the loop's state as its workflow holds it, and the attempt it runs

@@ -57,7 +57,7 @@ impl Fleet {
         let remote = places.path().join("remote.git");
         std::fs::create_dir_all(&marks).expect("mkdir marks");
         p.config(&format!(
-            "retry_backoff = 0.05\naction_retries = 8\nexecutor = \"fake\"\nmax_errors = 20\n\
+            "retry_backoff = 0.01\naction_retries = 12\nexecutor = \"fake\"\nmax_errors = 20\n\
              [executor_defaults]\nkill_grace = 0.5\n\n\
              [executors.fake]\ncommand = [\"sh\", \"bin/agent.sh\"]\nprompt = \"stdin\"\n\
              format = \"json\"\nenv = {{ MARKS = \"{}\" }}\n",
@@ -174,7 +174,8 @@ impl Fleet {
         assert_eq!(
             names,
             ["1-develop", "2-develop"],
-            "loop {id}'s branch: {commits:?}"
+            "loop {id}'s branch: {commits:?}; its history: {}",
+            self.state(id)["skill_state"]["action_history"]
         );
         for ((commit, _), name) in commits.iter().zip(&names) {
             let checkpoint = git(
@@ -492,10 +493,106 @@ fn a_work_tree_no_action_used_for_its_grace_period_is_removed() {
     let tree = fleet.place("w0").join("cache/trees").join(&id);
     wait_until("the loop's work tree", FLEET_DEADLINE, || tree.exists());
     fleet.wait_completed(std::slice::from_ref(&id));
-    wait_until("the idle work tree to be removed", FLEET_DEADLINE, || {
-        !tree.exists()
-    });
+    let clones = fleet.place("w0").join("cache/clones");
+    wait_until(
+        "the idle work tree and its clone to be removed",
+        FLEET_DEADLINE,
+        || !tree.exists() && std::fs::read_dir(&clones).is_ok_and(|mut c| c.next().is_none()),
+    );
     fleet.check_branch(&id);
     let log = std::fs::read_to_string(fleet.p.root.join("worker-w0.log")).unwrap_or_default();
     assert!(log.contains("removed"), "{log}");
+}
+
+#[test]
+fn a_worker_runs_at_most_its_max_actions_at_once_and_the_rest_wait() {
+    let Some(mut fleet) = Fleet::new() else {
+        return;
+    };
+    // Each develop holds `$MARKS/running` for a moment; one that finds it held was not alone.
+    fleet.step(
+        "if [ \"$LOOPD_ACTION\" = develop ]; then \
+           mkdir \"$MARKS/running\" 2>/dev/null || touch \"$MARKS/overlap\"; \
+           sleep 0.2; rmdir \"$MARKS/running\" 2>/dev/null; \
+         fi\n",
+    );
+    fleet.worker_configured("w0", "[temporal]\nmax_actions = 1\n");
+    let ids: Vec<String> = (0..4)
+        .map(|i| fleet.create(&["--title", &format!("loop {i}")]))
+        .collect();
+    fleet.wait_completed(&ids);
+    for id in &ids {
+        fleet.check_branch(id);
+    }
+    assert!(
+        !fleet.mark("overlap").exists(),
+        "two develops ran at once on a worker of max_actions = 1"
+    );
+}
+
+#[test]
+fn a_remote_that_is_not_there_a_command_or_a_password_is_refused_in_one_line_with_exit_2() {
+    let Some(fleet) = Fleet::new() else { return };
+    let nowhere = fleet.places.path().join("nowhere.git");
+    let nowhere = nowhere.display().to_string();
+    let out = fleet.p.output(&[
+        "create",
+        "--temporal",
+        &fleet.temporal.address,
+        "--remote",
+        &nowhere,
+        "--title",
+        "t",
+    ]);
+    assert_eq!(code(&out), 2, "{}", stderr(&out));
+    assert_eq!(stderr(&out).trim().lines().count(), 1, "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("does not appear to be a git repository"),
+        "{}",
+        stderr(&out)
+    );
+    let out = fleet
+        .p
+        .output(&["create", "--remote", &nowhere, "--title", "t"]);
+    assert_eq!(code(&out), 2, "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("--remote is for loops on Temporal"),
+        "{}",
+        stderr(&out)
+    );
+    // A password in the URL would be kept in the loop's history.
+    let out = fleet.p.output(&[
+        "create",
+        "--temporal",
+        &fleet.temporal.address,
+        "--remote",
+        "https://me:s3cret@example.com/r.git",
+        "--title",
+        "t",
+    ]);
+    assert_eq!(code(&out), 2, "{}", stderr(&out));
+    assert!(!stderr(&out).contains("s3cret"), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("credential helper"),
+        "{}",
+        stderr(&out)
+    );
+    // A remote that is a command is not run.
+    let command = format!("ext::sh -c touch% {}", fleet.mark("ran").display());
+    let out = fleet.p.output(&[
+        "create",
+        "--temporal",
+        &fleet.temporal.address,
+        "--remote",
+        &command,
+        "--title",
+        "t",
+    ]);
+    assert_eq!(code(&out), 2, "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("transport 'ext' not allowed"),
+        "{}",
+        stderr(&out)
+    );
+    assert!(!fleet.mark("ran").exists());
 }

@@ -540,6 +540,17 @@ pub struct Checkpoint {
     pub deletions: u64,
 }
 
+/// Whether `id` can name a loop: 1 to 128 ASCII letters, digits, `.`, `_` and `-`, the first a
+/// letter or digit; so it is one safe file name (`{id}.json`, a work tree's directory).
+pub fn is_loop_id(id: &str) -> bool {
+    !id.is_empty()
+        && id.len() <= 128
+        && id.as_bytes()[0].is_ascii_alphanumeric()
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
+}
+
 /// The id of a loop's `n`th task (from 1), as loopd numbers the tasks it adds: `task-001`.
 pub fn task_id(n: u64) -> String {
     format!("task-{n:03}")

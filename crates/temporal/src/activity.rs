@@ -143,7 +143,7 @@ async fn run_attempt(
         (Some((source, commit)), Some(cache)) => {
             match beating(ctx, &waiting, cache.check_out(source, id, commit)).await {
                 None => return Ok(AttemptReport::interrupted()),
-                Some(Err(e)) => return Ok(AttemptReport::git_failed(&e)),
+                Some(Err(e)) => return Ok(AttemptReport::git_failed(id, &e)),
                 Some(Ok(tree)) => Some(tree),
             }
         }
@@ -164,7 +164,7 @@ async fn run_attempt(
     if let Some(tree) = &tree
         && let Err(e) = tree.clean(&config.state_dir).await
     {
-        return Ok(AttemptReport::git_failed(&e));
+        return Ok(AttemptReport::git_failed(id, &e));
     }
     let (def, plan) = plans
         .get(&dispatch.action)
@@ -272,13 +272,13 @@ async fn run_attempt(
                 None => return Ok(AttemptReport::interrupted()),
                 Some(Err(e)) => {
                     tree.forget().await;
-                    return Ok(AttemptReport::git_failed(&e));
+                    return Ok(AttemptReport::git_failed(id, &e));
                 }
                 Some(Ok(checkpoint)) => checkpoint,
             };
             match beating(ctx, &waiting, tree.push(source, &checkpoint)).await {
                 None => return Ok(AttemptReport::interrupted()),
-                Some(Err(e)) => return Ok(AttemptReport::git_failed(&e)),
+                Some(Err(e)) => return Ok(AttemptReport::git_failed(id, &e)),
                 Some(Ok(())) => report.checkpoint = Some(checkpoint),
             }
         }
@@ -302,8 +302,8 @@ impl AttemptReport {
     /// An attempt whose work tree could not be fetched, put at its checkpoint, recorded or
     /// pushed: a failed attempt (the loop's retries decide what follows), with git's reason,
     /// the next one for any worker.
-    fn git_failed(e: &anyhow::Error) -> AttemptReport {
-        tracing::warn!("{e:#}");
+    fn git_failed(id: &str, e: &anyhow::Error) -> AttemptReport {
+        tracing::warn!("loop {id}: {e:#}");
         AttemptReport {
             verdict: Verdict::Failed {
                 outcome: AttemptOutcome::TransientApiError,

@@ -27,6 +27,7 @@ use crate::workspace::Cache;
 use crate::{Holder, LoopInput, TemporalConfig};
 use loopd_exec::guard::Guard;
 use std::sync::Arc;
+use temporalio_sdk::runtime::PollerBehavior;
 use temporalio_sdk::runtime::worker_tuner::{FixedSizeSlotSupplier, TunerHolder};
 
 /// The longest a worker holds back an attempt's heartbeat (Temporal's default is 60 s).
@@ -250,6 +251,10 @@ pub async fn run_worker(
         }),
         slots: slots.clone(),
     };
+    // Each queue's worker takes at most `max_actions` attempts at once (its slots), the rest
+    // staying in Temporal's queue; `slots` bounds the two together. One poll at a time holds
+    // one slot while it waits, leaving the others free for the attempts its workflow tasks
+    // schedule, which the server then hands over at once (eager execution).
     let tuner = || {
         TunerHolder::builder()
             .workflow_task_slot_supplier(FixedSizeSlotSupplier::new(100))
@@ -258,6 +263,7 @@ pub async fn run_worker(
             .nexus_task_slot_supplier(FixedSizeSlotSupplier::new(1))
             .build()
     };
+    let one_poll = PollerBehavior::SimpleMaximum(1);
     let shared = WorkerOptions::new(config.task_queue.clone())
         // A heartbeat is how a pause or stop reaches the attempt: none is held back long.
         .max_heartbeat_throttle_interval(HEARTBEAT_THROTTLE)
@@ -266,6 +272,7 @@ pub async fn run_worker(
         // A loop whose worker died is taken up by another within seconds, not Temporal's 10 s.
         .sticky_queue_schedule_to_start_timeout(STICKY_TIMEOUT)
         .tuner(tuner())
+        .activity_task_poller_behavior(one_poll)
         .client_identity_override(format!("loopd worker {}", setup.name))
         .register_workflow::<LoopWorkflow>()?
         .register_activities(activities())
@@ -274,6 +281,7 @@ pub async fn run_worker(
         .max_heartbeat_throttle_interval(HEARTBEAT_THROTTLE)
         .graceful_shutdown_period(Duration::ZERO)
         .tuner(tuner())
+        .activity_task_poller_behavior(one_poll)
         .client_identity_override(format!("loopd worker {}", setup.name))
         .register_activities(activities())
         .build();

@@ -35,7 +35,8 @@ const HOLDER_WAIT: Duration = Duration::from_secs(3);
 #[workflow]
 pub struct LoopWorkflow {
     input: LoopInput,
-    /// The status and iteration the visibility store shows ([`visibility`]), once set this run.
+    /// The status, iteration and worker the visibility store shows ([`visibility`]), once set
+    /// this run.
     shown: Option<(String, i64, String)>,
 }
 
@@ -237,7 +238,7 @@ async fn run_action(
                 .map(|g| (g.clone(), head.unwrap_or_else(|| g.base.clone()))),
         };
         let report = {
-            let activity = attempt(ctx, input, holder);
+            let activity = attempt(ctx, input, holder, attempts.attempt > 1);
             let controlled = ctx.wait_condition(|s| s.input.state.status != Status::Running);
             futures::pin_mut!(activity);
             futures::pin_mut!(controlled);
@@ -247,22 +248,15 @@ async fn run_action(
                 futures::future::Either::Right(_) => None,
             }
         };
-        // Where the loop's work tree is now: the worker that reported it, none after a failure.
-        if git.is_some()
-            && let Some(report) = &report
-        {
-            let (holder, checkpoint) = match report {
-                Ok(r) => (
-                    r.holder.clone(),
-                    r.checkpoint.as_ref().map(|c| c.commit.clone()),
-                ),
-                Err(_) => (None, None),
-            };
+        // Where the loop's work tree is now (a loop on a git remote): with the worker that
+        // reported it, none after a failure; at its last checkpoint.
+        if let Some(report) = &report {
+            let report = report.as_ref().ok();
+            let holder = report.and_then(|r| r.holder.clone());
+            let head = report.and_then(|r| r.checkpoint.as_ref().map(|c| c.commit.clone()));
             ctx.state_mut(|s| {
                 s.input.holder = holder;
-                if let Some(commit) = checkpoint {
-                    s.input.head = Some(commit);
-                }
+                s.input.head = head.or(s.input.head.take());
             });
         }
         let (verdict, spent, ran_by, checkpoint) = match report {
@@ -325,11 +319,14 @@ async fn run_action(
 
 /// One attempt as an activity: first on the task queue of the worker that keeps the loop's work
 /// tree, if that worker takes it within [`HOLDER_WAIT`] and runs it; else on the loop's own task
-/// queue, for any worker. Its report, or why no worker could run it, in one line.
+/// queue, for any worker. A `retry` goes through the queue, not straight to the worker that ran
+/// this workflow task (eager execution), which may be the one whose attempt just failed. Its
+/// report, or why no worker could run it, in one line.
 async fn attempt(
     ctx: &WorkflowContext<LoopWorkflow>,
     input: AttemptInput,
     holder: Option<Holder>,
+    retry: bool,
 ) -> Result<AttemptReport, String> {
     let options = |tries| {
         ActivityOptions::with_start_to_close_timeout(ATTEMPT_LIMIT)
@@ -353,13 +350,12 @@ async fn attempt(
             return Ok(report);
         }
     }
-    ctx.execute_activity(
-        LoopActivities::attempt,
-        input,
-        options(ACTIVITY_TRIES).build(),
-    )
-    .await
-    .map_err(|e| why(&e))
+    let anywhere = options(ACTIVITY_TRIES)
+        .do_not_eagerly_execute(retry)
+        .build();
+    ctx.execute_activity(LoopActivities::attempt, input, anywhere)
+        .await
+        .map_err(|e| why(&e))
 }
 
 /// The action is done: the core applies its result and keeps the books; a loop it ends is

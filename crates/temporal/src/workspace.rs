@@ -14,8 +14,9 @@
 //! interrupted attempt left is never pushed, and the next attempt starts from the checkpoint
 //! again. git's own credentials serve (helpers, SSH agent); it never prompts.
 //!
-//! A work tree no action used for a grace period is removed ([`Cache::sweep`]): the loop's work
-//! is on the remote, and a worker that takes the loop again fetches it.
+//! A work tree no action used for a grace period is removed ([`Cache::sweep`]), and a clone left
+//! without work trees with it: the loops' work is on the remote, and a worker that takes a loop
+//! again fetches it.
 
 use std::collections::{HashMap, HashSet};
 use std::fs::File;
@@ -113,6 +114,7 @@ impl Cache {
         id: &str,
         commit: &str,
     ) -> Result<Tree> {
+        anyhow::ensure!(loopd_core::state::is_loop_id(id), "not a loop id: {id:?}");
         let clone = self.clone_dir(&source.remote);
         let path = self.dir.join("trees").join(id);
         let mut tree = Tree {
@@ -158,8 +160,10 @@ impl Cache {
     /// Removes the work trees no attempt used for `grace` (those found at the worker's start
     /// count as used then); returns the loops whose trees it removed.
     pub async fn sweep(&self, grace: Duration) -> Vec<String> {
-        let idle: Vec<String> = {
-            let trees = self.trees.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut removed = Vec::new();
+        {
+            // Held while the trees go: no attempt takes one up meanwhile.
+            let mut trees = self.trees.lock().unwrap_or_else(PoisonError::into_inner);
             let names = std::fs::read_dir(self.dir.join("trees"))
                 .map(|entries| {
                     entries
@@ -167,35 +171,36 @@ impl Cache {
                         .collect::<Vec<_>>()
                 })
                 .unwrap_or_default();
-            names
-                .into_iter()
-                .filter(|id| !trees.busy.contains(id))
-                .filter(|id| {
-                    trees
-                        .used
-                        .get(id)
-                        .copied()
-                        .unwrap_or(trees.opened)
-                        .elapsed()
-                        >= grace
-                })
-                .collect()
-        };
-        let mut removed = Vec::new();
-        for id in idle {
-            let path = self.dir.join("trees").join(&id);
-            match std::fs::remove_dir_all(&path) {
-                Ok(()) => removed.push(id),
-                Err(e) => tracing::warn!("cannot remove the work tree {}: {e}", path.display()),
+            for id in names {
+                let used = trees.used.get(&id).copied().unwrap_or(trees.opened);
+                if trees.busy.contains(&id) || used.elapsed() < grace {
+                    continue;
+                }
+                let path = self.dir.join("trees").join(&id);
+                match std::fs::remove_dir_all(&path) {
+                    Ok(()) => {
+                        trees.used.remove(&id);
+                        removed.push(id);
+                    }
+                    Err(e) => tracing::warn!("cannot remove the work tree {}: {e}", path.display()),
+                }
             }
         }
         if !removed.is_empty() {
-            // The clones' records of the removed work trees.
+            // The clones' records of the removed work trees; a clone left without any goes too.
             let clones = std::fs::read_dir(self.dir.join("clones"))
                 .map(|e| e.filter_map(|e| Some(e.ok()?.path())).collect::<Vec<_>>())
                 .unwrap_or_default();
             for clone in clones {
+                let one = self.one_at_a_time(&clone);
+                let _one = one.lock().await;
                 let _ = git(&clone, &["worktree", "prune"]).await;
+                let trees = std::fs::read_dir(clone.join("worktrees")).map_or(0, Iterator::count);
+                if trees == 0
+                    && let Err(e) = std::fs::remove_dir_all(&clone)
+                {
+                    tracing::warn!("cannot remove the clone {}: {e}", clone.display());
+                }
             }
         }
         removed
@@ -407,12 +412,14 @@ fn path_arg(path: &Path) -> Result<&str> {
         .with_context(|| format!("not a UTF-8 path: {}", path.display()))
 }
 
-/// Runs git in `dir` ([`loopd_exec::git::command`]), never prompting for a credential, for at
-/// most [`GIT_TIMEOUT`]; its output, or the line of what it printed that says why it failed.
+/// Runs git in `dir` ([`loopd_exec::git::command`]), never prompting for a credential, over the
+/// known transports only, for at most [`GIT_TIMEOUT`]; its output, or the line of what it printed that says why it failed.
 async fn git(dir: &Path, args: &[&str]) -> Result<String> {
     let mut cmd = tokio::process::Command::from(loopd_exec::git::command(dir));
     cmd.args(args)
         .env("GIT_TERMINAL_PROMPT", "0")
+        // A remote is a URL or path of the known transports, never a command (`ext::`).
+        .env("GIT_ALLOW_PROTOCOL", "file:git:http:https:ssh")
         .env("LC_ALL", "C")
         .kill_on_drop(true);
     let output = tokio::time::timeout(GIT_TIMEOUT, cmd.output())

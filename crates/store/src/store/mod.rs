@@ -161,13 +161,7 @@ pub(super) fn io_err(path: &Path) -> impl FnOnce(io::Error) -> StoreError + '_ {
 }
 
 pub fn validate_id(id: &str) -> Result<(), StoreError> {
-    let ok = !id.is_empty()
-        && id.len() <= 128
-        && id.as_bytes()[0].is_ascii_alphanumeric()
-        && id
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'));
-    if ok {
+    if loopd_core::state::is_loop_id(id) {
         Ok(())
     } else {
         Err(StoreError::BadId(id.to_owned()))
