@@ -11,6 +11,7 @@ use loopd_file_driver::create::{CreateArgs, Limits};
 use loopd_file_driver::error::usage;
 use loopd_file_driver::project::Project;
 use loopd_project::config::Config;
+use loopd_project::project_file::sha256_hex;
 use loopd_temporal::change::{Change, SetLimits};
 use loopd_temporal::{GitSource, LoopInput, TemporalConfig, client, workspace};
 use serde_json::json;
@@ -77,13 +78,10 @@ pub fn worker(settings: TemporalConfig, args: &WorkerArgs) -> Result<i32> {
             .unwrap_or_else(|| "worker".to_owned()),
         (None, name) => name.to_owned(),
     };
-    if name.is_empty()
-        || !name
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
-    {
+    // It names a task queue and a directory: the rule of loop ids serves.
+    if !loopd_core::state::is_loop_id(&name) {
         return Err(usage(format!(
-            "worker name {name:?}: letters, digits, '-', '_' and '.' only"
+            "worker name {name:?}: up to 128 letters, digits, '.', '_' and '-', from a letter or digit"
         )));
     }
     let cache = match (&args.cache, config.cache_dir.as_str()) {
@@ -309,13 +307,26 @@ fn git_source(
     let plans = loopd_project::plan::Plans::load(&p.root, &p.config, wf, None)?;
     let files = plans.project_files(&p.config);
     loopd_project::trust::check(&p.root, &files)?;
-    let trusted = files
+    let trusted: std::collections::BTreeMap<PathBuf, String> = files
         .iter()
         .map(|f| {
             let path = f.path.strip_prefix(&p.root).unwrap_or(&f.path);
             (path.to_owned(), f.digest.clone())
         })
         .collect();
+    // The workers take them from the base commit: they must be there as they are here.
+    for (path, digest) in &trusted {
+        let at_base = runtime()?.block_on(workspace::file_at(&p.root, &base, path));
+        let same = at_base.is_ok_and(|bytes| sha256_hex(&bytes) == *digest);
+        if !same {
+            return Err(usage(format!(
+                "{} is not in the base commit {} as it is here: commit it (the workers take \
+                 the project's files from there), or give --base",
+                path.display(),
+                &base[..base.len().min(12)]
+            )));
+        }
+    }
     Ok(GitSource {
         remote: remote.to_owned(),
         base,

@@ -531,7 +531,7 @@ fn a_worker_runs_at_most_its_max_actions_at_once_and_the_rest_wait() {
 }
 
 #[test]
-fn a_remote_that_is_not_there_a_command_or_a_password_is_refused_in_one_line_with_exit_2() {
+fn a_bad_remote_or_uncommitted_project_files_are_refused_in_one_line_with_exit_2() {
     let Some(fleet) = Fleet::new() else { return };
     let nowhere = fleet.places.path().join("nowhere.git");
     let nowhere = nowhere.display().to_string();
@@ -595,4 +595,30 @@ fn a_remote_that_is_not_there_a_command_or_a_password_is_refused_in_one_line_wit
         stderr(&out)
     );
     assert!(!fleet.mark("ran").exists());
+    // The project's files as trusted here, but not as committed.
+    std::fs::write(
+        fleet.p.root.join(".loop/config.toml"),
+        format!(
+            "{}\n# changed\n",
+            std::fs::read_to_string(fleet.p.root.join(".loop/config.toml")).unwrap()
+        ),
+    )
+    .expect("change the config");
+    assert!(fleet.p.trust());
+    let remote = fleet.remote.display().to_string();
+    let out = fleet.p.output(&[
+        "create",
+        "--temporal",
+        &fleet.temporal.address,
+        "--remote",
+        &remote,
+        "--title",
+        "t",
+    ]);
+    assert_eq!(code(&out), 2, "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains(".loop/config.toml is not in the base commit"),
+        "{}",
+        stderr(&out)
+    );
 }

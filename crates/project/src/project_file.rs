@@ -24,7 +24,7 @@ impl ProjectFile {
 }
 
 /// The SHA-256 digest of `bytes`, in lowercase hex.
-pub(crate) fn sha256_hex(bytes: &[u8]) -> String {
+pub fn sha256_hex(bytes: &[u8]) -> String {
     Sha256::digest(bytes)
         .iter()
         .fold(String::with_capacity(64), |mut hex, b| {

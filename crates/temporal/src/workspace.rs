@@ -393,6 +393,12 @@ pub async fn resolve(root: &Path, rev: &str) -> Result<String> {
     .with_context(|| format!("{rev:?} is not a commit of {}", root.display()))
 }
 
+/// The bytes of file `path` (relative to the top of the repository at `root`) in commit `rev`.
+pub async fn file_at(root: &Path, rev: &str, path: &Path) -> Result<Vec<u8>> {
+    let path = path_arg(path)?;
+    git_bytes(root, &["cat-file", "blob", &format!("{rev}:{path}")]).await
+}
+
 /// Whether the remote answers for loop `id`'s branch.
 async fn reachable(dir: &Path, source: &GitSource, id: &str) -> bool {
     let branch = branch(id);
@@ -413,8 +419,15 @@ fn path_arg(path: &Path) -> Result<&str> {
 }
 
 /// Runs git in `dir` ([`loopd_exec::git::command`]), never prompting for a credential, over the
-/// known transports only, for at most [`GIT_TIMEOUT`]; its output, or the line of what it printed that says why it failed.
+/// known transports only, for at most [`GIT_TIMEOUT`]; its output without the trailing newline,
+/// or the line of what it printed that says why it failed.
 async fn git(dir: &Path, args: &[&str]) -> Result<String> {
+    let out = git_bytes(dir, args).await?;
+    Ok(String::from_utf8_lossy(&out).trim_end().to_owned())
+}
+
+/// Runs git as [`git`] does; its output as it printed it.
+async fn git_bytes(dir: &Path, args: &[&str]) -> Result<Vec<u8>> {
     let mut cmd = tokio::process::Command::from(loopd_exec::git::command(dir));
     cmd.args(args)
         .env("GIT_TERMINAL_PROMPT", "0")
@@ -433,9 +446,7 @@ async fn git(dir: &Path, args: &[&str]) -> Result<String> {
         })?
         .context("cannot run git")?;
     if output.status.success() {
-        return Ok(String::from_utf8_lossy(&output.stdout)
-            .trim_end()
-            .to_owned());
+        return Ok(output.stdout);
     }
     let said = format!(
         "{}\n{}",
