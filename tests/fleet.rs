@@ -19,7 +19,8 @@ use serde_json::Value;
 const FLEET_DEADLINE: Duration = Duration::from_secs(180);
 
 /// The agent of the fleet's loops: init plans two tasks; each develop appends its task's id to
-/// `work.txt` in the work tree; validate passes. `$MARKS` (set by the project's config) is a
+/// `work.txt` in the work tree and to its notes, `develop.md` in the progress directory;
+/// validate passes. `$MARKS` (set by the project's config) is a
 /// directory of the test where a step of a test's own (`$STEP`, run before each action) leaves
 /// its marks.
 const AGENT: &str = r#"
@@ -27,7 +28,8 @@ cat > /dev/null
 [ -f "$MARKS/step.sh" ] && . "$MARKS/step.sh"
 case "$LOOPD_ACTION" in
   init) r='{"status":"success","summary":"planned","state_updates":{"tasks":[{"description":"first"},{"description":"second"}]}}' ;;
-  develop) echo "$LOOPD_TASK_ID" >> work.txt; r="{\"status\":\"success\",\"summary\":\"did $LOOPD_TASK_ID\"}" ;;
+  develop) echo "$LOOPD_TASK_ID" >> work.txt; echo "$LOOPD_TASK_ID" >> "$LOOPD_PROGRESS_DIR/develop.md"
+    r="{\"status\":\"success\",\"summary\":\"did $LOOPD_TASK_ID\"}" ;;
   validate) r='{"status":"success","summary":"ok","state_updates":{"passed":true,"pass_rate":100}}' ;;
   *) r='{"status":"success","summary":"done"}' ;;
 esac
@@ -146,8 +148,9 @@ impl Fleet {
     }
 
     /// Checks what loop `id` left on the remote: its branch holds one commit per develop
-    /// action, in order, each its checkpoint, on top of the base; `work.txt` holds each task
-    /// once, in order, and nothing an attempt that did not succeed wrote.
+    /// action, in order, each its checkpoint, on top of the base; `work.txt` and the notes'
+    /// `develop.md` hold each task once, in order, and nothing an attempt that did not succeed
+    /// wrote.
     fn check_branch(&self, id: &str) {
         let branch = format!("loopd/{id}");
         let base = git(
@@ -186,6 +189,13 @@ impl Fleet {
         }
         let work = git(&self.remote, &["show", &format!("{branch}:work.txt")]);
         assert_eq!(work, "task-001\ntask-002", "loop {id}'s work.txt");
+        // The notes, as they were at the last checkpoint, followed the loop from worker to worker.
+        let (head, _) = commits.last().expect("a checkpoint");
+        let notes = git(
+            &self.remote,
+            &["show", &format!("refs/loopd-notes/{id}/{head}:develop.md")],
+        );
+        assert_eq!(notes, "task-001\ntask-002", "loop {id}'s develop.md");
         let state = self.state(id);
         assert_eq!(
             state["skill_state"]["outcome"], "passed",

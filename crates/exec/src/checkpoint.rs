@@ -269,15 +269,9 @@ fn order(name: &str) -> (u64, String) {
     (n.parse().unwrap_or(u64::MAX), name.to_owned())
 }
 
-/// `git -C dir` ([`crate::git::command`]), committing as loopd.
+/// `git -C dir`, committing as loopd ([`crate::git::as_loopd`]).
 fn git_in(dir: &Path) -> Command {
-    let mut cmd = crate::git::command(dir);
-    cmd.env("GIT_AUTHOR_NAME", "loopd")
-        .env("GIT_AUTHOR_EMAIL", "loopd@localhost")
-        .env("GIT_COMMITTER_NAME", "loopd")
-        .env("GIT_COMMITTER_EMAIL", "loopd@localhost")
-        .env("LC_ALL", "C");
-    cmd
+    crate::git::as_loopd(dir)
 }
 
 fn run(cmd: &mut Command) -> Result<String> {

@@ -20,6 +20,18 @@ pub fn command(dir: &Path) -> Command {
     cmd
 }
 
+/// `git -C dir` ([`command`]) that commits as loopd, in the C locale (messages as the code reads
+/// them).
+pub fn as_loopd(dir: &Path) -> Command {
+    let mut cmd = command(dir);
+    cmd.env("GIT_AUTHOR_NAME", "loopd")
+        .env("GIT_AUTHOR_EMAIL", "loopd@localhost")
+        .env("GIT_COMMITTER_NAME", "loopd")
+        .env("GIT_COMMITTER_EMAIL", "loopd@localhost")
+        .env("LC_ALL", "C");
+    cmd
+}
+
 /// Runs `cmd`: its standard output without the trailing newline, or why it failed (the last
 /// line git printed on stderr, or why it did not run).
 pub fn output(cmd: &mut Command) -> Result<String, String> {

@@ -171,10 +171,16 @@ async fn run_attempt(
         .with_context(|| format!("no plan for action {}", dispatch.action))?;
     let state_dir = root.join(&config.state_dir);
     let progress_dir = state_dir.join(format!("{id}.progress"));
-    let actions = Dir::open(&root)?
+    let notes = Dir::open(&root)?
         .subdir(&config.state_dir, true)?
-        .subdir(&format!("{id}.progress"), true)?
-        .subdir("actions", true)?;
+        .subdir(&format!("{id}.progress"), true)?;
+    let actions = notes.subdir("actions", true)?;
+    // The notes its agents wrote on whichever worker ran them.
+    if let (Some(tree), Some((_, commit))) = (&tree, &git)
+        && let Err(e) = tree.restore_notes(&notes, commit).await
+    {
+        return Ok(AttemptReport::git_failed(id, &e));
+    }
     let result_file = actions.join(RESULT_FILE);
     empty_result_file(&actions);
     let step = Step {
@@ -276,7 +282,12 @@ async fn run_attempt(
                 }
                 Some(Ok(checkpoint)) => checkpoint,
             };
-            match beating(ctx, &waiting, tree.push(source, &checkpoint)).await {
+            let notes = match tree.record_notes(&notes).await {
+                Ok(notes) => notes,
+                Err(e) => return Ok(AttemptReport::git_failed(id, &e)),
+            };
+            let pushed = tree.push(source, &checkpoint, notes.as_deref());
+            match beating(ctx, &waiting, pushed).await {
                 None => return Ok(AttemptReport::interrupted()),
                 Some(Err(e)) => return Ok(AttemptReport::git_failed(id, &e)),
                 Some(Ok(())) => report.checkpoint = Some(checkpoint),

@@ -10,7 +10,9 @@
 //! directory kept. After an action that changes the work tree the checkpoint is recorded as the
 //! file driver records it ([`loopd_exec::checkpoint`]) and pushed, branch and checkpoint ref at
 //! once (`--atomic`), the branch with a lease on the value fetched before the action: an attempt
-//! that another worker took over meanwhile cannot overwrite its work. What a failed or
+//! that another worker took over meanwhile cannot overwrite its work. The notes its agents left
+//! in the loop's progress directory go with it (`refs/loopd-notes/ID/CHECKPOINT`), and come back
+//! into the progress directory before the next action, on whichever worker. What a failed or
 //! interrupted attempt left is never pushed, and the next attempt starts from the checkpoint
 //! again. git's own credentials serve (helpers, SSH agent); it never prompts.
 //!
@@ -34,6 +36,28 @@ use crate::GitSource;
 /// The longest one git command may take (a fetch of a large history, say) before the attempt
 /// fails with a timeout: a remote that stops answering must not hold an attempt forever.
 const GIT_TIMEOUT: Duration = Duration::from_secs(600);
+
+/// The largest note of a progress directory that follows its loop (an instrumented program's
+/// log can be larger; it stays where it was written).
+const NOTE_CAP: i64 = 1 << 20;
+
+/// loopd's own index of a loop's notes, in its progress directory.
+const NOTES_INDEX: &str = "notes.index";
+
+/// The ref of loop `id`'s notes as they were at its checkpoint `commit`: an attempt that was
+/// given up after its push leaves its notes under its own checkpoint, not the next attempt's.
+fn notes_ref(id: &str, commit: &str) -> String {
+    format!("refs/loopd-notes/{id}/{commit}")
+}
+
+/// Whether a progress directory's file `name` is a note that follows the loop: not loopd's own
+/// index files.
+fn is_note(name: &str) -> bool {
+    !name.starts_with('.')
+        && !name.contains('/')
+        && !name.starts_with("checkpoint.index")
+        && !name.starts_with(NOTES_INDEX)
+}
 
 /// The branch a loop's work goes to.
 pub fn branch(id: &str) -> String {
@@ -250,6 +274,7 @@ impl Tree {
         }
         let branch = branch(&self.id);
         let refs = format!("refs/loopd/{}/*", self.id);
+        let notes = format!("refs/loopd-notes/{}/*", self.id);
         git(
             &self.clone,
             &[
@@ -261,6 +286,7 @@ impl Tree {
                 &source.remote,
                 &format!("+{branch}:{branch}"),
                 &format!("+{refs}:{refs}"),
+                &format!("+{notes}:{notes}"),
             ],
         )
         .await
@@ -310,32 +336,108 @@ impl Tree {
         Ok(())
     }
 
-    /// Pushes `checkpoint` as the loop's branch and checkpoint ref, at once; refused (with the
-    /// remote's reason) if the branch moved since it was fetched.
-    pub async fn push(&self, source: &GitSource, checkpoint: &Checkpoint) -> Result<()> {
+    /// Pushes `checkpoint` as the loop's branch and checkpoint ref, and `notes` as its notes, at
+    /// once; refused (with the remote's reason) if the branch moved since it was fetched.
+    pub async fn push(
+        &self,
+        source: &GitSource,
+        checkpoint: &Checkpoint,
+        notes: Option<&str>,
+    ) -> Result<()> {
         let branch = branch(&self.id);
         let lease = format!(
             "--force-with-lease={branch}:{}",
             self.seen.as_deref().unwrap_or("")
         );
         let commit = &checkpoint.commit;
-        git(
-            &self.path,
-            &[
-                "push",
-                "--atomic",
-                "--porcelain",
-                "--quiet",
-                &lease,
-                "--end-of-options",
-                &source.remote,
-                &format!("{commit}:{branch}"),
-                &format!("+{commit}:refs/loopd/{}/{}", self.id, checkpoint.name),
-            ],
-        )
-        .await
-        .context("cannot push the checkpoint")?;
+        let mut args = vec![
+            "push".to_owned(),
+            "--atomic".to_owned(),
+            "--porcelain".to_owned(),
+            "--quiet".to_owned(),
+            lease,
+            "--end-of-options".to_owned(),
+            source.remote.clone(),
+            format!("{commit}:{branch}"),
+            format!("+{commit}:refs/loopd/{}/{}", self.id, checkpoint.name),
+        ];
+        if let Some(notes) = notes {
+            args.push(format!("+{notes}:{}", notes_ref(&self.id, commit)));
+        }
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        git(&self.path, &args)
+            .await
+            .context("cannot push the checkpoint")?;
         Ok(())
+    }
+
+    /// Puts the loop's notes as they were at its checkpoint `commit` into its progress directory
+    /// `progress`: what its agents wrote there for people (`develop.md`, `changes.log`, ...),
+    /// wherever they ran.
+    pub async fn restore_notes(&self, progress: &loopd_fs::Dir, commit: &str) -> Result<()> {
+        let notes = notes_ref(&self.id, commit);
+        let Ok(listing) = git(&self.clone, &["ls-tree", "-z", &notes]).await else {
+            return Ok(()); // None at that checkpoint.
+        };
+        for entry in listing.split('\0') {
+            // "MODE blob OBJECT\tNAME"
+            let Some((meta, name)) = entry.split_once('\t') else {
+                continue;
+            };
+            let Some(object) = meta.strip_prefix("100644 blob ") else {
+                continue;
+            };
+            if !is_note(name) {
+                continue;
+            }
+            let bytes = git_bytes(&self.clone, &["cat-file", "blob", object]).await?;
+            progress
+                .write_atomic(name, &bytes, false)
+                .with_context(|| format!("cannot write {}", progress.join(name).display()))?;
+        }
+        Ok(())
+    }
+
+    /// Records the notes in the progress directory `progress` (its plain files up to
+    /// [`NOTE_CAP`] bytes, loopd's own left out) as a commit; `None` when there are none.
+    pub async fn record_notes(&self, progress: &loopd_fs::Dir) -> Result<Option<String>> {
+        let index = progress.join(NOTES_INDEX);
+        let index = path_arg(&index)?.to_owned();
+        let _ = std::fs::remove_file(&index);
+        let mut names = progress.entries()?;
+        names.sort();
+        names.retain(|name| {
+            is_note(name)
+                && progress
+                    .stat(name)
+                    .ok()
+                    .flatten()
+                    .is_some_and(|s| loopd_fs::is_plain(&s) && s.st_size <= NOTE_CAP)
+        });
+        if names.is_empty() {
+            return Ok(None);
+        }
+        let paths: Vec<PathBuf> = names.iter().map(|n| progress.join(n)).collect();
+        let mut hash = vec!["hash-object", "-w", "--"];
+        for path in &paths {
+            hash.push(path_arg(path)?);
+        }
+        let objects = git(&self.path, &hash).await?;
+        let entries: Vec<String> = objects
+            .lines()
+            .zip(&names)
+            .map(|(object, name)| format!("100644,{object},{name}"))
+            .collect();
+        let mut update = vec!["update-index", "--add"];
+        for entry in &entries {
+            update.extend(["--cacheinfo", entry.as_str()]);
+        }
+        git_indexed(&self.path, &index, &update).await?;
+        let tree = git_indexed(&self.path, &index, &["write-tree"]).await?;
+        let _ = std::fs::remove_file(&index);
+        let message = format!("loopd: loop {}, notes", self.id);
+        let commit = git(&self.path, &["commit-tree", &tree, "-m", &message]).await?;
+        Ok(Some(commit))
     }
 
     /// Gives up this work tree and its clone after a failure of git itself: the next attempt
@@ -418,23 +520,35 @@ fn path_arg(path: &Path) -> Result<&str> {
         .with_context(|| format!("not a UTF-8 path: {}", path.display()))
 }
 
-/// Runs git in `dir` ([`loopd_exec::git::command`]), never prompting for a credential, over the
+/// Runs git in `dir` as loopd ([`loopd_exec::git::as_loopd`]), never prompting for a credential, over the
 /// known transports only, for at most [`GIT_TIMEOUT`]; its output without the trailing newline,
 /// or the line of what it printed that says why it failed.
 async fn git(dir: &Path, args: &[&str]) -> Result<String> {
-    let out = git_bytes(dir, args).await?;
+    let out = run_git(dir, args, None).await?;
+    Ok(String::from_utf8_lossy(&out).trim_end().to_owned())
+}
+
+/// Runs git as [`git`] does, with `index` as its index file.
+async fn git_indexed(dir: &Path, index: &str, args: &[&str]) -> Result<String> {
+    let out = run_git(dir, args, Some(index)).await?;
     Ok(String::from_utf8_lossy(&out).trim_end().to_owned())
 }
 
 /// Runs git as [`git`] does; its output as it printed it.
 async fn git_bytes(dir: &Path, args: &[&str]) -> Result<Vec<u8>> {
-    let mut cmd = tokio::process::Command::from(loopd_exec::git::command(dir));
+    run_git(dir, args, None).await
+}
+
+async fn run_git(dir: &Path, args: &[&str], index: Option<&str>) -> Result<Vec<u8>> {
+    let mut cmd = tokio::process::Command::from(loopd_exec::git::as_loopd(dir));
     cmd.args(args)
         .env("GIT_TERMINAL_PROMPT", "0")
         // A remote is a URL or path of the known transports, never a command (`ext::`).
         .env("GIT_ALLOW_PROTOCOL", "file:git:http:https:ssh")
-        .env("LC_ALL", "C")
         .kill_on_drop(true);
+    if let Some(index) = index {
+        cmd.env("GIT_INDEX_FILE", index);
+    }
     let output = tokio::time::timeout(GIT_TIMEOUT, cmd.output())
         .await
         .map_err(|_| {
