@@ -7,10 +7,10 @@
 //! fetches the loop's branch `loopd/ID` and its checkpoint refs (nothing else of the remote), and
 //! puts the loop's work tree at the commit its workflow names, the loop's last checkpoint:
 //! tracked files reset, untracked ones removed, ignored ones (build outputs) and loopd's state
-//! directory kept. After an action that changes the work tree the checkpoint is recorded as the
-//! file driver records it ([`loopd_exec::checkpoint`]) and pushed, branch and checkpoint ref at
-//! once (`--atomic`), the branch with a lease on the value fetched before the action: an attempt
-//! that another worker took over meanwhile cannot overwrite its work. The notes its agents left
+//! directory kept. After a successful action that changes the work tree the checkpoint is
+//! recorded as the file driver records it ([`loopd_exec::checkpoint`]) and pushed, branch and
+//! checkpoint ref at once (`--atomic`), the branch with a lease on the value fetched before the
+//! action: an attempt that another worker took over meanwhile cannot overwrite its work. The notes its agents left
 //! in the loop's progress directory go with it (`refs/loopd-notes/ID/CHECKPOINT`), and come back
 //! into the progress directory before the next action, on whichever worker. What a failed or
 //! interrupted attempt left is never pushed, and the next attempt starts from the checkpoint
