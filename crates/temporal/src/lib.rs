@@ -2,22 +2,22 @@
 //! that `loopd worker`s run on any machine.
 //!
 //! Theory of operation: one loop is one workflow, its id the loop id ([`workflow::LoopWorkflow`]).
-//! The workflow holds the loop's state, the CCW `LoopState`, and decides with the same pure core
-//! as the file driver ([`loopd_core::workflow`] and [`loopd_core::attempt`]): the termination
-//! checks and the next action, the retries and rate-limit waits (durable timers here), what an
-//! attempt leaves in the history and the books. Time comes from the workflow's clock, so a replay
-//! decides the same. Each attempt is one activity ([`activity::LoopActivities::attempt`]): a
-//! worker loads the project's config and action files from the loop's root (workers share the
-//! project's file system), or, for a loop whose project is a git remote ([`GitSource`]), from
-//! the loop's work tree in the worker's cache, put at the loop's last checkpoint and pushed back
-//! after a successful action ([`workspace`]); it renders the prompt as the file driver does
-//! ([`loopd_project::plan`]) and runs the executor with [`loopd_exec`], heartbeating while it
-//! runs; a cancelled activity ends the executor's process group. An attempt goes first to the
-//! worker that keeps the loop's work tree, on that worker's own task queue, and to any worker
-//! when that one does not take it within seconds ([`workflow`]). A person's change (pause, resume, stop, next, a task, an
-//! answer, new limits) arrives as an update that the loop checks by the core's rules
-//! ([`change`]); the state is read by a query, the loops are listed by search attributes
-//! ([`visibility`]) and their events read from their histories ([`history`]) ([`client`]).
+//! The workflow holds the loop's state, the CCW `LoopState`, and decides with the same pure core as
+//! the file driver ([`loopd_core::workflow`] and [`loopd_core::attempt`]): the termination checks
+//! and the next action, the retries and rate-limit waits (durable timers here), what an attempt
+//! leaves in the history and the books. Time comes from the workflow's clock, so a replay decides
+//! the same. Each attempt is one activity ([`activity::LoopActivities::attempt`]): a worker loads
+//! the project's config and action files from the loop's root (workers share the project's file
+//! system), or, for a loop whose project is a git remote ([`GitSource`]), from the loop's work tree
+//! in the worker's cache, put at the loop's last checkpoint and pushed back after a successful
+//! action ([`workspace`]); it renders the prompt as the file driver does ([`loopd_project::plan`])
+//! and runs the executor with [`loopd_exec`], heartbeating while it runs; a cancelled activity ends
+//! the executor's process group. An attempt goes first to the worker that keeps the loop's work
+//! tree, on that worker's own task queue, and to any worker when that one does not take it within
+//! seconds ([`workflow`]). A person's change (pause, resume, stop, next, a task, an answer, new
+//! limits) arrives as an update that the loop checks by the core's rules ([`change`]); the state is
+//! read by a query, the loops are listed by search attributes ([`visibility`]) and their events
+//! read from their histories ([`history`]) ([`client`]).
 //!
 //! Which layer may use which: this crate uses the core, the executors and the project's settings
 //! (and [`loopd_fs`] for an attempt's files), nothing of the file store or the file driver; only

@@ -5,16 +5,16 @@
 //! share one): `clones/KEY`, one bare repository per remote (KEY a digest of its URL), and
 //! `trees/ID`, a work tree of that clone per loop (`git worktree`). Before an action the worker
 //! fetches the loop's branch `loopd/ID` and its checkpoint refs (nothing else of the remote), and
-//! puts the loop's work tree at the commit its workflow names, the loop's last checkpoint:
-//! tracked files reset, untracked ones removed, ignored ones (build outputs) and loopd's state
-//! directory kept. After a successful action that changes the work tree the checkpoint is
-//! recorded as the file driver records it ([`loopd_exec::checkpoint`]) and pushed, branch and
-//! checkpoint ref at once (`--atomic`), the branch with a lease on the value fetched before the
-//! action: an attempt that another worker took over meanwhile cannot overwrite its work. The notes its agents left
-//! in the loop's progress directory go with it (`refs/loopd-notes/ID/CHECKPOINT`), and come back
-//! into the progress directory before the next action, on whichever worker. What a failed or
-//! interrupted attempt left is never pushed, and the next attempt starts from the checkpoint
-//! again. git's own credentials serve (helpers, SSH agent); it never prompts.
+//! puts the loop's work tree at the commit its workflow names, the loop's last checkpoint: tracked
+//! files reset, untracked ones removed, ignored ones (build outputs) and loopd's state directory
+//! kept. After a successful action that changes the work tree the checkpoint is recorded as the
+//! file driver records it ([`loopd_exec::checkpoint`]) and pushed, branch and checkpoint ref at
+//! once (`--atomic`), the branch with a lease on the value fetched before the action: an attempt
+//! that another worker took over meanwhile cannot overwrite its work. The notes its agents left in
+//! the loop's progress directory go with it (`refs/loopd-notes/ID/CHECKPOINT`), and come back into
+//! the progress directory before the next action, on whichever worker. What a failed or interrupted
+//! attempt left is never pushed, and the next attempt starts from the checkpoint again. git's own
+//! credentials serve (helpers, SSH agent); it never prompts.
 //!
 //! A work tree no action used for a grace period is removed ([`Cache::sweep`]), and a clone left
 //! without work trees with it: the loops' work is on the remote, and a worker that takes a loop
@@ -520,9 +520,9 @@ fn path_arg(path: &Path) -> Result<&str> {
         .with_context(|| format!("not a UTF-8 path: {}", path.display()))
 }
 
-/// Runs git in `dir` as loopd ([`loopd_exec::git::as_loopd`]), never prompting for a credential, over the
-/// known transports only, for at most [`GIT_TIMEOUT`]; its output without the trailing newline,
-/// or the line of what it printed that says why it failed.
+/// Runs git in `dir` as loopd ([`loopd_exec::git::as_loopd`]), never prompting for a credential,
+/// over the known transports only, for at most [`GIT_TIMEOUT`]; its output without the trailing
+/// newline, or the line of what it printed that says why it failed.
 async fn git(dir: &Path, args: &[&str]) -> Result<String> {
     let out = run_git(dir, args, None).await?;
     Ok(String::from_utf8_lossy(&out).trim_end().to_owned())
