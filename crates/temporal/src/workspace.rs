@@ -59,8 +59,24 @@ fn is_note(name: &str) -> bool {
         && !name.starts_with(NOTES_INDEX)
 }
 
+/// The notes in a progress directory, by name: its plain files of up to [`NOTE_CAP`] bytes that
+/// are not loopd's own.
+fn notes_in(progress: &loopd_fs::Dir) -> Result<Vec<String>> {
+    let mut names = progress.entries()?;
+    names.sort();
+    names.retain(|name| {
+        is_note(name)
+            && progress
+                .stat(name)
+                .ok()
+                .flatten()
+                .is_some_and(|s| loopd_fs::is_plain(&s) && s.st_size <= NOTE_CAP)
+    });
+    Ok(names)
+}
+
 /// The branch a loop's work goes to.
-pub fn branch(id: &str) -> String {
+fn branch(id: &str) -> String {
     format!("refs/heads/loopd/{id}")
 }
 
@@ -144,7 +160,7 @@ impl Cache {
         let mut tree = Tree {
             cache: self.clone(),
             path,
-            clone,
+            repo: clone,
             id: id.to_owned(),
             seen: None,
         };
@@ -153,7 +169,7 @@ impl Cache {
             .unwrap_or_else(PoisonError::into_inner)
             .busy
             .insert(id.to_owned());
-        let one = self.one_at_a_time(&tree.clone);
+        let one = self.one_at_a_time(&tree.repo);
         let placed = {
             let _one = one.lock().await;
             match tree.fetch(source, commit).await {
@@ -254,7 +270,8 @@ impl Cache {
 pub struct Tree {
     cache: Arc<Cache>,
     pub path: PathBuf,
-    clone: PathBuf,
+    /// The clone the work tree belongs to.
+    repo: PathBuf,
     id: String,
     /// The remote's branch of the loop when it was fetched: the lease of the push.
     seen: Option<String>,
@@ -264,11 +281,11 @@ impl Tree {
     /// Fetches the loop's branch and checkpoints into the clone (made first if missing);
     /// returns the branch's commit.
     async fn fetch(&self, source: &GitSource, commit: &str) -> Result<Option<String>> {
-        if !self.clone.join("HEAD").exists() {
-            let _ = std::fs::remove_dir_all(&self.clone);
+        if !self.repo.join("HEAD").exists() {
+            let _ = std::fs::remove_dir_all(&self.repo);
             git(
                 self.cache.dir.as_path(),
-                &["init", "--bare", "--quiet", "--", path_arg(&self.clone)?],
+                &["init", "--bare", "--quiet", "--", path_arg(&self.repo)?],
             )
             .await?;
         }
@@ -276,7 +293,7 @@ impl Tree {
         let refs = format!("refs/loopd/{}/*", self.id);
         let notes = format!("refs/loopd-notes/{}/*", self.id);
         git(
-            &self.clone,
+            &self.repo,
             &[
                 "fetch",
                 "--no-tags",
@@ -292,13 +309,13 @@ impl Tree {
         .await
         .context("cannot fetch the loop's branch")?;
         git(
-            &self.clone,
+            &self.repo,
             &["cat-file", "-e", &format!("{commit}^{{commit}}")],
         )
         .await
         .with_context(|| format!("the loop's last checkpoint {commit} is not on the remote"))?;
         Ok(
-            git(&self.clone, &["rev-parse", "--verify", "--quiet", &branch])
+            git(&self.repo, &["rev-parse", "--verify", "--quiet", &branch])
                 .await
                 .ok(),
         )
@@ -310,9 +327,9 @@ impl Tree {
             git(&self.path, &["reset", "--hard", "--quiet", commit]).await?;
         } else {
             let _ = std::fs::remove_dir_all(&self.path);
-            git(&self.clone, &["worktree", "prune"]).await?;
+            git(&self.repo, &["worktree", "prune"]).await?;
             git(
-                &self.clone,
+                &self.repo,
                 &[
                     "worktree",
                     "add",
@@ -373,12 +390,15 @@ impl Tree {
 
     /// Puts the loop's notes as they were at its checkpoint `commit` into its progress directory
     /// `progress`: what its agents wrote there for people (`develop.md`, `changes.log`, ...),
-    /// wherever they ran.
+    /// wherever they ran. Notes an attempt wrote since (one that failed, or was interrupted on
+    /// this worker) are removed, as the work tree's changes are.
     pub async fn restore_notes(&self, progress: &loopd_fs::Dir, commit: &str) -> Result<()> {
         let notes = notes_ref(&self.id, commit);
-        let Ok(listing) = git(&self.clone, &["ls-tree", "-z", &notes]).await else {
-            return Ok(()); // None at that checkpoint.
-        };
+        // None at that checkpoint: an empty listing.
+        let listing = git(&self.repo, &["ls-tree", "-z", &notes])
+            .await
+            .unwrap_or_default();
+        let mut kept = std::collections::HashSet::new();
         for entry in listing.split('\0') {
             // "MODE blob OBJECT\tNAME"
             let Some((meta, name)) = entry.split_once('\t') else {
@@ -390,10 +410,18 @@ impl Tree {
             if !is_note(name) {
                 continue;
             }
-            let bytes = git_bytes(&self.clone, &["cat-file", "blob", object]).await?;
+            let bytes = git_bytes(&self.repo, &["cat-file", "blob", object]).await?;
             progress
                 .write_atomic(name, &bytes, false)
                 .with_context(|| format!("cannot write {}", progress.join(name).display()))?;
+            kept.insert(name.to_owned());
+        }
+        for name in notes_in(progress)? {
+            if !kept.contains(&name) {
+                progress
+                    .remove(&name)
+                    .with_context(|| format!("cannot remove {}", progress.join(&name).display()))?;
+            }
         }
         Ok(())
     }
@@ -404,16 +432,7 @@ impl Tree {
         let index = progress.join(NOTES_INDEX);
         let index = path_arg(&index)?.to_owned();
         let _ = std::fs::remove_file(&index);
-        let mut names = progress.entries()?;
-        names.sort();
-        names.retain(|name| {
-            is_note(name)
-                && progress
-                    .stat(name)
-                    .ok()
-                    .flatten()
-                    .is_some_and(|s| loopd_fs::is_plain(&s) && s.st_size <= NOTE_CAP)
-        });
+        let names = notes_in(progress)?;
         if names.is_empty() {
             return Ok(None);
         }
@@ -443,7 +462,7 @@ impl Tree {
     /// Gives up this work tree and its clone after a failure of git itself: the next attempt
     /// on this worker starts from a fresh clone.
     pub async fn forget(self) {
-        self.cache.forget(&self.clone, &self.id).await;
+        self.cache.forget(&self.repo, &self.id).await;
     }
 }
 
