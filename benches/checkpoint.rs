@@ -12,26 +12,10 @@
 
 mod common;
 
-use std::path::Path;
-use std::process::Command;
 use std::time::Instant;
 
-use common::{env_num, median, tempdir};
+use common::{env_num, git, median, tempdir};
 use loopd_exec::checkpoint::Repo;
-
-fn git(dir: &Path, args: &[&str]) {
-    let status = Command::new("git")
-        .arg("-C")
-        .arg(dir)
-        .args(args)
-        .env("GIT_AUTHOR_NAME", "bench")
-        .env("GIT_AUTHOR_EMAIL", "bench@localhost")
-        .env("GIT_COMMITTER_NAME", "bench")
-        .env("GIT_COMMITTER_EMAIL", "bench@localhost")
-        .status()
-        .expect("run git");
-    assert!(status.success(), "git {args:?} failed");
-}
 
 fn main() {
     let files = env_num("LOOPD_BENCH_FILES", 10_000);

@@ -22,12 +22,10 @@
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::temporal::{Server, Workers, temporal_bin};
-use common::{Project, env_num, median};
-use loopd_temporal::{TemporalConfig, client};
+use common::temporal::{Workers, finished};
+use common::{Project, env_num, git, median, ms};
 
 /// Plans `$TASKS` tasks at init; every action succeeds at once; develop appends a line to
 /// `work.txt`. With `$MARKS/hold`, the first develop writes its pid to `$MARKS/develop.pid` and
@@ -51,25 +49,13 @@ esac
 "#;
 
 fn main() {
-    let Some(bin) = temporal_bin() else {
-        eprintln!(
-            "the Temporal server is not installed (LOOPD_TEMPORAL_BIN, or ~/.cache/loopd/temporal-1.9.1): \
-             see README, \"Beyond one machine\""
-        );
-        return;
-    };
     let steps = env_num("LOOPD_BENCH_STEPS", 50);
     let loops = env_num("LOOPD_BENCH_LOOPS", 100);
     let trials = env_num("LOOPD_BENCH_TRIALS", 5);
-    let dir = common::tempdir();
-    let server = Server::start(&bin, dir.path());
-    let config = TemporalConfig {
-        address: server.address.clone(),
-        namespace: "default".into(),
-        task_queue: "loopd".into(),
-        ..TemporalConfig::default()
+    let Some(started) = common::temporal::start() else {
+        return;
     };
-    let rt = tokio::runtime::Runtime::new().expect("a runtime");
+    let (server, config, rt, dir) = (&started.server, &started.config, &started.rt, &started.dir);
 
     // a) One loop, per action: on a remote, in a shared directory, on the file driver.
     let fleet = Fleet::new(dir.path(), steps - 3);
@@ -79,7 +65,7 @@ fn main() {
         for _ in 0..3 {
             let started = Instant::now();
             let id = fleet.create(&server.address, remote);
-            rt.block_on(finished(&config, &id));
+            rt.block_on(finished(config, &id));
             runs.push(ms(started.elapsed()) / steps as f64);
         }
         drop(workers);
@@ -123,7 +109,7 @@ fn main() {
         .map(|_| fleet.create(&server.address, true))
         .collect();
     for id in &ids {
-        rt.block_on(finished(&config, id));
+        rt.block_on(finished(config, id));
     }
     let elapsed = started.elapsed().as_secs_f64();
     drop(workers);
@@ -160,7 +146,7 @@ fn main() {
         dead.0.wait().expect("reap the worker");
         wait_for(&fleet.marks.join("resumed"));
         moved.push(started.elapsed().as_secs_f64());
-        rt.block_on(finished(&config, &id));
+        rt.block_on(finished(config, &id));
         workers
             .processes
             .extend(fleet.workers(&server.address, 1).processes);
@@ -235,37 +221,6 @@ impl Fleet {
     }
 }
 
-fn git(dir: &Path, args: &[&str]) {
-    let out = Command::new("git")
-        .arg("-C")
-        .arg(dir)
-        .args(args)
-        .env("GIT_AUTHOR_NAME", "bench")
-        .env("GIT_AUTHOR_EMAIL", "bench@localhost")
-        .env("GIT_COMMITTER_NAME", "bench")
-        .env("GIT_COMMITTER_EMAIL", "bench@localhost")
-        .stdin(Stdio::null())
-        .output()
-        .expect("run git");
-    assert!(
-        out.status.success(),
-        "git {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
-/// Waits until loop `id`'s workflow has ended, completed.
-async fn finished(config: &TemporalConfig, id: &str) {
-    let client = client::connect(config).await.expect("connect");
-    let input = client::finished(&client, id).await.expect("the loop's end");
-    assert_eq!(
-        input.state.status,
-        loopd_core::state::Status::Completed,
-        "loop {id}: {:?}",
-        input.state.failure_reason
-    );
-}
-
 /// Waits until `path` exists; returns it.
 fn wait_for(path: &Path) -> PathBuf {
     let started = Instant::now();
@@ -294,8 +249,4 @@ fn ancestor(of: u32, mut pid: u32) -> bool {
             .unwrap_or(0);
     }
     false
-}
-
-fn ms(d: Duration) -> f64 {
-    d.as_secs_f64() * 1000.0
 }

@@ -24,9 +24,8 @@ use std::path::Path;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use common::temporal::{Server, Workers, temporal_bin};
-use common::{Project, alive, env_num, median};
-use loopd_temporal::{TemporalConfig, client};
+use common::temporal::{Workers, finished};
+use common::{Project, alive, env_num, median, ms};
 
 /// Plans `$TASKS` tasks at init; every action succeeds at once. Develop writes its pid to
 /// `develop.pid` and becomes `sleep 1000` when `hold` exists.
@@ -45,32 +44,20 @@ esac
 "#;
 
 fn main() {
-    let Some(bin) = temporal_bin() else {
-        eprintln!(
-            "the Temporal server is not installed (LOOPD_TEMPORAL_BIN, or ~/.cache/loopd/temporal-1.9.1): \
-             see README, \"Beyond one machine\""
-        );
-        return;
-    };
     let steps = env_num("LOOPD_BENCH_STEPS", 50);
     let trials = env_num("LOOPD_BENCH_TRIALS", 20);
     let loops = env_num("LOOPD_BENCH_LOOPS", 50);
-    let dir = common::tempdir();
-    let server = Server::start(&bin, dir.path());
-    let config = TemporalConfig {
-        address: server.address.clone(),
-        namespace: "default".into(),
-        task_queue: "loopd".into(),
-        ..TemporalConfig::default()
+    let Some(started) = common::temporal::start() else {
+        return;
     };
-    let rt = tokio::runtime::Runtime::new().expect("a runtime");
+    let (server, config, rt) = (&started.server, &started.config, &started.rt);
 
     // a) The yardstick.
     let mut bare = Vec::new();
     for i in 0..3 {
         let elapsed = rt
             .block_on(loopd_temporal::reference::run(
-                &config,
+                config,
                 &format!("bare-{i}"),
                 steps as u32,
             ))
@@ -88,7 +75,7 @@ fn main() {
     for _ in 0..3 {
         let started = Instant::now();
         let id = create(&p, &server.address);
-        rt.block_on(finished(&config, &id));
+        rt.block_on(finished(config, &id));
         on_temporal.push(ms(started.elapsed()) / steps as f64);
     }
     drop(workers);
@@ -147,7 +134,7 @@ fn main() {
     let started = Instant::now();
     let ids: Vec<String> = (0..loops).map(|_| create(&p, &server.address)).collect();
     for id in &ids {
-        rt.block_on(finished(&config, id));
+        rt.block_on(finished(config, id));
     }
     let elapsed = started.elapsed().as_secs_f64();
     drop(workers);
@@ -191,10 +178,6 @@ fn main() {
     );
 }
 
-fn ms(d: Duration) -> f64 {
-    d.as_secs_f64() * 1000.0
-}
-
 /// A project whose loops plan `tasks` tasks.
 fn project(tasks: usize) -> Project {
     let mut config = common::config(&["sh", "bin/agent.sh"], "stdin", "json", None);
@@ -223,18 +206,6 @@ fn create(p: &Project, address: &str) -> String {
         String::from_utf8_lossy(&out.stderr)
     );
     String::from_utf8_lossy(&out.stdout).trim().to_owned()
-}
-
-/// Waits until loop `id`'s workflow has ended.
-async fn finished(config: &TemporalConfig, id: &str) {
-    let client = client::connect(config).await.expect("connect");
-    let input = client::finished(&client, id).await.expect("the loop's end");
-    assert_eq!(
-        input.state.status,
-        loopd_core::state::Status::Completed,
-        "loop {id}: {:?}",
-        input.state.failure_reason
-    );
 }
 
 /// Waits until process `pid` is gone; the milliseconds since `started`.

@@ -6,7 +6,57 @@ use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
+use loopd_temporal::{TemporalConfig, client};
+
 use super::Project;
+
+/// A dev server of the benchmark's own, in a temporary directory, with a client's settings and
+/// a runtime to drive it.
+pub struct Started {
+    pub server: Server,
+    pub config: TemporalConfig,
+    pub rt: tokio::runtime::Runtime,
+    /// Holds the server's database (and whatever else the benchmark puts there).
+    pub dir: tempfile::TempDir,
+}
+
+/// Starts a dev server; `None`, with a message, where the server is not installed.
+pub fn start() -> Option<Started> {
+    let Some(bin) = temporal_bin() else {
+        eprintln!(
+            "the Temporal server is not installed (LOOPD_TEMPORAL_BIN, or ~/.cache/loopd/temporal-1.9.1): \
+             see README, \"Beyond one machine\""
+        );
+        return None;
+    };
+    let dir = super::tempdir();
+    let server = Server::start(&bin, dir.path());
+    let config = TemporalConfig {
+        address: server.address.clone(),
+        namespace: "default".into(),
+        task_queue: "loopd".into(),
+        ..TemporalConfig::default()
+    };
+    let rt = tokio::runtime::Runtime::new().expect("a runtime");
+    Some(Started {
+        server,
+        config,
+        rt,
+        dir,
+    })
+}
+
+/// Waits until loop `id`'s workflow has ended, completed.
+pub async fn finished(config: &TemporalConfig, id: &str) {
+    let client = client::connect(config).await.expect("connect");
+    let input = client::finished(&client, id).await.expect("the loop's end");
+    assert_eq!(
+        input.state.status,
+        loopd_core::state::Status::Completed,
+        "loop {id}: {:?}",
+        input.state.failure_reason
+    );
+}
 
 pub fn temporal_bin() -> Option<PathBuf> {
     let bin = std::env::var_os("LOOPD_TEMPORAL_BIN")

@@ -773,6 +773,33 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_loop_id_is_one_safe_file_name() {
+        let longest = "a".repeat(128);
+        for id in [
+            "loop-v2-20261125T120000-0a1b2c3d",
+            "L.1_x-y",
+            "7",
+            longest.as_str(),
+        ] {
+            assert!(is_loop_id(id), "{id:?}");
+        }
+        let too_long = "a".repeat(129);
+        for id in [
+            "",
+            ".hidden",
+            "-flag",
+            "..",
+            "a/b",
+            "a\0b",
+            "é",
+            "a b",
+            too_long.as_str(),
+        ] {
+            assert!(!is_loop_id(id), "{id:?}");
+        }
+    }
+
+    #[test]
     fn unknown_fields_survive_at_every_level() {
         let text = r#"{
             "loop_id": "l", "status": "running",
