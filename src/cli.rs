@@ -12,7 +12,7 @@ use crate::output::print_result;
 use loopd_file_driver::control::{Control, choose_next, set_control};
 use loopd_file_driver::error::usage;
 use loopd_file_driver::project::Project;
-use loopd_file_driver::view::LoopView;
+use loopd_file_driver::view::{self, LoopView};
 use loopd_store::events::{self, name, printable, render};
 use loopd_store::store::{StoreError, validate_id};
 
@@ -561,7 +561,8 @@ fn status(p: &Project, id: &str, as_json: bool) -> Result<i32> {
 }
 
 /// `list`: the project's loops, or with `all` every loop of every project (yours, and those
-/// a running service serves), with a PROJECT column.
+/// a running service serves), with a PROJECT column; under the table, what each project's
+/// loops spent today and overall.
 fn list(p: &Project, all: bool, as_json: bool) -> Result<i32> {
     let service = loopd_file_driver::service::running();
     let roots = if all {
@@ -585,8 +586,11 @@ fn list(p: &Project, all: bool, as_json: bool) -> Result<i32> {
         "ITER".to_owned(),
         "PROGRESS".to_owned(),
         "ACTION".to_owned(),
+        "TOKENS".to_owned(),
+        "COST".to_owned(),
         "TITLE".to_owned(),
     ]];
+    let mut totals = Vec::new();
     if all {
         table[0].insert(0, "PROJECT".to_owned());
     }
@@ -598,7 +602,10 @@ fn list(p: &Project, all: bool, as_json: bool) -> Result<i32> {
             other = Project::open_for_inspection(Some(root), None)?;
             &other
         };
-        let (rows, loops) = list_project(project, service.as_ref(), as_json)?;
+        let (rows, loops, spent) = list_project(project, service.as_ref(), as_json)?;
+        if !rows.is_empty() {
+            totals.push((root, spent));
+        }
         for mut row in rows {
             if all {
                 row.insert(0, root.display().to_string());
@@ -642,27 +649,45 @@ fn list(p: &Project, all: bool, as_json: bool) -> Result<i32> {
         line.push_str(&row[columns - 1]);
         crate::outln!("{}", line.trim_end())?;
     }
+    for (root, spent) in totals {
+        let project = match all {
+            true => format!(" in {}", root.display()),
+            false => String::new(),
+        };
+        crate::outln!(
+            "spent{project}: today {} tokens, ${:.2} · overall {} tokens, ${:.2}",
+            view::tokens(spent.today_tokens),
+            spent.today_cost_usd,
+            view::tokens(spent.tokens),
+            spent.cost_usd
+        )?;
+    }
     Ok(0)
 }
 
-/// One project's loops: the table's rows, and the state files as they are (for `--json`).
+/// One project's loops: the table's rows, the state files as they are (for `--json`), and what
+/// they spent together.
 fn list_project(
     p: &Project,
     service: Option<&loopd_file_driver::service::ServiceInfo>,
     as_json: bool,
-) -> Result<(Vec<Vec<String>>, Vec<Value>)> {
+) -> Result<(Vec<Vec<String>>, Vec<Value>, view::Spent)> {
     let (mut rows, mut values) = (Vec::new(), Vec::new());
+    let mut spent = view::Spent::default();
     for id in &p.store.list_ids()? {
         match p.store.load(id) {
             Ok(loaded) if as_json => values.push(Value::Object(loaded.raw)),
             Ok(loaded) => {
                 let v = LoopView::of(p, &loaded.state, service);
+                spent = spent.plus(v.spent);
                 rows.push(vec![
                     v.loop_id,
                     v.standing,
                     format!("{}/{}", v.iteration, v.max_iterations),
                     v.progress,
                     v.action.unwrap_or_default(),
+                    view::tokens(v.spent.tokens),
+                    format!("${:.2}", v.spent.cost_usd),
                     v.title,
                 ]);
             }
@@ -673,11 +698,13 @@ fn list_project(
                 String::new(),
                 String::new(),
                 String::new(),
+                String::new(),
+                String::new(),
                 e.to_string(),
             ]),
         }
     }
-    Ok((rows, values))
+    Ok((rows, values, spent))
 }
 
 /// What `logs` shows, and how.

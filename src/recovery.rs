@@ -10,7 +10,7 @@ use loopd_core::state::Status;
 use serde_json::{Value, json};
 
 use crate::output::print_result;
-use loopd_file_driver::control::{add_task, give_answer};
+use loopd_file_driver::control::{add_task, give_answer, set_limits};
 use loopd_file_driver::create::Limits;
 use loopd_file_driver::error::usage;
 use loopd_file_driver::project::Project;
@@ -82,37 +82,19 @@ pub fn retry(p: &Project, id: &str, as_json: bool) -> Result<i32> {
 /// the loop takes them at its next selection.
 pub fn set(p: &Project, id: &str, limits: &Limits, as_json: bool) -> Result<i32> {
     let state = p.load(id)?;
-    limits.check()?;
-    let changes: Vec<(&str, Value)> = [
-        ("max_iterations", limits.max_iterations.map(|n| json!(n))),
-        ("max_errors", limits.max_errors.map(|n| json!(n))),
-        ("max_cost_usd", limits.max_cost_usd.map(|usd| json!(usd))),
-        ("max_tokens", limits.max_tokens.map(|n| json!(n))),
-    ]
-    .into_iter()
-    .filter_map(|(key, value)| Some((key, value?)))
-    .collect();
-    if changes.is_empty() {
-        return Err(usage(
-            "nothing to set: give --max-iterations, --max-errors, --max-cost-usd or --max-tokens",
-        ));
-    }
-    p.store.update(id, true, |raw, _| {
-        for (key, value) in &changes {
-            raw.insert((*key).to_owned(), value.clone());
-        }
-    })?;
-    let said: Vec<String> = changes.iter().map(|(k, v)| format!("{k} = {v}")).collect();
+    let done = set_limits(p, id, limits)?;
+    let said: Vec<String> = done["set"]
+        .as_object()
+        .into_iter()
+        .flatten()
+        .map(|(k, v)| format!("{k} = {v}"))
+        .collect();
     eprintln!(
         "loop {id} ({}): {}",
         standing(&state, None),
         said.join(", ")
     );
-    let set: serde_json::Map<String, Value> = changes
-        .into_iter()
-        .map(|(key, value)| (key.to_owned(), value))
-        .collect();
-    print_result(as_json, &json!({ "loop_id": id, "set": set }), "")?;
+    print_result(as_json, &done, "")?;
     Ok(0)
 }
 

@@ -492,8 +492,9 @@ fn a_flood_of_output_keeps_the_daemon_small() {
 #[test]
 fn a_reader_never_sees_a_torn_or_empty_state_file() {
     let p = Project::new(GOOD_AGENT);
+    // Round after round of the same failing validation, on purpose.
     p.config(&format!(
-        "{TEST_CONFIG}\n[actions.validate]\ncommand = \"false\"\n"
+        "no_progress_rounds = 0\n{TEST_CONFIG}\n[actions.validate]\ncommand = \"false\"\n"
     ));
     let id = p.create(&["--title", "t", "--max-iterations", "150"]);
     let child = p.spawn_run(&id, &[]);

@@ -156,6 +156,8 @@ fn a_develop_that_always_fails_ends_failed_with_exit_4() {
 #[test]
 fn a_validate_that_never_passes_stops_at_max_iterations_with_exit_3() {
     let p = Project::new(&GOOD_AGENT.replace("\"passed\":true", "\"passed\":false"));
+    // Rounds that change nothing, on purpose (tests/no_progress.rs has them pause).
+    p.config(&format!("no_progress_rounds = 0\n{TEST_CONFIG}"));
     let id = p.create(&["--title", "t", "--max-iterations", "7"]);
     let out = p.run(&id, &[]);
     assert_eq!(code(&out), 3, "{}", stderr(&out));
@@ -184,7 +186,7 @@ fn the_state_file_stays_small_after_400_iterations() {
     let p = Project::new(GOOD_AGENT);
     // A cheap validate that never passes: debug and validate alternate until the limit.
     p.config(&format!(
-        "{TEST_CONFIG}\n[actions.validate]\ncommand = \"false\"\n"
+        "no_progress_rounds = 0\n{TEST_CONFIG}\n[actions.validate]\ncommand = \"false\"\n"
     ));
     let id = p.create(&["--title", "t", "--max-iterations", "400"]);
     let out = p.run(&id, &[]);

@@ -3,7 +3,8 @@
 //! action is finished, tried again after a backoff, waits for a rate limit's reset, parks the
 //! loop as blocked, or asks a person). The state changes around an attempt are here too:
 //! [`begin`] before the first, [`record`] after each, [`block`] and [`ask`] when the loop must
-//! wait for someone, [`finish`] when the action is done. A driver runs the attempts and writes the
+//! wait for someone, [`finish`] when the action is done (which also counts the rounds without
+//! progress, [`no_progress`]). A driver runs the attempts and writes the
 //! state; it decides nothing of this itself.
 
 use std::time::Duration;
@@ -11,6 +12,7 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 
+use crate::no_progress;
 use crate::protocol::ActionResult;
 use crate::state::{Blocked, HistoryEntry, LoopState, Question, Usage};
 use crate::workflow::{self, Dispatch, Finish, Inputs, LoopEnd, Workflow};
@@ -197,12 +199,16 @@ impl Attempts {
         AfterAttempt::Retry { pause }
     }
 
-    /// How long to wait for a rate limit that resets at `until` (or, unknown, the policy's wait):
-    /// at least a second, so a confused agent cannot spin, and at most the policy's longest wait.
+    /// How long to wait for a rate limit that resets at `until` (or, unknown, the policy's wait,
+    /// doubled for each rate limit in a row before): at least a second, so a confused agent
+    /// cannot spin, and at most the policy's longest wait.
     fn rate_limit_wait(&self, until: Option<DateTime<Utc>>, now: DateTime<Utc>) -> Duration {
         let wait = match until {
             Some(t) => (t - now).to_std().unwrap_or_default(),
-            None => self.policy.rate_limit_wait,
+            None => self
+                .policy
+                .rate_limit_wait
+                .saturating_mul(2u32.saturating_pow(self.rate_limited.saturating_sub(1))),
         };
         let floor = Duration::from_secs(1);
         wait.clamp(floor, self.policy.rate_limit_max_wait.max(floor))
@@ -244,6 +250,7 @@ pub fn begin(
     skill.awaiting_choice = None;
     skill.blocked = None;
     skill.outcome = None;
+    no_progress::resumed(state);
     answered
 }
 
@@ -267,8 +274,9 @@ pub fn record(state: &mut LoopState, attempted: Attempted<'_>, verdict: &Verdict
     let skill = state.skill();
     skill.in_flight = None;
     if let Some((usage, cost_usd)) = attempted.spent {
-        skill.usage.add(usage, cost_usd);
+        skill.usage.add(usage, cost_usd, attempted.finished_at);
     }
+    no_progress::touched(state, attempted.checkpoint.as_ref());
     let (summary, error) = match verdict {
         Verdict::Success(r) => ((!r.summary.is_empty()).then(|| r.summary.clone()), None),
         Verdict::Failed { message, .. }
@@ -346,6 +354,13 @@ pub fn finish(
 ) -> Option<LoopEnd> {
     let end = workflow.apply(state, dispatch, finish, inputs);
     workflow::record_finish(workflow, state, dispatch, finish, &inputs.now);
+    no_progress::round(
+        workflow,
+        state,
+        &dispatch.action,
+        finish,
+        inputs.tree_tracked,
+    );
     end
 }
 
@@ -421,8 +436,11 @@ mod tests {
             "a past reset"
         );
         assert_eq!(wait(&mut a, secs(86_400)), Duration::from_secs(600));
-        assert_eq!(wait(&mut a, None), Duration::from_secs(60));
         assert_eq!(a.attempt, 1, "the same attempt is tried again");
+        // Without a reset time: a growing wait.
+        let mut a = Attempts::new(POLICY);
+        let waits: Vec<_> = (0..5).map(|_| wait(&mut a, None).as_secs()).collect();
+        assert_eq!(waits, [60, 120, 240, 480, 600]);
     }
 
     #[test]

@@ -18,6 +18,7 @@
 
 pub mod attempt;
 pub mod control;
+pub mod no_progress;
 pub mod protocol;
 pub mod state;
 pub mod test_output;

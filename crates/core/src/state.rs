@@ -245,6 +245,9 @@ pub const SKILL_KEY_ORDER: &[&str] = &[
     "blocked",
     "worktree",
     "question",
+    "rate_limit",
+    "best_validation",
+    "no_progress",
 ];
 
 impl Serialize for SkillState {
@@ -374,9 +377,70 @@ pub struct Bookkeeping {
     /// both; it is cleared when that action finishes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub question: Option<Question>,
+    /// Set while the loop waits for a rate limit to reset, its own or its account's: which
+    /// account, and until when. Cleared when the wait ends.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rate_limit: Option<RateLimitWait>,
     /// `rollback_on_regression`: the best validation so far, which a worse one rolls back to.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub best_validation: Option<BestValidation>,
+    /// No-progress detection: the rounds in a row that changed nothing, and while the loop is
+    /// paused for it, why (see `no_progress`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub no_progress: Option<NoProgress>,
+}
+
+/// A loop waiting for a rate limit to reset.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct RateLimitWait {
+    pub account: String,
+    pub until: String,
+}
+
+/// What no-progress detection keeps between rounds.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct NoProgress {
+    /// Rounds in a row that left the fingerprint as the round before left it.
+    #[serde(default)]
+    pub rounds: u64,
+    /// What the last round left.
+    #[serde(default)]
+    pub fingerprint: Option<Fingerprint>,
+    /// A checkpoint changed files since the last round ended.
+    #[serde(default)]
+    pub tree_changed: bool,
+    /// Set while the loop is paused for making no progress; cleared (`null`, always written so
+    /// that the store's merge sees it cleared) when an action starts.
+    #[serde(default)]
+    pub paused: Option<Stalled>,
+    #[serde(flatten)]
+    pub extra: Extra,
+}
+
+/// What a round leaves that progress would change (besides the work tree, whose checkpoints say
+/// whether it changed).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Fingerprint {
+    /// The workflow's measure of progress (`2/3` tasks, a gate).
+    pub progress: String,
+    /// The last validation's outcome, in a few words, once there was one.
+    #[serde(default)]
+    pub validation: Option<String>,
+    /// The round's error, normalised (numbers, paths and hashes taken out), if it failed.
+    #[serde(default)]
+    pub error: Option<String>,
+    /// Whether the work tree's checkpoints are recorded (git), so that a round that changed no
+    /// file is known.
+    #[serde(default)]
+    pub tree_tracked: bool,
+}
+
+/// A loop paused because it made no progress.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Stalled {
+    pub since: String,
+    /// What stayed the same, for people.
+    pub reason: String,
 }
 
 /// The best validation of a loop: its pass rate, the checkpoint the work tree was at, and the
@@ -433,8 +497,22 @@ pub struct UsageTotals {
     pub cache_write_tokens: u64,
     #[serde(default)]
     pub cost_usd: f64,
+    /// What was spent on the last day anything was (UTC), for `list`'s "today" (loopd's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub day: Option<DaySpend>,
     #[serde(flatten)]
     pub extra: Extra,
+}
+
+/// Tokens and dollars spent on one day.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct DaySpend {
+    /// `YYYY-MM-DD`, UTC.
+    pub date: String,
+    #[serde(default)]
+    pub tokens: u64,
+    #[serde(default)]
+    pub cost_usd: f64,
 }
 
 /// The most dollars a loop's usage records: more is surely garbage, and must stay a finite number
@@ -449,9 +527,17 @@ impl UsageTotals {
             .saturating_add(self.cache_write_tokens)
     }
 
-    /// Adds an attempt's spending; sums saturate, and a cost that is not a finite number of
-    /// dollars counts as nothing.
-    pub fn add(&mut self, usage: &Usage, cost_usd: Option<f64>) {
+    /// What was spent on `date` (`YYYY-MM-DD`, UTC): `(tokens, dollars)`.
+    pub fn on(&self, date: &str) -> (u64, f64) {
+        match &self.day {
+            Some(day) if day.date == date => (day.tokens, day.cost_usd),
+            _ => (0, 0.0),
+        }
+    }
+
+    /// Adds an attempt's spending, which ended at `at` (RFC 3339, UTC), to the totals and its
+    /// day's; sums saturate, and a cost that is not a finite number of dollars counts as nothing.
+    pub fn add(&mut self, usage: &Usage, cost_usd: Option<f64>, at: &str) {
         self.input_tokens = self.input_tokens.saturating_add(usage.input_tokens);
         self.output_tokens = self.output_tokens.saturating_add(usage.output_tokens);
         self.cache_read_tokens = self
@@ -464,6 +550,16 @@ impl UsageTotals {
             .filter(|c| c.is_finite() && *c > 0.0)
             .unwrap_or(0.0);
         self.cost_usd = (self.cost_usd + cost).clamp(0.0, MAX_COST_USD);
+        let date = at.get(..10).unwrap_or(at);
+        let day = self.day.get_or_insert_with(DaySpend::default);
+        if day.date != date {
+            *day = DaySpend {
+                date: date.to_owned(),
+                ..DaySpend::default()
+            };
+        }
+        day.tokens = day.tokens.saturating_add(usage.total());
+        day.cost_usd = (day.cost_usd + cost).clamp(0.0, MAX_COST_USD);
     }
 }
 
@@ -639,6 +735,14 @@ impl LoopState {
     pub fn standing(&self) -> String {
         let skill = self.skill_state.as_ref();
         let outcome = skill.and_then(|k| k.outcome.as_deref());
+        if self.status == Status::Running
+            && let Some(wait) = skill.and_then(|k| k.rate_limit.as_ref())
+        {
+            return format!(
+                "waiting: rate limit of {} until {}",
+                wait.account, wait.until
+            );
+        }
         match &self.status {
             Status::Running
                 if skill
@@ -648,6 +752,13 @@ impl LoopState {
                 "waiting for an answer".to_owned()
             }
             Status::Paused if skill.is_some_and(|k| k.blocked.is_some()) => "blocked".to_owned(),
+            Status::Paused
+                if skill
+                    .and_then(|k| k.no_progress.as_ref())
+                    .is_some_and(|n| n.paused.is_some()) =>
+            {
+                "no progress".to_owned()
+            }
             Status::Completed => match outcome {
                 Some("iteration_limit") => "iteration limit".to_owned(),
                 Some("incomplete") => "incomplete".to_owned(),

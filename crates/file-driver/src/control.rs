@@ -1,6 +1,6 @@
 //! What anyone may change of a loop while it lives, from the command line or the API: its status
 //! (pause, resume, stop), the next action of an interactive loop, one more task, the answer to an
-//! executor's question.
+//! executor's question, its limits and budgets.
 //!
 //! Each writes the state file as the CCW dashboard does: read-modify-write under the loop's lock,
 //! only the fields it means to change, refused with one line where it makes no sense.
@@ -96,6 +96,31 @@ pub fn add_task(p: &Project, id: &str, text: &str) -> Result<Value> {
         .unwrap_or_default();
     let task_id = p.store.add_tasks(id, &[text], &taken)?.remove(0);
     Ok(json!({ "loop_id": id, "task_id": task_id }))
+}
+
+/// Sets a loop's limits and budgets (`loopd set`, the API), those given only; returns `{loop_id,
+/// set: {KEY: VALUE}}`.
+pub fn set_limits(p: &Project, id: &str, limits: &crate::create::Limits) -> Result<Value> {
+    p.load(id)?;
+    limits.check()?;
+    let changes: serde_json::Map<String, Value> = [
+        ("max_iterations", limits.max_iterations.map(|n| json!(n))),
+        ("max_errors", limits.max_errors.map(|n| json!(n))),
+        ("max_cost_usd", limits.max_cost_usd.map(|usd| json!(usd))),
+        ("max_tokens", limits.max_tokens.map(|n| json!(n))),
+    ]
+    .into_iter()
+    .filter_map(|(key, value)| Some((key.to_owned(), value?)))
+    .collect();
+    if changes.is_empty() {
+        return Err(usage(
+            "nothing to set: give max_iterations, max_errors, max_cost_usd or max_tokens",
+        ));
+    }
+    p.store.update(id, true, |raw, _| {
+        raw.extend(changes.clone());
+    })?;
+    Ok(json!({ "loop_id": id, "set": changes }))
 }
 
 /// Answers the question a loop's executor asked ([`rules::check_answer`]); returns `{loop_id,

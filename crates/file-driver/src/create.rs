@@ -18,7 +18,8 @@ pub enum ModeArg {
 
 /// A loop's limits and budgets, as `create` and `set` take them; `None` leaves one as it is (for
 /// a new loop: the config's).
-#[derive(Clone, Copy, Debug, Default, clap::Args)]
+#[derive(Clone, Copy, Debug, Default, clap::Args, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct Limits {
     /// Complete the loop after this many develop/debug/validate actions [create: the config's]
     #[arg(long, value_name = "N")]

@@ -12,11 +12,13 @@
 //! Which layer may use which: this crate uses every crate below it ([`loopd_core`],
 //! [`loopd_fs`], [`loopd_store`], [`loopd_exec`], [`loopd_project`]); only the binary uses it.
 
+pub mod accounts;
 pub mod control;
 pub mod create;
 pub mod daemon;
 pub mod error;
 pub mod locks;
+pub mod notify;
 pub mod orchestrator;
 pub mod project;
 pub mod registry;

@@ -27,8 +27,61 @@ pub struct LoopView {
     pub action: Option<String>,
     /// The workflow's measure of progress.
     pub progress: String,
+    /// What its agents spent.
+    pub spent: Spent,
     /// Every row of `status`, in order.
     pub rows: Vec<Row>,
+}
+
+/// Tokens and dollars a loop's agents spent: overall, and today (UTC).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct Spent {
+    pub tokens: u64,
+    pub cost_usd: f64,
+    pub today_tokens: u64,
+    pub today_cost_usd: f64,
+}
+
+impl Spent {
+    /// What a loop spent, `today` being `YYYY-MM-DD` (UTC).
+    pub fn of(s: &LoopState, today: &str) -> Spent {
+        let Some(usage) = s.skill_state.as_ref().map(|k| &k.usage) else {
+            return Spent::default();
+        };
+        let (today_tokens, today_cost_usd) = usage.on(today);
+        Spent {
+            tokens: usage.tokens(),
+            cost_usd: usage.cost_usd,
+            today_tokens,
+            today_cost_usd,
+        }
+    }
+
+    /// The sum of two loops' spending.
+    pub fn plus(self, other: Spent) -> Spent {
+        Spent {
+            tokens: self.tokens.saturating_add(other.tokens),
+            cost_usd: self.cost_usd + other.cost_usd,
+            today_tokens: self.today_tokens.saturating_add(other.today_tokens),
+            today_cost_usd: self.today_cost_usd + other.today_cost_usd,
+        }
+    }
+}
+
+/// Today's date as the spending is kept (`YYYY-MM-DD`, UTC).
+pub fn today() -> String {
+    chrono::Utc::now().format("%Y-%m-%d").to_string()
+}
+
+/// A number of tokens as people read it: `950`, `12.3k`, `4.56M`.
+pub fn tokens(n: u64) -> String {
+    let f = n as f64;
+    match n {
+        0..1_000 => n.to_string(),
+        1_000..1_000_000 => format!("{:.1}k", f / 1e3),
+        1_000_000..1_000_000_000 => format!("{:.2}M", f / 1e6),
+        _ => format!("{:.2}G", f / 1e9),
+    }
 }
 
 impl LoopView {
@@ -82,6 +135,7 @@ impl LoopView {
             max_iterations,
             action,
             progress: wf_view.map(|v| v.progress).unwrap_or_default(),
+            spent: Spent::of(s, &today()),
             rows,
         }
     }
@@ -151,6 +205,13 @@ fn engine_rows(
             b.executor, b.reason
         );
         rows.push(row("blocked", value));
+    }
+    if let Some(stalled) = skill.no_progress.as_ref().and_then(|n| n.paused.as_ref()) {
+        let value = format!(
+            "{} (since {}) — look at it, then `loopd resume {id}`",
+            stalled.reason, stalled.since
+        );
+        rows.push(row("no progress", value));
     }
     if let Some(f) = &skill.in_flight {
         let task = f
@@ -228,6 +289,9 @@ fn next_step(s: &LoopState, daemon: Option<u32>) -> Option<String> {
         },
         Status::Paused if skill.is_some_and(|k| k.blocked.is_some()) => {
             format!("fix what blocks it, then `loopd resume {id}`")
+        }
+        Status::Paused if loopd_core::no_progress::paused(s).is_some() => {
+            format!("see what it did (`loopd logs {id}`), then `loopd resume {id}`")
         }
         Status::Paused | Status::UserExit => format!("`loopd resume {id}`"),
         Status::Failed => format!("`loopd resume {id}` runs it again"),

@@ -50,10 +50,17 @@ pub struct Config {
     /// Roll the work tree back to the best validation's checkpoint when a validation's pass rate
     /// drops below it.
     pub rollback_on_regression: bool,
+    /// Rounds in a row without progress after which a loop pauses (or fails, see
+    /// `on_no_progress`); 0: never.
+    pub no_progress_rounds: u64,
+    pub on_no_progress: loopd_core::no_progress::Then,
     pub executor_defaults: ExecutorDefaults,
     pub temporal: TemporalConfig,
     pub executors: BTreeMap<String, ExecutorConfig>,
     pub actions: BTreeMap<String, ActionConfig>,
+    /// `[[notify]]`: who is told of a loop's events that want a person (a later layer's list
+    /// replaces an earlier one's).
+    pub notify: Vec<NotifyConfig>,
     /// The project layer as it was read, when there is one: it needs `loopd trust`.
     #[serde(skip)]
     pub project_file: Option<crate::project_file::ProjectFile>,
@@ -118,6 +125,9 @@ pub struct ExecutorConfig {
     pub kill_grace: Option<f64>,
     pub output_cap: Option<u64>,
     pub final_grace: Option<f64>,
+    /// The account whose limits its agent spends (default: the executor's name): a rate limit
+    /// of one loop holds the service's other loops of that account.
+    pub account: Option<String>,
 }
 
 #[derive(Clone, Debug, Default, Deserialize)]
@@ -128,6 +138,103 @@ pub struct ActionConfig {
     pub idle_timeout: Option<f64>,
     /// A shell command run with `sh -c` instead of an executor.
     pub command: Option<String>,
+}
+
+/// The events a `[[notify]]` receiver may ask for, by the names people use for them.
+pub const NOTIFY_EVENTS: [&str; 6] = [
+    "needs_input",
+    "no_progress",
+    "failed",
+    "completed",
+    "budget_reached",
+    "rate_limited",
+];
+
+/// Seconds one delivery to a `[[notify]]` receiver may take by default.
+pub const NOTIFY_TIMEOUT: f64 = 10.0;
+
+/// One `[[notify]]` receiver: a webhook (`url`) or a program (`command`), told of the `events` it
+/// names, else of all of [`NOTIFY_EVENTS`].
+#[derive(Clone, Default, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct NotifyConfig {
+    /// `http://` or `https://`: each event is POSTed to it as JSON.
+    pub url: Option<String>,
+    /// A program and its arguments, run without a shell, with the event as one JSON line on
+    /// its stdin.
+    pub command: Option<Vec<String>>,
+    pub events: Option<Vec<String>>,
+    /// Seconds one delivery may take (a request, or the program's run); default
+    /// [`NOTIFY_TIMEOUT`].
+    pub timeout: Option<f64>,
+}
+
+/// The URL may hold a token (in its user info, path or query): it is never shown, not even by
+/// `{:?}`.
+impl std::fmt::Debug for NotifyConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NotifyConfig")
+            .field("url", &self.url.as_ref().map(|_| "(hidden)"))
+            .field("command", &self.command)
+            .field("events", &self.events)
+            .field("timeout", &self.timeout)
+            .finish()
+    }
+}
+
+impl NotifyConfig {
+    /// Whether it wants to hear of `event`, one of [`NOTIFY_EVENTS`].
+    pub fn wants(&self, event: &str) -> bool {
+        self.events
+            .as_ref()
+            .is_none_or(|events| events.iter().any(|e| e == event))
+    }
+
+    /// How long one delivery may take.
+    pub fn timeout(&self) -> Duration {
+        Duration::from_secs_f64(self.timeout.unwrap_or(NOTIFY_TIMEOUT))
+    }
+
+    /// What is wrong with it, if anything; never quotes the URL.
+    fn check(&self) -> Result<(), String> {
+        match (&self.url, &self.command) {
+            (Some(_), Some(_)) => return Err("has both `url` and `command`; give one".into()),
+            (None, None) => {
+                return Err("needs `url` (a webhook) or `command` (a program to run)".into());
+            }
+            (Some(url), None) => {
+                let rest = ["http://", "https://"]
+                    .iter()
+                    .find_map(|scheme| url.strip_prefix(scheme));
+                if rest.is_none_or(|r| r.is_empty() || r.contains(char::is_whitespace)) {
+                    return Err("`url` must be an http:// or https:// URL".into());
+                }
+            }
+            (None, Some(command)) => {
+                if command.first().is_none_or(String::is_empty) {
+                    return Err("`command` must be a non-empty list of strings".into());
+                }
+            }
+        }
+        if let Some(events) = &self.events {
+            if events.is_empty() {
+                return Err("`events` is empty (leave it out for all events)".into());
+            }
+            if let Some(e) = events.iter().find(|e| !NOTIFY_EVENTS.contains(&e.as_str())) {
+                return Err(format!(
+                    "`events` names an unknown event {e:?}{} (known: {})",
+                    did_you_mean(e, &NOTIFY_EVENTS),
+                    NOTIFY_EVENTS.join(", ")
+                ));
+            }
+        }
+        match self.timeout {
+            Some(t) if !seconds_ok(t) => Err(format!(
+                "`timeout` must be a positive number of at most {MAX_SECONDS}, not {t}"
+            )),
+            _ => Ok(()),
+        }
+    }
 }
 
 /// The longest duration a setting may have, in seconds (about 31 years): more is surely a typo,
@@ -391,6 +498,11 @@ impl Config {
                 ));
             }
         }
+        for (n, notify) in self.notify.iter().enumerate() {
+            notify
+                .check()
+                .map_err(|reason| ("notify".to_owned(), format!("entry {}: {reason}", n + 1)))?;
+        }
         Ok(())
     }
 
@@ -412,6 +524,10 @@ impl Config {
             max_errors: self.max_errors,
             max_cost_usd: self.max_cost_usd,
             max_tokens: self.max_tokens,
+            no_progress: loopd_core::no_progress::Rule {
+                rounds: self.no_progress_rounds,
+                then: self.on_no_progress,
+            },
         }
     }
 
@@ -580,5 +696,42 @@ mod tests {
             .to_string();
         assert!(e.contains("kill_grace") && e.contains("positive"), "{e}");
         assert!(!e.contains('\n'), "one line: {e}");
+    }
+
+    #[test]
+    fn notify_receivers_are_checked_without_showing_their_url() {
+        let c = Config::builtin_with(
+            "[[notify]]\nurl = \"https://hooks.example/T0K3N\"\nevents = [\"failed\"]\n\
+             [[notify]]\ncommand = [\"notify-send\"]\n",
+        )
+        .unwrap();
+        assert!(c.notify[0].wants("failed") && !c.notify[0].wants("completed"));
+        assert!(c.notify[1].wants("needs_input"));
+        assert_eq!(c.notify[1].timeout(), Duration::from_secs(10));
+        assert!(!format!("{c:?}").contains("T0K3N"));
+        for (toml, expected) in [
+            (
+                "url = \"http://h/T0K3N\"\ncommand = [\"x\"]",
+                "both `url` and `command`",
+            ),
+            ("events = [\"failed\"]", "needs `url`"),
+            ("url = \"ftp://h/T0K3N\"", "http:// or https://"),
+            ("command = []", "non-empty list"),
+            (
+                "url = \"http://h/T0K3N\"\nevents = [\"complete\"]",
+                "unknown event \"complete\"; did you mean \"completed\"?",
+            ),
+            ("command = [\"x\"]\nevents = []", "`events` is empty"),
+            ("command = [\"x\"]\ntimeout = 0.0", "`timeout` must be"),
+        ] {
+            let e = Config::builtin_with(&format!("[[notify]]\n{toml}\n"))
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains("extra, key `notify`: entry 1: ") && e.contains(expected),
+                "{toml}: {e}"
+            );
+            assert!(!e.contains("T0K3N") && !e.contains('\n'), "{e}");
+        }
     }
 }

@@ -25,6 +25,8 @@ pub struct Plan {
     pub format: Format,
     pub env: Vec<(String, OsString)>,
     pub supervision: Supervision,
+    /// The account whose rate limits it spends: the executor's `account`, else its name.
+    pub account: String,
 }
 
 impl Plan {
@@ -59,6 +61,7 @@ impl Plan {
                 }
             };
         Ok(Plan {
+            account: executor.account.clone().unwrap_or_else(|| name.clone()),
             executor: name,
             argv,
             prompt_mode: executor.prompt,

@@ -45,6 +45,10 @@ pub mod name {
     /// loopd's: the executor cannot run here (no login, no key, a missing program); the loop is
     /// paused until a person fixes it and resumes it.
     pub const BLOCKED: &str = "blocked";
+    /// loopd's: the loop went `no_progress_rounds` rounds without changing a file, its
+    /// validation, its tasks or its error; it is paused (`reason`: what stayed the same) until a
+    /// person resumes it.
+    pub const NO_PROGRESS: &str = "no_progress";
     pub const AWAITING_ANSWER: &str = "awaiting_answer";
     pub const ANSWERED: &str = "answered";
     /// loopd's: the agent retries a failed API request on its own (`retry` of `max_retries`,
@@ -169,7 +173,13 @@ pub struct EventLog {
     dropped: u64,
     /// A write failed, and was said in the log once.
     failing: bool,
+    /// Told of every event as it is written (see [`EventLog::set_sink`]).
+    sink: Option<Sink>,
 }
+
+/// Where an [`EventLog`] hands each event, as written to the log, besides the log: the file
+/// driver's notifications. It runs on the loop's path, so it must return at once.
+pub type Sink = Box<dyn Fn(&Value) + Send + Sync>;
 
 /// How many bytes of events wait at most for a log that cannot be written.
 const MAX_UNWRITTEN: usize = 1 << 20;
@@ -208,7 +218,13 @@ impl EventLog {
             unwritten_bytes: 0,
             dropped: 0,
             failing: false,
+            sink: None,
         })
+    }
+
+    /// Hands every event emitted from now on to `sink` too (replacing any sink before).
+    pub fn set_sink(&mut self, sink: Sink) {
+        self.sink = Some(sink);
     }
 
     fn path(&self) -> PathBuf {
@@ -226,6 +242,9 @@ impl EventLog {
             tracing::warn!("{}", render(&value, Clock::Local));
         } else {
             tracing::info!("{}", render(&value, Clock::Local));
+        }
+        if let Some(sink) = &self.sink {
+            sink(&value);
         }
         let mut text = value.to_string();
         text.push('\n');

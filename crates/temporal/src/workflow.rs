@@ -91,6 +91,14 @@ impl LoopWorkflow {
                     state.status = Status::Failed;
                     state.failure_reason = Some(reason);
                 }),
+                Decision::Pause(reason) => {
+                    let at = format_ts(now(ctx));
+                    ctx.state_mut(|s| {
+                        let state = &mut s.input.state;
+                        loopd_core::no_progress::pause(state, reason, &at);
+                        state.status = Status::Paused;
+                    });
+                }
                 Decision::AwaitAnswer => {
                     ctx.wait_condition(|s| {
                         let state = &s.input.state;
@@ -376,6 +384,8 @@ fn finish_action(
         let inputs = Inputs {
             now: at.clone(),
             listed_tasks,
+            // Checkpoints are recorded only where the work tree is on a git remote.
+            tree_tracked: s.input.git.is_some(),
         };
         let state = &mut s.input.state;
         if let Some(LoopEnd::Completed(_)) = attempt::finish(wf, state, dispatch, &finish, &inputs)

@@ -95,6 +95,9 @@ pub enum Decision {
     Abort(String),
     /// An executor asked a question (`skill_state.question`): wait for the answer.
     AwaitAnswer,
+    /// The loop made no progress for the rounds its rule allows: pause it with this reason
+    /// ([`crate::no_progress::pause`]).
+    Pause(String),
     /// Interactive mode: wait for a controller to choose one of `choices`.
     Wait {
         choices: Vec<String>,
@@ -111,6 +114,9 @@ pub struct Limits {
     pub max_errors: u64,
     pub max_cost_usd: Option<f64>,
     pub max_tokens: Option<u64>,
+    /// What a loop that makes no progress does (absent from older histories: off).
+    #[serde(default)]
+    pub no_progress: crate::no_progress::Rule,
 }
 
 impl Limits {
@@ -181,6 +187,8 @@ pub struct Inputs {
     pub now: String,
     /// Tasks from the task list file, in order.
     pub listed_tasks: Vec<ListedTask>,
+    /// The work tree's checkpoints are recorded, so a round that changed no file is known.
+    pub tree_tracked: bool,
 }
 
 /// A line of `status`: a label, a value, and lines under it.
@@ -239,6 +247,11 @@ pub trait Workflow: Send + Sync {
     /// The pass rate (percent) of the validation `action` just recorded, when it is one: a drop
     /// is a regression (`rollback_on_regression`).
     fn pass_rate(&self, _state: &LoopState, _action: &str) -> Option<f64> {
+        None
+    }
+    /// The last validation's outcome in a few words, once there was one: a round that leaves it
+    /// as it was made no progress there ([`crate::no_progress`]).
+    fn validation(&self, _state: &LoopState) -> Option<String> {
         None
     }
     /// The ids of the tasks done so far.
@@ -359,7 +372,8 @@ pub const WORKFLOWS: &[&str] = &[ccw_loop::NAME, skill_tuning::NAME];
 
 /// The termination checks after the status check, the same for every workflow (the seeds'
 /// order): the error limit fails the loop; the iteration limit completes it (`passed` if the
-/// goal was met on that last iteration); a goal met completes it. `None`: go on to selection.
+/// goal was met on that last iteration); a goal met completes it; then loopd's: rounds without
+/// progress pause (or fail) it. `None`: go on to selection.
 pub fn check(workflow: &dyn Workflow, state: &LoopState, limits: Limits) -> Option<Decision> {
     let skill = state.skill_state.as_ref();
     let max_errors = state.max_errors_or(limits.max_errors);
@@ -381,7 +395,14 @@ pub fn check(workflow: &dyn Workflow, state: &LoopState, limits: Limits) -> Opti
         };
         return Some(Decision::Run(Dispatch::complete(outcome)));
     }
-    goal_met.then(|| Decision::Run(Dispatch::complete(Outcome::Passed)))
+    if goal_met {
+        return Some(Decision::Run(Dispatch::complete(Outcome::Passed)));
+    }
+    let reason = crate::no_progress::check(state, limits.no_progress)?;
+    Some(match limits.no_progress.then {
+        crate::no_progress::Then::Pause => Decision::Pause(reason),
+        crate::no_progress::Then::Fail => Decision::Abort(reason),
+    })
 }
 
 /// Termination checks, then selection: auto mode selects, interactive mode waits for a choice.

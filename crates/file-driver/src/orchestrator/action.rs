@@ -3,6 +3,7 @@
 
 use super::attempt::Attempted;
 use loopd_core::attempt::AfterAttempt;
+use loopd_core::state::RateLimitWait;
 
 use super::*;
 
@@ -35,6 +36,9 @@ impl LoopRun<'_> {
         let mut attempts = attempt_rules::Attempts::new(self.engine.config.retry_policy());
         let mut consumed_choice = consumed_choice;
         loop {
+            if let Some(interrupt) = self.wait_for_account(&mut state, &step).await? {
+                return Ok(interrupt.exit());
+            }
             let attempt = attempts.attempt;
             let attempted = self
                 .attempt(&mut state, &step, attempt, consumed_choice.take())
@@ -53,7 +57,8 @@ impl LoopRun<'_> {
                 AfterAttempt::Ask(question) => return self.ask(state, dispatch, question),
                 AfterAttempt::Interrupted => unreachable!("handled as Attempted::Interrupted"),
                 AfterAttempt::WaitRateLimit { wait, message } => {
-                    self.rate_limited(&step, attempt, wait, message).await
+                    self.rate_limited(&mut state, &step, attempt, wait, message)
+                        .await?
                 }
                 AfterAttempt::Retry { pause } => self.sleep_unless_interrupted(pause).await,
             };
@@ -77,24 +82,76 @@ impl LoopRun<'_> {
         }
     }
 
-    /// A rate limit: says so and waits for its reset (or the configured wait).
+    /// A rate limit: holds the executor's account until its reset (or the configured wait),
+    /// says so, and waits.
     pub(super) async fn rate_limited(
         &mut self,
+        state: &mut LoopState,
         step: &Step<'_>,
         attempt: u32,
         wait: Duration,
         message: String,
-    ) -> Option<Interrupt> {
+    ) -> Result<Option<Interrupt>> {
+        let account = &step.plan.account;
         let until = Utc::now() + chrono::Duration::from_std(wait).unwrap_or_default();
+        let until = self.engine.accounts.hold(account, until);
         self.events.emit(
             Event::new(name::RATE_LIMITED)
                 .with("iteration", step.iteration)
                 .with("action", step.dispatch.action.clone())
                 .with("attempt", attempt)
+                .with("account", account.clone())
                 .with("until", format_ts(until))
                 .with("message", message),
         );
-        self.sleep_unless_interrupted(wait).await
+        self.wait_rate_limit(state, account, until).await
+    }
+
+    /// Another loop of the executor's account was rate limited: waits for the reset before
+    /// starting an attempt that would be refused the same way.
+    async fn wait_for_account(
+        &mut self,
+        state: &mut LoopState,
+        step: &Step<'_>,
+    ) -> Result<Option<Interrupt>> {
+        let account = &step.plan.account;
+        while let Some(until) = self.engine.accounts.held(account, Utc::now()) {
+            self.events.emit(
+                Event::new(name::RATE_LIMITED)
+                    .with("iteration", step.iteration)
+                    .with("action", step.dispatch.action.clone())
+                    .with("account", account.clone())
+                    .with("until", format_ts(until))
+                    .with(
+                        "message",
+                        format!("another loop of {account} was rate limited; waiting for it"),
+                    ),
+            );
+            if let Some(interrupt) = self.wait_rate_limit(state, account, until).await? {
+                return Ok(Some(interrupt));
+            }
+        }
+        Ok(None)
+    }
+
+    /// Waits until `until` for `account`'s rate limit to reset, unless the loop is paused or
+    /// stopped first; the state says so meanwhile (`skill_state.rate_limit`).
+    async fn wait_rate_limit(
+        &mut self,
+        state: &mut LoopState,
+        account: &str,
+        until: chrono::DateTime<Utc>,
+    ) -> Result<Option<Interrupt>> {
+        state.skill().rate_limit = Some(RateLimitWait {
+            account: account.to_owned(),
+            until: format_ts(until),
+        });
+        self.commit(state, None, None, false)?;
+        let wait = (until - Utc::now()).to_std().unwrap_or_default();
+        let interrupt = self.sleep_unless_interrupted(wait).await;
+        state.skill().rate_limit = None;
+        self.commit(state, None, None, false)?;
+        Ok(interrupt)
     }
 
     /// The executor cannot run here: pause the loop (from `running` only) with the reason in
@@ -124,6 +181,35 @@ impl LoopRun<'_> {
                 .with("action", dispatch.action.clone())
                 .with("message", hint),
         );
+        Ok(None)
+    }
+
+    /// The loop made no progress for too many rounds: pause it (from `running` only) with what
+    /// stayed the same in `skill_state.no_progress`, and say it once. A resume goes on, counting
+    /// afresh.
+    pub(super) fn stall(&mut self, mut state: LoopState, reason: String) -> Result<Option<Exit>> {
+        loopd_core::no_progress::pause(&mut state, reason.clone(), &now_rfc3339());
+        let pause = Transition {
+            from: &[Status::Running],
+            to: Status::Paused,
+            failure_reason: None,
+            completed_at: false,
+        };
+        let after = self.commit(&state, Some(&pause), None, true)?;
+        if after.status == Status::Paused {
+            self.events.emit(
+                Event::new(name::NO_PROGRESS)
+                    .with("iteration", after.current_iteration)
+                    .with("reason", reason.clone())
+                    .with(
+                        "message",
+                        format!(
+                            "{reason} — paused; look at it, then `loopd resume {}`",
+                            self.id
+                        ),
+                    ),
+            );
+        }
         Ok(None)
     }
 

@@ -197,6 +197,7 @@ impl LoopRun<'_> {
         let mut inputs = Inputs {
             now: now_rfc3339(),
             listed_tasks: Vec::new(),
+            tree_tracked: self.checkpoints.is_some(),
         };
         if self.engine.workflow.reads_task_list(&dispatch.action) {
             inputs.listed_tasks = self.read_tasks()?.tasks;

@@ -55,6 +55,8 @@ use loopd_store::now_rfc3339;
 use loopd_store::store::{Store, StoreError, Transition};
 use loopd_store::watch::{Snapshot, Watch};
 
+use crate::notify::Notifier;
+
 mod action;
 mod attempt;
 mod books;
@@ -112,6 +114,8 @@ pub struct Engine {
     pub exit_on_pause: bool,
     /// Set when the state file was restored from its backup before the start, saying why.
     pub restored: Option<String>,
+    /// The rate limits of the executors' accounts, shared by a service's loops.
+    pub accounts: crate::accounts::Accounts,
     plans: Plans,
 }
 
@@ -162,6 +166,7 @@ impl Engine {
             executor_override,
             exit_on_pause,
             restored: None,
+            accounts: Default::default(),
             plans,
         })
     }
@@ -200,6 +205,7 @@ impl Engine {
         let progress_dir = ProgressDir::new(&self.store, id);
         let mut events = EventLog::open(id, &progress_dir)
             .with_context(|| format!("cannot open the event log of {id}"))?;
+        let notifier = Notifier::attach(&self.config.notify, &self.root, &mut events);
         let progress = Progress::new(&progress_dir);
         events.emit(
             Event::new(name::DAEMON_STARTED)
@@ -231,6 +237,9 @@ impl Engine {
                 .with("outcome", "error")
                 .with("error", format!("{e:#}")),
         });
+        if let Some(notifier) = notifier {
+            notifier.settle().await;
+        }
         exit
     }
 }

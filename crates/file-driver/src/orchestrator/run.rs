@@ -139,6 +139,7 @@ impl LoopRun<'_> {
                     .emit(Event::new(name::FAILED).with("error", reason.clone()));
                 Ok(Some(Exit::Failed(reason)))
             }
+            Decision::Pause(reason) => self.stall(state, reason),
             Decision::AwaitAnswer => Ok(signalled(self.wait_for_change(&state).await)),
             Decision::Wait {
                 choices,

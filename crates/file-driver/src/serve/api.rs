@@ -337,6 +337,7 @@ fn router(shared: Shared) -> Router {
         .route("/v1/loops/{id}/{control}", post(control))
         .route("/v1/loops/{id}/next", post(next))
         .route("/v1/loops/{id}/answer", post(answer))
+        .route("/v1/loops/{id}/limits", post(set_limits))
         .route("/v1/loops/{id}/tasks", post(add_task))
         .route("/v1/loops/{id}/events", get(events))
         .route("/v1/loops/{id}/tail", get(tail))
@@ -785,6 +786,24 @@ async fn next(
     let change = Change::Next(choice.action.clone());
     let local =
         move |p: &Project, id: &str| Ok(Json(crate::control::choose_next(p, id, &choice.action)?));
+    change_loop(&shared, id, place.root, change, local, Json).await
+}
+
+/// `loopd set`: a loop's limits and budgets, those given only.
+async fn set_limits(
+    State(shared): State<Shared>,
+    id: std::result::Result<UrlPath<String>, PathRejection>,
+    place: std::result::Result<Query<Where>, QueryRejection>,
+    body: std::result::Result<Json<crate::create::Limits>, JsonRejection>,
+) -> ApiResult<Json<Value>> {
+    let (UrlPath(id), Query(place), Json(limits)) = (id?, place?, body?);
+    let change = Change::Set(loopd_core::control::SetLimits {
+        max_iterations: limits.max_iterations,
+        max_errors: limits.max_errors,
+        max_cost_usd: limits.max_cost_usd,
+        max_tokens: limits.max_tokens,
+    });
+    let local = move |p: &Project, id: &str| Ok(Json(crate::control::set_limits(p, id, &limits)?));
     change_loop(&shared, id, place.root, change, local, Json).await
 }
 

@@ -151,6 +151,8 @@ struct Supervisor {
     held: HashMap<LoopKey, Hold>,
     /// Each loop's status as last read.
     statuses: BTreeMap<LoopKey, Status>,
+    /// The rate limits of executors' accounts, which every loop of an account waits out.
+    accounts: crate::accounts::Accounts,
     tx: mpsc::UnboundedSender<Wake>,
     shutdown: watch::Receiver<Option<i32>>,
     notifier: systemd::Notifier,
@@ -212,6 +214,7 @@ pub fn run(
             queue: VecDeque::new(),
             held: HashMap::new(),
             statuses: BTreeMap::new(),
+            accounts: Default::default(),
             tx,
             shutdown,
             notifier: systemd::Notifier::from_env(),
@@ -645,6 +648,7 @@ impl Supervisor {
         self.active.insert(key.clone());
         let shutdown = self.shutdown.clone();
         let config_flag = self.config_flag.clone();
+        let accounts = self.accounts.clone();
         let (root, id) = (key.root.clone(), key.loop_id.clone());
         // Every log line of the loop's task names the loop.
         let span = tracing::info_span!("loop", id = %key.loop_id);
@@ -660,7 +664,7 @@ impl Supervisor {
                     anyhow::Ok((taken, id))
                 })
                 .await;
-                let (taken, id) = match taken {
+                let (mut taken, id) = match taken {
                     Ok(Ok(taken)) => taken,
                     Ok(Err(e)) => {
                         return match e.downcast::<crate::error::WorkTreeBusy>() {
@@ -670,6 +674,7 @@ impl Supervisor {
                     }
                     Err(e) => return Ending::Panicked(e.to_string()),
                 };
+                taken.engine.accounts = accounts;
                 tracing::info!("driving loop {id} in {}", taken.engine.root.display());
                 let ending = match taken.engine.run(&id, shutdown).await {
                     Ok(exit) => Ending::Exit(exit),

@@ -71,6 +71,26 @@ impl Workflow for CcwLoop {
         (action == "validate").then(|| skill.part::<CcwState>().validate.pass_rate)
     }
 
+    /// The pass rate and the failing tests, by name (some), of the last validation.
+    fn validation(&self, state: &LoopState) -> Option<String> {
+        let v = state.skill_state.as_ref()?.part::<CcwState>().validate;
+        v.last_run_at.as_ref()?;
+        let mut failing = v.failed_tests;
+        failing.sort();
+        let more = failing
+            .len()
+            .saturating_sub(crate::no_progress::FAILING_NAMED);
+        failing.truncate(crate::no_progress::FAILING_NAMED);
+        let mut text = format!("{}% passed", v.pass_rate);
+        if !failing.is_empty() {
+            text.push_str(&format!(", failing: {}", failing.join(", ")));
+        }
+        if more > 0 {
+            text.push_str(&format!(" and {more} more"));
+        }
+        Some(text)
+    }
+
     fn done_tasks(&self, state: &LoopState) -> Vec<String> {
         let Some(skill) = state.skill_state.as_ref() else {
             return Vec::new();
@@ -713,6 +733,10 @@ mod tests {
         max_errors: 3,
         max_cost_usd: None,
         max_tokens: None,
+        no_progress: crate::no_progress::Rule {
+            rounds: 0,
+            then: crate::no_progress::Then::Pause,
+        },
     };
 
     fn task(id: &str, status: TaskStatus) -> DevelopTask {

@@ -196,6 +196,13 @@ impl Workflow for SkillTuning {
         Some(DEFAULT_LIMITS)
     }
 
+    /// The quality score and the issues still open, once a verification graded them.
+    fn validation(&self, state: &LoopState) -> Option<String> {
+        let t = part(state);
+        let score = t.quality_score?;
+        Some(format!("score {score}, {} issues open", t.issues.len()))
+    }
+
     /// The gate passes, and no task of the task list waits to be applied or verified.
     fn goal_met(&self, state: &LoopState) -> bool {
         let t = part(state);
@@ -750,6 +757,10 @@ mod tests {
         max_errors: 3,
         max_cost_usd: None,
         max_tokens: None,
+        no_progress: crate::no_progress::Rule {
+            rounds: 0,
+            then: crate::no_progress::Then::Pause,
+        },
     };
 
     fn issue(id: &str, severity: Severity) -> Issue {

@@ -51,6 +51,19 @@ function usageText(usage) {
   return `${tokens.toLocaleString()} tok · $${(usage.cost_usd || 0).toFixed(2)}`;
 }
 
+// What a loop's view says it spent, and the sum of two.
+const nothingSpent = { tokens: 0, cost_usd: 0, today_tokens: 0, today_cost_usd: 0 };
+function addSpent(a, b) {
+  const sum = {};
+  for (const key of Object.keys(nothingSpent)) sum[key] = (a[key] || 0) + (b[key] || 0);
+  return sum;
+}
+
+function spentText(s) {
+  return `today ${s.today_tokens.toLocaleString()} tok · $${s.today_cost_usd.toFixed(2)}; ` +
+    `overall ${s.tokens.toLocaleString()} tok · $${s.cost_usd.toFixed(2)}`;
+}
+
 // ---- Overview ---------------------------------------------------------------------------------
 
 let service = null;
@@ -91,6 +104,12 @@ async function loadOverview() {
     });
   $("loops").tBodies[0].replaceChildren(...rows);
   $("empty").hidden = rows.length > 0;
+  const byProject = new Map();
+  for (const l of loops) {
+    byProject.set(l.root, addSpent(byProject.get(l.root) || nothingSpent, (l.view || {}).spent || {}));
+  }
+  $("spent").replaceChildren(...[...byProject].map(([root, s]) =>
+    el("li", { "data-root": root }, `${root.split("/").pop()}: ${spentText(s)}`)));
 }
 
 $("filters").addEventListener("change", () => loadOverview().catch(showError("create-error")));
@@ -177,7 +196,10 @@ async function loadDetail() {
     el("p", {}, skill.quality_gate ? `gate: ${skill.quality_gate} · score ${skill.quality_score ?? "?"}` : "no gate yet"),
     el("ul", {}, ...issues.map((i) => el("li", {}, `${i.id} ${i.severity} ${i.category} — ${i.description}`))));
   fill($("errors"), skill.errors || [], (e) => `${e.timestamp} ${e.action}: ${e.message}`);
-  $("usage").textContent = usageText(skill.usage);
+  $("usage").textContent = view.spent ? spentText(view.spent) : usageText(skill.usage);
+  const budgetUsd = $("budget-usd"), budgetTokens = $("budget-tokens");
+  if (document.activeElement !== budgetUsd) budgetUsd.value = state.max_cost_usd ?? "";
+  if (document.activeElement !== budgetTokens) budgetTokens.value = state.max_tokens ?? "";
   fill($("history"), (skill.action_history || []).slice().reverse(), (h) =>
     `#${h.iteration} ${h.action}${h.task_id ? " " + h.task_id : ""} — ${h.outcome}` +
     `${h.summary ? ": " + h.summary : ""}${h.error ? " (" + h.error + ")" : ""} · ${h.started_at}`);
@@ -239,6 +261,13 @@ $("next-form").addEventListener("submit", (e) => {
 $("answer-form").addEventListener("submit", (e) => {
   e.preventDefault();
   control("/answer", { text: $("answer-text").value }).then(() => { $("answer-text").value = ""; });
+});
+$("budget-form").addEventListener("submit", (e) => {
+  e.preventDefault();
+  const body = {};
+  if ($("budget-usd").value) body.max_cost_usd = Number($("budget-usd").value);
+  if ($("budget-tokens").value) body.max_tokens = Number($("budget-tokens").value);
+  control("/limits", body);
 });
 $("task-form").addEventListener("submit", (e) => {
   e.preventDefault();

@@ -1,0 +1,215 @@
+//! No-progress detection (README "No progress"), through the real binary: a loop whose agent
+//! changes nothing pauses after `no_progress_rounds` rounds with reason `no_progress`, says what
+//! stayed the same, shows it in `status` and `list`, and goes on counting afresh once resumed; a
+//! round that changes a file is progress; `on_no_progress = "fail"` fails the loop instead.
+
+mod common;
+
+use std::path::Path;
+use std::process::Command;
+
+use common::*;
+use serde_json::Value;
+
+/// Plans one task and develops it; validation always fails the same test; debug finds nothing
+/// and changes nothing, unless `debug.sh` in the root says otherwise (it may set the result,
+/// `r`); once `fixed` exists in the root, validation passes.
+const STUCK_AGENT: &str = r#"
+cat > /dev/null
+case "$LOOPD_ACTION" in
+  init) r='{"status":"success","state_updates":{"tasks":[{"description":"one"}]}}' ;;
+  develop) r='{"status":"success","summary":"did it"}' ;;
+  validate)
+    if [ -f fixed ]; then r='{"status":"success","state_updates":{"passed":true,"pass_rate":100}}'
+    else r='{"status":"success","state_updates":{"passed":false,"pass_rate":50,"failed_tests":["t_login"]}}'; fi ;;
+  debug) r='{"status":"success","summary":"no idea"}'; [ -f debug.sh ] && . ./debug.sh ;;
+  *) r='{"status":"success","state_updates":{"summary":"done"}}' ;;
+esac
+echo "$r" > "$LOOPD_RESULT_FILE"
+"#;
+
+fn stuck_project(extra_config: &str) -> Project {
+    let p = Project::new(STUCK_AGENT);
+    // Top-level keys before the config's tables.
+    p.config(&format!("{extra_config}\n{TEST_CONFIG}"));
+    p
+}
+
+/// The actions that finished, in order, from the loop's events.
+fn finished_actions(p: &Project, id: &str) -> Vec<String> {
+    p.events(id)
+        .iter()
+        .filter(|e| e["event"] == "action_finished")
+        .map(|e| e["action"].as_str().unwrap_or_default().to_owned())
+        .collect()
+}
+
+fn no_progress_events(p: &Project, id: &str) -> Vec<Value> {
+    p.events(id)
+        .into_iter()
+        .filter(|e| e["event"] == "no_progress")
+        .collect()
+}
+
+fn git(dir: &Path, args: &[&str]) {
+    let out = Command::new("git")
+        .arg("-C")
+        .arg(dir)
+        .args(args)
+        .env("GIT_AUTHOR_NAME", "t")
+        .env("GIT_AUTHOR_EMAIL", "t@t")
+        .env("GIT_COMMITTER_NAME", "t")
+        .env("GIT_COMMITTER_EMAIL", "t@t")
+        .env_remove("GIT_DIR")
+        .output()
+        .expect("run git");
+    assert!(out.status.success(), "git {args:?}: {out:?}");
+}
+
+fn git_project(extra_config: &str) -> Project {
+    let p = stuck_project(extra_config);
+    std::fs::write(p.root.join(".gitignore"), ".loop/\nbin/\n").unwrap();
+    std::fs::write(p.root.join("code.txt"), "v1\n").unwrap();
+    git(&p.root, &["init", "--quiet", "--initial-branch=main"]);
+    git(&p.root, &["add", "."]);
+    git(&p.root, &["commit", "--quiet", "-m", "base"]);
+    p
+}
+
+#[test]
+fn a_loop_that_changes_nothing_pauses_with_no_progress_and_resumes_counting_afresh() {
+    let p = git_project("max_iterations = 30");
+    let id = p.create(&["--title", "stuck"]);
+    let out = p.run(&id, &["--exit-on-pause"]);
+    assert_eq!(code(&out), 6, "paused: {}", stderr(&out));
+
+    // init, develop, then validate → debug → validate → debug: the three rounds after the first
+    // validation left everything as it was.
+    assert_eq!(
+        finished_actions(&p, &id),
+        ["init", "develop", "validate", "debug", "validate", "debug"]
+    );
+    let s = p.state(&id);
+    assert_eq!(s["status"], "paused");
+    let stalled = &s["skill_state"]["no_progress"]["paused"];
+    let reason = stalled["reason"].as_str().unwrap();
+    assert!(
+        reason.starts_with("no progress in 3 rounds: no file changed"),
+        "{reason}"
+    );
+    assert!(reason.contains("progress 1/1"), "{reason}");
+    assert!(
+        reason.contains("validation 50% passed, failing: t_login"),
+        "{reason}"
+    );
+    let events = no_progress_events(&p, &id);
+    assert_eq!(events.len(), 1, "{events:?}");
+    assert_eq!(events[0]["reason"], reason);
+
+    let status = stdout(&p.output(&["status", &id]));
+    assert!(status.contains("no progress"), "{status}");
+    assert!(status.contains("no file changed"), "{status}");
+    let list = stdout(&p.output(&["list"]));
+    let line = list.lines().find(|l| l.contains(&id)).unwrap();
+    assert!(line.contains("no progress"), "{list}");
+
+    // Resumed as it is (which starts a daemon): three more rounds without progress before it
+    // pauses again.
+    assert_eq!(code(&p.output(&["resume", &id])), 0);
+    wait_for("the second pause", || {
+        no_progress_events(&p, &id).len() == 2
+    });
+    let actions = finished_actions(&p, &id);
+    assert_eq!(
+        actions[6..],
+        ["validate", "debug", "validate"],
+        "{actions:?}"
+    );
+    assert_eq!(p.state(&id)["status"], "paused");
+
+    // Fixed by a person: resumed, it passes.
+    std::fs::write(p.root.join("fixed"), "").unwrap();
+    assert_eq!(code(&p.output(&["resume", &id])), 0);
+    wait_for("completion", || p.state(&id)["status"] == "completed");
+    let s = p.state(&id);
+    assert_eq!(s["skill_state"]["outcome"], "passed");
+    assert!(s["skill_state"]["no_progress"]["paused"].is_null(), "{s}");
+    wait_for("the daemon's exit", || {
+        p.event_names(&id).last().map(String::as_str) == Some("daemon_exited")
+    });
+}
+
+#[test]
+fn a_debug_that_changes_a_file_each_round_is_progress() {
+    let p = git_project("max_iterations = 12");
+    std::fs::write(p.root.join("debug.sh"), "date +%s%N >> code.txt\n").unwrap();
+    let id = p.create(&["--title", "stuck"]);
+    let out = p.run(&id, &["--exit-on-pause"]);
+    assert_eq!(code(&out), 3, "iteration limit: {}", stderr(&out));
+    assert!(no_progress_events(&p, &id).is_empty());
+    assert_eq!(p.state(&id)["skill_state"]["outcome"], "iteration_limit");
+}
+
+#[test]
+fn without_git_the_work_tree_is_left_out_and_the_reason_says_so() {
+    // Even a debug that writes a file is no progress when nothing records the work tree.
+    let p = stuck_project("");
+    std::fs::write(p.root.join("debug.sh"), "date +%s%N >> code.txt\n").unwrap();
+    let id = p.create(&["--title", "stuck"]);
+    let out = p.run(&id, &["--exit-on-pause"]);
+    assert_eq!(code(&out), 6, "{}", stderr(&out));
+    let reason = no_progress_events(&p, &id)[0]["reason"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert!(
+        reason.contains("the work tree left out (no git checkpoints)"),
+        "{reason}"
+    );
+}
+
+#[test]
+fn the_same_error_round_after_round_is_no_progress_and_fail_fails_the_loop() {
+    // Every debug fails the same way, but for the numbers and the path in its error.
+    let p = stuck_project("action_retries = 0\nno_progress_rounds = 2\non_no_progress = \"fail\"");
+    std::fs::write(
+        p.root.join("debug.sh"),
+        r#"r="{\"status\":\"failed\",\"summary\":\"build failed at $PWD/src/main.rs:$$ after $(date +%N) ms\"}""#,
+    )
+    .unwrap();
+    let id = p.create(&["--title", "stuck"]);
+    let out = p.run(&id, &[]);
+    assert_eq!(code(&out), 4, "failed: {}", stderr(&out));
+    // validate, debug (a new error), validate, debug: two rounds alike.
+    assert_eq!(
+        finished_actions(&p, &id),
+        ["init", "develop", "validate", "validate"]
+    );
+    let s = p.state(&id);
+    let reason = s["failure_reason"].as_str().unwrap();
+    assert!(reason.starts_with("no progress in 2 rounds"), "{reason}");
+    assert!(
+        reason.contains("error \"reported failure: build failed at <path> after # ms\""),
+        "{reason}"
+    );
+    assert!(no_progress_events(&p, &id).is_empty(), "failed, not paused");
+}
+
+#[test]
+fn zero_rounds_turns_it_off() {
+    let p = stuck_project("max_iterations = 8\nno_progress_rounds = 0");
+    let id = p.create(&["--title", "stuck"]);
+    let out = p.run(&id, &["--exit-on-pause"]);
+    assert_eq!(code(&out), 3, "iteration limit: {}", stderr(&out));
+    assert!(no_progress_events(&p, &id).is_empty());
+}
+
+#[test]
+fn a_bad_rule_is_refused_in_one_line() {
+    let p = stuck_project("on_no_progress = \"explode\"");
+    let out = p.output(&["create", "--title", "stuck"]);
+    assert_eq!(code(&out), 2, "{}", stderr(&out));
+    let err = stderr(&out);
+    assert!(err.contains("on_no_progress"), "{err}");
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+}
