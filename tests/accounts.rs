@@ -162,5 +162,30 @@ fn a_rate_limit_holds_the_loops_of_its_account_and_no_other() {
             < reset,
         "{completed}"
     );
+    // What the loops spent, per loop and for the project, today and overall.
+    let state = a.state(&first);
+    let usage = &state["skill_state"]["usage"];
+    let tokens: u64 = [
+        "input_tokens",
+        "output_tokens",
+        "cache_read_tokens",
+        "cache_write_tokens",
+    ]
+    .iter()
+    .map(|k| usage[k].as_u64().unwrap())
+    .sum();
+    let cost = usage["cost_usd"].as_f64().unwrap();
+    assert!(tokens > 1000 && cost > 0.0, "{usage}");
+    assert_eq!(usage["day"]["tokens"], tokens, "{usage}");
+    let listed = stdout(&a.output(&["list"]));
+    let row = listed.lines().find(|l| l.contains(&first)).unwrap();
+    let shown = format!("{:.1}k  ${cost:.2}", tokens as f64 / 1e3);
+    assert!(row.contains(&shown), "{shown} in {listed}");
+    let footer = format!(
+        "spent: today {:.1}k tokens, ${cost:.2} · overall {:.1}k tokens, ${cost:.2}",
+        tokens as f64 / 1e3,
+        tokens as f64 / 1e3
+    );
+    assert!(listed.lines().any(|l| l == footer), "{footer} in {listed}");
     drop(service);
 }

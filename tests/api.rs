@@ -156,6 +156,27 @@ fn every_route_works_over_the_unix_socket() {
     );
     hit("/v1/loops/{id}/tasks");
 
+    let (status, set) = call(
+        &to,
+        "POST",
+        &format!("/v1/loops/{id}/limits"),
+        Some(json!({ "max_cost_usd": 2.5, "max_tokens": 1_000_000 })),
+    );
+    assert_eq!(
+        (status, &set["set"]),
+        (
+            200,
+            &json!({ "max_cost_usd": 2.5, "max_tokens": 1_000_000 })
+        ),
+        "{set}"
+    );
+    let state = p.state(&id);
+    assert_eq!(
+        (&state["max_cost_usd"], &state["max_tokens"]),
+        (&json!(2.5), &json!(1_000_000))
+    );
+    hit("/v1/loops/{id}/limits");
+
     let (status, resumed) = call(&to, "POST", &format!("/v1/loops/{id}/resume"), None);
     assert_eq!(
         (status, &resumed["status"]),
@@ -365,6 +386,24 @@ fn bad_requests_get_a_4xx_with_a_json_error_and_change_nothing() {
             format!("/v1/loops/{id}/tasks"),
             Some(json!({ "text": "  " })),
             400,
+        ),
+        (
+            "POST",
+            format!("/v1/loops/{id}/limits"),
+            Some(json!({})),
+            400,
+        ),
+        (
+            "POST",
+            format!("/v1/loops/{id}/limits"),
+            Some(json!({ "max_tokens": 0 })),
+            400,
+        ),
+        (
+            "POST",
+            format!("/v1/loops/{id}/limits"),
+            Some(json!({ "budget": 1 })),
+            422,
         ),
         ("GET", format!("/v1/loops/{id}/tail?bytes=-1"), None, 400),
         ("GET", format!("/v1/loops/{id}/events?after=x"), None, 400),

@@ -108,6 +108,10 @@ fn a_loop_that_changes_nothing_pauses_with_no_progress_and_resumes_counting_afre
 
     let status = stdout(&p.output(&["status", &id]));
     assert!(status.contains("no progress"), "{status}");
+    assert!(
+        status.contains("stalled    no progress in 3 rounds: no file changed"),
+        "{status}"
+    );
     assert!(status.contains("no file changed"), "{status}");
     let list = stdout(&p.output(&["list"]));
     let line = list.lines().find(|l| l.contains(&id)).unwrap();

@@ -105,6 +105,13 @@ try {
   assert.equal(forged, 403);
   assert.equal(state(id).status, "running");
 
+  await page.fill("#budget-usd", "4.5");
+  await page.fill("#budget-tokens", "250000");
+  await page.click("#budget-form button[type=submit]");
+  await until("the budget in the state file",
+    () => state(id).max_cost_usd === 4.5 && state(id).max_tokens === 250000);
+  step("the budget set from the page");
+
   await page.click("#btn-stop");
   await until("the state file to say failed", () => state(id).status === "failed");
   await page.waitForSelector("#detail-status:has-text('stopped')", { timeout: DEADLINE });
@@ -119,6 +126,8 @@ try {
   const written = Date.now();
   await page.waitForSelector(`tr[data-loop='${id}'] :text('Renamed by hand')`, { timeout: DEADLINE });
   step(`a raw write of the title showed on the open page after ${Date.now() - written} ms`);
+  await page.waitForSelector(`#spent li:has-text('today 0 tok')`, { timeout: DEADLINE });
+  step("each project's spend, today and overall, under the list");
   assert.equal(await page.evaluate(() => window.__stayed), true, "the page was reloaded");
 
   await page.selectOption("#filter-status", "failed");

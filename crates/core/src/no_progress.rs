@@ -283,6 +283,23 @@ mod tests {
     }
 
     #[test]
+    fn skill_tuning_rounds_are_its_verifications() {
+        use crate::workflow::skill_tuning::SkillTuning;
+        let mut state = LoopState::default();
+        SkillTuning.init_part(state.skill());
+        let same = failed("verify found the same 2 issues");
+        for _ in 0..4 {
+            round(&SkillTuning, &mut state, "diagnose-memory", &same, true);
+        }
+        assert_eq!(check(&state, RULE), None, "a diagnosis is not a round");
+        for _ in 0..4 {
+            round(&SkillTuning, &mut state, "verify", &same, true);
+        }
+        let reason = check(&state, RULE).expect("four verifications alike");
+        assert!(reason.contains("diagnosed"), "{reason}");
+    }
+
+    #[test]
     fn without_git_the_tree_is_left_out_and_the_reason_says_so() {
         let mut state = LoopState::default();
         let fail = failed("same");

@@ -55,7 +55,12 @@ pub fn drive(p: &Project, id: &str, executor: Option<String>, exit_on_pause: boo
         .enable_all()
         .build()
         .context("cannot start the async runtime")?;
-    runtime.block_on(taken.engine.run(id, rx))
+    runtime.block_on(async {
+        let exit = taken.engine.run(id, rx).await;
+        // The loop's last notifications go before the process does.
+        crate::notify::settle().await;
+        exit
+    })
 }
 
 /// A loop taken by a daemon: its engine, and the locks that say so, held until it is dropped.

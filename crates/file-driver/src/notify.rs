@@ -17,10 +17,10 @@
 //! tried once per event, so a dead one costs little.
 //!
 //! A daemon (`loopd run`, `start`) exits right after its loop ends, most likely with the loop's
-//! last event (`completed`, `failed`) still queued: [`Notifier::settle`] gives the loop's
-//! deliveries [`SETTLE_GRACE`] to be made. A service lives on, and so do its delivery threads:
-//! there the loop's end waits for nothing (it still holds its work tree, which the project's next
-//! loop may be waiting for).
+//! last event (`completed`, `failed`) still queued: [`settle`] gives the deliveries
+//! [`SETTLE_GRACE`] to be made before it exits. A service lives on, and so do its delivery
+//! threads: there a loop's end waits for nothing (it still holds its work tree, which the
+//! project's next loop may be waiting for).
 //!
 //! A URL may carry a secret (a token in its user info, path or query): the log names a webhook by
 //! `scheme://host[:port]` alone, and what its HTTP client says of a failure is shown without the
@@ -33,7 +33,6 @@ use std::collections::HashMap;
 use std::io::Write as _;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, SyncSender, TrySendError};
 use std::sync::{Arc, LazyLock, Mutex, PoisonError};
 use std::time::Duration;
@@ -147,8 +146,6 @@ impl Queue {
 struct Route {
     queue: Arc<Queue>,
     config: NotifyConfig,
-    /// This loop offered it an event, so its end waits for the deliveries.
-    used: AtomicBool,
 }
 
 /// A loop's receivers (see the module's documentation).
@@ -161,27 +158,19 @@ pub struct Notifier {
 impl Notifier {
     /// The receivers of `receivers` for a loop of the project in `root`, each one's delivery
     /// thread started if need be; `None` when there are none.
-    fn new(receivers: &[NotifyConfig], root: &Path) -> Option<Arc<Notifier>> {
+    fn new(receivers: &[NotifyConfig], root: &Path) -> Option<Notifier> {
         let routes: Vec<Route> = receivers.iter().filter_map(route).collect();
-        (!routes.is_empty()).then(|| {
-            Arc::new(Notifier {
-                root: root.into(),
-                routes,
-            })
+        (!routes.is_empty()).then(|| Notifier {
+            root: root.into(),
+            routes,
         })
     }
 
-    /// Makes `events` hand its events to the loop's receivers; returns them, to
-    /// [`settle`](Notifier::settle) at the loop's end.
-    pub fn attach(
-        receivers: &[NotifyConfig],
-        root: &Path,
-        events: &mut EventLog,
-    ) -> Option<Arc<Notifier>> {
-        let notifier = Notifier::new(receivers, root)?;
-        let sink = notifier.clone();
-        events.set_sink(Box::new(move |event| sink.offer(event)));
-        Some(notifier)
+    /// Makes `events` hand its events to the loop's receivers, if it has any.
+    pub fn attach(receivers: &[NotifyConfig], root: &Path, events: &mut EventLog) {
+        if let Some(notifier) = Notifier::new(receivers, root) {
+            events.set_sink(Box::new(move |event| notifier.offer(event)));
+        }
     }
 
     /// Queues `event`, as written to the event log, for each receiver that wants it. Never waits.
@@ -196,7 +185,6 @@ impl Notifier {
                 body,
                 root: self.root.clone(),
             };
-            route.used.store(true, Ordering::Relaxed);
             match route.queue.tx.try_send(message) {
                 Ok(()) => {}
                 Err(TrySendError::Full(_)) => tracing::warn!(
@@ -220,43 +208,36 @@ impl Notifier {
         }
         body.to_string().into()
     }
-
-    /// In a daemon, waits up to [`SETTLE_GRACE`] until what this loop queued is delivered: the
-    /// daemon exits right after its loop, and would take its last notifications with it.
-    pub async fn settle(&self) {
-        if !process_ends_with_loop() {
-            return;
-        }
-        let mut acks = Vec::new();
-        for route in self
-            .routes
-            .iter()
-            .filter(|r| r.used.load(Ordering::Relaxed))
-        {
-            let (done, ack) = tokio::sync::oneshot::channel();
-            if route.queue.tx.try_send(Message::Flush(done)).is_ok() {
-                acks.push(ack);
-            }
-        }
-        let all = async {
-            for ack in acks {
-                let _ = ack.await;
-            }
-        };
-        if tokio::time::timeout(SETTLE_GRACE, all).await.is_err() {
-            tracing::info!(
-                "notifications of this loop still undelivered after {}s are given up",
-                SETTLE_GRACE.as_secs()
-            );
-        }
-    }
 }
 
-/// Whether this process ends with the loop it drives: a daemon drives its loop on a runtime of
-/// one thread of its own (see `daemon::drive`), a service its loops on one of many threads.
-fn process_ends_with_loop() -> bool {
-    use tokio::runtime::{Handle, RuntimeFlavor};
-    Handle::try_current().is_ok_and(|h| h.runtime_flavor() == RuntimeFlavor::CurrentThread)
+/// Waits up to [`SETTLE_GRACE`] until every notification queued in this process is delivered
+/// (or given up): a daemon exits right after its loop, and would take its last notifications
+/// with it. A service lives on, and never waits for its receivers.
+pub async fn settle() {
+    let queues: Vec<Arc<Queue>> = QUEUES
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .values()
+        .cloned()
+        .collect();
+    let mut acks = Vec::new();
+    for queue in queues {
+        let (done, ack) = tokio::sync::oneshot::channel();
+        if queue.tx.try_send(Message::Flush(done)).is_ok() {
+            acks.push(ack);
+        }
+    }
+    let all = async {
+        for ack in acks {
+            let _ = ack.await;
+        }
+    };
+    if tokio::time::timeout(SETTLE_GRACE, all).await.is_err() {
+        tracing::info!(
+            "notifications still undelivered after {}s are given up",
+            SETTLE_GRACE.as_secs()
+        );
+    }
 }
 
 /// The route of one `[[notify]]` entry, its thread started; `None` (said in the log) when its URL
@@ -283,7 +264,6 @@ fn route(config: &NotifyConfig) -> Option<Route> {
         Ok(queue) => Some(Route {
             queue,
             config: config.clone(),
-            used: AtomicBool::new(false),
         }),
         Err(e) => {
             tracing::warn!("cannot start the notifications to {label}: {e}; it is left out");

@@ -211,7 +211,7 @@ fn engine_rows(
             "{} (since {}) — look at it, then `loopd resume {id}`",
             stalled.reason, stalled.since
         );
-        rows.push(row("no progress", value));
+        rows.push(row("stalled", value));
     }
     if let Some(f) = &skill.in_flight {
         let task = f

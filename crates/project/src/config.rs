@@ -585,7 +585,12 @@ fn parse_layer(name: &str, text: &str) -> Result<Layer, ConfigError> {
             .span()
             .map(|span| {
                 let line = text[..span.start.min(text.len())].matches('\n').count() + 1;
-                let snippet = text.lines().nth(line - 1).unwrap_or("").trim().to_owned();
+                let snippet = text.lines().nth(line - 1).unwrap_or("").trim();
+                // A URL may hold a token (a `[[notify]]` webhook's): never quoted.
+                let snippet = match snippet.contains("://") {
+                    true => "a line with a URL, not shown".to_owned(),
+                    false => snippet.to_owned(),
+                };
                 (line, snippet)
             })
             .unwrap_or((0, String::new()));
@@ -733,5 +738,15 @@ mod tests {
             );
             assert!(!e.contains("T0K3N") && !e.contains('\n'), "{e}");
         }
+        // A line the parser refuses is quoted, unless it holds a URL.
+        let e = Config::builtin_with("[[notify]]\nurl = \"https://h/T0K3N\"\nurll = 1\n")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("line 3 (urll = 1)"), "{e}");
+        let e = Config::builtin_with("[[notify]]\nurl = \"https://h/T0K3N\" x\n")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("line 2 (a line with a URL, not shown)"), "{e}");
+        assert!(!e.contains("T0K3N"), "{e}");
     }
 }

@@ -205,7 +205,7 @@ impl Engine {
         let progress_dir = ProgressDir::new(&self.store, id);
         let mut events = EventLog::open(id, &progress_dir)
             .with_context(|| format!("cannot open the event log of {id}"))?;
-        let notifier = Notifier::attach(&self.config.notify, &self.root, &mut events);
+        Notifier::attach(&self.config.notify, &self.root, &mut events);
         let progress = Progress::new(&progress_dir);
         events.emit(
             Event::new(name::DAEMON_STARTED)
@@ -237,9 +237,6 @@ impl Engine {
                 .with("outcome", "error")
                 .with("error", format!("{e:#}")),
         });
-        if let Some(notifier) = notifier {
-            notifier.settle().await;
-        }
         exit
     }
 }

@@ -197,9 +197,11 @@ async function loadDetail() {
     el("ul", {}, ...issues.map((i) => el("li", {}, `${i.id} ${i.severity} ${i.category} — ${i.description}`))));
   fill($("errors"), skill.errors || [], (e) => `${e.timestamp} ${e.action}: ${e.message}`);
   $("usage").textContent = view.spent ? spentText(view.spent) : usageText(skill.usage);
-  const budgetUsd = $("budget-usd"), budgetTokens = $("budget-tokens");
-  if (document.activeElement !== budgetUsd) budgetUsd.value = state.max_cost_usd ?? "";
-  if (document.activeElement !== budgetTokens) budgetTokens.value = state.max_tokens ?? "";
+  // The loop's budget, unless a person is editing it.
+  if (!$("budget-form").dataset.editing) {
+    $("budget-usd").value = state.max_cost_usd ?? "";
+    $("budget-tokens").value = state.max_tokens ?? "";
+  }
   fill($("history"), (skill.action_history || []).slice().reverse(), (h) =>
     `#${h.iteration} ${h.action}${h.task_id ? " " + h.task_id : ""} — ${h.outcome}` +
     `${h.summary ? ": " + h.summary : ""}${h.error ? " (" + h.error + ")" : ""} · ${h.started_at}`);
@@ -217,6 +219,7 @@ function openDetail(id, root) {
   closeDetail();
   current = { id, root };
   $("detail-error").textContent = "";
+  delete $("budget-form").dataset.editing;
   $("events").replaceChildren();
   const events = new EventSource(loopPath(id, root, "/events"));
   events.onmessage = (m) => {
@@ -262,11 +265,13 @@ $("answer-form").addEventListener("submit", (e) => {
   e.preventDefault();
   control("/answer", { text: $("answer-text").value }).then(() => { $("answer-text").value = ""; });
 });
+$("budget-form").addEventListener("input", () => { $("budget-form").dataset.editing = "1"; });
 $("budget-form").addEventListener("submit", (e) => {
   e.preventDefault();
   const body = {};
   if ($("budget-usd").value) body.max_cost_usd = Number($("budget-usd").value);
   if ($("budget-tokens").value) body.max_tokens = Number($("budget-tokens").value);
+  delete $("budget-form").dataset.editing;
   control("/limits", body);
 });
 $("task-form").addEventListener("submit", (e) => {
