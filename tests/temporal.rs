@@ -170,6 +170,41 @@ fn a_pause_holds_the_loop_and_a_resume_lets_it_finish() {
 }
 
 #[test]
+fn a_loop_without_progress_pauses_and_a_resume_counts_afresh() {
+    let Some(bin) = temporal_bin() else { return };
+    let p = Project::new(&GOOD_AGENT.replace("\"passed\":true", "\"passed\":false"));
+    let mut temporal = Temporal::start(&p, &bin);
+    temporal.worker(&p);
+    let id = temporal.create(&p, &["--title", "going round"]);
+    let state = temporal.wait_for_status(&p, &id, "paused");
+    let reason = state["skill_state"]["no_progress"]["paused"]["reason"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
+    // No checkpoints in a shared directory: the work tree is left out, and the reason says so.
+    assert!(
+        reason.starts_with("no progress in 3 rounds: the work tree left out"),
+        "{state}"
+    );
+    let done = actions(&state).len();
+    assert_eq!(
+        done, 7,
+        "init, develop ×2, validate, then debug/validate ×3: {state}"
+    );
+    let out = temporal.command(&p, &["status", &id]);
+    assert!(stdout(&out).contains("no progress"), "{}", stdout(&out));
+
+    let out = temporal.command(&p, &["resume", &id]);
+    assert_eq!(code(&out), 0, "resume: {}", stderr(&out));
+    let mut state = Value::Null;
+    wait_for("the second pause, three rounds on", || {
+        state = temporal.state(&p, &id);
+        state["status"] == "paused" && actions(&state).len() > done
+    });
+    assert_eq!(actions(&state).len(), done + 3, "{state}");
+}
+
+#[test]
 fn a_server_that_is_not_there_is_one_line_and_exit_2() {
     let p = Project::new(GOOD_AGENT);
     let address = format!("127.0.0.1:{}", free_port());
