@@ -27,6 +27,8 @@ pub fn config(argv: &[&str], prompt: &str, format: &str, validate: Option<&str>)
         r#"
 retry_backoff = 0.01
 executor = "agent"
+# The benches' loops go round on purpose (a validate that never passes), to time many actions.
+no_progress_rounds = 0
 
 [executor_defaults]
 kill_grace = 0.5

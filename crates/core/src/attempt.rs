@@ -4,8 +4,8 @@
 //! loop as blocked, or asks a person). The state changes around an attempt are here too:
 //! [`begin`] before the first, [`record`] after each, [`block`] and [`ask`] when the loop must
 //! wait for someone, [`finish`] when the action is done (which also counts the rounds without
-//! progress, [`no_progress`]). A driver runs the attempts and writes the
-//! state; it decides nothing of this itself.
+//! progress, [`no_progress`]). A driver runs the attempts and writes the state; it decides
+//! nothing of this itself.
 
 use std::time::Duration;
 

@@ -114,7 +114,7 @@ pub fn set_limits(p: &Project, id: &str, limits: &crate::create::Limits) -> Resu
     .collect();
     if changes.is_empty() {
         return Err(usage(
-            "nothing to set: give max_iterations, max_errors, max_cost_usd or max_tokens",
+            "nothing to set: give --max-iterations, --max-errors, --max-cost-usd or --max-tokens",
         ));
     }
     p.store.update(id, true, |raw, _| {
