@@ -22,7 +22,9 @@
 //! version is therefore not unlinked at once but kept, as an *orphan*, until no process has it
 //! open and it is [`ORPHAN_LIFE_SHORT`] old (a write lease tells: [`loopd_fs::open_elsewhere`]), or
 //! for [`ORPHAN_LIFE`] at most, and a late write into it is merged into the state file
-//! ([`Store::settle`]: the keys it changed, against the version it replaced). The daemon's watcher
+//! ([`Store::settle`]: the keys it changed, against the version it replaced, but for a key
+//! changed in the state file since by a newer write; the merge of a late write into a version
+//! replaced before is no newer write, whenever it is made). The daemon's watcher
 //! marks an orphan written into (by the order of its file events: a write after the exchange
 //! renamed it) and settles it; every writer settles the orphans so marked, and those whose time is
 //! up, before it writes; a short-lived
@@ -643,6 +645,67 @@ mod tests {
         );
         store.close();
         assert!(!store.has_orphans(None));
+        assert_eq!(temp_files(dir.path()), Vec::<String>::new());
+    }
+
+    /// A lockless writer's two edits in a row both land in replaced versions (it opened the
+    /// state file just before each of two writes replaced it), and the second write was made
+    /// without the first edit: another process made it, or the first late write was not yet
+    /// reported. Here two short-lived writers hand their versions over to a watcher, which
+    /// merges them in the order they were replaced: the older edit, merged first, is no change
+    /// made since the newer one's version was replaced, and the newer edit wins (it was lost
+    /// once in `loopd_writers_and_a_ccw_style_writer_lose_no_update_with_a_service`).
+    #[test]
+    fn late_writes_into_two_replaced_versions_keep_the_newer_edit() {
+        let (dir, store) = running_loop();
+        let path = store.state_path("l1");
+        let handover_notes = || -> Vec<String> {
+            fs::read_dir(dir.path())
+                .unwrap()
+                .filter_map(|e| e.ok()?.file_name().into_string().ok())
+                .filter(|n| n.ends_with(HANDOVER_SUFFIX))
+                .collect()
+        };
+        // A short-lived writer: one write, its replaced version handed over; the note.
+        let write = |n: u64, late: Option<(Value, fs::File, &str)>| {
+            let before = handover_notes();
+            store
+                .update("l1", true, |raw, _| {
+                    raw.insert("current_iteration".into(), n.into());
+                })
+                .unwrap();
+            // The lockless writer's bytes land in the version just replaced.
+            if let Some((mut theirs, mut file, note)) = late {
+                theirs["notes"] = note.into();
+                file.set_len(0).unwrap();
+                file.write_all(&serde_json::to_vec(&theirs).unwrap())
+                    .unwrap();
+            }
+            store.close_with(|_| Settler::Another);
+            let mut new: Vec<String> = handover_notes();
+            new.retain(|n| !before.contains(n));
+            assert_eq!(new.len(), 1, "{new:?}");
+            new.remove(0)
+        };
+        // It reads the state file and opens it to write its edit, which lands after a write.
+        let open = || {
+            let theirs: Value = serde_json::from_slice(&fs::read(&path).unwrap()).unwrap();
+            let file = fs::OpenOptions::new().write(true).open(&path).unwrap();
+            (theirs, file)
+        };
+        let (theirs, file) = open();
+        let first = write(1, Some((theirs, file, "edit 1")));
+        let (theirs, file) = open();
+        assert_eq!(theirs["notes"], Value::Null, "edit 1 is not merged yet");
+        let second = write(2, Some((theirs, file, "edit 2")));
+        let watcher = Store::new(dir.path(), ".");
+        assert!(watcher.adopt(&first));
+        assert!(watcher.adopt(&second));
+        assert_eq!(watcher.settle("l1").unwrap(), 2);
+        let on_disk: Value = serde_json::from_slice(&fs::read(&path).unwrap()).unwrap();
+        assert_eq!(on_disk["notes"], "edit 2", "the newer edit wins");
+        assert_eq!(on_disk["current_iteration"], 2);
+        watcher.close();
         assert_eq!(temp_files(dir.path()), Vec::<String>::new());
     }
 

@@ -5,6 +5,8 @@
 
 use super::*;
 
+use std::time::SystemTime;
+
 /// How long a replaced version is kept for a late write into it by a writer that takes no lock
 /// (which writes within microseconds of opening the file, unless it is descheduled), at most.
 /// One still open elsewhere then is not written into again.
@@ -43,6 +45,29 @@ pub(super) struct Kept {
     /// Spares taken for a write, and when: the writes into them are the writer's own, not late
     /// writes, until a watcher sees them renamed into place ([`Store::reusing`]).
     pub(super) reusing: Vec<(String, Instant)>,
+    /// The last edits late writes made, merged here, of each loop, oldest first (see [`Merged`]).
+    pub(super) merged: Vec<Merged>,
+}
+
+/// How many merged edits of one loop are remembered (see [`Merged`]).
+const MAX_MERGED: usize = 16;
+
+/// An edit of one key that a late write into a replaced version made, merged into the state
+/// file. A late write into a version replaced later was begun after it (that version was put in
+/// place after this one was replaced, and opened while in place), so it is the newer edit: the
+/// merge of this one, though written after the later version was replaced, is no change made
+/// since, and does not keep the newer edit out (see [`Store::as_if_merged`]).
+#[derive(Debug, Clone)]
+pub(super) struct Merged {
+    id: String,
+    key: String,
+    /// When the version the late write went into was replaced.
+    replaced: SystemTime,
+    /// When the merge was in place.
+    at: SystemTime,
+    /// The key's value before and after the merge (`None`: absent).
+    before: Option<Value>,
+    after: Option<Value>,
 }
 
 /// The replaced versions kept by this process's stores of the state directory `path`: one list
@@ -65,6 +90,9 @@ pub(super) struct Orphan {
     /// someone since, and is theirs to keep.
     pub(super) written: Vec<u8>,
     pub(super) since: Instant,
+    /// When it was replaced, by the clock of every process (`None`: not known, handed over by an
+    /// older loopd): orders late writes into versions replaced by different processes.
+    pub(super) replaced: Option<SystemTime>,
     /// A watcher saw a write into it since it was last read.
     pub(super) touched: bool,
 }
@@ -132,8 +160,23 @@ pub(super) fn handed_over(name: &str) -> Option<(&str, String)> {
     (!stem.contains('/')).then(|| (id, format!(".{stem}{TEMP_SUFFIX}")))
 }
 
+/// `t` in nanoseconds since the epoch, as a hand-over note says it.
+fn nanos(t: SystemTime) -> Option<u64> {
+    let ns = t.duration_since(SystemTime::UNIX_EPOCH).ok()?.as_nanos();
+    u64::try_from(ns).ok()
+}
+
 impl Store {
-    pub(super) fn keep_orphan(&self, id: &str, name: String, base: Vec<u8>, written: Vec<u8>) {
+    /// Keeps the version `name` of `id` for a late write into it; `replaced`: when (see
+    /// [`Orphan::replaced`]).
+    pub(super) fn keep_orphan(
+        &self,
+        id: &str,
+        name: String,
+        base: Vec<u8>,
+        written: Vec<u8>,
+        replaced: Option<SystemTime>,
+    ) {
         let mut kept = lock(&self.orphans);
         let touched = match kept.early.iter().position(|(n, _)| *n == name) {
             Some(i) => {
@@ -148,6 +191,7 @@ impl Store {
             base,
             written,
             since: Instant::now(),
+            replaced,
             touched,
         });
         kept.added.notify_waiters();
@@ -352,6 +396,7 @@ impl Store {
                 "orphan": orphan.name,
                 "base": String::from_utf8_lossy(&orphan.base),
                 "written": String::from_utf8_lossy(&orphan.written),
+                "replaced": orphan.replaced.and_then(nanos),
             });
             let written = serde_json::to_vec(&note)
                 .map_err(io::Error::other)
@@ -391,7 +436,10 @@ impl Store {
         if note["orphan"].as_str() != Some(orphan.as_str()) || !dir.exists(&orphan) {
             return false;
         }
-        self.keep_orphan(id, orphan, base, written);
+        let replaced = note["replaced"]
+            .as_u64()
+            .map(|ns| SystemTime::UNIX_EPOCH + Duration::from_nanos(ns));
+        self.keep_orphan(id, orphan, base, written, replaced);
         // Read at its settle whatever the events said: its writes came before this process knew
         // it.
         self.touch_orphans(id);
@@ -483,6 +531,7 @@ impl Store {
                 base,
                 written,
                 since,
+                replaced,
                 touched,
                 ..
             } = orphan;
@@ -529,7 +578,7 @@ impl Store {
             }
             match serde_json::from_slice::<Value>(&now) {
                 Ok(Value::Object(theirs)) => {
-                    late.push((base, theirs, written));
+                    late.push((base, theirs, written, replaced));
                     let _ = dir.remove(&name);
                     done.push(name);
                 }
@@ -558,7 +607,7 @@ impl Store {
             }
         }
         let mut merged = 0;
-        for (base, theirs, written) in late {
+        for (base, theirs, written, replaced) in late {
             let object = |bytes: &[u8]| match serde_json::from_slice::<Value>(bytes) {
                 Ok(Value::Object(map)) => map,
                 _ => Map::new(),
@@ -572,24 +621,34 @@ impl Store {
             // keep: a late write into a replaced version was begun before the exchange, so a
             // writer's later write of the same key went to the state file after it. (File times
             // cannot say which came first: they tick by the jiffy, and a file loopd renames in
-            // bears its own time.)
+            // bears its own time.) But for the merges of older late writes, made since: those
+            // edits are older than this one ([`Merged`]).
             tracing::debug!(
                 "a late write into a replaced version of {} changed {changed:?}; merging",
                 path.display()
             );
+            let mut edits = Vec::new();
             let result = self.update_locked(dir, id, true, |raw, _| {
+                edits.clear();
                 for key in &changed {
-                    if raw.get(key) != written.get(key) {
+                    let unchanged = self.as_if_merged(id, replaced, key, written.get(key));
+                    if raw.get(key) != unchanged.as_ref() {
                         continue;
                     }
-                    match theirs.get(key) {
+                    let before = match theirs.get(key) {
                         Some(v) => raw.insert(key.clone(), v.clone()),
                         None => raw.remove(key),
                     };
+                    edits.push((key.clone(), before, theirs.get(key).cloned()));
                 }
             });
             match result {
-                Ok(_) => merged += 1,
+                Ok(_) => {
+                    merged += 1;
+                    if let Some(replaced) = replaced {
+                        self.remember_merged(id, replaced, edits);
+                    }
+                }
                 Err(e) => tracing::warn!(
                     "warning: cannot merge a late write into {}: {e}",
                     path.display()
@@ -597,6 +656,65 @@ impl Store {
             }
         }
         merged
+    }
+
+    /// What the version that replaced a version at `replaced` holds under `key` (`written`), as
+    /// if the edits of late writes into versions replaced before (older edits) that were merged
+    /// after it had been in it already: the key is unchanged since that version if the state
+    /// file holds this.
+    fn as_if_merged(
+        &self,
+        id: &str,
+        replaced: Option<SystemTime>,
+        key: &str,
+        written: Option<&Value>,
+    ) -> Option<Value> {
+        let mut value = written.cloned();
+        let Some(replaced) = replaced else {
+            return value;
+        };
+        let kept = lock(&self.orphans);
+        let older = kept
+            .merged
+            .iter()
+            .filter(|m| m.id == id && m.key == key && m.replaced < replaced && replaced < m.at);
+        for merge in older {
+            if value == merge.before {
+                value.clone_from(&merge.after);
+            }
+        }
+        value
+    }
+
+    /// Remembers the `edits` (key, value before, value after) that a late write into a version of
+    /// `id` replaced at `replaced` made, just merged (see [`Merged`]).
+    fn remember_merged(
+        &self,
+        id: &str,
+        replaced: SystemTime,
+        edits: Vec<(String, Option<Value>, Option<Value>)>,
+    ) {
+        let at = SystemTime::now();
+        let mut kept = lock(&self.orphans);
+        for (key, before, after) in edits {
+            if before == after {
+                continue;
+            }
+            let of_id = kept.merged.iter().filter(|m| m.id == id).count();
+            if of_id >= MAX_MERGED
+                && let Some(oldest) = kept.merged.iter().position(|m| m.id == id)
+            {
+                kept.merged.remove(oldest);
+            }
+            kept.merged.push(Merged {
+                id: id.to_owned(),
+                key,
+                replaced,
+                at,
+                before,
+                after,
+            });
+        }
     }
 
     /// Removes temporary files that an interrupted write left behind (under the loop's lock, so

@@ -264,7 +264,8 @@ impl Store {
                     } else {
                         in_place
                     };
-                    self.keep_orphan(id, tmp, base, bytes.clone());
+                    let replaced = std::time::SystemTime::now();
+                    self.keep_orphan(id, tmp, base, bytes.clone(), Some(replaced));
                 }
                 Swapped::Renamed => {}
             }
