@@ -338,9 +338,10 @@ mod tests {
             Decision::Abort(r) if r.starts_with("no progress in 3 rounds")
         ));
         state.current_iteration = 10;
+        let first = decide(&CcwLoop, &state, limits(Then::Pause));
         assert!(
-            matches!(decide(&CcwLoop, &state, limits(Then::Pause)), Decision::Run(d) if d.action == "complete"),
-            "the iteration limit comes first"
+            matches!(&first, Decision::Run(d) if d.action == "complete"),
+            "the iteration limit comes first: {first:?}"
         );
     }
 

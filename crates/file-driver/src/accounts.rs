@@ -34,7 +34,7 @@ impl Accounts {
     }
 
     fn holds(&self) -> MutexGuard<'_, HashMap<String, DateTime<Utc>>> {
-        // A panic while holding the lock left the map whole: it is only ever replaced entry by entry.
+        // A panic while holding the lock left the map whole: it only changes entry by entry.
         self.0
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)

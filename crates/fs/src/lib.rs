@@ -260,10 +260,13 @@ impl Dir {
         self.open_checked(name, OFlag::O_RDWR, true)
     }
 
-    /// Creates a new temporary file next to `name` (`.NAME.XXXXXX.tmp`, 0600); returns its name.
+    /// Creates a new temporary file next to `name` (`.NAME.PID-XXXXXX.tmp`, 0600, PID this
+    /// process's, so that a sweep tells a living writer's file from one a dead writer left: see
+    /// [`temp_writer`]); returns its name.
     pub fn temp_file(&self, name: &str) -> io::Result<(String, File)> {
+        let pid = std::process::id();
         for _ in 0..100 {
-            let tmp = format!(".{name}.{}{TEMP_SUFFIX}", random_suffix());
+            let tmp = format!(".{name}.{pid}-{}{TEMP_SUFFIX}", random_suffix());
             match self.open_checked(&tmp, OFlag::O_RDWR | OFlag::O_CREAT | OFlag::O_EXCL, true) {
                 Ok(file) => return Ok((tmp, file)),
                 Err(e) if e.kind() == io::ErrorKind::AlreadyExists => continue,
@@ -492,6 +495,15 @@ fn with_path(path: &Path, e: io::Error) -> io::Error {
     io::Error::new(e.kind(), format!("{}: {e}", path.display()))
 }
 
+/// The pid of the process that made the temporary file `name` ([`Dir::temp_file`]), when its
+/// name says.
+pub fn temp_writer(name: &str) -> Option<u32> {
+    let stem = name.strip_suffix(TEMP_SUFFIX)?;
+    let (_, last) = stem.rsplit_once('.')?;
+    let (pid, _) = last.split_once('-')?;
+    pid.parse().ok()
+}
+
 fn random_suffix() -> String {
     std::iter::repeat_with(fastrand::alphanumeric)
         .take(6)
@@ -502,6 +514,17 @@ fn random_suffix() -> String {
 mod tests {
     use super::*;
     use std::os::unix::fs::PermissionsExt;
+
+    #[test]
+    fn a_temporary_file_names_its_writer() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = Dir::open(dir.path()).unwrap();
+        let (name, _) = d.temp_file("x.json").unwrap();
+        assert_eq!(temp_writer(&name), Some(std::process::id()), "{name}");
+        assert_eq!(temp_writer(".x.json.AbC12z.tmp"), None, "an older loopd's");
+        assert_eq!(temp_writer(".x.json.spare.tmp"), None);
+        assert_eq!(temp_writer("x.json"), None);
+    }
 
     #[test]
     fn replacing_reuses_the_replaced_version_and_never_follows_a_link() {

@@ -402,7 +402,8 @@ struct Names {
     tasks: String,
     /// The loop's own subdirectory.
     nested: String,
-    /// Temporary names of the state file: `.{id}.json.XXXXXX.tmp`, replaced versions among them.
+    /// Temporary names of the state file: `.{id}.json.PID-XXXXXX.tmp`, replaced versions among
+    /// them.
     temp_prefix: String,
 }
 

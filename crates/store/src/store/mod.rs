@@ -3,8 +3,8 @@
 //! Theory of operation: every writer (the daemon, the CLI's control commands) changes a state file
 //! by read-modify-write under an exclusive `flock` on the sidecar `{id}.lock`, which is never
 //! renamed or deleted, so the lock and the file it guards cannot come apart. The new version is
-//! written to a temporary file in the same directory (`.{id}.json.XXXXXX.tmp`, mode 0600) and
-//! exchanged with the state file (`renameat2(RENAME_EXCHANGE)`, else a plain rename): a reader
+//! written to a temporary file in the same directory (`.{id}.json.PID-XXXXXX.tmp`, mode 0600)
+//! and exchanged with the state file (`renameat2(RENAME_EXCHANGE)`, else a plain rename): a reader
 //! sees the old file or the new one, never a mix. A durable write is made durable by its backup
 //! `{id}.json.bak` ([`backup`]): the same bytes, written there with a checksum and
 //! fdatasynced; the exchange itself is not fsynced. Every file is opened
@@ -574,6 +574,41 @@ mod tests {
             .filter_map(|e| e.ok()?.file_name().into_string().ok())
             .filter(|n| n.ends_with(TEMP_SUFFIX))
             .collect()
+    }
+
+    /// A daemon's start sweeps what dead writers left, not the replaced version a living writer
+    /// (a command between its write and its hand-over) still keeps
+    /// (`loopd_writers_and_a_ccw_style_writer_lose_no_update_with_a_service` lost an edit kept
+    /// in such a version, swept in the ~1 ms before its writer handed it over).
+    #[test]
+    fn a_sweep_removes_what_dead_writers_left_and_nothing_a_living_one_keeps() {
+        let (dir, store) = running_loop();
+        let mut living = std::process::Command::new("sleep")
+            .arg("60")
+            .spawn()
+            .unwrap();
+        let mut dead = std::process::Command::new("true").spawn().unwrap();
+        dead.wait().unwrap();
+        // Killed and not reaped yet: dead too.
+        let mut zombie = std::process::Command::new("true").spawn().unwrap();
+        let stat = format!("/proc/{}/stat", zombie.id());
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !fs::read_to_string(&stat).unwrap().contains(") Z") {
+            assert!(Instant::now() < deadline, "no zombie");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let kept_by_living = format!(".l1.json.{}-aaaaaa{TEMP_SUFFIX}", living.id());
+        let left_by_dead = format!(".l1.json.{}-bbbbbb{TEMP_SUFFIX}", dead.id());
+        let left_by_zombie = format!(".l1.json.{}-cccccc{TEMP_SUFFIX}", zombie.id());
+        let unnamed = format!(".l1.json.dddddd{TEMP_SUFFIX}");
+        for name in [&kept_by_living, &left_by_dead, &left_by_zombie, &unnamed] {
+            fs::write(dir.path().join(name), "{}").unwrap();
+        }
+        assert_eq!(store.sweep_temp_files("l1").unwrap(), 3);
+        assert_eq!(temp_files(dir.path()), [kept_by_living]);
+        zombie.wait().unwrap();
+        living.kill().unwrap();
+        living.wait().unwrap();
     }
 
     #[test]

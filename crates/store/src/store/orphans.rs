@@ -142,7 +142,20 @@ pub enum Settler {
     Another,
 }
 
-/// The hand-over note of the replaced version `orphan` (`.{id}.json.XXXXXX.tmp`).
+/// Whether `pid` is another process that still runs (a zombie, killed and not yet reaped,
+/// does not).
+fn another_living(pid: u32) -> bool {
+    if pid == 0 || pid == std::process::id() {
+        return false;
+    }
+    // `/proc/PID/stat`: `PID (COMM) STATE ...`, COMM possibly holding spaces and parentheses.
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
+        stat.rsplit_once(')')
+            .is_some_and(|(_, rest)| !rest.trim_start().starts_with(['Z', 'X']))
+    })
+}
+
+/// The hand-over note of the replaced version `orphan` (`.{id}.json.PID-XXXXXX.tmp`).
 pub(super) fn handover_name(orphan: &str) -> String {
     format!(
         "{}{HANDOVER_SUFFIX}",
@@ -372,7 +385,7 @@ impl Store {
     }
 
     /// Hands the replaced versions of `id` over to another process that watches the state
-    /// directory: for each, a note `.{id}.json.XXXXXX.handover` says what it held when it was
+    /// directory: for each, a note `.{id}.json.PID-XXXXXX.handover` says what it held when it was
     /// replaced and what replaced it, and that process keeps and settles it as its own
     /// ([`Store::adopt`]). A version whose note cannot be written stays here, to be settled
     /// before the writer exits. Called with the loop's lock held.
@@ -718,8 +731,10 @@ impl Store {
     }
 
     /// Removes temporary files that an interrupted write left behind (under the loop's lock, so
-    /// no write of another loopd is in progress), and replaced versions no living writer keeps.
-    /// Returns how many were removed.
+    /// no write of another loopd is in progress), and replaced versions no living writer keeps:
+    /// not this process's, not one a hand-over note names, not one whose writer (its name says,
+    /// [`loopd_fs::temp_writer`]) still runs, which keeps it until it hands it over or settles
+    /// it. Returns how many were removed.
     pub fn sweep_temp_files(&self, id: &str) -> Result<usize, StoreError> {
         let dir = self.state_dir(false)?;
         // Versions another writer handed over, and nobody took: this process's now.
@@ -747,7 +762,10 @@ impl Store {
             let Some(dir) = dir else { continue };
             for name in dir.entries().unwrap_or_default() {
                 let temp = if ours {
-                    name.starts_with(&prefix) && !kept.contains(&name)
+                    name.starts_with(&prefix)
+                        && !kept.contains(&name)
+                        && !dir.exists(&handover_name(&name))
+                        && !loopd_fs::temp_writer(&name).is_some_and(another_living)
                 } else {
                     name.starts_with('.')
                 };
