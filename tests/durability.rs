@@ -288,6 +288,54 @@ fn lose_no_update(service: bool) {
     assert_eq!(state["skill_state"]["error_count"], 0);
 }
 
+/// A copy of the state file read before loopd's last actions, put back while no daemon drove the
+/// loop (a lockless dashboard's stale write, then a command's read-modify-write of it, which made
+/// it look newer): the next daemon takes loopd's own fields from its last durable write, so no
+/// task is developed twice, and keeps what others wrote since.
+#[test]
+fn a_stale_copy_put_back_between_daemons_develops_no_task_twice() {
+    // The copy is read while the second task is developed: the first is done then.
+    let p = Project::new(&agent(&[(
+        "develop",
+        r#"[ "$LOOPD_TASK_ID" = task-002 ] && cp "$LOOPD_STATE_FILE" stale.json"#,
+    )]));
+    let id = p.create(&["--title", "t", "--task", "a", "--task", "b", "--task", "c"]);
+    assert_eq!(code(&p.run(&id, &[])), 0);
+    let all = ["task-001", "task-002", "task-003"];
+    assert_eq!(p.developed(&id), all);
+    let put_back = |note: &str| {
+        std::fs::copy(p.root.join("stale.json"), p.state_path(&id)).unwrap();
+        // As the dashboard writes it: its own edit, and the time of its write.
+        edit_raw(&p, &id, |v| {
+            v["notes"] = json!(note);
+            v["updated_at"] = json!(chrono::Utc::now().to_rfc3339());
+        });
+    };
+    let said = "another writer put back a copy it had read before";
+
+    // Found by the next daemon.
+    put_back("written since");
+    let out = p.run(&id, &[]);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    assert!(stderr(&out).contains(said), "{}", stderr(&out));
+    assert_eq!(p.developed(&id), all, "no task again");
+    assert_eq!(p.state(&id)["notes"], "written since");
+
+    // Found by a command's write first, which would make the copy the backup's too.
+    put_back("and again");
+    let out = p.output(&["set", &id, "--max-iterations", "12"]);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    assert!(stderr(&out).contains(said), "{}", stderr(&out));
+    let out = p.run(&id, &[]);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    assert_eq!(p.developed(&id), all, "no task again");
+    let state = p.state(&id);
+    assert_eq!(
+        (&state["notes"], &state["max_iterations"]),
+        (&json!("and again"), &json!(12))
+    );
+}
+
 /// A loop that stopped at its iteration limit with two of its three tasks done.
 fn two_of_three_tasks_done() -> (Project, String) {
     let p = Project::new(GOOD_AGENT);

@@ -49,6 +49,24 @@ pub(super) struct BackupJob {
 /// Whether `state` is older than `backed`, a version a durable write recorded in the backup: the
 /// later `updated_at` (every loopd writer sets it) is the newer.
 pub(super) fn is_older(state: &LoopState, backed: &LoopState) -> bool {
+    older_time(state, backed)
+}
+
+/// Whether loopd's own fields of `state` are older than those of `backed` (see [`is_older`]): its
+/// count of finished actions (`skill_state.seq`), which only ever grows, is lower. Another writer
+/// put back a copy it read before (a lockless writer's stale read, a command's read-modify-write
+/// of that copy since), whatever its `updated_at` says.
+/// Only of the same loop: a loop made anew under the id of a removed one (its `created_at`
+/// differs) has nothing to take from the old one's backup; and a state without `skill_state`
+/// (lost, or taken away on purpose) is rebuilt, not put back.
+pub(super) fn fields_older(state: &LoopState, backed: &LoopState) -> bool {
+    match (&state.skill_state, &backed.skill_state) {
+        (Some(now), Some(then)) => state.created_at == backed.created_at && now.seq < then.seq,
+        _ => false,
+    }
+}
+
+fn older_time(state: &LoopState, backed: &LoopState) -> bool {
     let time = |s: &LoopState| {
         s.updated_at
             .as_deref()
@@ -175,24 +193,13 @@ impl Store {
                 let Ok((bytes, backed)) = from_backup() else {
                     return Ok(None);
                 };
-                if !is_older(&now.state, &backed.state) {
-                    return Ok(None);
+                if is_older(&now.state, &backed.state) {
+                    return self.restore_older(&dir, id, &bytes, &backed.state);
                 }
-                let _lock = self.lock(id)?;
-                if !self
-                    .load(id)
-                    .is_ok_and(|now| is_older(&now.state, &backed.state))
-                {
-                    return Ok(None);
+                if fields_older(&now.state, &backed.state) {
+                    return self.restore_fields(&dir, id, &backed.state);
                 }
-                dir.write_atomic(&state_name(id), &bytes, true)
-                    .map_err(io_err(&path))?;
-                let reason = format!(
-                    "it was older than its last durable write, of {}: the machine stopped before \
-                     the file reached the disk",
-                    backed.state.updated_at.as_deref().unwrap_or("?")
-                );
-                return Ok(Some((reason, self.backup_path(id).display().to_string())));
+                return Ok(None);
             }
             Err(StoreError::Corrupt { reason, .. }) => Err(reason),
             Err(e @ StoreError::NotFound { .. }) => Ok(e),
@@ -220,6 +227,71 @@ impl Store {
         dir.write_atomic(&state_name(id), &bytes, true)
             .map_err(io_err(&path))?;
         Ok(Some((reason, from)))
+    }
+
+    /// The last durable write of loop `id` (see [`backup`]) and its loopd fields, when it loads.
+    pub(super) fn backed(&self, dir: &Dir, id: &str) -> Option<(LoopState, Map<String, Value>)> {
+        let bytes = backup::newest(dir, &backup_name(id), MAX_STATE_SIZE).ok()??;
+        let backed = Loaded::parse(&self.state_path(id), &bytes).ok()?;
+        let fields = write::daemon_fields(&backed.state).ok()?;
+        Some((backed.state, fields))
+    }
+
+    /// [`Store::restore`] of a state file older than its backup (`bytes`, of `backed`): the
+    /// backup in its place, if it is still older under the lock.
+    fn restore_older(
+        &self,
+        dir: &Dir,
+        id: &str,
+        bytes: &[u8],
+        backed: &LoopState,
+    ) -> Result<Option<(String, String)>, StoreError> {
+        let path = self.state_path(id);
+        let _lock = self.lock(id)?;
+        if !self.load(id).is_ok_and(|now| is_older(&now.state, backed)) {
+            return Ok(None);
+        }
+        dir.write_atomic(&state_name(id), bytes, true)
+            .map_err(io_err(&path))?;
+        let reason = format!(
+            "it was older than its last durable write, of {}: the machine stopped before the \
+             file reached the disk",
+            backed.updated_at.as_deref().unwrap_or("?")
+        );
+        Ok(Some((reason, self.backup_path(id).display().to_string())))
+    }
+
+    /// [`Store::restore`] of a state file whose loopd fields are older than its backup's
+    /// ([`fields_older`]): those fields from the backup, what others wrote since (a title,
+    /// notes, a status) kept.
+    fn restore_fields(
+        &self,
+        dir: &Dir,
+        id: &str,
+        backed: &LoopState,
+    ) -> Result<Option<(String, String)>, StoreError> {
+        let seq = |s: &LoopState| s.skill_state.as_ref().map_or(0, |k| k.seq);
+        let fields = write::daemon_fields(backed).map_err(|e| StoreError::Corrupt {
+            path: self.state_path(id),
+            reason: e.to_string(),
+        })?;
+        let _lock = self.lock(id)?;
+        let mut found = None;
+        self.update_locked(dir, id, true, |raw, current| {
+            found = fields_older(current, backed).then(|| seq(current));
+            if found.is_some() {
+                raw.extend(fields.clone());
+            }
+        })?;
+        let Some(found) = found else {
+            return Ok(None);
+        };
+        let reason = format!(
+            "its loopd fields were older than its last durable write ({found} actions finished, \
+             not {}): another writer put back a copy it had read before",
+            seq(backed)
+        );
+        Ok(Some((reason, self.backup_path(id).display().to_string())))
     }
 
     /// Puts back the last version this store read or wrote in place of a state file that is

@@ -167,17 +167,34 @@ impl Store {
     /// documentation). (Where the exchange is not supported, the file is compared just before a
     /// plain rename instead, which leaves a window of microseconds.) A durable write also
     /// refreshes the backup ([`Store::backup_path`]).
+    ///
+    /// loopd's own fields that another writer put back as an older copy had them (see
+    /// [`Store::restore`]) are taken from the backup first, so that this write does not make the
+    /// older copy the backup's too.
     pub fn update(
         &self,
         id: &str,
         durable: bool,
-        change: impl FnMut(&mut Map<String, Value>, &LoopState),
+        mut change: impl FnMut(&mut Map<String, Value>, &LoopState),
     ) -> Result<Arc<LoopState>, StoreError> {
         validate_id(id)?;
         let dir = self.existing_dir()?.ok_or_else(|| self.not_found(id))?;
         let _lock = self.lock(id)?;
         self.settle_locked(&dir, id, false);
-        self.update_locked(&dir, id, durable, change)
+        let backed = self.backed(&dir, id);
+        self.update_locked(&dir, id, durable, |raw, current| {
+            if let Some((backed, fields)) = &backed
+                && durable::fields_older(current, backed)
+            {
+                tracing::warn!(
+                    "{}: loopd's fields were older than its last durable write; another writer \
+                     put back a copy it had read before; taken from the backup",
+                    self.state_path(id).display()
+                );
+                raw.extend(fields.clone());
+            }
+            change(raw, current);
+        })
     }
 
     pub(super) fn update_locked(
