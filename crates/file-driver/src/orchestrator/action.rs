@@ -124,7 +124,7 @@ impl LoopRun<'_> {
                     .with("until", format_ts(until))
                     .with(
                         "message",
-                        format!("another loop of {account} was rate limited; waiting for it"),
+                        format!("{account} is rate limited: no attempt before its reset"),
                     ),
             );
             if let Some(interrupt) = self.wait_rate_limit(state, account, until).await? {
