@@ -115,7 +115,12 @@ try {
   await page.click("#btn-stop");
   await until("the state file to say failed", () => state(id).status === "failed");
   await page.waitForSelector("#detail-status:has-text('stopped')", { timeout: DEADLINE });
-  step("stopped from the page");
+  await page.waitForSelector("#btn-pause", { state: "hidden", timeout: DEADLINE });
+  assert.equal(await page.isVisible("#btn-stop"), false, "Stop on a stopped loop");
+  assert.equal(await page.isVisible("#btn-resume"), true, "Resume on a stopped loop");
+  assert.equal(await page.isVisible("#issues"), false, "skill-tuning's panel on a ccw-loop loop");
+  assert.equal(await page.isVisible("#hypotheses"), true, "ccw-loop's own panel");
+  step("stopped from the page; only the controls and panels that fit remain");
 
   // The overview: a raw write to the state file shows without a reload.
   await page.click("text=← every loop");

@@ -161,9 +161,15 @@ async function loadDetail() {
     ` iteration ${view.iteration}/${view.max_iterations}`,
     view.action ? ` · ${view.action}` : "",
     ` · errors ${loop.errors}/${loop.max_errors}`);
-  $("btn-pause").disabled = !["running", "created"].includes(loop.status);
-  $("btn-resume").disabled = loop.status === "running";
-  $("btn-stop").disabled = !["running", "paused", "created"].includes(loop.status);
+  // Only the controls that make sense now: no Resume on a loop that has completed (a person
+  // raises its limit first), no Pause or Stop on one that is not going.
+  $("btn-pause").hidden = !["running", "created"].includes(loop.status);
+  $("btn-resume").hidden = !["paused", "created", "failed", "user_exit"].includes(loop.status);
+  $("btn-stop").hidden = !["running", "paused", "created"].includes(loop.status);
+  // Only the loop's own workflow's panels.
+  const ccw = (view.workflow || "ccw-loop") === "ccw-loop";
+  for (const panel of ["tasks", "validation", "hypotheses"]) $(panel).closest("section").hidden = !ccw;
+  $("issues").closest("section").hidden = view.workflow !== "skill-tuning";
 
   const waiting = skill.awaiting_choice;
   $("next-form").hidden = !(skill.mode === "interactive" && waiting);
