@@ -5,7 +5,6 @@
 mod common;
 
 use common::*;
-use serde_json::Value;
 
 /// A Claude Code stand-in that shares one rate limit among every loop that uses it (through the
 /// directory `SHARED`): the first call sets the reset (`RESET_IN` seconds on), and every call
@@ -50,13 +49,6 @@ fn calls(p: &Project) -> Vec<(String, u128, bool)> {
         .collect()
 }
 
-fn events_named(p: &Project, id: &str, name: &str) -> Vec<Value> {
-    p.events(id)
-        .into_iter()
-        .filter(|e| e["event"] == name)
-        .collect()
-}
-
 #[test]
 fn a_rate_limit_holds_the_loops_of_its_account_and_no_other() {
     // Two projects whose agents spend one account (loops of one project take turns in its work
@@ -68,7 +60,7 @@ fn a_rate_limit_holds_the_loops_of_its_account_and_no_other() {
         env!("CARGO_MANIFEST_DIR")
     );
     let agent = SHARED_LIMIT
-        .replace("RESET_IN", "5")
+        .replace("RESET_IN", "10")
         .replace("FIXTURE", &fixture)
         .replace("SHARED", a.root.to_str().unwrap());
     for p in [&a, &c] {
@@ -88,14 +80,14 @@ fn a_rate_limit_holds_the_loops_of_its_account_and_no_other() {
     // The first loop is refused, with a reset time.
     assert!(a.output(&["start", &first]).status.success());
     wait_for("the first rate limit", || {
-        !events_named(&a, &first, "rate_limited").is_empty()
+        !a.events_named(&first, "rate_limited").is_empty()
     });
     let reset: i64 = std::fs::read_to_string(a.root.join("reset.d/at"))
         .unwrap()
         .trim()
         .parse()
         .unwrap();
-    let until = events_named(&a, &first, "rate_limited")[0]["until"]
+    let until = a.events_named(&first, "rate_limited")[0]["until"]
         .as_str()
         .unwrap()
         .to_owned();
@@ -112,9 +104,9 @@ fn a_rate_limit_holds_the_loops_of_its_account_and_no_other() {
     assert!(c.output(&["start", &second]).status.success());
     assert!(b.output(&["start", &other]).status.success());
     wait_for("the second loop to wait for the account", || {
-        !events_named(&c, &second, "rate_limited").is_empty()
+        !c.events_named(&second, "rate_limited").is_empty()
     });
-    let held = &events_named(&c, &second, "rate_limited")[0];
+    let held = &c.events_named(&second, "rate_limited")[0];
     assert_eq!(held["account"], "team", "{held}");
     assert_eq!(held["until"], until.as_str(), "{held}");
     let listed = stdout(&c.output(&["list"]));
@@ -150,8 +142,9 @@ fn a_rate_limit_holds_the_loops_of_its_account_and_no_other() {
         assert_eq!(state["skill_state"]["error_count"], 0, "{state}");
         assert!(state["skill_state"]["rate_limit"].is_null(), "{state}");
     }
-    // The other loop completed while the account was held.
-    let completed = events_named(&b, &other, "completed")[0]["ts"]
+    // The other loop was never held, and completed while the account was.
+    assert!(b.events_named(&other, "rate_limited").is_empty());
+    let completed = b.events_named(&other, "completed")[0]["ts"]
         .as_str()
         .unwrap()
         .to_owned();

@@ -62,13 +62,6 @@ fn loopd_with_agents(p: &Project, args: &[&str]) -> Output {
     wait_output(child, DEADLINE)
 }
 
-fn events_named(p: &Project, id: &str, name: &str) -> Vec<Value> {
-    p.events(id)
-        .into_iter()
-        .filter(|e| e["event"] == name)
-        .collect()
-}
-
 #[test]
 fn each_agent_runs_a_loop_to_completion_with_its_tokens() {
     for (agent, transcript, flags) in [
@@ -102,7 +95,7 @@ fn each_agent_runs_a_loop_to_completion_with_its_tokens() {
         .map(|k| usage[k].as_u64().unwrap())
         .sum::<u64>();
         assert!(tokens > 0, "{agent}: no tokens recorded: {usage}");
-        let finished = events_named(&p, &id, "action_finished");
+        let finished = p.events_named(&id, "action_finished");
         assert!(
             finished.iter().all(|e| e["outcome"] == "success"),
             "{agent}"
@@ -164,7 +157,7 @@ fn every_failure_is_classified_and_recorded() {
         let out = loopd_with_agents(&p, &["run", &id, "--executor", agent]);
         let case = format!("{agent} {transcript}");
         assert_eq!(out.status.code(), Some(4), "{case}: {}", stderr(&out));
-        let failed = events_named(&p, &id, "action_failed");
+        let failed = p.events_named(&id, "action_failed");
         assert_eq!(failed.len(), 1, "{case}");
         assert_eq!(failed[0]["outcome"], outcome, "{case}: {}", failed[0]);
         let state = p.state(&id);
@@ -194,7 +187,7 @@ fn a_rejected_api_key_blocks_the_loop_instead_of_failing_it() {
     assert_eq!(state["status"], "paused");
     assert_eq!(state["skill_state"]["error_count"], 0);
     assert_eq!(state["current_iteration"], 0);
-    assert_eq!(events_named(&p, &id, "action_started").len(), 1, "no retry");
+    assert_eq!(p.events_named(&id, "action_started").len(), 1, "no retry");
     let blocked = &state["skill_state"]["blocked"];
     assert_eq!(blocked["action"], "init");
     assert_eq!(
@@ -203,7 +196,7 @@ fn a_rejected_api_key_blocks_the_loop_instead_of_failing_it() {
     );
     let history = &state["skill_state"]["action_history"][0];
     assert_eq!(history["outcome"], "environment_error");
-    let hint = &events_named(&p, &id, "blocked")[0]["message"];
+    let hint = &p.events_named(&id, "blocked")[0]["message"];
     assert_eq!(
         hint.as_str().unwrap(),
         format!(
@@ -235,7 +228,7 @@ sed 's/greeting_written/passed/g' '{}'
     let id = p.create(&["--title", "t", "--task", "one"]);
     let out = loopd_with_agents(&p, &["run", &id, "--executor", "claude"]);
     assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
-    let limited = events_named(&p, &id, "rate_limited");
+    let limited = p.events_named(&id, "rate_limited");
     assert_eq!(limited.len(), 1);
     assert!(
         limited[0]["until"]
@@ -247,7 +240,8 @@ sed 's/greeting_written/passed/g' '{}'
     let history = state["skill_state"]["action_history"].as_array().unwrap();
     assert!(history.iter().any(|h| h["outcome"] == "rate_limited"));
     // The same attempt ran again: no retry was spent.
-    let init: Vec<Value> = events_named(&p, &id, "action_finished")
+    let init: Vec<Value> = p
+        .events_named(&id, "action_finished")
         .into_iter()
         .filter(|e| e["action"] == "init")
         .collect();
@@ -267,7 +261,7 @@ fn an_agent_lingering_after_its_final_event_is_ended_and_succeeds() {
     let out = loopd_with_agents(&p, &["run", &id, "--executor", "claude"]);
     assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
     assert!(
-        events_named(&p, &id, "action_finished")
+        p.events_named(&id, "action_finished")
             .iter()
             .all(|e| e["outcome"] == "success")
     );
@@ -295,7 +289,7 @@ fn a_spent_budget_fails_the_loop_with_a_clear_reason() {
         "{reason}"
     );
     // init ran and spent it; nothing ran after.
-    assert_eq!(events_named(&p, &id, "action_started").len(), 1);
+    assert_eq!(p.events_named(&id, "action_started").len(), 1);
 }
 
 #[test]
@@ -313,7 +307,7 @@ exec sleep 1000
     let id = p.create(&["--title", "t", "--max-tokens", "50000"]);
     let out = loopd_with_agents(&p, &["run", &id, "--executor", "claude"]);
     assert_eq!(out.status.code(), Some(4), "{}", stderr(&out));
-    let failed = events_named(&p, &id, "action_failed");
+    let failed = p.events_named(&id, "action_failed");
     assert_eq!(failed[0]["outcome"], "budget_exceeded");
     assert_eq!(failed.len(), 1, "no retry once the budget is spent");
     assert!(!alive(read_pid(&p.root.join("agent.pid"))));
@@ -442,7 +436,7 @@ fn transcripts_of_the_real_clis_are_read_as_they_happened() {
         }
         if stem == "claude-2.1.197-rate-limit" {
             // Claude Code's own retry of the 429, which it would otherwise make in silence.
-            let retry = events_named(&p, &id, "agent_retrying");
+            let retry = p.events_named(&id, "agent_retrying");
             assert_eq!(retry[0]["status"], 429, "{stem}: {retry:?}");
             assert_eq!(retry[0]["delay_ms"], 1000, "{stem}: {retry:?}");
         }

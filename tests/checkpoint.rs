@@ -29,28 +29,6 @@ case "$LOOPD_ACTION" in
 esac
 "#;
 
-/// `git ARGS` in `dir`; its trimmed output, which must succeed.
-fn git(dir: &Path, args: &[&str]) -> String {
-    let out = Command::new("git")
-        .arg("-C")
-        .arg(dir)
-        .args(args)
-        .env("GIT_AUTHOR_NAME", "t")
-        .env("GIT_AUTHOR_EMAIL", "t@t")
-        .env("GIT_COMMITTER_NAME", "t")
-        .env("GIT_COMMITTER_EMAIL", "t@t")
-        .env_remove("GIT_DIR")
-        .env_remove("GIT_INDEX_FILE")
-        .output()
-        .expect("run git");
-    assert!(
-        out.status.success(),
-        "git {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).trim_end().to_owned()
-}
-
 /// A repository in the project root with one commit, and the user's own work in progress: a
 /// staged change, an unstaged one, and a stash.
 fn user_repo(p: &Project) {

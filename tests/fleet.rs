@@ -7,12 +7,11 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use common::temporal::{Temporal, temporal_bin};
-use common::{Project, alive, code, read_pid, stderr, stdout};
+use common::{Project, alive, code, git, read_pid, stderr, stdout};
 use serde_json::Value;
 
 /// How long a test waits for its fleet to finish its loops: a bound that catches a hang.
@@ -223,28 +222,6 @@ impl Fleet {
     fn mark(&self, name: &str) -> PathBuf {
         self.marks.join(name)
     }
-}
-
-/// Runs git in `dir`; its output, trimmed. Panics with git's words if it fails.
-fn git(dir: &Path, args: &[&str]) -> String {
-    let out = Command::new("git")
-        .arg("-C")
-        .arg(dir)
-        .args(args)
-        .env("GIT_AUTHOR_NAME", "test")
-        .env("GIT_AUTHOR_EMAIL", "test@localhost")
-        .env("GIT_COMMITTER_NAME", "test")
-        .env("GIT_COMMITTER_EMAIL", "test@localhost")
-        .stdin(Stdio::null())
-        .output()
-        .expect("run git");
-    assert!(
-        out.status.success(),
-        "git {args:?} in {}: {}",
-        dir.display(),
-        stderr(&out)
-    );
-    stdout(&out).trim_end().to_owned()
 }
 
 /// The parent of process `pid` (0 when it is gone).

@@ -599,26 +599,6 @@ fn every_command_that_prints_a_result_prints_json_on_request() {
     }
 }
 
-/// `git` in `dir`, as a test's setup; panics when it fails.
-fn git(dir: &std::path::Path, args: &[&str]) -> String {
-    let out = std::process::Command::new("git")
-        .arg("-C")
-        .arg(dir)
-        .args([
-            "-c",
-            "user.name=t",
-            "-c",
-            "user.email=t@example.com",
-            "-c",
-            "commit.gpgsign=false",
-        ])
-        .args(args)
-        .output()
-        .expect("run git");
-    assert!(out.status.success(), "git {args:?}: {}", stderr(&out));
-    stdout(&out)
-}
-
 #[test]
 fn two_loops_never_edit_one_work_tree_at_once_unless_one_has_a_worktree_of_its_own() {
     // Develop leaves a mark in the work tree it runs in (its working directory, and its

@@ -5,11 +5,7 @@
 
 mod common;
 
-use std::path::Path;
-use std::process::Command;
-
 use common::*;
-use serde_json::Value;
 
 /// Plans one task and develops it; validation always fails the same test; debug finds nothing
 /// and changes nothing, unless `debug.sh` in the root says otherwise (it may set the result,
@@ -37,33 +33,10 @@ fn stuck_project(extra_config: &str) -> Project {
 
 /// The actions that finished, in order, from the loop's events.
 fn finished_actions(p: &Project, id: &str) -> Vec<String> {
-    p.events(id)
+    p.events_named(id, "action_finished")
         .iter()
-        .filter(|e| e["event"] == "action_finished")
         .map(|e| e["action"].as_str().unwrap_or_default().to_owned())
         .collect()
-}
-
-fn no_progress_events(p: &Project, id: &str) -> Vec<Value> {
-    p.events(id)
-        .into_iter()
-        .filter(|e| e["event"] == "no_progress")
-        .collect()
-}
-
-fn git(dir: &Path, args: &[&str]) {
-    let out = Command::new("git")
-        .arg("-C")
-        .arg(dir)
-        .args(args)
-        .env("GIT_AUTHOR_NAME", "t")
-        .env("GIT_AUTHOR_EMAIL", "t@t")
-        .env("GIT_COMMITTER_NAME", "t")
-        .env("GIT_COMMITTER_EMAIL", "t@t")
-        .env_remove("GIT_DIR")
-        .output()
-        .expect("run git");
-    assert!(out.status.success(), "git {args:?}: {out:?}");
 }
 
 fn git_project(extra_config: &str) -> Project {
@@ -102,7 +75,7 @@ fn a_loop_that_changes_nothing_pauses_with_no_progress_and_resumes_counting_afre
         reason.contains("validation 50% passed, failing: t_login"),
         "{reason}"
     );
-    let events = no_progress_events(&p, &id);
+    let events = p.events_named(&id, "no_progress");
     assert_eq!(events.len(), 1, "{events:?}");
     assert_eq!(events[0]["reason"], reason);
 
@@ -121,7 +94,7 @@ fn a_loop_that_changes_nothing_pauses_with_no_progress_and_resumes_counting_afre
     // pauses again.
     assert_eq!(code(&p.output(&["resume", &id])), 0);
     wait_for("the second pause", || {
-        no_progress_events(&p, &id).len() == 2
+        p.events_named(&id, "no_progress").len() == 2
     });
     let actions = finished_actions(&p, &id);
     assert_eq!(
@@ -150,7 +123,7 @@ fn a_debug_that_changes_a_file_each_round_is_progress() {
     let id = p.create(&["--title", "stuck"]);
     let out = p.run(&id, &["--exit-on-pause"]);
     assert_eq!(code(&out), 3, "iteration limit: {}", stderr(&out));
-    assert!(no_progress_events(&p, &id).is_empty());
+    assert!(p.events_named(&id, "no_progress").is_empty());
     assert_eq!(p.state(&id)["skill_state"]["outcome"], "iteration_limit");
 }
 
@@ -162,7 +135,7 @@ fn without_git_the_work_tree_is_left_out_and_the_reason_says_so() {
     let id = p.create(&["--title", "stuck"]);
     let out = p.run(&id, &["--exit-on-pause"]);
     assert_eq!(code(&out), 6, "{}", stderr(&out));
-    let reason = no_progress_events(&p, &id)[0]["reason"]
+    let reason = p.events_named(&id, "no_progress")[0]["reason"]
         .as_str()
         .unwrap()
         .to_owned();
@@ -196,7 +169,10 @@ fn the_same_error_round_after_round_is_no_progress_and_fail_fails_the_loop() {
         reason.contains("error \"reported failure: build failed at <path> after # ms\""),
         "{reason}"
     );
-    assert!(no_progress_events(&p, &id).is_empty(), "failed, not paused");
+    assert!(
+        p.events_named(&id, "no_progress").is_empty(),
+        "failed, not paused"
+    );
 }
 
 #[test]
@@ -205,7 +181,7 @@ fn zero_rounds_turns_it_off() {
     let id = p.create(&["--title", "stuck"]);
     let out = p.run(&id, &["--exit-on-pause"]);
     assert_eq!(code(&out), 3, "iteration limit: {}", stderr(&out));
-    assert!(no_progress_events(&p, &id).is_empty());
+    assert!(p.events_named(&id, "no_progress").is_empty());
 }
 
 #[test]

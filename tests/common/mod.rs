@@ -228,6 +228,14 @@ impl Project {
             .collect()
     }
 
+    /// The events of the loop called `name`, in order.
+    pub fn events_named(&self, id: &str, name: &str) -> Vec<Value> {
+        self.events(id)
+            .into_iter()
+            .filter(|e| e["event"] == name)
+            .collect()
+    }
+
     /// The tasks whose develop finished, in the order they finished (repeats included).
     pub fn developed(&self, id: &str) -> Vec<String> {
         self.events(id)
@@ -453,6 +461,32 @@ esac
         debug = hook("debug"),
         complete = hook("complete"),
     )
+}
+
+/// Runs git in `dir` as a test's own setup or check (an identity of its own, no signing, no
+/// input); its output, trimmed. Panics with git's words if it fails.
+pub fn git(dir: &Path, args: &[&str]) -> String {
+    let out = Command::new("git")
+        .arg("-C")
+        .arg(dir)
+        .args(["-c", "commit.gpgsign=false"])
+        .args(args)
+        .env("GIT_AUTHOR_NAME", "test")
+        .env("GIT_AUTHOR_EMAIL", "test@localhost")
+        .env("GIT_COMMITTER_NAME", "test")
+        .env("GIT_COMMITTER_EMAIL", "test@localhost")
+        .env_remove("GIT_DIR")
+        .env_remove("GIT_INDEX_FILE")
+        .stdin(Stdio::null())
+        .output()
+        .expect("run git");
+    assert!(
+        out.status.success(),
+        "git {args:?} in {}: {}",
+        dir.display(),
+        stderr(&out)
+    );
+    stdout(&out).trim_end().to_owned()
 }
 
 /// Waits (at most 20 s) until the file `$1` exists in the project root.

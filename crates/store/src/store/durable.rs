@@ -197,7 +197,10 @@ impl Store {
                     return self.restore_older(&dir, id, &bytes, &backed.state);
                 }
                 if fields_older(&now.state, &backed.state) {
-                    return self.restore_fields(&dir, id, &backed.state);
+                    let _lock = self.lock(id)?;
+                    let (_, repaired) = self.update_repairing(&dir, id, true, |_, _| {})?;
+                    let from = self.backup_path(id).display().to_string();
+                    return Ok(repaired.map(|reason| (reason, from)));
                 }
                 return Ok(None);
             }
@@ -261,37 +264,36 @@ impl Store {
         Ok(Some((reason, self.backup_path(id).display().to_string())))
     }
 
-    /// [`Store::restore`] of a state file whose loopd fields are older than its backup's
-    /// ([`fields_older`]): those fields from the backup, what others wrote since (a title,
-    /// notes, a status) kept.
-    fn restore_fields(
+    /// [`Store::update_locked`], with loopd's fields first taken from the backup where another
+    /// writer put them back older ([`fields_older`]); what others wrote since (a title, notes, a
+    /// status) is kept. Returns why they were taken, when they were. Called with the loop's lock
+    /// held.
+    pub(super) fn update_repairing(
         &self,
         dir: &Dir,
         id: &str,
-        backed: &LoopState,
-    ) -> Result<Option<(String, String)>, StoreError> {
+        durable: bool,
+        mut change: impl FnMut(&mut Map<String, Value>, &LoopState),
+    ) -> Result<(Arc<LoopState>, Option<String>), StoreError> {
         let seq = |s: &LoopState| s.skill_state.as_ref().map_or(0, |k| k.seq);
-        let fields = write::daemon_fields(backed).map_err(|e| StoreError::Corrupt {
-            path: self.state_path(id),
-            reason: e.to_string(),
-        })?;
-        let _lock = self.lock(id)?;
-        let mut found = None;
-        self.update_locked(dir, id, true, |raw, current| {
-            found = fields_older(current, backed).then(|| seq(current));
-            if found.is_some() {
+        let backed = self.backed(dir, id);
+        let mut repaired = None;
+        let state = self.update_locked(dir, id, durable, |raw, current| {
+            repaired = None;
+            if let Some((backed, fields)) = &backed
+                && fields_older(current, backed)
+            {
+                repaired = Some(format!(
+                    "its loopd fields were older than its last durable write ({} actions \
+                     finished, not {}): another writer put back a copy it had read before",
+                    seq(current),
+                    seq(backed)
+                ));
                 raw.extend(fields.clone());
             }
+            change(raw, current);
         })?;
-        let Some(found) = found else {
-            return Ok(None);
-        };
-        let reason = format!(
-            "its loopd fields were older than its last durable write ({found} actions finished, \
-             not {}): another writer put back a copy it had read before",
-            seq(backed)
-        );
-        Ok(Some((reason, self.backup_path(id).display().to_string())))
+        Ok((state, repaired))
     }
 
     /// Puts back the last version this store read or wrote in place of a state file that is

@@ -175,26 +175,21 @@ impl Store {
         &self,
         id: &str,
         durable: bool,
-        mut change: impl FnMut(&mut Map<String, Value>, &LoopState),
+        change: impl FnMut(&mut Map<String, Value>, &LoopState),
     ) -> Result<Arc<LoopState>, StoreError> {
         validate_id(id)?;
         let dir = self.existing_dir()?.ok_or_else(|| self.not_found(id))?;
         let _lock = self.lock(id)?;
         self.settle_locked(&dir, id, false);
-        let backed = self.backed(&dir, id);
-        self.update_locked(&dir, id, durable, |raw, current| {
-            if let Some((backed, fields)) = &backed
-                && durable::fields_older(current, backed)
-            {
-                tracing::warn!(
-                    "{}: loopd's fields were older than its last durable write; another writer \
-                     put back a copy it had read before; taken from the backup",
-                    self.state_path(id).display()
-                );
-                raw.extend(fields.clone());
-            }
-            change(raw, current);
-        })
+        let (state, repaired) = self.update_repairing(&dir, id, durable, change)?;
+        if let Some(reason) = repaired {
+            tracing::warn!(
+                "{}: {reason}; they were taken from {}",
+                self.state_path(id).display(),
+                self.backup_path(id).display()
+            );
+        }
+        Ok(state)
     }
 
     pub(super) fn update_locked(
