@@ -242,8 +242,9 @@ pub struct Store {
     path: PathBuf,
     /// The state directory, once opened.
     dir: Arc<Mutex<Option<Dir>>>,
-    /// The last version of each state file this store read or wrote, bytes and parse: a read
-    /// that finds the same bytes again skips the parse.
+    /// The last version of each state file this process's stores of the directory read or
+    /// wrote, bytes and parse: a read that finds the same bytes again skips the parse. One for
+    /// them all, as the spares they write into are ([`shared_last`]).
     last: Arc<Mutex<HashMap<String, Arc<Seen>>>>,
     /// Versions this store replaced, kept for a late write into them.
     orphans: Orphans,
@@ -263,10 +264,49 @@ pub struct Store {
 struct Seen {
     bytes: Vec<u8>,
     state: Arc<LoopState>,
-    /// The inode of the file, when this store wrote it.
-    ino: Option<u64>,
+    /// The file written, when a store of this process wrote it.
+    file: Option<FileId>,
     /// Its control fields, once a watcher asked for them.
     control: std::sync::OnceLock<Option<Control>>,
+}
+
+/// One version of a file: its inode, with the size and modification time its writer left. The
+/// inode alone does not tell: the store writes into the spare inodes of replaced versions, and a
+/// filesystem gives a freed inode number to a new file; a rename keeps the rest.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct FileId {
+    ino: u64,
+    size: i64,
+    mtime: (i64, i64),
+}
+
+impl FileId {
+    fn of_metadata(m: &std::fs::Metadata) -> FileId {
+        use std::os::unix::fs::MetadataExt as _;
+        FileId {
+            ino: m.ino(),
+            size: m.size() as i64,
+            mtime: (m.mtime(), m.mtime_nsec()),
+        }
+    }
+
+    fn of_stat(s: &nix::sys::stat::FileStat) -> FileId {
+        FileId {
+            ino: s.st_ino,
+            size: s.st_size,
+            mtime: (s.st_mtime, s.st_mtime_nsec),
+        }
+    }
+}
+
+/// The memory of the last versions ([`Store::last`]) of the state directory `path`, shared by
+/// this process's stores of it: a store's memory of a file another store has written since
+/// into the same spare inode would be stale (a stop written through the API, unseen by the
+/// watcher of the loop's daemon until its re-check).
+fn shared_last(path: &Path) -> Arc<Mutex<HashMap<String, Arc<Seen>>>> {
+    type Last = Arc<Mutex<HashMap<String, Arc<Seen>>>>;
+    static ALL: LazyLock<Mutex<HashMap<PathBuf, Last>>> = LazyLock::new(Default::default);
+    lock(&ALL).entry(path.to_owned()).or_default().clone()
 }
 
 impl Store {
@@ -277,7 +317,7 @@ impl Store {
             rel: PathBuf::from(state_dir),
             path: root.join(state_dir),
             dir: Arc::default(),
-            last: Arc::default(),
+            last: shared_last(&root.join(state_dir)),
             orphans: shared_orphans(&root.join(state_dir)),
             deferred: Arc::default(),
             backup_failing: Arc::default(),
@@ -345,14 +385,14 @@ impl Store {
         (seen.bytes == bytes).then(|| seen.state.clone())
     }
 
-    fn remember(&self, id: &str, bytes: Vec<u8>, state: Arc<LoopState>, ino: Option<u64>) {
+    fn remember(&self, id: &str, bytes: Vec<u8>, state: Arc<LoopState>, file: Option<FileId>) {
         if !self.memory {
             return;
         }
         let seen = Seen {
             bytes,
             state,
-            ino,
+            file,
             control: Default::default(),
         };
         lock(&self.last).insert(id.to_owned(), Arc::new(seen));
@@ -495,7 +535,7 @@ impl Store {
             let seen = lock(&self.last).get(id)?.clone();
             let dir = self.existing_dir().ok()??;
             let stat = dir.stat(&state_name(id)).ok()??;
-            (seen.ino == Some(stat.st_ino)).then_some(seen)
+            (seen.file == Some(FileId::of_stat(&stat))).then_some(seen)
         };
         match own() {
             Some(seen) => seen
@@ -840,6 +880,43 @@ mod tests {
         );
         store.close();
         assert_eq!(temp_files(dir.path()), Vec::<String>::new());
+    }
+
+    /// Two stores of one process (a service's daemon and its API): a stop the API writes into a
+    /// spare whose inode the daemon's store wrote before is seen as written, not as the daemon's
+    /// store remembered that inode (the dashboard's stop went unseen until the watch's re-check,
+    /// 30 s later).
+    #[test]
+    fn a_version_another_store_wrote_into_an_inode_this_one_wrote_before_is_read() {
+        use std::os::unix::fs::MetadataExt as _;
+        let (dir, daemon) = running_loop();
+        let _watch = daemon.watch_orphans("l1");
+        let api = Store::new(dir.path(), ".");
+        let path = daemon.state_path("l1");
+        let ino = |p: &Path| fs::metadata(p).unwrap().ino();
+        let set = |store: &Store, key: &str, value: Value| {
+            store
+                .update("l1", true, |raw, _| {
+                    raw.insert(key.into(), value.clone());
+                })
+                .unwrap();
+            // Its replaced version, settled, is the next write's spare.
+            std::thread::sleep(ORPHAN_LIFE);
+            store.settle("l1").unwrap();
+        };
+        set(&daemon, "current_iteration", 1.into());
+        let daemons = ino(&path);
+        assert_eq!(
+            daemon.control_after_rename("l1").unwrap().status,
+            Status::Running
+        );
+        set(&api, "max_cost_usd", 4.5.into());
+        set(&api, "status", "failed".into());
+        assert_eq!(ino(&path), daemons, "the stop went into the daemon's inode");
+        assert_eq!(
+            daemon.control_after_rename("l1").unwrap().status,
+            Status::Failed
+        );
     }
 
     #[test]

@@ -83,9 +83,8 @@ pub(super) fn swap_in(
     bytes: &[u8],
     expected: Option<&[u8]>,
     spare: Option<String>,
-    written: impl FnOnce(Option<u64>),
+    written: impl FnOnce(Option<FileId>),
 ) -> io::Result<Swapped> {
-    use std::os::unix::fs::MetadataExt as _;
     // Written under its own name: the watcher knows it as a spare being reused.
     let reused = spare.and_then(|spare| match dir.open_existing_rw(&spare) {
         Ok(file) => Some((spare, file)),
@@ -99,13 +98,13 @@ pub(super) fn swap_in(
         None => dir.temp_file(name)?,
     };
     let done = loopd_fs::overwrite(&file, bytes);
-    let ino = file.metadata().ok().map(|m| m.ino());
+    let version = file.metadata().ok().map(|m| FileId::of_metadata(&m));
     drop(file);
     if let Err(e) = done {
         let _ = dir.remove(&tmp);
         return Err(e);
     }
-    written(ino);
+    written(version);
     let swapped = match dir.exchange(&tmp, name) {
         Ok(()) => {
             let old = dir.read(&tmp, MAX_STATE_SIZE).unwrap_or_default();
