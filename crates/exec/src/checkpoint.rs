@@ -45,12 +45,8 @@ impl Repo {
     /// The repository `work_tree` is in, or `None` when it is in none (or git cannot run).
     /// `state_dir` is left out of every checkpoint; `index` is the loop's own index file.
     pub fn open(work_tree: &Path, state_dir: &Path, index: PathBuf, loop_id: &str) -> Option<Repo> {
-        let top = git_in(work_tree)
-            .args(["rev-parse", "--show-toplevel"])
-            .output()
-            .ok()
-            .filter(|o| o.status.success())?;
-        let top = PathBuf::from(String::from_utf8(top.stdout).ok()?.trim_end());
+        let top = run(git_in(work_tree).args(["rev-parse", "--show-toplevel"])).ok()?;
+        let top = PathBuf::from(top);
         let top = top.canonicalize().unwrap_or(top);
         // Left out by a pathspec, unless git ignores it already (then naming it is an error).
         let exclude = state_dir
@@ -62,11 +58,10 @@ impl Repo {
                     .and_then(|r| r.to_str().map(str::to_owned))
             })
             .filter(|rel| {
-                !git_in(work_tree)
+                run(git_in(work_tree)
                     .args(["check-ignore", "--quiet", "--no-index", "--"])
-                    .arg(top.join(rel))
-                    .status()
-                    .is_ok_and(|s| s.success())
+                    .arg(top.join(rel)))
+                .is_err()
             })
             .map(|rel| format!(":(top,exclude){rel}"));
         Some(Repo {

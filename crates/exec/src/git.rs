@@ -32,10 +32,11 @@ pub fn as_loopd(dir: &Path) -> Command {
     cmd
 }
 
-/// Runs `cmd`: its standard output without the trailing newline, or why it failed (the last
-/// line git printed on stderr, or why it did not run).
+/// Runs `cmd` as a process of loopd's own ([`crate::procs::own_output`]: no attempt's end takes
+/// it for an orphan): its standard output without the trailing newline, or why it failed (the
+/// last line git printed on stderr, or why it did not run).
 pub fn output(cmd: &mut Command) -> Result<String, String> {
-    let output = cmd.output().map_err(|e| format!("cannot run git: {e}"))?;
+    let output = crate::procs::own_output(cmd).map_err(|e| format!("cannot run git: {e}"))?;
     if output.status.success() {
         return Ok(String::from_utf8_lossy(&output.stdout)
             .trim_end()

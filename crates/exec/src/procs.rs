@@ -49,6 +49,66 @@ fn spared(pid: u32) -> bool {
         .contains(&pid)
 }
 
+/// Forgets a child [`spare`]d while it lived, once its owner has reaped it (its pid may be
+/// another's next).
+pub fn unspare(pid: u32) {
+    SPARED
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .retain(|p| *p != pid);
+}
+
+/// Spawns `cmd`, a process of loopd's own (git, a notification command) that is no attempt's:
+/// [`spare`]d from its birth, so that an attempt ending meanwhile neither takes it for one of its
+/// orphans nor reaps it from its owner, who waits for it and then calls [`unspare`].
+pub fn spawn_own(cmd: &mut std::process::Command) -> std::io::Result<std::process::Child> {
+    let _seen_by_no_sweep_unspared = spawning();
+    let child = cmd.spawn()?;
+    spare(child.id());
+    Ok(child)
+}
+
+/// Runs `cmd` to its end as [`spawn_own`] does, with no input; what it printed, as
+/// [`std::process::Command::output`] gives it.
+pub fn own_output(cmd: &mut std::process::Command) -> std::io::Result<std::process::Output> {
+    use std::process::Stdio;
+    cmd.stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let child = spawn_own(cmd)?;
+    let _spared = Spared(child.id());
+    child.wait_with_output()
+}
+
+/// [`unspare`]s its pid when dropped: when its owner has waited for it, or gave up waiting.
+struct Spared(u32);
+
+impl Drop for Spared {
+    fn drop(&mut self) {
+        unspare(self.0);
+    }
+}
+
+/// [`own_output`] for tokio, which waits without a thread.
+pub async fn own_output_async(
+    cmd: &mut tokio::process::Command,
+) -> std::io::Result<std::process::Output> {
+    use std::process::Stdio;
+    cmd.stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let (child, _spared) = {
+        let _seen_by_no_sweep_unspared = spawning();
+        let child = cmd.spawn()?;
+        let spared = child.id().map(|pid| {
+            spare(pid);
+            Spared(pid)
+        });
+        (child, spared)
+    };
+    child.wait_with_output().await
+}
+
 /// How many times this process has begun ending an attempt's processes: a signal handler compares
 /// it before and after, to tell whether a first signal has been acted on.
 static ENDINGS: AtomicU64 = AtomicU64::new(0);
@@ -213,7 +273,10 @@ fn reap_among(children: &[u32]) -> Vec<u32> {
     let keep = running().clone();
     let mut left = Vec::with_capacity(children.len());
     for &pid in children {
-        if !keep.contains(&pid) && ProcStat::read(pid).is_some_and(|p| !p.is_alive()) {
+        if !keep.contains(&pid)
+            && !spared(pid)
+            && ProcStat::read(pid).is_some_and(|p| !p.is_alive())
+        {
             let _ = waitpid(Pid::from_raw(pid as i32), Some(WaitPidFlag::WNOHANG));
         } else {
             left.push(pid);
@@ -232,7 +295,11 @@ fn reap_among(children: &[u32]) -> Vec<u32> {
 /// one process may run the attempts of many loops.
 pub fn attempt_processes(pgids: &[u32], marker: &str) -> Vec<u32> {
     let me = std::process::id();
-    let procs = all();
+    // Every child of loopd's own that lives now was spared at its birth ([`spawn_own`]).
+    let procs = {
+        let _no_spawn = spawning();
+        all()
+    };
     let mut children: HashMap<u32, Vec<u32>> = HashMap::new();
     for p in &procs {
         children.entry(p.ppid).or_default().push(p.pid);
@@ -477,6 +544,30 @@ mod tests {
         // The executor's owner still gets its exit status.
         assert!(executor.wait().unwrap().success());
         attempt_ended(executor.id());
+    }
+
+    #[test]
+    fn a_process_of_loopds_own_is_never_an_attempts_orphan_nor_reaped_from_its_owner() {
+        // With no attempt in flight but the one that ends, every other child of this process
+        // would be taken for that attempt's orphan: a git of the API, a notification command.
+        let mut own = spawn_own(std::process::Command::new("sleep").arg("30")).unwrap();
+        let pid = own.id();
+        let found = attempt_processes(&[], "no-such-marker");
+        assert!(!found.contains(&pid), "{found:?} has loopd's own child");
+        // Its exit status is its owner's, whatever reaps meanwhile.
+        own.kill().unwrap();
+        wait_until_zombie(pid);
+        assert_eq!(reap_among(&[pid]), [pid]);
+        assert!(own.wait().is_ok());
+        unspare(pid);
+        // git through it: its output as `Command::output` gives it.
+        let out =
+            own_output(std::process::Command::new("sh").args(["-c", "echo out; echo err >&2"]))
+                .unwrap();
+        assert_eq!(
+            (&out.stdout[..], &out.stderr[..]),
+            (&b"out\n"[..], &b"err\n"[..])
+        );
     }
 
     #[test]

@@ -424,9 +424,9 @@ fn hide_secrets(text: &str, uri: &Uri) -> String {
 /// Runs a command receiver: `line` on its stdin, its output discarded, killed with its process
 /// group past `timeout`.
 ///
-/// It is counted among the process's children in flight ([`procs::attempt_started`]), as an
-/// executor is, so that the end of an attempt running meanwhile neither reaps it (taking its
-/// exit status) nor ends it as one of the attempt's orphans.
+/// It is a process of loopd's own ([`procs::spawn_own`]), so that the end of an attempt running
+/// meanwhile neither reaps it (taking its exit status) nor ends it as one of the attempt's
+/// orphans.
 fn run_command(argv: &[String], timeout: Duration, line: &str, root: &Path) -> Result<(), Failure> {
     use std::os::unix::process::CommandExt as _;
     let mut command = Command::new(&argv[0]);
@@ -437,17 +437,10 @@ fn run_command(argv: &[String], timeout: Duration, line: &str, root: &Path) -> R
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .process_group(0);
-    let mut child = {
-        let _one_at_a_time = procs::spawning();
-        let child = command
-            .spawn()
-            .map_err(|e| Failure::lasting(format!("cannot start it: {e}")))?;
-        procs::attempt_started(child.id());
-        child
-    };
-    let pid = child.id();
+    let mut child = procs::spawn_own(&mut command)
+        .map_err(|e| Failure::lasting(format!("cannot start it: {e}")))?;
     let ran = supervise(&mut child, timeout, format!("{line}\n"));
-    procs::attempt_ended(pid);
+    procs::unspare(child.id());
     ran
 }
 

@@ -568,7 +568,7 @@ async fn run_git(dir: &Path, args: &[&str], index: Option<&str>) -> Result<Vec<u
     if let Some(index) = index {
         cmd.env("GIT_INDEX_FILE", index);
     }
-    let output = tokio::time::timeout(GIT_TIMEOUT, cmd.output())
+    let output = tokio::time::timeout(GIT_TIMEOUT, loopd_exec::procs::own_output_async(&mut cmd))
         .await
         .map_err(|_| {
             anyhow::anyhow!(
