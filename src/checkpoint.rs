@@ -1,45 +1,14 @@
-//! `loopd checkpoints`, `diff` and `rollback`: a loop's git checkpoints ([`loopd_exec::checkpoint`]) as the
-//! user sees and uses them.
+//! `loopd checkpoints`, `diff` and `rollback`: a loop's git checkpoints
+//! ([`loopd_file_driver::checkpoints`]) printed as the user reads them.
 
 use anyhow::Result;
 
-use loopd_core::state::Checkpoint;
-use loopd_exec::checkpoint::Repo;
-
-/// The repository of loop `id`'s work tree, with the loop's own index file.
-fn of_loop(p: &loopd_file_driver::project::Project, id: &str) -> Result<Repo> {
-    let loaded = p.store.load(id)?;
-    let tree = loopd_file_driver::worktree::of(p, &loaded.state)?;
-    let index = p.store.progress_dir(id).join("checkpoint.index");
-    Repo::open(&tree.path, p.store.dir(), index, id).ok_or_else(|| {
-        loopd_file_driver::error::usage(format!(
-            "loop {id} has no checkpoints: its work tree {} is not in a git repository",
-            tree.path.display()
-        ))
-    })
-}
+use loopd_file_driver::checkpoints;
+use loopd_file_driver::project::Project;
 
 /// `loopd checkpoints ID`: the loop's checkpoints, oldest first, with what each changed.
-pub fn list_command(
-    p: &loopd_file_driver::project::Project,
-    id: &str,
-    as_json: bool,
-) -> Result<i32> {
-    let repo = of_loop(p, id)?;
-    let mut shown = Vec::new();
-    let mut before: Option<String> = None;
-    for (name, commit) in repo.list()? {
-        let mut checkpoint = Checkpoint {
-            name,
-            commit,
-            ..Checkpoint::default()
-        };
-        if let Some(before) = &before {
-            repo.count_changes(before, &mut checkpoint)?;
-        }
-        before = Some(checkpoint.commit.clone());
-        shown.push(checkpoint);
-    }
+pub fn list_command(p: &Project, id: &str, as_json: bool) -> Result<i32> {
+    let shown = checkpoints::list(p, id)?;
     if as_json {
         crate::outln!("{}", serde_json::to_string(&shown)?)?;
         return Ok(0);
@@ -62,33 +31,8 @@ pub fn list_command(
 
 /// `loopd diff ID [CHECKPOINT]`: what one action changed (from the checkpoint before it), or the
 /// loop as a whole (from where it started to its last checkpoint).
-pub fn diff_command(
-    p: &loopd_file_driver::project::Project,
-    id: &str,
-    name: Option<&str>,
-) -> Result<i32> {
-    let repo = of_loop(p, id)?;
-    let list = repo.list()?;
-    let (from, to) = match name {
-        Some(name) => {
-            let to = repo.find(name)?;
-            let at = list.iter().position(|(n, _)| n == name).unwrap_or(0);
-            let from = match at.checked_sub(1) {
-                Some(before) => list[before].1.clone(),
-                None => format!("{to}^"),
-            };
-            (from, to)
-        }
-        None => {
-            let (Some((_, first)), Some((_, last))) = (list.first(), list.last()) else {
-                return Err(loopd_file_driver::error::usage(format!(
-                    "loop {id} has no checkpoint"
-                )));
-            };
-            (first.clone(), last.clone())
-        }
-    };
-    let text = repo.diff(&from, &to)?;
+pub fn diff_command(p: &Project, id: &str, name: Option<&str>) -> Result<i32> {
+    let text = checkpoints::diff_text(p, id, name)?;
     if !text.is_empty() {
         crate::outln!("{text}")?;
     }
@@ -97,31 +41,13 @@ pub fn diff_command(
 
 /// `loopd rollback ID CHECKPOINT`: refused while a daemon runs the loop's actions.
 pub fn rollback_command(
-    p: &loopd_file_driver::project::Project,
+    p: &Project,
     id: &str,
     name: &str,
     force: bool,
     as_json: bool,
 ) -> Result<i32> {
-    let repo = of_loop(p, id)?;
-    let state = p.store.load(id)?.state;
-    if state.status == loopd_core::state::Status::Running
-        && let Some(pid) = loopd_file_driver::locks::driving_daemon(&p.store, id)
-    {
-        return Err(loopd_file_driver::error::usage(format!(
-            "loop {id} is running (daemon {pid}); pause it first: loopd pause {id}"
-        )));
-    }
-    let commit = repo.rollback(name, force)?;
-    let dir = loopd_store::events::ProgressDir::new(&p.store, id);
-    if let Ok(mut events) = loopd_store::events::EventLog::open(id, &dir) {
-        events.emit(
-            loopd_store::events::Event::new(loopd_store::events::name::ROLLED_BACK)
-                .with("checkpoint", name)
-                .with("commit", commit.clone())
-                .with("forced", force),
-        );
-    }
+    let commit = checkpoints::rollback(p, id, name, force)?;
     crate::output::print_result(
         as_json,
         &serde_json::json!({ "loop_id": id, "checkpoint": name, "commit": commit }),

@@ -7,71 +7,29 @@
 
 use anyhow::Result;
 use loopd_core::state::Status;
-use serde_json::{Value, json};
+use serde_json::json;
 
 use crate::output::print_result;
-use loopd_file_driver::control::{add_task, give_answer, set_limits};
+use loopd_file_driver::control::{add_task, give_answer, retry_loop, set_limits};
 use loopd_file_driver::create::Limits;
-use loopd_file_driver::error::usage;
 use loopd_file_driver::project::Project;
 use loopd_file_driver::view::standing;
 
 /// `loopd retry ID`: a failed or stopped loop goes on, with its error count at 0 and its failed
-/// tasks pending again; a daemon is started for it.
+/// tasks pending again ([`retry_loop`]); a daemon is started for it.
 pub fn retry(p: &Project, id: &str, as_json: bool) -> Result<i32> {
-    let state = p.load(id)?;
-    if let Some(pid) = loopd_file_driver::locks::driving_daemon(&p.store, id) {
-        return Err(usage(format!(
-            "loop {id} is driven by a daemon (pid {pid}); retry is for a loop that has ended"
-        )));
-    }
-    if !matches!(state.status, Status::Failed | Status::UserExit) {
-        return Err(usage(format!(
-            "cannot retry loop {id}: it is {}; retry is for a failed or stopped loop",
-            standing(&state, None)
-        )));
-    }
-    let executor = state.skill_state.as_ref().and_then(|s| s.executor.clone());
-    loopd_file_driver::daemon::check_runnable(p, &state, executor.as_deref())?;
-    let workflow = loopd_file_driver::project::loop_workflow(p, &state)?;
-    let mut reset_tasks = 0;
-    let mut moved_on = None;
-    p.store.update(id, true, |raw, current| {
-        reset_tasks = 0;
-        moved_on = None;
-        if !matches!(current.status, Status::Failed | Status::UserExit) {
-            moved_on = Some(current.status.clone());
-            return;
-        }
-        raw.insert("status".into(), json!(Status::Running.as_str()));
-        raw.remove("failure_reason");
-        raw.remove("completed_at");
-        if let (Some(mut typed), Some(Value::Object(skill))) =
-            (current.skill_state.clone(), raw.get_mut("skill_state"))
-        {
-            skill.insert("error_count".into(), json!(0));
-            skill.remove("outcome");
-            reset_tasks = workflow.reset_failed(&mut typed);
-            // The workflow's own fields, as it left them (the others are the file's, verbatim).
-            skill.extend(typed.part);
-        }
-    })?;
-    if let Some(now) = moved_on {
-        return Err(usage(format!(
-            "cannot retry loop {id}: it became {now} meanwhile"
-        )));
-    }
+    let retried = retry_loop(p, id)?;
     eprintln!(
-        "loop {id}: {} → running; error count reset, {reset_tasks} failed task(s) pending again",
-        state.status
+        "loop {id}: {} → running; error count reset, {} failed task(s) pending again",
+        retried.from, retried.tasks_reset
     );
-    let pid = loopd_file_driver::daemon::start(p, id, executor.as_deref())?;
+    let pid = loopd_file_driver::daemon::start(p, id, retried.executor.as_deref())?;
     eprintln!("started daemon pid {pid}");
     let value = json!({
         "loop_id": id,
-        "from": state.status.as_str(),
+        "from": retried.from.as_str(),
         "status": Status::Running.as_str(),
-        "tasks_reset": reset_tasks,
+        "tasks_reset": retried.tasks_reset,
         "pid": pid,
     });
     print_result(as_json, &value, &pid.to_string())?;

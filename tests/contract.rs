@@ -320,7 +320,7 @@ fn normalized(value: &mut Value, id: &str) {
 fn a_ccw_loop_state_file_is_written_key_for_key_as_before() {
     // The demo's loop, run by the real binary; the fixture is the same loop's file as loopd wrote
     // it before the workflow's fields moved out of the engine's (normalized the same way), with
-    // loopd's later additions (`skill_state.no_progress`).
+    // loopd's later additions (`skill_state.no_progress`, a validation's `pass_rate` in its history).
     let dir = tempfile::tempdir().unwrap();
     let out = demo(dir.path(), &[]);
     assert_eq!(code(&out), 0, "{}", stderr(&out));

@@ -1,9 +1,13 @@
 //! The dashboard of `loopd serve` in a real browser: `tests/browser/dashboard.mjs` drives
-//! Chromium (through playwright-core) against a real service on 127.0.0.1 with a scripted
-//! executor. It logs in with the token's link, creates a loop from the form, watches it progress
-//! live, pauses it (the state file says `paused`), resumes it, answers its question, stops it,
-//! sees a raw write to the state file without a reload, and checks that a request without the
-//! token is refused. Screenshots of the overview and of the loop's page go to `target/`.
+//! Chromium (through playwright-core) against a real service on 127.0.0.1 with scripted
+//! executors. It logs in with the token's link, creates a loop from the form, watches its output
+//! pushed live with the attempt's running time, pauses it (the state file says `paused`),
+//! resumes it, answers its question, stops it, retries it, sees a raw write to the state file
+//! without a reload, and checks that a request without the token is refused. On a second project,
+//! a git repository whose agent (a Claude Code stand-in) reports what it spent, it runs a loop to
+//! the end from the page, opens a develop's diff, rolls the work tree back to a checkpoint, and
+//! counts the marks of the timeline and charts. Screenshots of every page go to
+//! `target/tmp/dashboard/` (Cargo's temporary directory for tests), for a reviewer to look at.
 //!
 //! `.ci/run` installs Debian's `chromium` and `playwright-core` (into `$LOOPD_BROWSER_DIR`, by
 //! default `~/.cache/loopd/browser`) when they are missing. Without them this test says so and
@@ -28,6 +32,50 @@ fn browser_agent() -> String {
          > \"$LOOPD_RESULT_FILE\"; exit 0; fi; \
          echo still working; sleep 100",
     )])
+}
+
+/// A Claude Code stand-in for the git project: it does each action's work in the shell, writes
+/// the result file, and reports tokens and dollars as the real CLI does in its last line.
+/// Develop appends a line per task to `work.txt`; the first validation finds half the tests
+/// failing, debug fixes them (`fixed.txt`), the second passes.
+const SPENDING_AGENT: &str = r#"cat > /dev/null
+spent() {
+  echo "{\"type\":\"result\",\"subtype\":\"success\",\"is_error\":false,\"result\":\"done\",\"total_cost_usd\":$2,\"usage\":{\"input_tokens\":$1,\"output_tokens\":50}}"
+}
+case "$LOOPD_ACTION" in
+  init) echo '{"status":"success","summary":"planned","state_updates":{"tasks":[{"description":"start work.txt"},{"description":"extend it"}]}}' > "$LOOPD_RESULT_FILE"; spent 100 0.01 ;;
+  develop) echo "line of $LOOPD_TASK_ID" >> work.txt
+    echo "{\"status\":\"success\",\"summary\":\"wrote $LOOPD_TASK_ID\"}" > "$LOOPD_RESULT_FILE"; spent 1200 0.05 ;;
+  validate) if [ -e fixed.txt ]; then r='"passed":true,"pass_rate":100'; else r='"passed":false,"pass_rate":50,"failed_tests":["t2"]'; fi
+    echo "{\"status\":\"success\",\"state_updates\":{$r}}" > "$LOOPD_RESULT_FILE"; spent 300 0.02 ;;
+  debug) echo fixed > fixed.txt
+    echo '{"status":"success","summary":"fixed t2"}' > "$LOOPD_RESULT_FILE"; spent 700 0.04 ;;
+  *) echo '{"status":"success","summary":"done"}' > "$LOOPD_RESULT_FILE"; spent 10 0.001 ;;
+esac
+"#;
+
+/// Its project: a git repository with one commit, whose executor is the stand-in.
+fn git_project(beside: &Project) -> Project {
+    let g = Project::beside(beside, "");
+    g.config(
+        r#"
+retry_backoff = 0.01
+executor = "claude"
+
+[executor_defaults]
+kill_grace = 0.5
+
+[executors.claude]
+command = ["sh", "bin/claude"]
+"#,
+    );
+    g.script("claude", SPENDING_AGENT);
+    std::fs::write(g.root.join(".gitignore"), ".loop/\nbin/\n").expect("write .gitignore");
+    std::fs::write(g.root.join("README"), "a project\n").expect("write README");
+    git(&g.root, &["init", "--quiet", "--initial-branch=main"]);
+    git(&g.root, &["add", "."]);
+    git(&g.root, &["commit", "--quiet", "-m", "base"]);
+    g
 }
 
 /// What the browser test needs, or why it cannot run.
@@ -63,9 +111,13 @@ fn the_dashboard_drives_a_loop_in_a_real_browser() {
         Err(why) => panic!("{why}: CI must run the browser test"),
     };
     let p = Project::new(&browser_agent());
+    let g = git_project(&p);
+    let charted = g.create(&["--title", "Charts loop"]);
     let service = p.serve(&[
         "--root",
         p.root.to_str().unwrap(),
+        "--root",
+        g.root.to_str().unwrap(),
         "--listen",
         "127.0.0.1:0",
     ]);
@@ -75,14 +127,16 @@ fn the_dashboard_drives_a_loop_in_a_real_browser() {
         .expect("token")
         .trim()
         .to_owned();
-    let shots = Path::new(env!("CARGO_MANIFEST_DIR")).join("target");
-    std::fs::create_dir_all(&shots).expect("target/");
+    let shots = Path::new(env!("CARGO_TARGET_TMPDIR")).join("dashboard");
+    std::fs::create_dir_all(&shots).expect("the screenshots' directory");
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/browser/dashboard.mjs");
     let child = Command::new("node")
         .arg(&script)
         .env("LOOPD_URL", &url)
         .env("LOOPD_TOKEN", &token)
         .env("LOOPD_ROOT", &p.root)
+        .env("LOOPD_GIT_ROOT", &g.root)
+        .env("LOOPD_GIT_LOOP", &charted)
         .env("LOOPD_SHOTS", &shots)
         .env("LOOPD_BROWSER_DIR", &browser_dir)
         .env("CHROMIUM", &chromium)
@@ -94,7 +148,12 @@ fn the_dashboard_drives_a_loop_in_a_real_browser() {
     let log = format!("{}{}", stdout(&out), stderr(&out));
     assert!(out.status.success(), "the browser test failed:\n{log}");
     assert!(log.contains("dashboard test: passed"), "{log}");
-    for shot in ["dashboard-overview.png", "dashboard-loop.png"] {
+    for shot in [
+        "dashboard-overview.png",
+        "dashboard-loop.png",
+        "dashboard-charts.png",
+        "dashboard-narrow.png",
+    ] {
         let len = std::fs::metadata(shots.join(shot)).map_or(0, |m| m.len());
         assert!(len > 10_000, "{shot} is missing or empty");
     }

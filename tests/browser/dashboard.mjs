@@ -3,6 +3,8 @@
 //   LOOPD_URL     the service's base address (http://127.0.0.1:PORT)
 //   LOOPD_TOKEN   its token
 //   LOOPD_ROOT    the project the service serves (its agent pauses, asks, then hangs)
+//   LOOPD_GIT_ROOT, LOOPD_GIT_LOOP  a git project it also serves, and its loop (created, not
+//                 started), whose agent reports tokens and cost, fails one validation, then passes
 //   LOOPD_SHOTS   where the screenshots go
 //   LOOPD_BROWSER_DIR  where playwright-core is installed; CHROMIUM the browser
 // Every wait has a generous deadline that catches a hang; none is a measure.
@@ -14,11 +16,15 @@ import assert from "node:assert/strict";
 const env = (k) => { const v = process.env[k]; assert.ok(v, `${k} is not set`); return v; };
 const base = env("LOOPD_URL"), token = env("LOOPD_TOKEN"), root = env("LOOPD_ROOT");
 const shots = env("LOOPD_SHOTS");
+const gitRoot = env("LOOPD_GIT_ROOT"), gitLoop = env("LOOPD_GIT_LOOP");
 const { chromium } = createRequire(path.join(env("LOOPD_BROWSER_DIR"), "noop.js"))("playwright-core");
 const DEADLINE = 30_000;
 
-const statePath = (id) => path.join(root, ".loop", `${id}.json`);
-const state = (id) => JSON.parse(fs.readFileSync(statePath(id), "utf8"));
+const statePath = (id, at = root) => path.join(at, ".loop", `${id}.json`);
+const state = (id, at = root) => JSON.parse(fs.readFileSync(statePath(id, at), "utf8"));
+const events = (id, at) => fs.readFileSync(path.join(at, ".loop", `${id}.progress`, "events.jsonl"), "utf8")
+  .split("\n").filter(Boolean).map((l) => JSON.parse(l));
+const count = (page, selector) => page.locator(selector).count();
 async function until(what, cond) {
   const end = Date.now() + DEADLINE;
   for (;;) {
@@ -77,8 +83,12 @@ try {
   // It progresses live: develop in flight, its output in the tail.
   await page.waitForSelector("#detail-status:has-text('develop')", { timeout: DEADLINE });
   await page.waitForSelector("#tail:has-text('working on task-001')", { timeout: DEADLINE });
+  await page.waitForSelector("#running:has-text('develop task-001')", { timeout: DEADLINE });
+  await page.waitForSelector("#running:has-text('running for')", { timeout: DEADLINE });
   await page.waitForSelector("#events li:has-text('action_started')", { timeout: DEADLINE });
-  step("the page shows develop in flight, its output and its events, live");
+  const polled = [];
+  page.on("request", (r) => { if (r.url().includes("/tail")) polled.push(r.url()); });
+  step("the page shows develop in flight, its output pushed with its running time, and its events, live");
 
   await page.click("#btn-pause");
   await until("the state file to say paused", () => state(id).status === "paused");
@@ -120,7 +130,77 @@ try {
   assert.equal(await page.isVisible("#btn-resume"), true, "Resume on a stopped loop");
   assert.equal(await page.isVisible("#issues"), false, "skill-tuning's panel on a ccw-loop loop");
   assert.equal(await page.isVisible("#hypotheses"), true, "ccw-loop's own panel");
+  assert.equal(await page.isVisible("#btn-retry"), true, "Retry on a stopped loop");
+  await page.waitForSelector("#running:has-text('Nothing is running')", { timeout: DEADLINE });
   step("stopped from the page; only the controls and panels that fit remain");
+
+  await page.click("#btn-retry");
+  await until("the state file to say running again", () => state(id).status === "running");
+  await page.waitForSelector("#running:has-text('running for')", { timeout: DEADLINE });
+  await page.waitForSelector("#tail:has-text('still working')", { timeout: DEADLINE });
+  await page.click("#btn-stop");
+  await until("the state file to say failed again", () => state(id).status === "failed");
+  assert.deepEqual(polled, [], "the page polled the output");
+  step("retried from the page: the service took the loop up again; stopped it again");
+
+  // The git project's loop, run from the page to its end.
+  await page.evaluate(([id, at]) => { location.hash = `#/loop/${encodeURIComponent(id)}?root=${encodeURIComponent(at)}`; },
+    [gitLoop, gitRoot]);
+  await page.waitForSelector("#detail-title:has-text('Charts loop')", { timeout: DEADLINE });
+  await page.waitForSelector("#over-time-empty:has-text('No attempt yet')", { timeout: DEADLINE });
+  await page.waitForSelector("#history li:has-text('No action yet')", { timeout: DEADLINE });
+  await page.waitForSelector("#next-step:has-text('Resume starts it')", { timeout: DEADLINE });
+  step("a loop that has not started says what to do next");
+  await page.click("#btn-resume");
+  await until("the git loop to complete", () => state(gitLoop, gitRoot).status === "completed");
+  const log = events(gitLoop, gitRoot);
+  const tried = log.filter((e) => ["action_finished", "action_failed", "action_interrupted"].includes(e.event));
+  const iterations = new Set(tried.map((e) => e.iteration)).size;
+  const validations = log.filter((e) => e.event === "validated").length;
+  assert.equal(validations, 2, "two validations");
+  await until(`${tried.length} bars in the timeline`, async () =>
+    await count(page, "#chart-timeline .mark") === tried.length);
+  await until(`${iterations} marks in the tokens chart`, async () =>
+    await count(page, "#chart-tokens .mark") === iterations);
+  await until("two marks in the pass-rate chart", async () => await count(page, "#chart-pass .mark") === 2);
+  const rates = await page.locator("#chart-pass .mark title").allTextContents();
+  assert.ok(rates[0].includes("50% passed") && rates[1].includes("100% passed"), rates.join(" / "));
+  await page.waitForSelector("#tokens-caption:has-text('$')", { timeout: DEADLINE });
+  assert.equal(await page.isVisible("#btn-resume"), false, "Resume on a completed loop");
+  step(`the timeline has ${tried.length} bars, the tokens chart ${iterations} (one per iteration), ` +
+    "the pass rate 50% then 100%");
+
+  // A develop's diff, opened with the keyboard.
+  const second = page.locator("li.attempt[data-action='develop']:has-text('task-002')");
+  await second.locator("button[data-checkpoint]").focus();
+  await page.keyboard.press("Enter");
+  await page.waitForSelector("li.attempt:has-text('task-002') .diff summary:has-text('work.txt')",
+    { timeout: DEADLINE });
+  const added = await second.locator(".diff .add").allTextContents();
+  assert.deepEqual(added.map((l) => l.trim()), ["+line of task-002"]);
+  step("the second develop's diff: work.txt, one line added");
+  await page.screenshot({ path: path.join(shots, "dashboard-charts.png"), fullPage: true });
+
+  // Back to the first develop's checkpoint, after a confirmation.
+  assert.equal(fs.readFileSync(path.join(gitRoot, "work.txt"), "utf8"), "line of task-001\nline of task-002\n");
+  let asked = "";
+  page.once("dialog", (d) => { asked = d.message(); d.accept(); });
+  // Newest first: the last develop is the first one.
+  const first = page.locator("li.attempt[data-action='develop']").last();
+  assert.ok((await first.locator("span").first().textContent()).includes("develop task-001"));
+  await first.locator("button[data-rollback]").click();
+  await until("the work tree rolled back", () =>
+    fs.readFileSync(path.join(gitRoot, "work.txt"), "utf8") === "line of task-001\n");
+  assert.ok(asked.includes("checkpoint"), `the confirmation: ${asked}`);
+  await page.waitForSelector("#history-note:has-text('back as it was')", { timeout: DEADLINE });
+  step("rolled the work tree back to the first develop's checkpoint from the page");
+
+  await page.setViewportSize({ width: 400, height: 900 });
+  const narrowLoop = await page.evaluate(() => document.documentElement.scrollWidth - window.innerWidth);
+  assert.ok(narrowLoop <= 0, `the loop's page is ${narrowLoop}px wider than a 400px window`);
+  await page.screenshot({ path: path.join(shots, "dashboard-narrow.png"), fullPage: true });
+  await page.setViewportSize({ width: 1280, height: 900 });
+  step("the loop's page fits a 400px window");
 
   // The overview: a raw write to the state file shows without a reload.
   await page.click("text=← every loop");

@@ -298,6 +298,11 @@ pub fn record(state: &mut LoopState, attempted: Attempted<'_>, verdict: &Verdict
             summary,
             error,
             checkpoint: attempted.checkpoint,
+            tokens: attempted.spent.map(|(usage, _)| usage.total()),
+            cost_usd: attempted
+                .spent
+                .and_then(|(_, cost)| cost)
+                .filter(|c| c.is_finite() && *c >= 0.0),
             ..HistoryEntry::default()
         },
     );
@@ -519,9 +524,46 @@ mod tests {
             ("timeout", Some("boom"))
         );
         assert_eq!((skill.usage.tokens(), skill.usage.cost_usd), (15, 0.25));
+        assert_eq!((entry.tokens, entry.cost_usd), (Some(15), Some(0.25)));
         assert_eq!(skill.current_action.as_deref(), Some("develop"));
         record(&mut state, attempted, &Verdict::Interrupted);
         assert_eq!(state.skill().current_action, None);
+    }
+
+    #[test]
+    fn a_validation_that_succeeded_keeps_its_pass_rate_in_the_history() {
+        let mut state = LoopState::default();
+        let dispatch = Dispatch::new("validate");
+        let at = "2026-11-25T12:00:00.000Z";
+        begin(&CcwLoop, &mut state, &dispatch, at);
+        let mut result = ActionResult::bare_success();
+        result.state_updates = serde_json::from_value(serde_json::json!({
+            "passed": false, "pass_rate": 62.5
+        }))
+        .unwrap();
+        let attempted = Attempted {
+            dispatch: &dispatch,
+            iteration: 1,
+            attempt: 1,
+            started_at: at,
+            finished_at: at,
+            spent: None,
+            checkpoint: None,
+        };
+        record(&mut state, attempted, &Verdict::Success(result.clone()));
+        let inputs = Inputs {
+            now: at.into(),
+            ..Inputs::default()
+        };
+        finish(
+            &CcwLoop,
+            &mut state,
+            &dispatch,
+            &Finish::Success(result),
+            &inputs,
+        );
+        let entry = state.skill().action_history.last().unwrap();
+        assert_eq!((entry.pass_rate, entry.tokens), (Some(62.5), None));
     }
 
     #[test]

@@ -695,6 +695,15 @@ pub struct HistoryEntry {
     /// The git checkpoint recorded after it (actions that change the work tree).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub checkpoint: Option<Checkpoint>,
+    /// The tokens its agent spent, every kind counted ([`Usage::total`]), when it said (loopd's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokens: Option<u64>,
+    /// Its cost in dollars, when its agent said (loopd's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cost_usd: Option<f64>,
+    /// The pass rate a validation that succeeded measured, in percent (loopd's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pass_rate: Option<f64>,
     #[serde(flatten)]
     pub extra: Extra,
 }

@@ -1,6 +1,6 @@
 //! What anyone may change of a loop while it lives, from the command line or the API: its status
 //! (pause, resume, stop), the next action of an interactive loop, one more task, the answer to an
-//! executor's question, its limits and budgets.
+//! executor's question, its limits and budgets, and a retry of a loop that failed or was stopped.
 //!
 //! Each writes the state file as the CCW dashboard does: read-modify-write under the loop's lock,
 //! only the fields it means to change, refused with one line where it makes no sense.
@@ -142,4 +142,68 @@ pub fn give_answer(p: &Project, id: &str, text: &str) -> Result<Value> {
     Ok(json!({
         "loop_id": id, "action": question.action, "question": question.text, "answer": text
     }))
+}
+
+/// What a retry did: the status the loop had, how many failed tasks are pending again, and the
+/// executor it was started with (to start it again with).
+pub struct Retried {
+    pub from: Status,
+    pub tasks_reset: usize,
+    pub executor: Option<String>,
+}
+
+/// `retry`: a failed or stopped loop is set running again, with its error count at 0, its failure
+/// and outcome cleared, and its failed tasks pending again ([`Workflow::reset_failed`]). Refused
+/// in one line for a loop a daemon drives or that has not ended that way. Starts nothing: the
+/// command line starts a daemon, the service takes the loop up itself.
+///
+/// [`Workflow::reset_failed`]: loopd_core::workflow::Workflow::reset_failed
+pub fn retry_loop(p: &Project, id: &str) -> Result<Retried> {
+    let state = p.load(id)?;
+    if let Some(pid) = crate::locks::driving_daemon(&p.store, id) {
+        return Err(usage(format!(
+            "loop {id} is driven by a daemon (pid {pid}); retry is for a loop that has ended"
+        )));
+    }
+    if !matches!(state.status, Status::Failed | Status::UserExit) {
+        return Err(usage(format!(
+            "cannot retry loop {id}: it is {}; retry is for a failed or stopped loop",
+            crate::view::standing(&state, None)
+        )));
+    }
+    let executor = state.skill_state.as_ref().and_then(|s| s.executor.clone());
+    crate::daemon::check_runnable(p, &state, executor.as_deref())?;
+    let workflow = loop_workflow(p, &state)?;
+    let mut tasks_reset = 0;
+    let mut moved_on = None;
+    p.store.update(id, true, |raw, current| {
+        tasks_reset = 0;
+        moved_on = None;
+        if !matches!(current.status, Status::Failed | Status::UserExit) {
+            moved_on = Some(current.status.clone());
+            return;
+        }
+        raw.insert("status".into(), json!(Status::Running.as_str()));
+        raw.remove("failure_reason");
+        raw.remove("completed_at");
+        if let (Some(mut typed), Some(Value::Object(skill))) =
+            (current.skill_state.clone(), raw.get_mut("skill_state"))
+        {
+            skill.insert("error_count".into(), json!(0));
+            skill.remove("outcome");
+            tasks_reset = workflow.reset_failed(&mut typed);
+            // The workflow's own fields, as it left them (the others are the file's, verbatim).
+            skill.extend(typed.part);
+        }
+    })?;
+    if let Some(now) = moved_on {
+        return Err(usage(format!(
+            "cannot retry loop {id}: it became {now} meanwhile"
+        )));
+    }
+    Ok(Retried {
+        from: state.status,
+        tasks_reset,
+        executor,
+    })
 }

@@ -6,13 +6,15 @@
 //! fields back, while the store's watcher reports a pause or stop written by anyone and ends the
 //! attempt in flight. The service ([`serve`]) drives every loop of many projects in one process,
 //! with an HTTP API and a web page, under systemd. What people change of a loop between actions
-//! goes through [`control`] (status, next action, tasks, answers) and [`create`], from the
-//! command line and the API alike; [`view`] is what they are shown.
+//! goes through [`control`] (status, next action, tasks, answers, retry), [`create`] and
+//! [`checkpoints`] (the work tree's, and its rollback), from the command line and the API alike;
+//! [`view`] is what they are shown.
 //!
 //! Which layer may use which: this crate uses every crate below it ([`loopd_core`],
 //! [`loopd_fs`], [`loopd_store`], [`loopd_exec`], [`loopd_project`]); only the binary uses it.
 
 pub mod accounts;
+pub mod checkpoints;
 pub mod control;
 pub mod create;
 pub mod daemon;

@@ -57,6 +57,9 @@ pub mod name {
     /// loopd's: the work tree was put back as it was at a checkpoint (`checkpoint`, `commit`),
     /// by `loopd rollback` or, with `reason: "regression"`, after a validation got worse.
     pub const ROLLED_BACK: &str = "rolled_back";
+    /// loopd's: a validation succeeded and measured `pass_rate` (percent), for pictures of the
+    /// loop over time.
+    pub const VALIDATED: &str = "validated";
     /// loopd's: something worth a person's attention that changes nothing.
     pub const WARNING: &str = "warning";
 }

@@ -457,6 +457,13 @@ pub fn record_finish(
     if workflow.counts_iteration(&dispatch.action) {
         state.current_iteration = state.current_iteration.saturating_add(1);
     }
+    // A validation's pass rate goes with its attempt, for the loop's history over time.
+    if let (Finish::Success(_), Some(rate)) = (finish, workflow.pass_rate(state, &dispatch.action))
+        && let Some(last) = state.skill().action_history.last_mut()
+        && last.action == dispatch.action
+    {
+        last.pass_rate = Some(rate);
+    }
     let skill = &mut state.skill().book;
     skill.seq = skill.seq.saturating_add(1);
     let ok = matches!(finish, Finish::Success(_));

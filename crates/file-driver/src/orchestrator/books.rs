@@ -146,7 +146,8 @@ impl LoopRun<'_> {
         let inputs = self.inputs(dispatch)?;
         let now = inputs.now.clone();
         let end = attempt_rules::finish(wf, &mut state, dispatch, &finish, &inputs);
-        if let Some(rate) = wf.pass_rate(&state, &dispatch.action)
+        let pass_rate = wf.pass_rate(&state, &dispatch.action);
+        if let Some(rate) = pass_rate
             && self.engine.config.rollback_on_regression
             && self.checkpoints.is_some()
         {
@@ -165,6 +166,14 @@ impl LoopRun<'_> {
         }
         for note in wf.notes(&state, dispatch, &finish, &now) {
             self.progress.write(&note);
+        }
+        if let (Some(rate), Finish::Success(_)) = (pass_rate, &finish) {
+            self.events.emit(
+                Event::new(name::VALIDATED)
+                    .with("iteration", iteration)
+                    .with("action", dispatch.action.clone())
+                    .with("pass_rate", rate),
+            );
         }
         if let Finish::Failed(error) = &finish {
             let skill = state.skill_state.as_ref();

@@ -138,34 +138,56 @@ $("create").addEventListener("submit", async (event) => {
 
 // ---- One loop ---------------------------------------------------------------------------------
 
-let current = null; // { id, root, events: EventSource, tail: timer }
+// The loop shown: { id, root, status, events, output, attempts, passRates, ... }.
+let current = null;
 
 function showError(id) {
   return (e) => { $(id).textContent = e.message; };
 }
 
-function fill(list, items, render) {
+function fill(list, items, render, empty = "none") {
   list.replaceChildren(...items.map((x) => el("li", {}, ...[].concat(render(x)))));
-  if (!items.length) list.replaceChildren(el("li", { class: "muted" }, "none"));
+  if (!items.length) list.replaceChildren(el("li", { class: "muted" }, empty));
 }
+
+// What a person can do next, in the page's own words.
+const NEXT_STEP = {
+  created: "This loop has not started yet: Resume starts it.",
+  paused: "Paused: Resume goes on where it stopped.",
+  user_exit: "Stopped: Resume goes on where it stopped; Retry also sets its error count to 0 " +
+    "and makes its failed tasks pending again.",
+  failed: "It failed: Retry sets its error count to 0, makes its failed tasks pending again and goes on.",
+  completed: "Completed: nothing more to do here.",
+};
 
 async function loadDetail() {
   const { id, root } = current;
-  loadTail().catch(() => {});
   const loop = await api("GET", loopPath(id, root));
   const state = loop.state || {};
   const skill = state.skill_state || {};
   const view = loop.view || {};
+  current.status = loop.status;
+  current.driver = loop.driver;
   $("detail-title").textContent = view.title || id;
   $("detail-status").replaceChildren(badge(loop.status, view.standing),
     ` iteration ${view.iteration}/${view.max_iterations}`,
     view.action ? ` · ${view.action}` : "",
     ` · errors ${loop.errors}/${loop.max_errors}`);
   // Only the controls that make sense now: no Resume on a loop that has completed (a person
-  // raises its limit first), no Pause or Stop on one that is not going.
+  // raises its limit first), Retry on one that failed, no Pause or Stop on one that is not going.
+  // A loop that failed on its errors would fail again at once on a Resume: Retry resets them.
+  const failed = loop.status === "failed" && skill.outcome === "failed";
+  const ended = ["failed", "user_exit"].includes(loop.status);
   $("btn-pause").hidden = !["running", "created"].includes(loop.status);
-  $("btn-resume").hidden = !["paused", "created", "failed", "user_exit"].includes(loop.status);
+  $("btn-resume").hidden = failed || !["paused", "created", "failed", "user_exit"].includes(loop.status);
+  $("btn-retry").hidden = !ended || !!loop.driver;
   $("btn-stop").hidden = !["running", "paused", "created"].includes(loop.status);
+  // A loop that met its goal runs no new task (`loopd task add` refuses it too).
+  const passed = loop.status === "completed" && !["iteration_limit", "incomplete"].includes(skill.outcome);
+  $("task-form").hidden = passed;
+  showRunning();
+  $("next-step").textContent = failed ? NEXT_STEP.failed
+    : ended ? NEXT_STEP.user_exit : (NEXT_STEP[loop.status] || "");
   // Only the loop's own workflow's panels.
   const ccw = (view.workflow || "ccw-loop") === "ccw-loop";
   for (const panel of ["tasks", "validation", "hypotheses"]) $(panel).closest("section").hidden = !ccw;
@@ -188,65 +210,399 @@ async function loadDetail() {
     el("dt", {}, r.label), el("dd", {}, [r.value, ...(r.lines || [])].join("\n")),
   ]));
   fill($("tasks"), (skill.develop && skill.develop.tasks) || [], (t) =>
-    [el("strong", {}, t.id || ""), ` ${t.status || ""} — ${t.description || ""}`]);
+    [el("strong", {}, t.id || ""), ` ${t.status || ""} — ${t.description || ""}`],
+  "No tasks yet: add one with the form above.");
   const v = skill.validate;
   $("validation").replaceChildren(v && v.last_run_at
     ? el("p", {}, `${v.passed ? "passed" : "not passed"} · pass rate ${v.pass_rate}%`,
       (v.failed_tests || []).length ? el("br") : null,
       (v.failed_tests || []).length ? `failed: ${v.failed_tests.join(", ")}` : null)
-    : el("p", { class: "muted" }, "not validated yet"));
+    : el("p", { class: "muted" }, "Not validated yet: validate runs once the tasks are developed."));
   fill($("hypotheses"), (skill.debug && skill.debug.hypotheses) || [], (h) =>
-    `${h.id || ""} ${h.status || ""} — ${h.description || h.text || ""}`);
+    `${h.id || ""} ${h.status || ""} — ${h.description || h.text || ""}`, "No hypothesis: nothing was debugged.");
   const issues = skill.issues || [];
   $("issues").replaceChildren(
-    el("p", {}, skill.quality_gate ? `gate: ${skill.quality_gate} · score ${skill.quality_score ?? "?"}` : "no gate yet"),
+    el("p", {}, skill.quality_gate ? `gate: ${skill.quality_gate} · score ${skill.quality_score ?? "?"}` : "No gate yet: the first verification sets it."),
     el("ul", {}, ...issues.map((i) => el("li", {}, `${i.id} ${i.severity} ${i.category} — ${i.description}`))));
-  fill($("errors"), skill.errors || [], (e) => `${e.timestamp} ${e.action}: ${e.message}`);
+  fill($("errors"), skill.errors || [], (e) => `${e.timestamp} ${e.action}: ${e.message}`, "No errors.");
   $("usage").textContent = view.spent ? spentText(view.spent) : usageText(skill.usage);
   // The loop's budget, unless a person is editing it.
   if (!$("budget-form").dataset.editing) {
     $("budget-usd").value = state.max_cost_usd ?? "";
     $("budget-tokens").value = state.max_tokens ?? "";
   }
-  fill($("history"), (skill.action_history || []).slice().reverse(), (h) =>
-    `#${h.iteration} ${h.action}${h.task_id ? " " + h.task_id : ""} — ${h.outcome}` +
-    `${h.summary ? ": " + h.summary : ""}${h.error ? " (" + h.error + ")" : ""} · ${h.started_at}`);
+  // Without an event log (a loop another driver holds may have none yet), the state's own
+  // window of attempts.
+  current.fromState = (skill.action_history || []).map(fromHistory);
+  if (!current.attempts.length) redraw();
 }
 
-async function loadTail() {
-  if (!current) return;
-  const tail = await api("GET", loopPath(current.id, current.root, "/tail") + "&bytes=8192");
-  $("tail").textContent = tail.in_flight
-    ? `${tail.in_flight.action} (pid ${tail.in_flight.pid}) since ${tail.in_flight.started_at}\n\n${tail.text || ""}`
-    : "nothing in flight";
+// ---- Attempts: the history, the timeline, the charts -------------------------------------------
+
+const ATTEMPT_EVENTS = ["action_finished", "action_failed", "action_interrupted"];
+// The most attempts the page keeps and draws; the history says when there were more.
+const MAX_ATTEMPTS = 500;
+const TIMELINE_BARS = 120;
+
+/** An attempt as the page keeps it, from its event. */
+function fromEvent(e) {
+  return {
+    iteration: e.iteration ?? 0, action: e.action || "?", attempt: e.attempt ?? 1,
+    task_id: e.task_id, outcome: e.outcome || (e.event === "action_finished" ? "success" : "failed"),
+    ts: e.ts, duration_ms: e.duration_ms,
+    tokens: (e.tokens_in || 0) + (e.tokens_out || 0) + (e.tokens_cached || 0),
+    cost_usd: e.cost_usd || 0, summary: e.summary || e.question, error: e.error || e.message,
+    checkpoint: e.checkpoint && e.checkpoint.name,
+  };
+}
+
+/** An attempt as the page keeps it, from the state's history window. */
+function fromHistory(h) {
+  const took = Date.parse(h.finished_at) - Date.parse(h.started_at);
+  return {
+    iteration: h.iteration, action: h.action, attempt: h.attempt, task_id: h.task_id,
+    outcome: h.outcome, ts: h.finished_at || h.started_at,
+    duration_ms: Number.isNaN(took) ? undefined : took,
+    tokens: h.tokens || 0, cost_usd: h.cost_usd || 0, summary: h.summary, error: h.error,
+    checkpoint: h.checkpoint && h.checkpoint.name, pass_rate: h.pass_rate,
+  };
+}
+
+function outcomeClass(outcome) {
+  if (outcome === "success") return "ok";
+  if (["interrupted", "needs_input", "blocked"].includes(outcome)) return "idle";
+  if (outcome === "rate_limited") return "wait";
+  return "bad";
+}
+
+function seconds(ms) {
+  if (ms === undefined || ms === null) return "";
+  return ms < 10_000 ? `${(ms / 1000).toFixed(1)} s` : `${Math.round(ms / 1000)} s`;
+}
+
+function attemptText(a) {
+  const spent = a.tokens ? ` · ${a.tokens.toLocaleString()} tok` : "";
+  const cost = a.cost_usd ? ` · $${a.cost_usd.toFixed(2)}` : "";
+  return `#${a.iteration} ${a.action}${a.task_id ? " " + a.task_id : ""}` +
+    `${a.attempt > 1 ? " (attempt " + a.attempt + ")" : ""} — ${a.outcome}` +
+    `${a.summary ? ": " + a.summary : ""}${a.error ? " (" + a.error + ")" : ""}` +
+    `${a.duration_ms !== undefined ? " · " + seconds(a.duration_ms) : ""}${spent}${cost}`;
+}
+
+/** The attempts shown: those of the event log, else the state's window. */
+function attempts() {
+  return current.attempts.length ? current.attempts : current.fromState;
+}
+
+/** The pass rate of each iteration that was validated, in iteration order. */
+function passRates() {
+  const rates = new Map(current.passRates);
+  if (!current.attempts.length) {
+    for (const a of current.fromState) if (a.pass_rate !== undefined) rates.set(a.iteration, a.pass_rate);
+  }
+  return [...rates].sort((a, b) => a[0] - b[0]);
+}
+
+let redrawPending = null;
+/** Draws the history and the charts again, at most ten times a second. */
+function redraw() {
+  if (redrawPending) return;
+  redrawPending = setTimeout(() => {
+    redrawPending = null;
+    if (!current) return;
+    drawHistory();
+    drawCharts();
+  }, 100);
+}
+
+function drawHistory() {
+  const shown = attempts();
+  const list = $("history");
+  // The event log's rows are added, never redrawn, so that an open diff stays open; the state's
+  // window slides, and is drawn anew.
+  const source = current.attempts.length ? "events" : "state";
+  if (list.dataset.source !== source || source === "state") {
+    list.replaceChildren();
+    list.dataset.source = source;
+    current.drawn = 0;
+  }
+  for (const a of shown.slice(current.drawn)) list.prepend(historyRow(a));
+  current.drawn = shown.length;
+  if (!shown.length) {
+    list.replaceChildren(el("li", { class: "muted" },
+      current.status === "running" ? "The first action is running: its output shows above." : "No action yet."));
+    current.drawn = 0;
+    list.dataset.source = "";
+  }
+  $("history-title").textContent = current.dropped ? `History (the last ${shown.length})` : "History";
+}
+
+function historyRow(a) {
+  const row = el("li", { class: `attempt ${outcomeClass(a.outcome)}`, "data-action": a.action },
+    el("span", {}, attemptText(a)));
+  if (a.checkpoint && !current.driver) {
+    const diff = el("button", { type: "button", class: "small", "aria-expanded": "false",
+      "data-checkpoint": a.checkpoint }, "Diff");
+    const back = el("button", { type: "button", class: "small secondary",
+      "data-rollback": a.checkpoint }, "Roll back here");
+    const shown = el("div", { class: "diff", hidden: "" });
+    diff.addEventListener("click", () => toggleDiff(a.checkpoint, diff, shown));
+    back.addEventListener("click", () => rollback(a.checkpoint));
+    row.append(" ", diff, " ", back, shown);
+  }
+  return row;
+}
+
+async function toggleDiff(name, button, box) {
+  const open = button.getAttribute("aria-expanded") !== "true";
+  button.setAttribute("aria-expanded", String(open));
+  box.hidden = !open;
+  if (!open || box.dataset.loaded) return;
+  box.replaceChildren(el("p", { class: "muted" }, "loading…"));
+  try {
+    const diff = await api("GET", loopPath(current.id, current.root,
+      `/checkpoints/${encodeURIComponent(name)}/diff`));
+    box.dataset.loaded = "1";
+    box.replaceChildren(...renderDiff(diff));
+  } catch (e) {
+    box.replaceChildren(el("p", { class: "error" }, e.message));
+  }
+}
+
+/** A checkpoint's diff: each file with its hunks, lines as text only. */
+function renderDiff(diff) {
+  const parts = [];
+  if (!diff.files.length) parts.push(el("p", { class: "muted" }, "This action changed no file."));
+  for (const f of diff.files) {
+    const name = f.old_path && f.old_path !== f.path ? `${f.old_path} → ${f.path}` : f.path;
+    const pre = el("pre", { class: "hunks", tabindex: "0" });
+    for (const h of f.hunks) {
+      pre.append(el("span", { class: "hunk" }, h.header + "\n"));
+      for (const line of h.lines) {
+        const kind = line.startsWith("+") ? "add" : line.startsWith("-") ? "del" : "ctx";
+        pre.append(el("span", { class: kind }, line + "\n"));
+      }
+    }
+    const file = el("details", { open: "", class: "file" },
+      el("summary", {}, `${name} · ${f.status} · +${f.insertions} −${f.deletions}`));
+    if (f.hunks.length) file.append(pre);
+    if (f.cut) file.append(el("p", { class: "muted" }, "…the rest of this file's changes is left out"));
+    parts.push(file);
+  }
+  if (diff.cut) parts.push(el("p", { class: "muted" }, diff.cut));
+  return parts;
+}
+
+async function rollback(name) {
+  const asked = `Put the work tree of "${$("detail-title").textContent}" back as it was at ` +
+    `checkpoint ${name}? What the actions after it changed is lost from the work tree.`;
+  if (!window.confirm(asked)) return;
+  $("detail-error").textContent = "";
+  try {
+    const done = await api("POST", loopPath(current.id, current.root, "/rollback"), { checkpoint: name });
+    $("history-note").textContent =
+      `The work tree is back as it was at checkpoint ${done.checkpoint} (${done.commit.slice(0, 12)}).`;
+  } catch (e) {
+    $("detail-error").textContent = e.message;
+  }
+}
+
+// Inline SVG, drawn here: no library, nothing fetched.
+const SVG = "http://www.w3.org/2000/svg";
+function svg(tag, attrs = {}, ...children) {
+  const node = document.createElementNS(SVG, tag);
+  for (const [k, v] of Object.entries(attrs)) node.setAttribute(k, v);
+  for (const c of children) node.append(c instanceof Node ? c : document.createTextNode(String(c)));
+  return node;
+}
+
+/** A chart: its SVG, scaled to the width it is given, described for a screen reader. */
+function chart(width, height, label, ...children) {
+  return svg("svg", { viewBox: `0 0 ${width} ${height}`, role: "img", "aria-label": label,
+    preserveAspectRatio: "xMinYMin meet" }, svg("title", {}, label), ...children);
+}
+
+function drawCharts() {
+  const all = attempts();
+  const rates = passRates();
+  $("over-time").hidden = !all.length;
+  $("over-time-empty").hidden = !!all.length;
+  $("over-time-empty").textContent = "No attempt yet: the pictures start with the first one.";
+  if (!all.length) return;
+
+  // The timeline: a lane per action, a bar per attempt, in order, coloured by outcome.
+  const recent = all.slice(-TIMELINE_BARS);
+  const lanes = [...new Set(recent.map((a) => a.action))];
+  const LABEL = 90, LANE = 18, SLOT = slot(recent.length, LABEL);
+  const width = Math.max(WIDTH, LABEL + recent.length * SLOT + 4);
+  const timeline = chart(width, lanes.length * LANE + 4,
+    `${recent.length} attempts${all.length > recent.length ? ` (the last of ${all.length})` : ""}`,
+    ...lanes.map((action, i) => svg("text", { x: 0, y: i * LANE + 14, class: "lane" }, action)),
+    ...recent.map((a, i) => svg("rect", {
+      x: LABEL + i * SLOT, y: lanes.indexOf(a.action) * LANE + 3, width: SLOT * 0.8, height: LANE - 4,
+      rx: 2, class: `mark ${outcomeClass(a.outcome)}`,
+    }, svg("title", {}, attemptText(a)))));
+  $("chart-timeline").replaceChildren(timeline);
+
+  // Tokens per iteration, a bar each; the cost in each bar's details.
+  const perIteration = new Map();
+  for (const a of all) {
+    const sum = perIteration.get(a.iteration) || { tokens: 0, cost: 0, attempts: 0 };
+    sum.tokens += a.tokens || 0; sum.cost += a.cost_usd || 0; sum.attempts += 1;
+    perIteration.set(a.iteration, sum);
+  }
+  const iterations = [...perIteration].sort((a, b) => a[0] - b[0]);
+  const most = Math.max(1, ...iterations.map(([, s]) => s.tokens));
+  const cost = iterations.reduce((sum, [, s]) => sum + s.cost, 0);
+  const TOP = 14, TALL = 70, AXIS = 44, BAR = slot(iterations.length, AXIS);
+  const tokensWidth = Math.max(WIDTH, AXIS + iterations.length * BAR + 4);
+  $("tokens-caption").textContent = `Tokens per iteration` + (cost ? ` · $${cost.toFixed(2)} in all` : "");
+  $("chart-tokens").replaceChildren(chart(tokensWidth, TOP + TALL + 16,
+    `tokens per iteration, ${iterations.length} iterations, at most ${most.toLocaleString()}`,
+    svg("text", { x: 0, y: TOP, class: "axis" }, compact(most)),
+    svg("text", { x: 0, y: TOP + TALL, class: "axis" }, "0"),
+    svg("line", { x1: AXIS - 2, y1: TOP + TALL, x2: tokensWidth, y2: TOP + TALL, class: "base" }),
+    ...iterations.map(([n, s], i) => {
+      const h = Math.max(1, (s.tokens / most) * TALL);
+      return svg("rect", { x: AXIS + i * BAR, y: TOP + TALL - h, width: BAR * 0.75, height: h,
+        class: "mark tokens", "data-iteration": n },
+      svg("title", {}, `iteration ${n}: ${s.tokens.toLocaleString()} tokens · $${s.cost.toFixed(2)}` +
+        ` · ${s.attempts} attempt(s)`));
+    })));
+
+  // The pass rate of each validated iteration, 0 to 100 %.
+  const STEP = slot(rates.length, AXIS);
+  const passWidth = Math.max(WIDTH, AXIS + rates.length * STEP + 4);
+  const y = (rate) => TOP + TALL - (Math.min(100, Math.max(0, rate)) / 100) * TALL;
+  const x = (i) => AXIS + i * STEP + STEP / 2;
+  $("chart-pass").replaceChildren(rates.length
+    ? chart(passWidth, TOP + TALL + 16, `pass rate of ${rates.length} validations`,
+      svg("text", { x: 0, y: TOP, class: "axis" }, "100%"),
+      svg("text", { x: 0, y: TOP + TALL, class: "axis" }, "0%"),
+      svg("line", { x1: AXIS - 2, y1: TOP + TALL, x2: passWidth, y2: TOP + TALL, class: "base" }),
+      svg("polyline", { points: rates.map(([, r], i) => `${x(i)},${y(r)}`).join(" "), class: "line" }),
+      ...rates.map(([n, r], i) => svg("circle", { cx: x(i), cy: y(r), r: 3.5, class: "mark pass",
+        "data-iteration": n }, svg("title", {}, `iteration ${n}: ${r}% passed`))))
+    : el("p", { class: "muted" }, "No validation yet."));
+}
+
+// The width a chart is drawn in, and the room of each of its `n` marks past its `margin`: the
+// marks fill the width while they are few, and make it wider (scaled down) when they are many.
+const WIDTH = 320;
+function slot(n, margin) {
+  return Math.min(40, Math.max(6, (WIDTH - margin - 4) / Math.max(1, n)));
+}
+
+function compact(n) {
+  if (n >= 1e6) return `${(n / 1e6).toFixed(1)}M`;
+  if (n >= 1e3) return `${(n / 1e3).toFixed(1)}k`;
+  return String(n);
+}
+
+// ---- Live: events and the running attempt's output, both pushed --------------------------------
+
+// The most output the page keeps: older text leaves from the top.
+const MAX_OUTPUT = 64 * 1024;
+
+function onEvent(m) {
+  let e = {};
+  try { e = JSON.parse(m.data); } catch { return; }
+  const line = `${e.ts || ""} ${e.event || ""}${e.action ? " " + e.action : ""}` +
+    `${e.summary ? " — " + e.summary : ""}${e.error ? " — " + e.error : ""}` +
+    `${e.message ? " — " + e.message : ""}`;
+  const list = $("events");
+  list.append(el("li", {}, line));
+  while (list.childElementCount > MAX_ATTEMPTS) list.firstElementChild.remove();
+  list.scrollTop = list.scrollHeight;
+  if (ATTEMPT_EVENTS.includes(e.event)) {
+    current.attempts.push(fromEvent(e));
+    if (current.attempts.length > MAX_ATTEMPTS) {
+      current.attempts.shift();
+      current.dropped = true;
+      current.drawn = Math.max(0, current.drawn - 1);
+      $("history").lastElementChild?.remove();
+    }
+    redraw();
+  } else if (e.event === "validated" && typeof e.pass_rate === "number") {
+    current.passRates.set(e.iteration ?? 0, e.pass_rate);
+    redraw();
+  }
+}
+
+function showRunning() {
+  const run = current && current.running;
+  // The last attempt's output stays until the next one's comes.
+  $("tail").hidden = !$("tail").textContent;
+  if (!run) {
+    $("running").textContent = current && current.status === "running"
+      ? "Nothing is running this moment: the next action starts soon."
+      : "Nothing is running.";
+    return;
+  }
+  const elapsed = Math.max(0, Date.now() - Date.parse(run.started_at));
+  $("running").textContent = `${run.action}${run.task_id ? " " + run.task_id : ""}` +
+    `, iteration ${run.iteration}, attempt ${run.attempt}` +
+    `${run.pid ? ", pid " + run.pid : ""} · running for ${Number.isNaN(elapsed) ? "?" : seconds(elapsed)}`;
+}
+
+function appendOutput(text) {
+  const tail = $("tail");
+  const stick = tail.scrollTop + tail.clientHeight >= tail.scrollHeight - 4;
+  let all = tail.textContent + text;
+  if (all.length > MAX_OUTPUT) all = "…\n" + all.slice(all.length - MAX_OUTPUT);
+  tail.textContent = all;
+  tail.hidden = false;
+  if (stick) tail.scrollTop = tail.scrollHeight;
+}
+
+function watchOutput() {
+  const output = new EventSource(loopPath(current.id, current.root, "/output"));
+  const data = (m) => { try { return JSON.parse(m.data); } catch { return {}; } };
+  output.addEventListener("attempt", (m) => {
+    current.running = data(m);
+    $("tail").textContent = "";
+    showRunning();
+  });
+  output.addEventListener("output", (m) => {
+    const chunk = data(m);
+    if (chunk.replace) $("tail").textContent = "";
+    appendOutput(chunk.text || "");
+  });
+  output.addEventListener("skipped", (m) => {
+    appendOutput(`\n… ${data(m).bytes.toLocaleString()} bytes of output left out …\n`);
+  });
+  output.addEventListener("idle", () => {
+    current.running = null;
+    showRunning();
+  });
+  return output;
 }
 
 function openDetail(id, root) {
   closeDetail();
-  current = { id, root };
+  current = { id, root, status: "", attempts: [], fromState: [], passRates: new Map(), drawn: 0,
+    running: null, dropped: false };
   $("detail-error").textContent = "";
+  $("history-note").textContent = "";
   delete $("budget-form").dataset.editing;
   $("events").replaceChildren();
-  const events = new EventSource(loopPath(id, root, "/events"));
-  events.onmessage = (m) => {
-    let e = {};
-    try { e = JSON.parse(m.data); } catch { return; }
-    const line = `${e.ts || ""} ${e.event || ""}${e.action ? " " + e.action : ""}` +
-      `${e.summary ? " — " + e.summary : ""}${e.error ? " — " + e.error : ""}` +
-      `${e.message ? " — " + e.message : ""}`;
-    $("events").append(el("li", {}, line));
-    $("events").scrollTop = $("events").scrollHeight;
-  };
-  current.events = events;
-  current.tail = setInterval(() => loadTail().catch(() => {}), 1000);
-  loadDetail().catch(showError("detail-error"));
-  loadTail().catch(() => {});
+  $("history").replaceChildren();
+  $("history").dataset.source = "";
+  $("tail").textContent = "";
+  current.events = new EventSource(loopPath(id, root, "/events"));
+  current.events.onmessage = onEvent;
+  current.output = watchOutput();
+  // The elapsed time of the running attempt, counted here: no request for it.
+  current.clock = setInterval(showRunning, 1000);
+  showRunning();
+  loadDetail().then(redraw).catch(showError("detail-error"));
 }
 
 function closeDetail() {
   if (!current) return;
   current.events.close();
-  clearInterval(current.tail);
+  current.output.close();
+  clearInterval(current.clock);
   current = null;
 }
 
@@ -262,6 +618,7 @@ async function control(path, body) {
 
 $("btn-pause").addEventListener("click", () => control("/pause"));
 $("btn-resume").addEventListener("click", () => control("/resume"));
+$("btn-retry").addEventListener("click", () => control("/retry"));
 $("btn-stop").addEventListener("click", () => control("/stop"));
 $("next-form").addEventListener("submit", (e) => {
   e.preventDefault();
