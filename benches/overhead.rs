@@ -17,6 +17,8 @@
 //!   LOOPD_BENCH_DIR      where the temporary projects go (default: the system temp dir)
 //!   LOOPD_BENCH_AGENT    `shell` to use a trivial shell agent (`sh -c 'cat >/dev/null; echo ok'`,
 //!                        the kind of agent peers are measured with) instead of `/bin/true`
+//!   LOOPD_BENCH_SANDBOX  `off` to run the actions without the sandbox (default: sandboxed, as
+//!                        loopd runs them): the two runs give the sandbox's cost per action
 
 mod common;
 

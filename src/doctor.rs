@@ -23,6 +23,8 @@ struct Report {
     workflow: &'static str,
     /// `nothing to trust`, `trusted (N project files)`, or why a file is not trusted.
     trust: String,
+    /// The sandbox this machine offers.
+    sandbox: loopd_exec::sandbox::Support,
     executors: Vec<ExecutorReport>,
     actions: Vec<ActionReport>,
     /// What keeps a loop from running; empty when ready.
@@ -57,6 +59,8 @@ struct ActionReport {
     timeout_secs: f64,
     idle_timeout_secs: f64,
     prompt_from: String,
+    /// What its attempts may do, in a few words.
+    sandbox: String,
 }
 
 /// Prints the report; exit code 0 when every executor the actions use is installed and the
@@ -142,6 +146,7 @@ fn examine(p: &Project, executor: Option<String>) -> Result<Report> {
             timeout_secs: sup.timeout.as_secs_f64(),
             idle_timeout_secs: sup.idle_timeout.as_secs_f64(),
             prompt_from: (*source).to_owned(),
+            sandbox: sandbox_text(&plan.sandbox),
         });
         if find_program(&plan.argv[0]).is_none() && !missing.contains(&plan.argv[0]) {
             missing.push(plan.argv[0].clone());
@@ -171,12 +176,36 @@ fn examine(p: &Project, executor: Option<String>) -> Result<Report> {
         config_files,
         workflow: workflow.name(),
         trust,
+        sandbox: loopd_exec::sandbox::Support::probe(true),
         executors,
         actions,
         ready: problems.is_empty(),
         problems,
         notes,
     })
+}
+
+/// What an action's attempts may do, in a few words: `workspace-write, network any, also
+/// writes ~/.claude`.
+fn sandbox_text(policy: &loopd_exec::sandbox::Policy) -> String {
+    if policy.mode == loopd_exec::sandbox::Mode::Off {
+        return "off".to_owned();
+    }
+    let mut text = format!("{}, network {}", policy.mode.name(), policy.network);
+    let list = |paths: &[PathBuf]| -> String {
+        paths
+            .iter()
+            .map(|p| p.display().to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    if !policy.writable.is_empty() && policy.mode == loopd_exec::sandbox::Mode::WorkspaceWrite {
+        let _ = write!(text, ", also writes {}", list(&policy.writable));
+    }
+    if !policy.readable.is_empty() {
+        let _ = write!(text, ", reads {}", list(&policy.readable));
+    }
+    text
 }
 
 /// The report as people read it.
@@ -192,6 +221,7 @@ fn render(r: &Report) -> String {
     }
     let _ = writeln!(out, "  workflow   {}", r.workflow);
     let _ = writeln!(out, "  trust      {}", r.trust);
+    let _ = writeln!(out, "  sandbox    {}", r.sandbox.describe());
 
     let _ = writeln!(out, "\nexecutors");
     let width = r.executors.iter().map(|e| e.name.len()).max().unwrap_or(0);
@@ -215,14 +245,16 @@ fn render(r: &Report) -> String {
     for a in &r.actions {
         let _ = writeln!(
             out,
-            "  {:<9} {:<8} {}\n            format {}, timeout {}s, idle {}s; prompt from {}",
+            "  {:<9} {:<8} {}\n            format {}, timeout {}s, idle {}s; prompt from {}\n            \
+             sandbox {}",
             a.action,
             a.executor,
             a.argv.join(" "),
             a.format,
             a.timeout_secs,
             a.idle_timeout_secs,
-            a.prompt_from
+            a.prompt_from,
+            a.sandbox
         );
     }
     for note in &r.notes {

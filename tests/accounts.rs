@@ -35,6 +35,8 @@ final_grace = 0.3
 [executors.claude]
 command = ["sh", "bin/claude"]
 account = "team"
+# The stand-in's shared limit lives in the first project: the other's sandbox lets it write there.
+sandbox_writable = ["SHARED"]
 "#;
 
 /// `(loop, time in ns, refused)` of every call of the stand-in.
@@ -63,8 +65,9 @@ fn a_rate_limit_holds_the_loops_of_its_account_and_no_other() {
         .replace("RESET_IN", "10")
         .replace("FIXTURE", &fixture)
         .replace("SHARED", a.root.to_str().unwrap());
+    let config = ACCOUNT_CONFIG.replace("SHARED", a.root.to_str().unwrap());
     for p in [&a, &c] {
-        p.config(ACCOUNT_CONFIG);
+        p.config(&config);
         p.script("claude", &agent);
     }
     let b = Project::beside(&a, GOOD_AGENT);

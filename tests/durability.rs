@@ -858,7 +858,12 @@ fn a_full_disk_is_waited_out_and_nothing_is_lost() {
     let root = mount.path().join("project");
     std::fs::create_dir_all(root.join(".loop")).unwrap();
     std::fs::create_dir_all(root.join("bin")).unwrap();
-    std::fs::write(root.join(".loop/config.toml"), TEST_CONFIG).unwrap();
+    // The agent's signal files are the test's, outside the work tree: declared writable.
+    let config = format!(
+        "{TEST_CONFIG}sandbox_writable = [{:?}]\n",
+        signals.path().display().to_string()
+    );
+    std::fs::write(root.join(".loop/config.toml"), config).unwrap();
     std::fs::write(root.join("bin/agent.sh"), format!("#!/bin/sh\n{agent}")).unwrap();
     let loopd = || {
         let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_loopd"));

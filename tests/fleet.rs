@@ -51,6 +51,12 @@ struct Fleet {
 impl Fleet {
     /// `None` where the Temporal server is not installed (outside CI).
     fn new() -> Option<Fleet> {
+        Fleet::with_executor("")
+    }
+
+    /// [`Fleet::new`], with more settings of the loops' executor: `sandbox = "off"` where a
+    /// test's agent injects a fault into its worker (the sandbox would stop it there).
+    fn with_executor(settings: &str) -> Option<Fleet> {
         let bin = temporal_bin()?;
         let p = Project::new(AGENT);
         let marks = p.root.join("marks");
@@ -61,7 +67,9 @@ impl Fleet {
             "retry_backoff = 0.01\naction_retries = 12\nexecutor = \"fake\"\nmax_errors = 20\n\
              [executor_defaults]\nkill_grace = 0.5\n\n\
              [executors.fake]\ncommand = [\"sh\", \"bin/agent.sh\"]\nprompt = \"stdin\"\n\
-             format = \"json\"\nenv = {{ MARKS = \"{}\" }}\n",
+             format = \"json\"\nenv = {{ MARKS = \"{0}\" }}\n\
+             # The test's marks are outside the workers' work trees.\n\
+             sandbox_writable = [\"{0}\"]\n{settings}\n",
             marks.display()
         ));
         std::fs::write(
@@ -323,7 +331,8 @@ fn a_worker_killed_mid_action_loses_only_that_action_and_leaves_no_process() {
 
 #[test]
 fn a_corrupted_clone_fails_its_attempt_clearly_and_the_loop_goes_on() {
-    let Some(mut fleet) = Fleet::new() else {
+    // The agent breaks its worker's clone, outside its work tree: no sandbox for it.
+    let Some(mut fleet) = Fleet::with_executor("sandbox = \"off\"") else {
         return;
     };
     // The first develop, the first time: the worker's clone loses its objects under it.
@@ -349,8 +358,30 @@ fn a_corrupted_clone_fails_its_attempt_clearly_and_the_loop_goes_on() {
 }
 
 #[test]
-fn a_worker_whose_disk_fills_fails_its_attempt_clearly_and_the_loop_goes_on_elsewhere() {
+fn on_a_worker_the_sandbox_keeps_an_agent_out_of_the_workers_clone() {
     let Some(mut fleet) = Fleet::new() else {
+        return;
+    };
+    // What the clone test above does on purpose, tried by a sandboxed agent: refused.
+    fleet.step(
+        "if [ \"$LOOPD_ACTION\" = develop ] && [ ! -f \"$MARKS/tried\" ]; then \
+           touch \"$MARKS/tried\"; \
+           rm -rf \"$(git rev-parse --git-common-dir)/objects\"/* 2>> \"$MARKS/refused\"; \
+         fi\n",
+    );
+    fleet.worker("w0");
+    let id = fleet.create(&["--title", "its agent reaches for the clone"]);
+    fleet.wait_completed(std::slice::from_ref(&id));
+    fleet.check_branch(&id);
+    assert!(failures(&fleet.state(&id)).is_empty());
+    let refused = std::fs::read_to_string(fleet.mark("refused")).unwrap_or_default();
+    assert!(refused.contains("Permission denied"), "{refused}");
+}
+
+#[test]
+fn a_worker_whose_disk_fills_fails_its_attempt_clearly_and_the_loop_goes_on_elsewhere() {
+    // The agent fills its worker's cache, outside its work tree: no sandbox for it.
+    let Some(mut fleet) = Fleet::with_executor("sandbox = \"off\"") else {
         return;
     };
     if !common::can_mount() {

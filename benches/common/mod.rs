@@ -20,7 +20,8 @@ pub fn env_num(name: &str, default: usize) -> usize {
 
 /// A project config for a benchmark: short retry backoff and kill grace, and one executor, `agent`,
 /// run as `argv` with the prompt passed as `prompt` (`stdin`, `arg`), its output read as `format`
-/// (`json`, `text`); with `validate`, validate runs that shell command instead.
+/// (`json`, `text`); with `validate`, validate runs that shell command instead. Its attempts are
+/// sandboxed as by default, or as `LOOPD_BENCH_SANDBOX` says (`off`).
 pub fn config(argv: &[&str], prompt: &str, format: &str, validate: Option<&str>) -> String {
     let argv: Vec<String> = argv.iter().map(|a| format!("{a:?}")).collect();
     let mut text = format!(
@@ -32,13 +33,15 @@ no_progress_rounds = 0
 
 [executor_defaults]
 kill_grace = 0.5
+sandbox = "{sandbox}"
 
 [executors.agent]
 command = [{}]
 prompt = "{prompt}"
 format = "{format}"
 "#,
-        argv.join(", ")
+        argv.join(", "),
+        sandbox = std::env::var("LOOPD_BENCH_SANDBOX").unwrap_or_else(|_| "workspace-write".into()),
     );
     if let Some(command) = validate {
         text.push_str(&format!("\n[actions.validate]\ncommand = {command:?}\n"));

@@ -47,11 +47,29 @@ pub fn run(workflow: Option<&str>) -> Result<i32> {
         }
     };
     let exe = std::env::current_exe().context("cannot find the loopd binary")?;
+    // The demo runs on any Linux machine: sandboxed where the kernel can, and says which.
+    let support = loopd_exec::sandbox::Support::probe(false);
+    let (sandbox, said) = match support.landlock {
+        Some(_) => (
+            "workspace-write",
+            format!(
+                "each action in a sandbox (Landlock ABI {}): it could write in the project and \
+                 its own files only",
+                support.landlock.unwrap_or_default()
+            ),
+        ),
+        None => (
+            "off",
+            "without a sandbox: this kernel has no Landlock (a loop of yours would be refused \
+             unless its config says sandbox = \"off\")"
+                .to_owned(),
+        ),
+    };
     let config_text = format!(
         "# The demo's configuration: the scripted agent for every action.\n\
          executor = \"demo\"\nretry_backoff = 0.1\n\n\
          [executors.demo]\ncommand = [{}, \"demo-agent\", \"--workflow\", \"{workflow}\"]\n\
-         prompt = \"stdin\"\nformat = \"json\"\n\n{own_config}",
+         prompt = \"stdin\"\nformat = \"json\"\nsandbox = \"{sandbox}\"\n\n{own_config}",
         toml::Value::String(exe.display().to_string())
     );
     std::fs::create_dir_all(dir.join(".loop"))?;
@@ -70,7 +88,8 @@ pub fn run(workflow: Option<&str>) -> Result<i32> {
     let id = loopd_file_driver::create::create_loop(&project, &args)?;
     eprintln!("loopd demo: {headline}");
     eprintln!("  project  {}", dir.display());
-    eprintln!("  loop     {id}\n");
+    eprintln!("  loop     {id}");
+    eprintln!("  sandbox  {said}\n");
     let exit = loopd_file_driver::daemon::drive(&project, &id, None, false)?;
     let state = project.load(&id)?;
     let skill = state.skill_state.clone().unwrap_or_default();

@@ -24,6 +24,7 @@ pub mod git;
 pub mod guard;
 pub mod procs;
 pub mod result;
+pub mod sandbox;
 mod settings;
 
 pub use settings::{Format, PromptMode, Supervision};
@@ -67,6 +68,8 @@ pub struct Spec {
     pub agent: Option<agent::AgentStream>,
     /// What this attempt may still spend, if the loop has a budget.
     pub budget: Budget,
+    /// What it may do ([`sandbox`]): it may always write in `dir`.
+    pub sandbox: sandbox::Policy,
 }
 
 /// Tokens and dollars an attempt may still spend.
@@ -225,6 +228,8 @@ struct SubprocessAttempt {
     /// The marker its processes inherit: how those reparented to this process are told apart
     /// from other attempts'.
     marker: String,
+    /// Its private temporary directory (sandboxed), removed at its end.
+    tmp: Option<PathBuf>,
 }
 
 /// What an attempt's output goes to: the log, the tails, the agent's stream.
@@ -317,8 +322,24 @@ impl SubprocessAttempt {
             written: 0,
             seen: 0,
         };
-        let mut child = spawn_marked(&mut command, &spec.marker)
-            .map_err(|e| io::Error::new(e.kind(), format!("cannot start {program:?}: {e}")))?;
+        // Sandboxed, its temporary files go to a directory of its own, removed at its end.
+        let tmp = (spec.sandbox.mode != sandbox::Mode::Off).then(|| {
+            let name = format!("{}.tmp", spec.stem);
+            (name.clone(), spec.dir.join(&name))
+        });
+        if let Some(sandboxed) = spec.sandbox.prepare(&spec.cwd, &[spec.dir.path()])? {
+            enter_on_spawn(&mut command, sandboxed);
+        }
+        if let Some((name, path)) = &tmp {
+            spec.dir.subdir(name, true)?;
+            command.env("TMPDIR", path);
+        }
+        let mut child = spawn_marked(&mut command, &spec.marker).map_err(|e| {
+            if let Some((_, path)) = &tmp {
+                let _ = std::fs::remove_dir_all(path);
+            }
+            io::Error::new(e.kind(), format!("cannot start {program:?}: {e}"))
+        })?;
         let pid = child.id().unwrap_or(0);
         let spawned = Spawned {
             pid,
@@ -346,6 +367,7 @@ impl SubprocessAttempt {
                 budget: spec.budget,
             },
             marker: spec.marker,
+            tmp: tmp.map(|(_, path)| path),
         })
     }
 }
@@ -442,6 +464,9 @@ impl SubprocessAttempt {
         .await;
         drain(&mut stderr, &mut buf, |bytes| out.stderr(bytes)).await;
         out.log.finish();
+        if let Some(tmp) = &self.tmp {
+            let _ = std::fs::remove_dir_all(tmp);
+        }
         if let Some(stream) = &mut out.agent {
             stream.finish(&out.stdout_tail.buf, &out.output_tail.buf);
         }
@@ -474,6 +499,16 @@ fn spawn_marked(command: &mut Command, name: &str) -> io::Result<tokio::process:
         procs::attempt_started(pid);
     }
     child
+}
+
+/// Makes the child of `command` enter `sandbox` between fork and exec.
+#[allow(unsafe_code)]
+fn enter_on_spawn(command: &mut Command, mut sandbox: sandbox::Prepared) {
+    // SAFETY: `enter` makes system calls only: it allocates nothing and takes no lock, as a
+    // child of a process with other threads must.
+    unsafe {
+        command.pre_exec(move || sandbox.enter());
+    }
 }
 
 /// Sleeps until `t`, or forever without one (so `select!` ignores it).

@@ -10,6 +10,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use loopd_exec::sandbox::{Mode as SandboxMode, Network, Policy};
 use loopd_exec::{Format, PromptMode, Supervision};
 use serde::Deserialize;
 
@@ -101,6 +102,57 @@ pub struct ExecutorDefaults {
     pub kill_grace: f64,
     pub output_cap: u64,
     pub final_grace: f64,
+    /// Every attempt's sandbox: `workspace-write`, `read-only` or `off`.
+    pub sandbox: String,
+    pub sandbox_network: SandboxNetwork,
+    /// Paths no action reads, besides [`loopd_exec::sandbox::HIDDEN_IN_HOME`].
+    pub sandbox_hidden: Vec<String>,
+}
+
+/// `sandbox_network`: `"any"`, `"none"`, or the TCP ports an action may connect to.
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
+#[serde(untagged)]
+pub enum SandboxNetwork {
+    Named(String),
+    Ports(Vec<u16>),
+}
+
+impl Default for SandboxNetwork {
+    fn default() -> SandboxNetwork {
+        SandboxNetwork::Named("any".into())
+    }
+}
+
+impl SandboxNetwork {
+    fn resolve(&self) -> Result<Network, String> {
+        match self {
+            SandboxNetwork::Named(name) if name == "any" => Ok(Network::Any),
+            SandboxNetwork::Named(name) if name == "none" => Ok(Network::None),
+            SandboxNetwork::Named(name) => Err(format!(
+                "{name:?}: must be \"any\", \"none\" or a list of TCP ports"
+            )),
+            SandboxNetwork::Ports(ports) if ports.contains(&0) => {
+                Err("port 0 is no port to connect to".into())
+            }
+            SandboxNetwork::Ports(ports) => Ok(Network::Ports(ports.clone())),
+        }
+    }
+}
+
+/// A sandbox mode by its name, or why not.
+fn sandbox_mode(name: &str) -> Result<SandboxMode, String> {
+    SandboxMode::parse(name)
+        .ok_or_else(|| format!("{name:?}: must be \"workspace-write\", \"read-only\" or \"off\""))
+}
+
+/// A path a sandbox setting names: absolute, or in the home directory (`~/...`).
+fn sandbox_path(path: &str, home: &Path) -> Result<PathBuf, String> {
+    match path.strip_prefix("~/") {
+        Some(rest) => Ok(home.join(rest)),
+        None if path == "~" => Ok(home.to_owned()),
+        None if Path::new(path).is_absolute() => Ok(PathBuf::from(path)),
+        None => Err(format!("{path:?}: must be absolute or start with ~/")),
+    }
 }
 
 /// Whether loops record git checkpoints of their work tree.
@@ -128,6 +180,13 @@ pub struct ExecutorConfig {
     /// The account whose limits its agent spends (default: the executor's name): a rate limit
     /// of one loop holds the service's other loops of that account.
     pub account: Option<String>,
+    /// Its attempts' sandbox, if not `[executor_defaults]`'s.
+    pub sandbox: Option<String>,
+    pub sandbox_network: Option<SandboxNetwork>,
+    /// Where its attempts may write besides their work tree (absolute or `~/...`).
+    pub sandbox_writable: Vec<String>,
+    /// Hidden paths its attempts may read anyway (an agent's own key file).
+    pub sandbox_readable: Vec<String>,
 }
 
 #[derive(Clone, Debug, Default, Deserialize)]
@@ -138,6 +197,8 @@ pub struct ActionConfig {
     pub idle_timeout: Option<f64>,
     /// A shell command run with `sh -c` instead of an executor.
     pub command: Option<String>,
+    /// Its attempts' sandbox mode, if not its executor's.
+    pub sandbox: Option<String>,
 }
 
 /// The events a `[[notify]]` receiver may ask for, by the names people use for them.
@@ -461,6 +522,37 @@ impl Config {
                 "must be at least 1".into(),
             ));
         }
+        sandbox_mode(&d.sandbox).map_err(|r| ("executor_defaults.sandbox".to_owned(), r))?;
+        d.sandbox_network
+            .resolve()
+            .map_err(|r| ("executor_defaults.sandbox_network".to_owned(), r))?;
+        let anywhere = Path::new("/");
+        for path in &d.sandbox_hidden {
+            sandbox_path(path, anywhere)
+                .map_err(|r| ("executor_defaults.sandbox_hidden".to_owned(), r))?;
+        }
+        for (name, a) in &self.actions {
+            if let Some(mode) = &a.sandbox {
+                sandbox_mode(mode).map_err(|r| (format!("actions.{name}.sandbox"), r))?;
+            }
+        }
+        for (name, e) in &self.executors {
+            let key = |k: &str| format!("executors.{name}.{k}");
+            if let Some(mode) = &e.sandbox {
+                sandbox_mode(mode).map_err(|r| (key("sandbox"), r))?;
+            }
+            if let Some(network) = &e.sandbox_network {
+                network.resolve().map_err(|r| (key("sandbox_network"), r))?;
+            }
+            for (k, paths) in [
+                ("sandbox_writable", &e.sandbox_writable),
+                ("sandbox_readable", &e.sandbox_readable),
+            ] {
+                for path in paths {
+                    sandbox_path(path, anywhere).map_err(|r| (key(k), r))?;
+                }
+            }
+        }
         self.executor_named(&self.executor)
             .map_err(|reason| ("executor".to_owned(), reason))?;
         for (name, e) in &self.executors {
@@ -543,6 +635,45 @@ impl Config {
                     .join(", ")
             )
         })
+    }
+
+    /// The sandbox of an executor's attempts, with an action's mode; paths under `~/` are in
+    /// the executor's home (its `env`'s `HOME`, else `home`). The settings were checked when the
+    /// config loaded: a bad one here is the default.
+    pub fn sandbox(
+        &self,
+        executor: &ExecutorConfig,
+        action: Option<&ActionConfig>,
+        home: &Path,
+    ) -> Policy {
+        let home = executor.env.get("HOME").map_or(home, Path::new);
+        let d = &self.executor_defaults;
+        let mode = action
+            .and_then(|a| a.sandbox.as_deref())
+            .or(executor.sandbox.as_deref())
+            .unwrap_or(&d.sandbox);
+        let paths = |list: &[String]| -> Vec<PathBuf> {
+            list.iter()
+                .filter_map(|p| sandbox_path(p, home).ok())
+                .collect()
+        };
+        let hidden = loopd_exec::sandbox::HIDDEN_IN_HOME
+            .iter()
+            .map(|p| home.join(p))
+            .chain(paths(&d.sandbox_hidden))
+            .collect();
+        Policy {
+            mode: sandbox_mode(mode).unwrap_or_default(),
+            writable: paths(&executor.sandbox_writable),
+            hidden,
+            readable: paths(&executor.sandbox_readable),
+            network: executor
+                .sandbox_network
+                .as_ref()
+                .unwrap_or(&d.sandbox_network)
+                .resolve()
+                .unwrap_or_default(),
+        }
     }
 
     /// The supervision limits for an executor, with an action's overrides.

@@ -4,7 +4,7 @@
 
 use std::collections::BTreeMap;
 use std::ffi::OsString;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use anyhow::Result;
 use loopd_core::state::LoopState;
@@ -27,6 +27,8 @@ pub struct Plan {
     pub supervision: Supervision,
     /// The account whose rate limits it spends: the executor's `account`, else its name.
     pub account: String,
+    /// What its attempts may do ([`loopd_exec::sandbox`]).
+    pub sandbox: loopd_exec::sandbox::Policy,
 }
 
 impl Plan {
@@ -60,7 +62,9 @@ impl Plan {
                     (name, executor, executor.command.clone(), executor.format)
                 }
             };
+        let home = std::env::var_os("HOME").map_or_else(|| PathBuf::from("/"), PathBuf::from);
         Ok(Plan {
+            sandbox: config.sandbox(executor, action_config, &home),
             account: executor.account.clone().unwrap_or_else(|| name.clone()),
             executor: name,
             argv,
@@ -143,6 +147,20 @@ impl Plans {
         executor_override: Option<&str>,
     ) -> Vec<String> {
         let mut problems = Vec::new();
+        // Never a silent downgrade: a sandbox this machine cannot hold refuses the loop.
+        let none = self
+            .plans
+            .values()
+            .any(|p| p.sandbox.network == loopd_exec::sandbox::Network::None);
+        let support = loopd_exec::sandbox::Support::probe(none);
+        let mut refused = std::collections::BTreeSet::new();
+        for (action, plan) in &self.plans {
+            if let Some(why) = support.refuses(&plan.sandbox)
+                && refused.insert(why.clone())
+            {
+                problems.push(format!("{action}: {why}"));
+            }
+        }
         for action in self.plans.keys() {
             let Some(plan) = self.plans.get(action) else {
                 continue;

@@ -57,6 +57,9 @@ pub mod name {
     /// loopd's: the work tree was put back as it was at a checkpoint (`checkpoint`, `commit`),
     /// by `loopd rollback` or, with `reason: "regression"`, after a validation got worse.
     pub const ROLLED_BACK: &str = "rolled_back";
+    /// loopd's: a sandboxed attempt's output says it was refused something (`lines`, its own
+    /// words, at most three), as the kernel tells a program that Landlock said no.
+    pub const SANDBOX_REFUSED: &str = "sandbox_refused";
     /// loopd's: a validation succeeded and measured `pass_rate` (percent), for pictures of the
     /// loop over time.
     pub const VALIDATED: &str = "validated";

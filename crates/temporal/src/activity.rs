@@ -222,6 +222,7 @@ async fn run_attempt(
         marker: marker.clone(),
         agent: AgentStream::for_format(plan.format),
         budget: Budget { tokens, cost_usd },
+        sandbox: plan.sandbox.clone(),
     };
     let log = format!("{}.log", spec.stem);
     let progress = |output, (tokens, cost_usd)| Progress {

@@ -238,6 +238,7 @@ impl LoopRun<'_> {
             marker: procs::marker_name(&store.state_path(id)),
             agent: AgentStream::for_format(step.plan.format),
             budget: Budget { tokens, cost_usd },
+            sandbox: step.plan.sandbox.clone(),
         };
         Ok(Prepared {
             spec,
@@ -391,6 +392,23 @@ impl LoopRun<'_> {
             _ if self.checkpoints.is_none() => None,
             _ => blocking(|| self.checkpoint(&format!("{}-{}", done.iteration, dispatch.action))),
         };
+        if plan.sandbox.mode != loopd_exec::sandbox::Mode::Off {
+            let lines = loopd_exec::sandbox::refusals(&run.output_tail);
+            if !lines.is_empty() {
+                self.events.emit(
+                    done.event(name::SANDBOX_REFUSED)
+                        .with(
+                            "message",
+                            format!(
+                                "the sandbox ({}) refused something; see {}",
+                                plan.sandbox.mode.name(),
+                                log_path.display()
+                            ),
+                        )
+                        .with("lines", lines),
+                );
+            }
+        }
         let mut event = attempt_event(done, &v, &run, log_path, interrupt.as_ref());
         if let Some(c) = &checkpoint {
             event = event.with("checkpoint", serde_json::to_value(c).unwrap_or_default());

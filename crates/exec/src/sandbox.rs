@@ -1,0 +1,485 @@
+//! The sandbox around every attempt: the executor and everything it starts may write only where
+//! the attempt's policy says (its work tree, its own files, a private temporary directory, the
+//! paths its executor declares), may not read the user's secrets, and reach the network only as
+//! told.
+//!
+//! Theory of operation: a Landlock ruleset (no privileges needed) is built in loopd, before the
+//! spawn, from paths it opens itself ([`Policy::prepare`]); the child only enters it, between fork
+//! and exec, with two system calls that allocate nothing ([`Prepared::enter`]). Landlock domains
+//! are inherited and cannot be left: a grandchild in a new session, or a program that drops every
+//! variable, is held as its parent is. Landlock grants, it does not deny: what is hidden is every
+//! path but the hidden ones, so the directories on the way to a hidden path are granted entry by
+//! entry ([`readable`]), and a hidden path declared readable is granted again. TCP connects are
+//! limited to ports by Landlock (ABI 4); no network at all is a network namespace of a user
+//! namespace of the child's own.
+
+use std::ffi::CString;
+use std::io;
+use std::os::unix::fs::DirBuilderExt as _;
+use std::path::{Path, PathBuf};
+
+use landlock::{
+    ABI, AccessFs, AccessNet, BitFlags, CompatLevel, Compatible, NetPort, PathBeneath, PathFd,
+    Ruleset, RulesetAttr, RulesetCreated, RulesetCreatedAttr, RulesetStatus,
+};
+
+/// What an attempt may change.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Mode {
+    /// Its work tree, its own files and the declared paths (the default).
+    #[default]
+    WorkspaceWrite,
+    /// Its own files only (the result file, a temporary directory).
+    ReadOnly,
+    /// No sandbox.
+    Off,
+}
+
+impl Mode {
+    /// The names Codex users know: `workspace-write`, `read-only`, `off`.
+    pub fn parse(name: &str) -> Option<Mode> {
+        match name {
+            "workspace-write" => Some(Mode::WorkspaceWrite),
+            "read-only" => Some(Mode::ReadOnly),
+            "off" => Some(Mode::Off),
+            _ => None,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Mode::WorkspaceWrite => "workspace-write",
+            Mode::ReadOnly => "read-only",
+            Mode::Off => "off",
+        }
+    }
+}
+
+/// Where an attempt may connect.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum Network {
+    #[default]
+    Any,
+    /// No network at all (not even loopback): a network namespace of its own.
+    None,
+    /// TCP connects to these ports only (Landlock ABI 4).
+    Ports(Vec<u16>),
+}
+
+impl std::fmt::Display for Network {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Network::Any => f.write_str("any"),
+            Network::None => f.write_str("none"),
+            Network::Ports(ports) => {
+                let ports: Vec<String> = ports.iter().map(u16::to_string).collect();
+                write!(f, "TCP ports {}", ports.join(", "))
+            }
+        }
+    }
+}
+
+/// The credential files and directories no action reads, under `$HOME`.
+pub const HIDDEN_IN_HOME: [&str; 7] = [
+    ".ssh",
+    ".aws",
+    ".gnupg",
+    ".netrc",
+    ".docker/config.json",
+    ".kube",
+    ".config/gcloud",
+];
+
+/// What one attempt may do.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Policy {
+    pub mode: Mode,
+    /// Where it may write besides its own files (the work tree, for `workspace-write`, and
+    /// what its executor declares).
+    pub writable: Vec<PathBuf>,
+    /// What it may not read (nor execute).
+    pub hidden: Vec<PathBuf>,
+    /// Hidden paths it may read anyway (an agent's own key file).
+    pub readable: Vec<PathBuf>,
+    pub network: Network,
+}
+
+/// What this machine offers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct Support {
+    /// The kernel's Landlock ABI version; `None` when Landlock is not there or not enabled.
+    pub landlock: Option<i32>,
+    /// Whether this process may make a user namespace (for `sandbox_network = "none"`).
+    pub user_namespaces: bool,
+}
+
+impl Support {
+    /// Asks the kernel; whether user namespaces may be made is tried (in a child, once a
+    /// process) only where `network_none` needs to know.
+    pub fn probe(network_none: bool) -> Support {
+        static USER_NAMESPACES: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        Support {
+            landlock: landlock_abi(),
+            user_namespaces: network_none && *USER_NAMESPACES.get_or_init(user_namespaces),
+        }
+    }
+
+    /// In a few words, for `doctor` and `demo`.
+    pub fn describe(&self) -> String {
+        match self.landlock {
+            Some(abi) => format!(
+                "Landlock ABI {abi}, user namespaces {}",
+                if self.user_namespaces { "yes" } else { "no" }
+            ),
+            None => "none: this kernel has no Landlock".to_owned(),
+        }
+    }
+
+    /// Why `policy` cannot be held here, in one line; `None` when it can.
+    pub fn refuses(&self, policy: &Policy) -> Option<String> {
+        if policy.mode == Mode::Off {
+            return None;
+        }
+        let Some(abi) = self.landlock else {
+            return Some(
+                "this kernel has no Landlock (Linux 5.13 or later, with landlock among the LSMs \
+                 in /sys/kernel/security/lsm), so actions cannot be sandboxed; set \
+                 sandbox = \"off\" to run them without"
+                    .into(),
+            );
+        };
+        if matches!(policy.network, Network::Ports(_)) && abi < 4 {
+            return Some(format!(
+                "sandbox_network = [ports] needs Landlock ABI 4 (Linux 6.7); this kernel has {abi}"
+            ));
+        }
+        if policy.network == Network::None && !self.user_namespaces {
+            return Some(
+                "sandbox_network = \"none\" needs user namespaces, which this machine does not \
+                 allow an unprivileged process"
+                    .into(),
+            );
+        }
+        None
+    }
+}
+
+/// The kernel's Landlock ABI version, if it has Landlock.
+#[allow(unsafe_code)]
+fn landlock_abi() -> Option<i32> {
+    const LANDLOCK_CREATE_RULESET_VERSION: u32 = 1;
+    // SAFETY: the documented way to ask for the version (no attribute, no size, the flag): it
+    // touches no memory of ours.
+    let v = unsafe {
+        nix::libc::syscall(
+            nix::libc::SYS_landlock_create_ruleset,
+            std::ptr::null::<u8>(),
+            0usize,
+            LANDLOCK_CREATE_RULESET_VERSION,
+        )
+    };
+    (v > 0).then(|| i32::try_from(v).unwrap_or(i32::MAX))
+}
+
+/// Whether this process may make a user namespace: tried in a child that exits at once.
+fn user_namespaces() -> bool {
+    std::process::Command::new("unshare")
+        .args(["--user", "--net", "true"])
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+/// An attempt's sandbox, built, to be entered by its child ([`Prepared::enter`]).
+pub struct Prepared {
+    ruleset: Option<RulesetCreated>,
+    /// `/proc/self/uid_map` and `gid_map` of the child's own user namespace, when it has a
+    /// network namespace of its own.
+    namespace: Option<(CString, CString)>,
+}
+
+impl Policy {
+    /// Builds the sandbox of an attempt that may write in `own` (its files, its temporary
+    /// directory) and, for `workspace-write`, in `tree` and the declared paths. `None` when the
+    /// policy is off.
+    pub fn prepare(&self, tree: &Path, own: &[&Path]) -> io::Result<Option<Prepared>> {
+        if self.mode == Mode::Off {
+            return Ok(None);
+        }
+        let support = Support {
+            landlock: landlock_abi(),
+            user_namespaces: true,
+        };
+        if let Some(why) = support.refuses(self) {
+            return Err(io::Error::new(io::ErrorKind::Unsupported, why));
+        }
+        let abi = ABI::from(support.landlock.unwrap_or(0));
+        let ruleset = self.ruleset(abi, tree, own).map_err(io::Error::other)?;
+        let namespace = (self.network == Network::None).then(|| {
+            let (uid, gid) = (nix::unistd::getuid(), nix::unistd::getgid());
+            let map = |id: u32| CString::new(format!("{id} {id} 1")).unwrap_or_default();
+            (map(uid.as_raw()), map(gid.as_raw()))
+        });
+        Ok(Some(Prepared {
+            ruleset: Some(ruleset),
+            namespace,
+        }))
+    }
+
+    fn ruleset(
+        &self,
+        abi: ABI,
+        tree: &Path,
+        own: &[&Path],
+    ) -> Result<RulesetCreated, landlock::RulesetError> {
+        let read = AccessFs::from_read(abi);
+        let write = AccessFs::from_write(abi);
+        let mut ruleset = Ruleset::default()
+            .set_compatibility(CompatLevel::HardRequirement)
+            .handle_access(read | write)?;
+        if let Network::Ports(_) = self.network {
+            ruleset = ruleset.handle_access(AccessNet::ConnectTcp)?;
+        }
+        let mut created = ruleset.create()?;
+        let mut writable: Vec<PathBuf> = own.iter().map(|p| p.to_path_buf()).collect();
+        // Terminals, /dev/null, shared memory.
+        writable.push(PathBuf::from("/dev"));
+        if self.mode == Mode::WorkspaceWrite {
+            writable.push(tree.to_owned());
+            writable.extend(self.writable.iter().cloned());
+            // A declared directory (`~/.codex/`) is made if missing, private: a CLI's first run
+            // makes its own, and could not here.
+            for dir in self.writable.iter().filter(|p| is_dir_name(p)) {
+                let _ = std::fs::DirBuilder::new()
+                    .recursive(true)
+                    .mode(0o700)
+                    .create(dir);
+            }
+        }
+        let hidden = existing(&self.hidden);
+        for path in split(Path::new("/"), &hidden)
+            .into_iter()
+            .chain(self.readable.iter().cloned())
+        {
+            created = add(created, &path, read, abi)?;
+        }
+        // A hidden path in a writable one (a work tree that holds the home directory) stays
+        // hidden.
+        for path in writable.iter().flat_map(|w| split(w, &hidden)) {
+            created = add(created, &path, read | write, abi)?;
+        }
+        if let Network::Ports(ports) = &self.network {
+            for port in ports {
+                created = created.add_rule(NetPort::new(*port, AccessNet::ConnectTcp))?;
+            }
+        }
+        Ok(created)
+    }
+}
+
+/// Whether a declared path names a directory: it ends with `/`.
+fn is_dir_name(path: &Path) -> bool {
+    use std::os::unix::ffi::OsStrExt as _;
+    path.as_os_str().as_bytes().ends_with(b"/")
+}
+
+/// Grants `access` beneath `path`, if it is there (a declared path that does not exist grants
+/// nothing). A file is granted the rights a file can have.
+fn add(
+    ruleset: RulesetCreated,
+    path: &Path,
+    access: BitFlags<AccessFs>,
+    abi: ABI,
+) -> Result<RulesetCreated, landlock::RulesetError> {
+    let Ok(fd) = PathFd::new(path) else {
+        return Ok(ruleset);
+    };
+    let is_dir = std::fs::metadata(path).is_ok_and(|m| m.is_dir());
+    let access = if is_dir {
+        access
+    } else {
+        access & AccessFs::from_file(abi)
+    };
+    ruleset.add_rule(PathBeneath::new(fd, access))
+}
+
+/// The lines of an attempt's output that say it was refused something (at most three, each
+/// cut at 200 characters): under a sandbox the kernel says no as `Permission denied` or
+/// `Operation not permitted`, and says it to the program, which says it or not.
+pub fn refusals(output: &[u8]) -> Vec<String> {
+    String::from_utf8_lossy(output)
+        .lines()
+        .filter(|l| l.contains("Permission denied") || l.contains("Operation not permitted"))
+        .take(3)
+        .map(|l| l.trim().chars().take(200).collect())
+        .collect()
+}
+
+/// The hidden paths that are there, as the kernel names them.
+fn existing(hidden: &[PathBuf]) -> Vec<PathBuf> {
+    hidden
+        .iter()
+        .filter_map(|h| std::fs::canonicalize(h).ok())
+        .collect()
+}
+
+/// Every path that may be read when `hidden` may not (the kernel's names of hidden paths that
+/// exist): `/`, split entry by entry along the way to each of them.
+pub fn readable(hidden: &[PathBuf]) -> Vec<PathBuf> {
+    split(Path::new("/"), &existing(hidden))
+}
+
+/// `dir` as grants that leave out `hidden`: `dir` itself when nothing hidden is in it, else its
+/// entries, each split the same way. A symbolic link on the way is not followed (its target is
+/// granted where it is), and one that leads into a hidden path is left out.
+fn split(dir: &Path, hidden: &[PathBuf]) -> Vec<PathBuf> {
+    let mut granted = Vec::new();
+    split_into(dir, hidden, &mut granted);
+    granted
+}
+
+fn split_into(dir: &Path, hidden: &[PathBuf], granted: &mut Vec<PathBuf>) {
+    let real = std::fs::canonicalize(dir).unwrap_or_else(|_| dir.to_owned());
+    if hidden.iter().any(|h| real.starts_with(h)) {
+        return;
+    }
+    if !hidden.iter().any(|h| h.starts_with(&real)) {
+        granted.push(dir.to_owned());
+        return;
+    }
+    if dir != real {
+        return;
+    }
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        split_into(&entry.path(), hidden, granted);
+    }
+}
+
+impl Prepared {
+    /// Enters the sandbox: called in the child between fork and exec, where only system calls
+    /// that allocate nothing may be made. The network namespace comes first: its maps are
+    /// written in `/proc`, which the ruleset then forbids.
+    pub fn enter(&mut self) -> io::Result<()> {
+        if let Some((uid_map, gid_map)) = &self.namespace {
+            use nix::sched::{CloneFlags, unshare};
+            unshare(CloneFlags::CLONE_NEWUSER | CloneFlags::CLONE_NEWNET)?;
+            write_proc(c"/proc/self/setgroups", c"deny")?;
+            write_proc(c"/proc/self/uid_map", uid_map)?;
+            write_proc(c"/proc/self/gid_map", gid_map)?;
+        }
+        if let Some(ruleset) = self.ruleset.take() {
+            let status = ruleset.restrict_self().map_err(io::Error::other)?;
+            if status.ruleset != RulesetStatus::FullyEnforced {
+                return Err(io::Error::other("the sandbox could not be enforced"));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Writes `text` to the file `path` of `/proc`, with system calls alone (a `CStr` path is
+/// passed as it is).
+fn write_proc(path: &std::ffi::CStr, text: &std::ffi::CStr) -> io::Result<()> {
+    use nix::fcntl::{OFlag, open};
+    let fd = open(
+        path,
+        OFlag::O_WRONLY | OFlag::O_CLOEXEC,
+        nix::sys::stat::Mode::empty(),
+    )?;
+    let bytes = text.to_bytes();
+    if nix::unistd::write(&fd, bytes)? != bytes.len() {
+        return Err(io::Error::other("a short write"));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn modes_have_codex_names() {
+        for mode in [Mode::WorkspaceWrite, Mode::ReadOnly, Mode::Off] {
+            assert_eq!(Mode::parse(mode.name()), Some(mode));
+        }
+        assert_eq!(Mode::parse("danger-full-access"), None);
+    }
+
+    #[test]
+    fn a_machine_without_what_a_policy_needs_refuses_it_in_one_line() {
+        let policy = |network| Policy {
+            network,
+            ..Policy::default()
+        };
+        let none = Support {
+            landlock: None,
+            user_namespaces: false,
+        };
+        let why = none.refuses(&policy(Network::Any)).unwrap();
+        assert!(
+            why.contains("no Landlock") && why.contains("sandbox = \"off\""),
+            "{why}"
+        );
+        let off = Policy {
+            mode: Mode::Off,
+            ..Policy::default()
+        };
+        assert_eq!(none.refuses(&off), None);
+        let old = Support {
+            landlock: Some(3),
+            user_namespaces: false,
+        };
+        assert_eq!(old.refuses(&policy(Network::Any)), None);
+        assert!(
+            old.refuses(&policy(Network::Ports(vec![443])))
+                .unwrap()
+                .contains("ABI 4")
+        );
+        assert!(
+            old.refuses(&policy(Network::None))
+                .unwrap()
+                .contains("user namespaces")
+        );
+    }
+
+    #[test]
+    fn what_is_readable_leaves_out_the_hidden_paths_and_only_them() {
+        let home = tempfile::tempdir().unwrap();
+        let home = home.path().canonicalize().unwrap();
+        for dir in [".ssh", ".config/gcloud", ".config/other", "work"] {
+            std::fs::create_dir_all(home.join(dir)).unwrap();
+        }
+        std::os::unix::fs::symlink(home.join(".ssh"), home.join("keys")).unwrap();
+        let hidden = [
+            home.join(".ssh"),
+            home.join(".config/gcloud"),
+            home.join(".missing"),
+        ];
+        let granted = readable(&hidden);
+        for h in &hidden {
+            assert!(
+                !granted.iter().any(|g| h.starts_with(g)),
+                "{} is readable through {granted:?}",
+                h.display()
+            );
+        }
+        for open in [home.join("work"), home.join(".config/other")] {
+            assert!(
+                granted.contains(&open),
+                "{} is not readable",
+                open.display()
+            );
+        }
+        assert!(!granted.contains(&home.join("keys")), "a link into .ssh");
+        assert!(granted.contains(&PathBuf::from("/usr")));
+        // A writable home keeps its hidden paths hidden.
+        let writable = split(&home, &existing(&hidden));
+        assert!(writable.contains(&home.join("work")));
+        assert!(!writable.iter().any(|g| home.join(".ssh").starts_with(g)));
+    }
+}
