@@ -68,7 +68,8 @@ pub struct Spec {
     pub agent: Option<agent::AgentStream>,
     /// What this attempt may still spend, if the loop has a budget.
     pub budget: Budget,
-    /// What it may do ([`sandbox`]): it may always write in `dir`.
+    /// What it may do ([`sandbox`]): it may always write in `dir` and the directory `dir` is in
+    /// (the loop's progress directory).
     pub sandbox: sandbox::Policy,
 }
 
@@ -327,7 +328,12 @@ impl SubprocessAttempt {
             let name = format!("{}.tmp", spec.stem);
             (name.clone(), spec.dir.join(&name))
         });
-        if let Some(sandboxed) = spec.sandbox.prepare(&spec.cwd, &[spec.dir.path()])? {
+        // Its own files, and the loop's progress directory they are in (the notes its prompt
+        // may ask it to keep there, `$LOOPD_PROGRESS_DIR`).
+        let own: Vec<&Path> = std::iter::once(spec.dir.path())
+            .chain(spec.dir.path().parent())
+            .collect();
+        if let Some(sandboxed) = spec.sandbox.prepare(&spec.cwd, &own)? {
             enter_on_spawn(&mut command, sandboxed);
         }
         if let Some((name, path)) = &tmp {
