@@ -161,15 +161,7 @@ fn a_rate_limit_holds_the_loops_of_its_account_and_no_other() {
     // What the loops spent, per loop and for the project, today and overall.
     let state = a.state(&first);
     let usage = &state["skill_state"]["usage"];
-    let tokens: u64 = [
-        "input_tokens",
-        "output_tokens",
-        "cache_read_tokens",
-        "cache_write_tokens",
-    ]
-    .iter()
-    .map(|k| usage[k].as_u64().unwrap())
-    .sum();
+    let tokens = usage_tokens(usage);
     let cost = usage["cost_usd"].as_f64().unwrap();
     assert!(tokens > 1000 && cost > 0.0, "{usage}");
     assert_eq!(usage["day"]["tokens"], tokens, "{usage}");

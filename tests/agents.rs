@@ -85,15 +85,7 @@ fn each_agent_runs_a_loop_to_completion_with_its_tokens() {
         );
         let state = p.state(&id);
         let usage = &state["skill_state"]["usage"];
-        let tokens = [
-            "input_tokens",
-            "output_tokens",
-            "cache_read_tokens",
-            "cache_write_tokens",
-        ]
-        .iter()
-        .map(|k| usage[k].as_u64().unwrap())
-        .sum::<u64>();
+        let tokens = usage_tokens(usage);
         assert!(tokens > 0, "{agent}: no tokens recorded: {usage}");
         let finished = p.events_named(&id, "action_finished");
         assert!(

@@ -463,6 +463,19 @@ esac
     )
 }
 
+/// Every kind of token a state's `skill_state.usage` counts, summed.
+pub fn usage_tokens(usage: &Value) -> u64 {
+    [
+        "input_tokens",
+        "output_tokens",
+        "cache_read_tokens",
+        "cache_write_tokens",
+    ]
+    .iter()
+    .map(|k| usage[k].as_u64().unwrap_or(0))
+    .sum()
+}
+
 /// Runs git in `dir` as a test's own setup or check (an identity of its own, no signing, no
 /// input); its output, trimmed. Panics with git's words if it fails.
 pub fn git(dir: &Path, args: &[&str]) -> String {

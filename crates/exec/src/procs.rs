@@ -62,10 +62,7 @@ pub fn unspare(pid: u32) {
 /// [`spare`]d from its birth, so that an attempt ending meanwhile neither takes it for one of its
 /// orphans nor reaps it from its owner, who waits for it and then calls [`unspare`].
 pub fn spawn_own(cmd: &mut std::process::Command) -> std::io::Result<std::process::Child> {
-    let _seen_by_no_sweep_unspared = spawning();
-    let child = cmd.spawn()?;
-    spare(child.id());
-    Ok(child)
+    born_spared(|| cmd.spawn(), |child| Some(child.id()))
 }
 
 /// Runs `cmd` to its end as [`spawn_own`] does, with no input; what it printed, as
@@ -75,18 +72,9 @@ pub fn own_output(cmd: &mut std::process::Command) -> std::io::Result<std::proce
     cmd.stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
-    let child = spawn_own(cmd)?;
+    let child = born_spared(|| cmd.spawn(), |child| Some(child.id()))?;
     let _spared = Spared(child.id());
     child.wait_with_output()
-}
-
-/// [`unspare`]s its pid when dropped: when its owner has waited for it, or gave up waiting.
-struct Spared(u32);
-
-impl Drop for Spared {
-    fn drop(&mut self) {
-        unspare(self.0);
-    }
 }
 
 /// [`own_output`] for tokio, which waits without a thread.
@@ -97,16 +85,32 @@ pub async fn own_output_async(
     cmd.stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
-    let (child, _spared) = {
-        let _seen_by_no_sweep_unspared = spawning();
-        let child = cmd.spawn()?;
-        let spared = child.id().map(|pid| {
-            spare(pid);
-            Spared(pid)
-        });
-        (child, spared)
-    };
+    let child = born_spared(|| cmd.spawn(), tokio::process::Child::id)?;
+    let _spared = child.id().map(Spared);
     child.wait_with_output().await
+}
+
+/// Spawns with `spawn` and spares the child's pid before any sweep may see it (under the spawn
+/// lock, which the orphan sweep takes too).
+fn born_spared<C>(
+    spawn: impl FnOnce() -> std::io::Result<C>,
+    pid: impl Fn(&C) -> Option<u32>,
+) -> std::io::Result<C> {
+    let _seen_by_no_sweep_unspared = spawning();
+    let child = spawn()?;
+    if let Some(pid) = pid(&child) {
+        spare(pid);
+    }
+    Ok(child)
+}
+
+/// [`unspare`]s its pid when dropped: when its owner has waited for it, or gave up waiting.
+struct Spared(u32);
+
+impl Drop for Spared {
+    fn drop(&mut self) {
+        unspare(self.0);
+    }
 }
 
 /// How many times this process has begun ending an attempt's processes: a signal handler compares

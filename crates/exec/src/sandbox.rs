@@ -208,6 +208,8 @@ impl Policy {
         if self.mode == Mode::Off {
             return Ok(None);
         }
+        // User namespaces were checked before the loop started (preflight); should they be gone
+        // since, the child's `unshare` fails and the attempt with it: never unsandboxed.
         let support = Support {
             landlock: landlock_abi(),
             user_namespaces: true,
@@ -323,12 +325,6 @@ fn existing(hidden: &[PathBuf]) -> Vec<PathBuf> {
         .iter()
         .filter_map(|h| std::fs::canonicalize(h).ok())
         .collect()
-}
-
-/// Every path that may be read when `hidden` may not (the kernel's names of hidden paths that
-/// exist): `/`, split entry by entry along the way to each of them.
-pub fn readable(hidden: &[PathBuf]) -> Vec<PathBuf> {
-    split(Path::new("/"), &existing(hidden))
 }
 
 /// `dir` as grants that leave out `hidden`: `dir` itself when nothing hidden is in it, else its
@@ -460,7 +456,7 @@ mod tests {
             home.join(".config/gcloud"),
             home.join(".missing"),
         ];
-        let granted = readable(&hidden);
+        let granted = split(Path::new("/"), &existing(&hidden));
         for h in &hidden {
             assert!(
                 !granted.iter().any(|g| h.starts_with(g)),
