@@ -454,7 +454,7 @@ fn trust(p: &Project, revoke: bool, as_json: bool) -> Result<i32> {
 
 /// pause / resume / stop: write the status the way the CCW dashboard API does.
 fn control(p: &Project, id: &str, what: Control, as_json: bool) -> Result<i32> {
-    let done = match set_control(p, id, what) {
+    let done = match set_control(p, id, what, &format!("loopd {}", what.verb())) {
         Ok(done) => done,
         Err(e) if matches!(what, Control::Stop) && p.load(id).is_err() => {
             return stop_unloadable(p, id, e, as_json);

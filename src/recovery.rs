@@ -18,7 +18,7 @@ use loopd_file_driver::view::standing;
 /// `loopd retry ID`: a failed or stopped loop goes on, with its error count at 0 and its failed
 /// tasks pending again ([`retry_loop`]); a daemon is started for it.
 pub fn retry(p: &Project, id: &str, as_json: bool) -> Result<i32> {
-    let retried = retry_loop(p, id)?;
+    let retried = retry_loop(p, id, "loopd retry")?;
     eprintln!(
         "loop {id}: {} → running; error count reset, {} failed task(s) pending again",
         retried.from, retried.tasks_reset

@@ -393,14 +393,15 @@ fn transcripts_of_the_real_clis_are_read_as_they_happened() {
             p.root.join("bin").display(),
             std::env::var("PATH").unwrap_or_default()
         );
-        let mut daemon = p
+        let mut daemon: Running = p
             .loopd()
             .env("PATH", path)
             .args(["run", &id, "--executor", agent, "--exit-on-pause"])
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
-            .unwrap();
+            .unwrap()
+            .into();
         let ended = |e: &Value| e["event"] == "action_finished" || e["event"] == "action_failed";
         wait_for("the first attempt to end", || {
             p.events(&id).iter().any(ended)

@@ -898,6 +898,7 @@ fn a_full_disk_is_waited_out_and_nothing_is_lost() {
             }
         })
     };
+    let child = Running::from(child);
     wait_for("develop to wait", || {
         signals.path().join("waiting").exists()
     });

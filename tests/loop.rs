@@ -514,12 +514,13 @@ fn logs_follow_reads_across_a_rotation_of_the_event_log() {
     let out = p.output(&["start", &id]);
     assert_eq!(code(&out), 0, "{}", stderr(&out));
     wait_for("the develop to start", || p.root.join("waiting").exists());
-    let follow = p
+    let follow: Running = p
         .loopd()
         .args(["logs", &id, "--follow", "--json"])
         .stdout(std::process::Stdio::piped())
         .spawn()
-        .unwrap();
+        .unwrap()
+        .into();
     std::fs::write(p.root.join("go"), "").unwrap();
     let out = wait_output(follow, DEADLINE);
     assert!(progress.join("events.1.jsonl").exists(), "the log rotated");
@@ -564,12 +565,13 @@ fn start_detaches_one_daemon_per_loop_and_logs_follow_returns_at_the_end() {
         "{status}"
     );
 
-    let follow = p
+    let follow: Running = p
         .loopd()
         .args(["logs", &id, "--follow"])
         .stdout(std::process::Stdio::piped())
         .spawn()
-        .unwrap();
+        .unwrap()
+        .into();
     std::fs::write(p.root.join("go"), "").unwrap();
     let out = wait_output(follow, DEADLINE);
     let text = stdout(&out);

@@ -307,18 +307,20 @@ fn logs_follow_shows_the_output_of_the_action_in_flight_and_waits_for_a_loop_to_
     ));
     let id = p.create(&["--title", "t"]);
     // Started before the loop: it waits for it rather than returning at once.
-    let follow = p
+    let follow: Running = p
         .loopd()
         .args(["logs", &id, "--follow", "--utc"])
         .stdout(std::process::Stdio::piped())
         .spawn()
-        .unwrap();
-    let quiet = p
+        .unwrap()
+        .into();
+    let quiet: Running = p
         .loopd()
         .args(["logs", &id, "--follow", "--events-only"])
         .stdout(std::process::Stdio::piped())
         .spawn()
-        .unwrap();
+        .unwrap()
+        .into();
     // Each keeps polling (its read count grows) rather than returning, as it did before a loop
     // had started.
     let reads = |pid: u32| -> u64 {
@@ -697,12 +699,14 @@ fn a_fault_gets_one_exit_code_and_one_line_whichever_command_meets_it() {
     // Two starts at once: one daemon; the other is refused as if it had come second.
     let starts: Vec<_> = (0..2)
         .map(|_| {
-            p.loopd()
-                .args(["start", &id])
-                .stdout(std::process::Stdio::piped())
-                .stderr(std::process::Stdio::piped())
-                .spawn()
-                .unwrap()
+            Running::from(
+                p.loopd()
+                    .args(["start", &id])
+                    .stdout(std::process::Stdio::piped())
+                    .stderr(std::process::Stdio::piped())
+                    .spawn()
+                    .unwrap(),
+            )
         })
         .collect();
     let outs: Vec<_> = starts

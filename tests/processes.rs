@@ -90,11 +90,12 @@ fn a_state_file_naming_a_foreign_process_in_flight_kills_nothing() {
     );
     let id = p.create(&["--title", "t"]);
     // A process that is none of loopd's, in a group of its own, as any program of the user's.
-    let mut foreign = std::process::Command::new("sleep")
+    let mut foreign: Running = std::process::Command::new("sleep")
         .arg("1000")
         .process_group(0)
         .spawn()
-        .unwrap();
+        .unwrap()
+        .into();
     let pid = foreign.id();
     let start: u64 = std::fs::read_to_string(format!("/proc/{pid}/stat"))
         .unwrap()

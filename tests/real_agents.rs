@@ -160,14 +160,15 @@ impl AgentProject {
         cmd
     }
 
-    /// `loopd run ID` in the background, its output dropped.
-    fn spawn_run(&self, id: &str) -> Child {
+    /// `loopd run ID` in the background, its output dropped; ended when dropped.
+    fn spawn_run(&self, id: &str) -> Running {
         self.loopd()
             .args(["run", id])
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
             .unwrap()
+            .into()
     }
 
     fn run(&self, id: &str) -> std::process::Output {
@@ -532,7 +533,7 @@ fn capture_fixtures_from_the_real_clis() {
             let server = ModelServer::start(root.path(), home.path(), &fault(kind));
             let mut argv = default_argv(cli);
             argv[0] = bin.join(cli).display().to_string();
-            let mut child = Command::new(&argv[0])
+            let mut child: Running = Command::new(&argv[0])
                 .args(&argv[1..])
                 .current_dir(root.path())
                 .env_clear()
@@ -542,7 +543,8 @@ fn capture_fixtures_from_the_real_clis() {
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped())
                 .spawn()
-                .unwrap();
+                .unwrap()
+                .into();
             use std::io::Write as _;
             child
                 .stdin

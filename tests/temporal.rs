@@ -10,7 +10,10 @@ use std::process::Stdio;
 
 use common::http::{To, call, fetch};
 use common::temporal::{Temporal, actions, free_port, runtime, temporal_bin};
-use common::{GOOD_AGENT, Project, alive, code, read_pid, stderr, stdout, wait_for};
+use common::{
+    DEADLINE, GOOD_AGENT, Project, Running, alive, code, read_pid, stderr, stdout, wait_for,
+    wait_output,
+};
 use serde_json::Value;
 
 #[test]
@@ -108,7 +111,7 @@ fn a_pause_holds_the_loop_and_a_resume_lets_it_finish() {
     temporal.worker(&p);
     let id = temporal.create(&p, &["--title", "paused and resumed"]);
     // Followed from the start: the events come as they happen, and it ends with the loop.
-    let follow = p
+    let follow: Running = p
         .loopd()
         .args([
             "--temporal",
@@ -120,7 +123,8 @@ fn a_pause_holds_the_loop_and_a_resume_lets_it_finish() {
         ])
         .stdout(Stdio::piped())
         .spawn()
-        .expect("logs --follow");
+        .expect("logs --follow")
+        .into();
     let out = temporal.command(&p, &["pause", &id]);
     assert_eq!(code(&out), 0, "pause: {}", stderr(&out));
     temporal.wait_for_status(&p, &id, "paused");
@@ -129,9 +133,7 @@ fn a_pause_holds_the_loop_and_a_resume_lets_it_finish() {
     assert_eq!(code(&out), 0, "resume: {}", stderr(&out));
     let state = temporal.wait_for_status(&p, &id, "completed");
     assert_eq!(state["skill_state"]["outcome"], "passed");
-    let followed = follow
-        .wait_with_output()
-        .expect("logs --follow ends with the loop");
+    let followed = wait_output(follow, DEADLINE);
     let names: Vec<String> = stdout(&followed)
         .lines()
         .map(|l| serde_json::from_str::<Value>(l).expect("an event per line")["event"].to_string())

@@ -74,6 +74,36 @@ pub struct Project {
     pub home: PathBuf,
 }
 
+/// A project's daemons (`loopd start`, `resume`, `retry`, a daemon a test left behind) end with
+/// it: every loop's daemon lock still held names a live daemon of the project.
+impl Drop for Project {
+    fn drop(&mut self) {
+        if self._dir.is_none() {
+            return;
+        }
+        let Ok(entries) = std::fs::read_dir(self.root.join(".loop")) else {
+            return;
+        };
+        for entry in entries.flatten() {
+            let path = entry.path();
+            if path.extension().is_none_or(|e| e != "daemon") {
+                continue;
+            }
+            let held =
+                |path: &Path| std::fs::File::open(path).is_ok_and(|f| f.try_lock_shared().is_err());
+            if !held(&path) {
+                continue;
+            }
+            let pid = std::fs::read_to_string(&path)
+                .ok()
+                .and_then(|t| t.split_whitespace().next()?.parse::<u32>().ok());
+            if let Some(pid) = pid.filter(|&pid| pid > 1 && pid != std::process::id()) {
+                end_pid(pid, || !held(&path) || !alive(pid));
+            }
+        }
+    }
+}
+
 impl Project {
     /// Another handle on the project in `root` (of the user whose `$HOME` is `home`), for a
     /// thread of the test: it removes nothing when dropped.
@@ -283,6 +313,40 @@ fn drain(
             bytes
         })
     })
+}
+
+/// Ends a child of the test that is still running, and reaps it: SIGTERM (a daemon then ends its
+/// executor's process group and exits), a bound, then SIGKILL.
+pub fn end_child(child: &mut Child) {
+    // Reaped already (waited for by the test): its pid may be another process's by now.
+    if let Ok(Some(_)) = child.try_wait() {
+        return;
+    }
+    end_pid(child.id(), || matches!(child.try_wait(), Ok(Some(_))));
+    let _ = child.kill();
+    let _ = child.wait();
+}
+
+/// Ends process `pid` (SIGTERM, then SIGKILL past [`DEADLINE`]); `gone` tells when it has.
+fn end_pid(pid: u32, mut gone: impl FnMut() -> bool) {
+    use nix::sys::signal::{Signal, kill};
+    let pid_t = nix::unistd::Pid::from_raw(pid as i32);
+    let _ = kill(pid_t, Signal::SIGTERM);
+    let deadline = Instant::now() + DEADLINE;
+    while Instant::now() < deadline {
+        if gone() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let _ = kill(pid_t, Signal::SIGKILL);
+}
+
+/// A child that ends when its handle is dropped, whether the test passed or panicked.
+impl Drop for Running {
+    fn drop(&mut self) {
+        end_child(&mut self.child);
+    }
 }
 
 impl From<Child> for Running {
@@ -583,8 +647,7 @@ fn dummy_running() -> Running {
 
 impl Drop for Service {
     fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        end_child(&mut self.child.child);
         // A failed test shows what the service logged.
         if std::thread::panicking()
             && let Some(log) = self.child.stderr.take().and_then(|h| h.join().ok())

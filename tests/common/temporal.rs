@@ -12,7 +12,7 @@ use std::process::{Child, Command, Stdio};
 
 use serde_json::Value;
 
-use super::{DEADLINE, Project, code, stderr, stdout, wait_for};
+use super::{DEADLINE, Project, code, end_child, stderr, stdout, wait_for};
 
 /// The `temporal` program, or `None` (with a message) where it is not installed outside CI.
 pub fn temporal_bin() -> Option<PathBuf> {
@@ -62,21 +62,7 @@ pub struct Process(pub Child);
 
 impl Drop for Process {
     fn drop(&mut self) {
-        // Reaped already (killed by the test): its pid may be another process's by now.
-        if let Ok(Some(_)) = self.0.try_wait() {
-            return;
-        }
-        let pid = nix::unistd::Pid::from_raw(self.0.id() as i32);
-        let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
-        let deadline = std::time::Instant::now() + DEADLINE;
-        while std::time::Instant::now() < deadline {
-            if let Ok(Some(_)) = self.0.try_wait() {
-                return;
-            }
-            std::thread::sleep(std::time::Duration::from_millis(20));
-        }
-        let _ = self.0.kill();
-        let _ = self.0.wait();
+        end_child(&mut self.0);
     }
 }
 

@@ -129,8 +129,38 @@ pub struct LoopState {
     pub max_cost_usd: Option<f64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_tokens: Option<u64>,
+    /// loopd's: who set the status last, when a loopd command or the service's API did.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub status_by: Option<StatusBy>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub skill_state: Option<SkillState>,
+}
+
+/// Who set a loop's status, as loopd's controllers record it beside the status (`status_by`,
+/// top level): the status they set, which controller (`loopd pause`, the service's API), its
+/// process and when. A status another program wrote since (the CCW dashboard, an editor) is not
+/// the one recorded here, which tells it apart.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct StatusBy {
+    pub status: Status,
+    pub by: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pid: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub at: Option<String>,
+}
+
+impl StatusBy {
+    /// Who set `status`, in words: the controller recorded for it, or another program.
+    pub fn who(recorded: Option<&StatusBy>, status: &Status) -> String {
+        match recorded.filter(|r| &r.status == status) {
+            Some(r) => match r.pid {
+                Some(pid) => format!("{} (pid {pid})", r.by),
+                None => r.by.clone(),
+            },
+            None => "a program other than loopd (no loopd controller recorded it)".to_owned(),
+        }
+    }
 }
 
 /// What a controller can change, read on its own: cheap to parse from a whole state file, as the
@@ -149,6 +179,8 @@ pub struct Control {
     pub max_iterations: Option<u64>,
     #[serde(default)]
     pub max_errors: Option<u64>,
+    #[serde(default)]
+    pub status_by: Option<StatusBy>,
     #[serde(default)]
     skill_state: Option<SkillControl>,
 }
@@ -174,6 +206,15 @@ impl Control {
             .as_ref()
             .map(|s| s.mode)
             .unwrap_or_default()
+    }
+
+    /// Why an attempt was ended for these fields: the status, and who set it.
+    pub fn interruption(&self) -> String {
+        format!(
+            "the loop's status became {}, set by {}",
+            self.status,
+            StatusBy::who(self.status_by.as_ref(), &self.status)
+        )
     }
 
     /// The answer to the question an executor asked, once given.

@@ -8,7 +8,7 @@
 use anyhow::Result;
 pub use loopd_core::control::Control;
 use loopd_core::control::{self as rules};
-use loopd_core::state::Status;
+use loopd_core::state::{Status, StatusBy};
 use serde_json::{Value, json};
 
 use crate::error::usage;
@@ -25,9 +25,25 @@ pub struct Controlled {
     pub needs_daemon: Option<Option<String>>,
 }
 
+/// The service's API, as the writer of a status ([`StatusBy`]).
+pub const BY_API: &str = "the API of loopd serve";
+
+/// Records beside the status that `by` (this process) set it (`status_by`), so that a daemon
+/// whose attempt it ends says who did.
+fn stamp_status(raw: &mut serde_json::Map<String, Value>, status: &Status, by: &str) {
+    let stamp = StatusBy {
+        status: status.clone(),
+        by: by.to_owned(),
+        pid: Some(std::process::id()),
+        at: Some(now_rfc3339()),
+    };
+    raw.insert("status_by".into(), json!(stamp));
+}
+
 /// Writes a status change under the loop's lock, refused in one line where it makes no sense
-/// ([`Control::check`]). Starts nothing.
-pub fn set_control(p: &Project, id: &str, what: Control) -> Result<Controlled> {
+/// ([`Control::check`]), recorded as set `by` that controller (`loopd pause`, [`BY_API`]).
+/// Starts nothing.
+pub fn set_control(p: &Project, id: &str, what: Control, by: &str) -> Result<Controlled> {
     let state = p.load(id)?;
     let status = state.status.clone();
     let target = what.target();
@@ -56,6 +72,7 @@ pub fn set_control(p: &Project, id: &str, what: Control) -> Result<Controlled> {
             return;
         }
         what.apply_raw(raw);
+        stamp_status(raw, &target, by);
     })?;
     if let Some(now) = refused {
         return Err(usage(format!(
@@ -158,7 +175,7 @@ pub struct Retried {
 /// command line starts a daemon, the service takes the loop up itself.
 ///
 /// [`Workflow::reset_failed`]: loopd_core::workflow::Workflow::reset_failed
-pub fn retry_loop(p: &Project, id: &str) -> Result<Retried> {
+pub fn retry_loop(p: &Project, id: &str, by: &str) -> Result<Retried> {
     let state = p.load(id)?;
     if let Some(pid) = crate::locks::driving_daemon(&p.store, id) {
         return Err(usage(format!(
@@ -184,6 +201,7 @@ pub fn retry_loop(p: &Project, id: &str) -> Result<Retried> {
             return;
         }
         raw.insert("status".into(), json!(Status::Running.as_str()));
+        stamp_status(raw, &Status::Running, by);
         raw.remove("failure_reason");
         raw.remove("completed_at");
         if let (Some(mut typed), Some(Value::Object(skill))) =

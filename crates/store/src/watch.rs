@@ -18,7 +18,6 @@
 
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, LazyLock, Mutex};
 use std::time::{Duration, Instant};
 
@@ -63,7 +62,7 @@ impl Snapshot {
         match change {
             Change::Any => Snapshot::read(store, id),
             Change::Renamed => Some(Snapshot {
-                control: store.control_after_rename(id)?,
+                control: store.read_control(id)?,
                 tasks_file: self.tasks_file,
             }),
         }
@@ -82,8 +81,7 @@ enum Change {
 /// A running watch of one loop; dropping it stops watching.
 pub struct Watch {
     rx: watch::Receiver<Option<Snapshot>>,
-    /// The attempt in flight, ended by the watcher itself when the status leaves `running`.
-    armed: Arc<Armed>,
+    looks: Arc<Looks>,
     _subscription: Subscription,
     _nested: Arc<Nested>,
     recheck: tokio::task::JoinHandle<()>,
@@ -95,36 +93,64 @@ impl Drop for Watch {
     }
 }
 
+/// The looks at one loop's files, from whichever thread makes them (the watcher's, a re-check,
+/// the daemon's when it arms an attempt), and what they publish and end.
+struct Looks {
+    store: Store,
+    id: String,
+    tx: watch::Sender<Option<Snapshot>>,
+    /// The attempt in flight, ended by the watcher itself when the status leaves `running`.
+    armed: Armed,
+    /// Held from a look's read of the file to its publication and the end of the attempt it
+    /// calls for: looks are published in the order they read, so an older version is never
+    /// published after a newer one, and an attempt armed after the daemon's own write is never
+    /// ended by a look that read the file before that write.
+    order: Mutex<()>,
+}
+
+impl Looks {
+    fn look(&self, change: Change) {
+        let _order = lock(&self.order);
+        self.look_in_order(change);
+    }
+
+    /// [`Looks::look`], with `order` held.
+    fn look_in_order(&self, change: Change) {
+        let last = self.tx.borrow().clone();
+        let snapshot = match &last {
+            Some(last) => last.after(change, &self.store, &self.id),
+            None => Snapshot::read(&self.store, &self.id),
+        };
+        let Some(snapshot) = snapshot else { return };
+        let stopped = snapshot.control.status != Status::Running;
+        let control = stopped.then(|| snapshot.control.clone());
+        self.tx.send_if_modified(|old| {
+            let changed = old.as_ref() != Some(&snapshot);
+            *old = Some(snapshot);
+            changed
+        });
+        // A stop or pause ends the attempt in flight from here, at once: the daemon's task,
+        // which may wait for a worker of a busy runtime, does the rest (grace, SIGKILL,
+        // reaping, the record).
+        if let Some(control) = control {
+            self.armed.fire(control);
+        }
+    }
+}
+
 impl Watch {
     pub fn start(store: &Store, id: &str) -> Watch {
         let (tx, rx) = watch::channel(Snapshot::read(store, id));
-        let tx = Arc::new(tx);
-        let armed = Arc::new(Armed::default());
+        let looks = Arc::new(Looks {
+            store: store.clone(),
+            id: id.to_owned(),
+            tx,
+            armed: Armed::default(),
+            order: Mutex::new(()),
+        });
         let refresh = {
-            let (store, id, tx) = (store.clone(), id.to_owned(), tx.clone());
-            let armed = armed.clone();
-            move |change: Change| {
-                let last = tx.borrow().clone();
-                let snapshot = match &last {
-                    Some(last) => last.after(change, &store, &id),
-                    None => Snapshot::read(&store, &id),
-                };
-                if let Some(snapshot) = snapshot {
-                    let stopped = snapshot.control.status != Status::Running;
-                    tx.send_if_modified(|old| {
-                        let changed = old.as_ref() != Some(&snapshot);
-                        *old = Some(snapshot);
-                        changed
-                    });
-                    // A stop or pause ends the attempt in flight from here, at once: the
-                    // daemon's task, which may wait for a worker of a busy runtime, does the
-                    // rest (grace, SIGKILL, reaping, the record). Published first, so that an
-                    // attempt armed meanwhile sees it (see `Watch::arm`).
-                    if stopped {
-                        armed.fire();
-                    }
-                }
-            }
+            let looks = looks.clone();
+            move |change: Change| looks.look(change)
         };
         let names = Names::of(id);
         let refresh_now = refresh.clone();
@@ -232,7 +258,7 @@ impl Watch {
         };
         Watch {
             rx,
-            armed,
+            looks,
             _subscription: subscription,
             _nested: nested,
             recheck,
@@ -247,21 +273,26 @@ impl Watch {
     /// Arms the watch with the attempt just spawned: until the returned guard is dropped, a
     /// status that leaves `running` calls `end` from the watcher's thread, at once (the driver
     /// passes what ends its attempt, e.g. a SIGTERM to its process group, and whether it did).
-    /// The guard tells whether that happened.
+    /// The guard tells whether that happened, and for which control fields.
+    ///
+    /// A stop the watch published before is confirmed by a look at the file first: what was
+    /// published may be older than the daemon's own last write (its start of a new loop, which
+    /// the watcher's thread may not have heard of yet under load).
     pub fn arm(&self, end: impl FnOnce() -> bool + Send + 'static) -> ArmedAttempt {
-        self.armed.fired.store(false, Ordering::SeqCst);
-        *lock(&self.armed.attempt) = Some(Box::new(end));
-        // A stop published before the attempt was armed ends it now.
-        let stopped = self
-            .rx
+        let looks = &self.looks;
+        let _order = lock(&looks.order);
+        *lock(&looks.armed.fired) = None;
+        *lock(&looks.armed.attempt) = Some(Box::new(end));
+        let stopped = looks
+            .tx
             .borrow()
             .as_ref()
             .is_some_and(|s| s.control.status != Status::Running);
         if stopped {
-            self.armed.fire();
+            looks.look_in_order(Change::Any);
         }
         ArmedAttempt {
-            armed: self.armed.clone(),
+            looks: looks.clone(),
         }
     }
 }
@@ -274,34 +305,35 @@ type EndAttempt = Box<dyn FnOnce() -> bool + Send>;
 struct Armed {
     /// What ends it; true when it did.
     attempt: Mutex<Option<EndAttempt>>,
-    /// The watcher ended it.
-    fired: AtomicBool,
+    /// The control fields read when the watcher ended it.
+    fired: Mutex<Option<Control>>,
 }
 
 impl Armed {
-    fn fire(&self) {
+    fn fire(&self, control: Control) {
         let attempt = lock(&self.attempt).take();
         if attempt.is_some_and(|end| end()) {
-            self.fired.store(true, Ordering::SeqCst);
+            *lock(&self.fired) = Some(control);
         }
     }
 }
 
 /// An attempt the watch may end (see [`Watch::arm`]); disarmed when dropped.
 pub struct ArmedAttempt {
-    armed: Arc<Armed>,
+    looks: Arc<Looks>,
 }
 
 impl ArmedAttempt {
-    /// Whether the watcher ended the attempt (a controller paused or stopped the loop).
-    pub fn fired(&self) -> bool {
-        self.armed.fired.load(Ordering::SeqCst)
+    /// Whether the watcher ended the attempt (a controller paused or stopped the loop): the
+    /// control fields it read then.
+    pub fn fired(&self) -> Option<Control> {
+        lock(&self.looks.armed.fired).clone()
     }
 }
 
 impl Drop for ArmedAttempt {
     fn drop(&mut self) {
-        *lock(&self.armed.attempt) = None;
+        *lock(&self.looks.armed.attempt) = None;
     }
 }
 
@@ -777,6 +809,7 @@ impl Drop for Subscription {
 mod tests {
     use super::*;
     use notify::event::{CreateKind, DataChange, RemoveKind};
+    use std::sync::atomic::{AtomicBool, Ordering};
 
     fn event(kind: EventKind, dir: &Path, names: &[&str]) -> notify::Event {
         let mut event = notify::Event::new(kind);
@@ -831,6 +864,65 @@ mod tests {
         assert!(!late(both, &[state, spare]));
         assert!(!late(EventKind::Remove(RemoveKind::File), &[spare]));
         assert!(lock(&replaced.0).is_empty());
+    }
+
+    /// The daemon's start of a loop (`created` → `running`, its own write) not yet told by the
+    /// watcher's thread when its first attempt is armed: the attempt goes on. (Under load, the
+    /// watcher's snapshot still said `created` at the arming, and the attempt was ended 3 ms in,
+    /// "the loop's status left running", though nobody had paused or stopped the loop.)
+    #[tokio::test]
+    async fn an_attempt_armed_before_the_watcher_heard_of_the_daemons_own_write_goes_on() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::new(dir.path(), ".");
+        let state = loopd_core::state::LoopState {
+            loop_id: "l1".into(),
+            status: Status::Created,
+            ..Default::default()
+        };
+        store.create(&state).unwrap();
+        let watch = Watch::start(&store, "l1");
+        let ended = Arc::new(AtomicBool::new(false));
+        let armed = {
+            // The watcher's thread hears of nothing until the attempt is armed.
+            let _held = lock(&HANDLERS);
+            store
+                .update("l1", true, |raw, _| {
+                    raw.insert("status".into(), "running".into());
+                })
+                .unwrap();
+            let ended = ended.clone();
+            watch.arm(move || {
+                ended.store(true, Ordering::SeqCst);
+                true
+            })
+        };
+        // Now it hears of the write, and of a pause written after it.
+        let mut rx = watch.subscribe();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while rx.borrow_and_update().as_ref().map(|s| &s.control.status) != Some(&Status::Running) {
+            assert!(
+                Instant::now() < deadline,
+                "the watcher never saw the loop running"
+            );
+            let _ = tokio::time::timeout(Duration::from_millis(50), rx.changed()).await;
+        }
+        assert_eq!(
+            armed.fired(),
+            None,
+            "the daemon's own start ended its attempt"
+        );
+        assert!(!ended.load(Ordering::SeqCst));
+        store
+            .update("l1", true, |raw, _| {
+                raw.insert("status".into(), "paused".into());
+            })
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while armed.fired().is_none() {
+            assert!(Instant::now() < deadline, "a pause did not end the attempt");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert!(ended.load(Ordering::SeqCst));
     }
 
     /// loopd's own inotify reader tells what notify would of a write and of a rename (both

@@ -255,7 +255,7 @@ impl LoopRun<'_> {
                 () = &mut sleep => return None,
                 _ = rx.changed() => {
                     if !still_running(&rx) {
-                        return Some(Interrupt::Control);
+                        return Some(stopped_by(&rx));
                     }
                 }
                 _ = self.shutdown.changed() => {

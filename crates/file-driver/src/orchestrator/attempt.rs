@@ -88,7 +88,8 @@ pub(super) fn attempt_event(
             "message",
             match interrupt {
                 Some(Interrupt::Shutdown(sig)) => format!("daemon received signal {sig}"),
-                _ => "the loop's status left running".to_owned(),
+                Some(Interrupt::Control(why)) => why.clone(),
+                None => LEFT_RUNNING.to_owned(),
             },
         ),
     }
@@ -111,12 +112,14 @@ impl LoopRun<'_> {
         let mut rx = self.watch.subscribe();
         rx.borrow_and_update();
         if !still_running(&rx)
-            && self
+            && let Some(control) = self
                 .store()
                 .read_control(self.id)
-                .is_some_and(|c| c.status != Status::Running)
+                .filter(|c| c.status != Status::Running)
         {
-            return Ok(Attempted::Interrupted(Interrupt::Control));
+            return Ok(Attempted::Interrupted(Interrupt::Control(
+                control.interruption(),
+            )));
         }
         let Prepared { spec, files } = self.prepare(state, step, attempt)?;
         let started_at = now_rfc3339();
@@ -164,9 +167,11 @@ impl LoopRun<'_> {
             // The watcher ended the attempt for a controller before this task heard of it: an
             // interruption, unless the executor had finished with success first.
             Ok(mut run)
-                if fired && run.cut.is_none() && !run.status.is_some_and(|s| s.success()) =>
+                if let Some(control) = fired
+                    && run.cut.is_none()
+                    && !run.status.is_some_and(|s| s.success()) =>
             {
-                interrupt.get_or_insert(Interrupt::Control);
+                interrupt.get_or_insert(Interrupt::Control(control.interruption()));
                 run.cut = Some(loopd_exec::Cut::Cancelled);
                 run
             }
@@ -318,7 +323,7 @@ impl LoopRun<'_> {
                 run = &mut run => return (run, interrupt),
                 _ = rx.changed(), if interrupt.is_none() => {
                     if !still_running(rx) {
-                        interrupt = Some(Interrupt::Control);
+                        interrupt = Some(stopped_by(rx));
                         cancel.cancel();
                     }
                 }
@@ -352,7 +357,7 @@ impl LoopRun<'_> {
             return Ok(Attempted::Interrupted(
                 self.sleep_unless_interrupted(MAX_RETRY_PAUSE)
                     .await
-                    .unwrap_or(Interrupt::Control),
+                    .unwrap_or_else(|| Interrupt::Control("waited to start again".to_owned())),
             ));
         }
         let v = Verdict::Blocked {
@@ -416,7 +421,9 @@ impl LoopRun<'_> {
         self.record(state, done, &v, run.agent.as_ref(), checkpoint)?;
         self.events.emit(event);
         Ok(match v {
-            Verdict::Interrupted => Attempted::Interrupted(interrupt.unwrap_or(Interrupt::Control)),
+            Verdict::Interrupted => Attempted::Interrupted(
+                interrupt.unwrap_or_else(|| Interrupt::Control(LEFT_RUNNING.to_owned())),
+            ),
             v => Attempted::Done(v),
         })
     }

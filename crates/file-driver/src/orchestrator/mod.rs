@@ -121,7 +121,8 @@ pub struct Engine {
 
 /// What ended the wait for an attempt or a backoff.
 enum Interrupt {
-    Control,
+    /// The status left `running`: why, and who set it.
+    Control(String),
     Shutdown(i32),
 }
 
@@ -130,7 +131,7 @@ impl Interrupt {
     /// the main loop, which reads the new status.
     fn exit(self) -> Option<Exit> {
         match self {
-            Interrupt::Control => None,
+            Interrupt::Control(_) => None,
             Interrupt::Shutdown(sig) => Some(Exit::Signalled(sig)),
         }
     }
@@ -402,4 +403,16 @@ fn still_running(rx: &watch::Receiver<Option<Snapshot>>) -> bool {
     rx.borrow()
         .as_ref()
         .is_none_or(|s| s.control.status == Status::Running)
+}
+
+/// Why an attempt was interrupted when nothing more is known.
+const LEFT_RUNNING: &str = "the loop's status left running";
+
+/// The interruption a stop or pause the watch published calls for, naming who wrote it.
+fn stopped_by(rx: &watch::Receiver<Option<Snapshot>>) -> Interrupt {
+    Interrupt::Control(
+        rx.borrow()
+            .as_ref()
+            .map_or_else(|| LEFT_RUNNING.to_owned(), |s| s.control.interruption()),
+    )
 }

@@ -767,7 +767,7 @@ async fn control(
         _ => return Err(ApiError::new(StatusCode::NOT_FOUND, "no such route")),
     };
     let local = move |p: &Project, id: &str| {
-        let done = crate::control::set_control(p, id, what)?;
+        let done = crate::control::set_control(p, id, what, crate::control::BY_API)?;
         Ok(Json(json!({
             "loop_id": id,
             "from": done.from.as_str(),
@@ -1153,7 +1153,7 @@ async fn retry(
     let (UrlPath(id), Query(place)) = (id?, place?);
     let local = on_loop_to_change(&shared, id.clone(), place.root, |p, id| {
         let p = Project::open(Some(&p.root), None)?;
-        let retried = crate::control::retry_loop(&p, id)?;
+        let retried = crate::control::retry_loop(&p, id, crate::control::BY_API)?;
         Ok(Json(json!({
             "loop_id": id,
             "from": retried.from.as_str(),

@@ -264,39 +264,8 @@ pub struct Store {
 struct Seen {
     bytes: Vec<u8>,
     state: Arc<LoopState>,
-    /// The file written, when a store of this process wrote it.
-    file: Option<FileId>,
     /// Its control fields, once a watcher asked for them.
     control: std::sync::OnceLock<Option<Control>>,
-}
-
-/// One version of a file: its inode, with the size and modification time its writer left. The
-/// inode alone does not tell: the store writes into the spare inodes of replaced versions, and a
-/// filesystem gives a freed inode number to a new file; a rename keeps the rest.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct FileId {
-    ino: u64,
-    size: i64,
-    mtime: (i64, i64),
-}
-
-impl FileId {
-    fn of_metadata(m: &std::fs::Metadata) -> FileId {
-        use std::os::unix::fs::MetadataExt as _;
-        FileId {
-            ino: m.ino(),
-            size: m.size() as i64,
-            mtime: (m.mtime(), m.mtime_nsec()),
-        }
-    }
-
-    fn of_stat(s: &nix::sys::stat::FileStat) -> FileId {
-        FileId {
-            ino: s.st_ino,
-            size: s.st_size,
-            mtime: (s.st_mtime, s.st_mtime_nsec),
-        }
-    }
 }
 
 /// The memory of the last versions ([`Store::last`]) of the state directory `path`, shared by
@@ -385,14 +354,13 @@ impl Store {
         (seen.bytes == bytes).then(|| seen.state.clone())
     }
 
-    fn remember(&self, id: &str, bytes: Vec<u8>, state: Arc<LoopState>, file: Option<FileId>) {
+    fn remember(&self, id: &str, bytes: Vec<u8>, state: Arc<LoopState>) {
         if !self.memory {
             return;
         }
         let seen = Seen {
             bytes,
             state,
-            file,
             control: Default::default(),
         };
         lock(&self.last).insert(id.to_owned(), Arc::new(seen));
@@ -508,7 +476,7 @@ impl Store {
             match parse_state(&path, &bytes) {
                 Ok(state) => {
                     let state = Arc::new(state);
-                    self.remember(id, bytes.clone(), state.clone(), None);
+                    self.remember(id, bytes.clone(), state.clone());
                     return Ok((bytes, state));
                 }
                 // Another program may be half-way through rewriting the file in place.
@@ -520,29 +488,25 @@ impl Store {
 
     /// The control fields of a loop's state file, parsed alone, with no retry: `None` if the file
     /// cannot be read or does not parse right now (a writer may be half-way; its next event
-    /// comes).
+    /// comes). The file is always read: a version is told by what it holds, never by its inode,
+    /// size and time, which another version can share (the kernel's clock for a file's time
+    /// ticks every few milliseconds, and the store writes into the inodes of replaced versions).
+    /// When it holds the version this process last read or wrote, that version's fields are
+    /// parsed once for every watcher.
     pub fn read_control(&self, id: &str) -> Option<Control> {
         let dir = self.existing_dir().ok()??;
         let bytes = self.read_bytes(&dir, id).ok()?;
-        serde_json::from_slice(&bytes).ok()
-    }
-
-    /// [`Store::read_control`] after a change that renamed files but wrote none: when the state
-    /// file in place is the version this store last wrote (the same inode; a write into it would
-    /// be a change of its own), that version's fields, without reading the file.
-    pub fn control_after_rename(&self, id: &str) -> Option<Control> {
-        let own = || {
-            let seen = lock(&self.last).get(id)?.clone();
-            let dir = self.existing_dir().ok()??;
-            let stat = dir.stat(&state_name(id)).ok()??;
-            (seen.file == Some(FileId::of_stat(&stat))).then_some(seen)
-        };
-        match own() {
+        let seen = self
+            .memory
+            .then(|| lock(&self.last).get(id).cloned())
+            .flatten()
+            .filter(|seen| seen.bytes == bytes);
+        match seen {
             Some(seen) => seen
                 .control
                 .get_or_init(|| serde_json::from_slice(&seen.bytes).ok())
                 .clone(),
-            None => self.read_control(id),
+            None => serde_json::from_slice(&bytes).ok(),
         }
     }
 }
@@ -906,17 +870,46 @@ mod tests {
         };
         set(&daemon, "current_iteration", 1.into());
         let daemons = ino(&path);
-        assert_eq!(
-            daemon.control_after_rename("l1").unwrap().status,
-            Status::Running
-        );
+        assert_eq!(daemon.read_control("l1").unwrap().status, Status::Running);
         set(&api, "max_cost_usd", 4.5.into());
         set(&api, "status", "failed".into());
         assert_eq!(ino(&path), daemons, "the stop went into the daemon's inode");
+        assert_eq!(daemon.read_control("l1").unwrap().status, Status::Failed);
+    }
+
+    /// A version is told by what it holds, never by its inode, size and modification time: the
+    /// kernel's clock for a file's time ticks every 1 to 4 ms, the store writes into the inodes of
+    /// replaced versions, and `created` and `running` have the same length, so another version
+    /// can carry the same three (a watcher once took such a version for the one it knew).
+    #[test]
+    fn a_version_with_the_inode_size_and_time_of_one_written_before_is_read_as_itself() {
+        let (_dir, store) = running_loop();
+        store
+            .update("l1", false, |raw, _| {
+                raw.insert("title".into(), "abcdef".into());
+            })
+            .unwrap();
+        assert_eq!(store.read_control("l1").unwrap().status, Status::Running);
+        let path = store.state_path("l1");
+        let before = fs::metadata(&path).unwrap();
+        // Another writer puts a pause of the same length into the same inode, and its time
+        // comes out the same.
+        let paused = String::from_utf8(fs::read(&path).unwrap())
+            .unwrap()
+            .replace(r#""status": "running""#, r#""status": "paused""#)
+            .replace("abcdef", "abcdefg");
+        assert_eq!(paused.len() as u64, before.len());
+        let mut file = fs::OpenOptions::new().write(true).open(&path).unwrap();
+        file.write_all(paused.as_bytes()).unwrap();
+        file.set_modified(before.modified().unwrap()).unwrap();
+        drop(file);
+        let after = fs::metadata(&path).unwrap();
+        use std::os::unix::fs::MetadataExt as _;
         assert_eq!(
-            daemon.control_after_rename("l1").unwrap().status,
-            Status::Failed
+            (after.ino(), after.len(), after.modified().unwrap()),
+            (before.ino(), before.len(), before.modified().unwrap())
         );
+        assert_eq!(store.read_control("l1").unwrap().status, Status::Paused);
     }
 
     #[test]

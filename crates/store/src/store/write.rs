@@ -70,8 +70,8 @@ pub(super) enum Swapped {
 /// Puts `bytes` in place of `name` atomically: a new temp file in the same directory (mode 0600,
 /// made of `spare` if given: see [`Dir::open_existing_rw`]), exchanged with `name`, without fsync
 /// (a durable write is made durable by its backup: see [`backup`]). `expected` is what should be
-/// in place; `None` writes whatever is there. `written` is told the new version's inode once it
-/// is written, before it is put in place. Returns what was replaced.
+/// in place; `None` writes whatever is there. `written` is called once the new version is
+/// written, before it is put in place. Returns what was replaced.
 ///
 /// The exchange (`renameat2(RENAME_EXCHANGE)`) hands back exactly what it replaced, under the
 /// temp file's name: a reader that opened the old version still reads it whole. (A version is
@@ -83,7 +83,7 @@ pub(super) fn swap_in(
     bytes: &[u8],
     expected: Option<&[u8]>,
     spare: Option<String>,
-    written: impl FnOnce(Option<FileId>),
+    written: impl FnOnce(),
 ) -> io::Result<Swapped> {
     // Written under its own name: the watcher knows it as a spare being reused.
     let reused = spare.and_then(|spare| match dir.open_existing_rw(&spare) {
@@ -98,13 +98,12 @@ pub(super) fn swap_in(
         None => dir.temp_file(name)?,
     };
     let done = loopd_fs::overwrite(&file, bytes);
-    let version = file.metadata().ok().map(|m| FileId::of_metadata(&m));
     drop(file);
     if let Err(e) = done {
         let _ = dir.remove(&tmp);
         return Err(e);
     }
-    written(version);
+    written();
     let swapped = match dir.exchange(&tmp, name) {
         Ok(()) => {
             let old = dir.read(&tmp, MAX_STATE_SIZE).unwrap_or_default();
@@ -234,9 +233,9 @@ impl Store {
             let state = Arc::new(state);
             // The last round writes whatever happened, rather than fail the write.
             let expected = (round < WRITE_RACE_RETRIES).then_some(in_place.as_slice());
-            // Known as this store's version before it is in place: a watcher that sees it
-            // renamed in need not read it (see [`Store::control_after_rename`]).
-            let remember = |ino| self.remember(id, bytes.clone(), state.clone(), ino);
+            // Known as this store's version before it is in place: a watcher that reads it
+            // need not parse it again (see [`Store::read_control`]).
+            let remember = || self.remember(id, bytes.clone(), state.clone());
             let spare = self.take_spare(id);
             let replaced = swap_in(dir, &name, &bytes, expected, spare, remember)
                 .map_err(|e| not_written(io_err(&path)(e)))?;
