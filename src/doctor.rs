@@ -176,7 +176,7 @@ fn examine(p: &Project, executor: Option<String>) -> Result<Report> {
         config_files,
         workflow: workflow.name(),
         trust,
-        sandbox: loopd_exec::sandbox::Support::probe(true),
+        sandbox: loopd_exec::sandbox::Support::probe(),
         executors,
         actions,
         ready: problems.is_empty(),
@@ -204,6 +204,9 @@ fn sandbox_text(policy: &loopd_exec::sandbox::Policy) -> String {
     }
     if !policy.readable.is_empty() {
         let _ = write!(text, ", reads {}", list(&policy.readable));
+    }
+    if !policy.sockets.is_empty() {
+        let _ = write!(text, ", connects to {}", list(&policy.sockets));
     }
     text
 }

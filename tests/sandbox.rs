@@ -5,6 +5,7 @@
 mod common;
 
 use std::net::TcpListener;
+use std::path::Path;
 
 use common::*;
 
@@ -254,4 +255,315 @@ fn with_the_sandbox_off_an_action_runs_as_before() {
     assert_eq!(code(&run), 0, "{}", stderr(&run));
     let tmpdir = std::fs::read_to_string(p.root.join("tmpdir.txt")).unwrap();
     assert_eq!(tmpdir.trim(), "none");
+}
+
+/// `(name, command)` tries of an action in a git work tree against git's control files: each
+/// would make loopd's git, or the user's after the loop, run `touch MARK/NAME`.
+fn git_tries(mark: &Path) -> Vec<(&'static str, String)> {
+    let m = mark.display();
+    vec![
+        (
+            "plant an fsmonitor",
+            format!("git config core.fsmonitor \"touch {m}/fsmonitor\""),
+        ),
+        (
+            "plant a hook",
+            format!(
+                "printf \"#!/bin/sh\\ntouch {m}/hook\\n\" > .git/hooks/pre-commit && chmod +x .git/hooks/pre-commit"
+            ),
+        ),
+        (
+            "set core.hooksPath",
+            format!(
+                "mkdir -p myhooks && printf \"#!/bin/sh\\ntouch {m}/hookspath\\n\" > myhooks/pre-commit && chmod +x myhooks/pre-commit && git config core.hooksPath myhooks"
+            ),
+        ),
+        (
+            "plant a filter",
+            format!(
+                "echo \"* filter=evil\" > .gitattributes && git config filter.evil.clean \"touch {m}/filter; cat\""
+            ),
+        ),
+        (
+            "set core.sshCommand",
+            format!("git config core.sshCommand \"touch {m}/ssh\""),
+        ),
+        ("replace .git", "mv .git .git-away".to_owned()),
+        (
+            "plant an info attribute",
+            "echo \"* diff=evil\" > .git/info/attributes".to_owned(),
+        ),
+        (
+            "commit its work",
+            "echo work >> work.txt && git add work.txt && git -c user.name=a -c user.email=a@a commit -q -m work"
+                .to_owned(),
+        ),
+    ]
+}
+
+#[test]
+fn an_action_cannot_make_git_run_anything_and_its_own_commits_work() {
+    if !sandboxed_here() {
+        return;
+    }
+    let mark = tempfile::tempdir().unwrap();
+    let mark = mark.path().canonicalize().unwrap();
+    let tries = git_tries(&mark);
+    let p = Project::new(&agent(&[("develop", HOSTILE_AGENT)]));
+    hostile(&p, &tries);
+    git(&p.root, &["init", "-q"]);
+    std::fs::write(p.root.join(".gitignore"), "/.loop/\n").unwrap();
+    git(&p.root, &["add", "-A"]);
+    git(&p.root, &["commit", "-q", "-m", "start"]);
+    let hooks_before = std::fs::read_dir(p.root.join(".git/hooks"))
+        .unwrap()
+        .count();
+    let id = p.create(&["--title", "git"]);
+    let run = p.run(&id, &[]);
+    assert_eq!(code(&run), 0, "{}", stderr(&run));
+    let said = tried(&p);
+    for (name, _) in &tries {
+        let word = if *name == "commit its work" {
+            "done"
+        } else {
+            "refused"
+        };
+        for who in ["", " (grandchild)"] {
+            let line = format!("{name}{who}: {word}");
+            assert!(said.contains(&line), "{line:?} not in {said:#?}");
+        }
+    }
+    // The agent's commits are there; loopd's checkpoints and diff ran over its work.
+    let log = git(&p.root, &["log", "--format=%s"]);
+    assert_eq!(log.lines().filter(|l| *l == "work").count(), 2, "{log}");
+    let diff = p.output(&["diff", &id]);
+    assert_eq!(code(&diff), 0, "{}", stderr(&diff));
+    // And the user's own git after the loop, the way a person goes on.
+    git(&p.root, &["status"]);
+    std::fs::write(p.root.join("mine.txt"), "mine\n").unwrap();
+    git(&p.root, &["add", "mine.txt"]);
+    git(&p.root, &["commit", "-q", "-m", "mine"]);
+    let ran: Vec<_> = std::fs::read_dir(&mark)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name())
+        .collect();
+    assert!(ran.is_empty(), "git ran what an action planted: {ran:?}");
+    assert_eq!(
+        std::fs::read_dir(p.root.join(".git/hooks"))
+            .unwrap()
+            .count(),
+        hooks_before
+    );
+    assert!(p.root.join(".git/config").is_file());
+
+    // A repository whose config already names programs (someone else prepared it): loopd's own
+    // git (its checkpoints, its diff) runs none of them.
+    let q = Project::new(GOOD_AGENT);
+    git(&q.root, &["init", "-q"]);
+    std::fs::write(q.root.join(".gitignore"), "/.loop/\n").unwrap();
+    git(&q.root, &["add", "-A"]);
+    git(&q.root, &["commit", "-q", "-m", "start"]);
+    let m = mark.display();
+    for (key, value) in [
+        ("core.fsmonitor", format!("touch {m}/preset-fsmonitor")),
+        ("core.hooksPath", "myhooks".to_owned()),
+        ("diff.external", format!("touch {m}/preset-diff")),
+    ] {
+        git(&q.root, &["config", key, &value]);
+    }
+    std::fs::create_dir_all(q.root.join("myhooks")).unwrap();
+    for hook in [
+        "pre-commit",
+        "post-commit",
+        "post-checkout",
+        "reference-transaction",
+    ] {
+        q.script("hook", &format!("touch {m}/preset-{hook}\n"));
+        std::fs::copy(q.root.join("bin/hook"), q.root.join("myhooks").join(hook)).unwrap();
+    }
+    let id = q.create(&["--title", "prepared"]);
+    let run = q.run(&id, &[]);
+    assert_eq!(code(&run), 0, "{}", stderr(&run));
+    assert_eq!(code(&q.output(&["diff", &id])), 0);
+    let ran: Vec<_> = std::fs::read_dir(&mark)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name())
+        .collect();
+    assert!(
+        ran.is_empty(),
+        "loopd's git ran a program the repository names: {ran:?}"
+    );
+}
+
+#[test]
+fn an_action_cannot_change_its_loops_limits_another_loop_or_the_config() {
+    if !sandboxed_here() {
+        return;
+    }
+    let edit = |file: &str| {
+        format!(
+            "python3 -c \"import sys,json; p=sys.argv[1]; s=json.load(open(p)); s[\\\"max_iterations\\\"]=50; json.dump(s, open(p, \\\"w\\\"))\" {file}"
+        )
+    };
+    let tries = vec![
+        ("raise its own limit", edit("\"$LOOPD_STATE_FILE\"")),
+        ("raise its limit by a rename", "cp \"$LOOPD_STATE_FILE\" mine.json && sed -i s/6/50/ mine.json && mv mine.json \"$LOOPD_STATE_FILE\"".to_owned()),
+        ("raise the limit of another loop", edit(".loop/other.json")),
+        ("rewrite the config", "echo \"max_iterations = 50\" >> .loop/config.toml".to_owned()),
+        ("make a loop", "cp .loop/other.json .loop/made.json".to_owned()),
+        ("move the state directory", "mv .loop .loop-away".to_owned()),
+        ("keep a note", "echo seen >> \"$LOOPD_PROGRESS_DIR/notes.md\"".to_owned()),
+    ];
+    let p = Project::new(&agent(&[("develop", HOSTILE_AGENT)]));
+    hostile(&p, &tries);
+    let other = p.create(&["--title", "other", "--max-iterations", "6"]);
+    std::fs::rename(p.state_path(&other), p.root.join(".loop/other.json")).unwrap();
+    let config = std::fs::read_to_string(p.root.join(".loop/config.toml")).unwrap();
+    let id = p.create(&["--title", "limits", "--max-iterations", "6"]);
+    let run = p.run(&id, &[]);
+    assert_eq!(code(&run), 0, "{}", stderr(&run));
+    let said = tried(&p);
+    for (name, _) in &tries {
+        let word = if *name == "keep a note" {
+            "done"
+        } else {
+            "refused"
+        };
+        for who in ["", " (grandchild)"] {
+            let line = format!("{name}{who}: {word}");
+            assert!(said.contains(&line), "{line:?} not in {said:#?}");
+        }
+    }
+    assert_eq!(p.state(&id)["max_iterations"], 6);
+    let other: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(p.root.join(".loop/other.json")).unwrap()).unwrap();
+    assert_eq!(other["max_iterations"], 6);
+    assert_eq!(
+        std::fs::read_to_string(p.root.join(".loop/config.toml")).unwrap(),
+        config
+    );
+    assert!(!p.root.join(".loop/made.json").exists());
+    let notes = p.progress(&id).join("notes.md");
+    assert_eq!(std::fs::read_to_string(notes).unwrap(), "seen\nseen\n");
+}
+
+/// A Unix socket server of the test's (a program outside the sandbox): how many connections it
+/// took.
+fn socket_server(
+    listener: std::os::unix::net::UnixListener,
+) -> std::sync::Arc<std::sync::atomic::AtomicUsize> {
+    let taken = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let count = taken.clone();
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            if stream.is_ok() {
+                count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            }
+        }
+    });
+    taken
+}
+
+#[test]
+fn an_action_reaches_no_socket_outside_and_signals_no_process_outside() {
+    use std::os::linux::net::SocketAddrExt as _;
+    use std::os::unix::net::{SocketAddr, UnixListener};
+    use std::sync::atomic::Ordering;
+    if !sandboxed_here() {
+        return;
+    }
+    // An SSH agent of the user's, a socket the executor declares, and an abstract socket.
+    let outside = tempfile::tempdir().unwrap();
+    let outside = outside.path().canonicalize().unwrap();
+    let agent_sock = outside.join("agent.sock");
+    let agent_taken = socket_server(UnixListener::bind(&agent_sock).unwrap());
+    let declared_dir = tempfile::tempdir().unwrap();
+    let declared = declared_dir
+        .path()
+        .canonicalize()
+        .unwrap()
+        .join("podman.sock");
+    let declared_taken = socket_server(UnixListener::bind(&declared).unwrap());
+    let name = format!("loopd-test-{}", std::process::id());
+    let abstract_taken = socket_server(
+        UnixListener::bind_addr(&SocketAddr::from_abstract_name(name.as_bytes()).unwrap()).unwrap(),
+    );
+    let p = Project::new(&agent(&[("develop", HOSTILE_AGENT)]));
+    p.script(
+        "connect.py",
+        "import socket, sys\ns = socket.socket(socket.AF_UNIX)\na = sys.argv[1]\ns.connect(\"\\0\" + a[1:] if a.startswith(\"@\") else a)\n",
+    );
+    p.script(
+        "own.py",
+        "import os, socket\np = os.path.join(os.environ[\"TMPDIR\"], \"own.sock\")\nif os.path.exists(p): os.remove(p)\ns = socket.socket(socket.AF_UNIX); s.bind(p); s.listen()\nc = socket.socket(socket.AF_UNIX); c.connect(p)\n",
+    );
+    p.script(
+        "daemon.py",
+        "import json, os\nprint(json.load(open(os.environ[\"LOOPD_STATE_FILE\"]))[\"skill_state\"][\"in_flight\"][\"daemon_pid\"])\n",
+    );
+    let tries = vec![
+        (
+            "reach the ssh agent",
+            format!("python3 bin/connect.py {}", agent_sock.display()),
+        ),
+        (
+            "find the ssh agent",
+            "test -n \"$SSH_AUTH_SOCK\"".to_owned(),
+        ),
+        (
+            "reach an abstract socket",
+            format!("python3 bin/connect.py @{name}"),
+        ),
+        (
+            "reach the declared socket",
+            format!("python3 bin/connect.py {}", declared.display()),
+        ),
+        ("serve a socket of its own", "python3 bin/own.py".to_owned()),
+        (
+            "signal the daemon",
+            "kill -CONT $(python3 bin/daemon.py)".to_owned(),
+        ),
+        (
+            "read the environment of the daemon",
+            "cat /proc/$(python3 bin/daemon.py)/environ > env.txt".to_owned(),
+        ),
+    ];
+    hostile(&p, &tries);
+    p.config(&TEST_CONFIG.replace(
+        "format = \"json\"",
+        &format!(
+            "format = \"json\"\nsandbox_sockets = [\"{}\"]",
+            declared.display()
+        ),
+    ));
+    let id = p.create(&["--title", "sockets"]);
+    let child = p
+        .loopd()
+        .args(["run", &id])
+        .env("SSH_AUTH_SOCK", &agent_sock)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let run = wait_output(child, DEADLINE);
+    assert_eq!(code(&run), 0, "{}", stderr(&run));
+    let said = tried(&p);
+    for (name, _) in &tries {
+        let done = matches!(
+            *name,
+            "reach the declared socket" | "serve a socket of its own"
+        );
+        let word = if done { "done" } else { "refused" };
+        for who in ["", " (grandchild)"] {
+            let line = format!("{name}{who}: {word}");
+            assert!(said.contains(&line), "{line:?} not in {said:#?}");
+        }
+    }
+    assert_eq!(agent_taken.load(Ordering::SeqCst), 0);
+    assert_eq!(abstract_taken.load(Ordering::SeqCst), 0);
+    wait_for("the declared socket's connections", || {
+        declared_taken.load(Ordering::SeqCst) == 2
+    });
 }

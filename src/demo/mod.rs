@@ -48,21 +48,23 @@ pub fn run(workflow: Option<&str>) -> Result<i32> {
     };
     let exe = std::env::current_exe().context("cannot find the loopd binary")?;
     // The demo runs on any Linux machine: sandboxed where the kernel can, and says which.
-    let support = loopd_exec::sandbox::Support::probe(false);
-    let (sandbox, said) = match support.landlock {
-        Some(_) => (
+    let support = loopd_exec::sandbox::Support::probe();
+    let policy = loopd_exec::sandbox::Policy::default();
+    let (sandbox, said) = match support.refuses(&policy) {
+        None => (
             "workspace-write",
             format!(
-                "each action in a sandbox (Landlock ABI {}): it could write in the project and \
-                 its own files only",
-                support.landlock.unwrap_or_default()
+                "each action in a sandbox ({}): it could write in the project and its own files \
+                 only",
+                support.describe()
             ),
         ),
-        None => (
+        Some(why) => (
             "off",
-            "without a sandbox: this kernel has no Landlock (a loop of yours would be refused \
-             unless its config says sandbox = \"off\")"
-                .to_owned(),
+            format!(
+                "without a sandbox: {why} (a loop of yours would be refused unless its config \
+                 says so)"
+            ),
         ),
     };
     let config_text = format!(

@@ -131,6 +131,8 @@ impl Repo {
             "diff",
             "--numstat",
             "--no-renames",
+            "--no-ext-diff",
+            "--no-textconv",
             from,
             &checkpoint.commit,
         ])?;
@@ -188,8 +190,24 @@ impl Repo {
 
     /// The patch from `from` to `to` (commits), with a summary of the files first.
     pub fn diff(&self, from: &str, to: &str) -> Result<String> {
-        let mut out = self.run(&["diff", "--stat", "--no-renames", from, to])?;
-        let patch = self.run(&["diff", "--no-renames", "--no-color", from, to])?;
+        let mut out = self.run(&[
+            "diff",
+            "--stat",
+            "--no-renames",
+            "--no-ext-diff",
+            "--no-textconv",
+            from,
+            to,
+        ])?;
+        let patch = self.run(&[
+            "diff",
+            "--no-renames",
+            "--no-color",
+            "--no-ext-diff",
+            "--no-textconv",
+            from,
+            to,
+        ])?;
         if !patch.is_empty() {
             out.push_str("\n\n");
             out.push_str(&patch);

@@ -1,12 +1,28 @@
-//! git, run as a program with its arguments: never through a shell, and without the `GIT_*`
-//! variables that would point it at another repository or index.
+//! git, run as a program with its arguments: never through a shell, without the `GIT_*`
+//! variables that would point it at another repository or index, and never running a program a
+//! repository names ([`NO_REPOSITORY_PROGRAMS`]).
 
 use std::path::Path;
 use std::process::{Command, Stdio};
 
-/// `git -C dir`, with no standard input.
+/// Settings that keep loopd's own git from running what a repository's files name: its hooks
+/// (`.git/hooks/`, `core.hooksPath`), a file-system monitor, a pager, the `ext::` transport.
+/// (An action cannot change a repository's config or hooks: the sandbox keeps them read-only.
+/// These hold even for a repository someone else prepared.) A diff is asked without external
+/// diff programs or text conversions (`--no-ext-diff --no-textconv`, see [`crate::checkpoint`]).
+pub const NO_REPOSITORY_PROGRAMS: [&str; 4] = [
+    "core.hooksPath=/dev/null",
+    "core.fsmonitor=false",
+    "core.pager=cat",
+    "protocol.ext.allow=never",
+];
+
+/// `git -C dir`, with no standard input, running nothing the repository names.
 pub fn command(dir: &Path) -> Command {
     let mut cmd = Command::new("git");
+    for setting in NO_REPOSITORY_PROGRAMS {
+        cmd.arg("-c").arg(setting);
+    }
     cmd.arg("-C").arg(dir);
     for var in [
         "GIT_DIR",
@@ -18,6 +34,32 @@ pub fn command(dir: &Path) -> Command {
     }
     cmd.stdin(Stdio::null());
     cmd
+}
+
+/// The ssh command git runs for a remote: `$GIT_SSH_COMMAND`, else the user's own
+/// (`core.sshCommand` of their global configuration), else `ssh`; never one a repository's config
+/// names. Asked once a process.
+pub fn ssh_command() -> std::ffi::OsString {
+    static GLOBAL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    if let Some(command) = std::env::var_os("GIT_SSH_COMMAND") {
+        return command;
+    }
+    let global = GLOBAL.get_or_init(|| {
+        let mut cmd = Command::new("git");
+        cmd.args([
+            "config",
+            "--global",
+            "--includes",
+            "--get",
+            "core.sshCommand",
+        ])
+        .stdin(Stdio::null());
+        output(&mut cmd)
+            .ok()
+            .filter(|c| !c.trim().is_empty())
+            .unwrap_or_else(|| "ssh".to_owned())
+    });
+    global.into()
 }
 
 /// `git -C dir` ([`command`]) that commits as loopd, in the C locale (messages as the code reads

@@ -56,6 +56,9 @@ pub struct Spec {
     pub prompt_mode: PromptMode,
     pub env: Vec<(String, OsString)>,
     pub cwd: PathBuf,
+    /// The loop's state directory: read-only to a sandboxed attempt, but for its loop's progress
+    /// directory (the parent of `dir`).
+    pub state_dir: PathBuf,
     pub supervision: Supervision,
     /// Where the attempt's files go: `{stem}.log` (its output) and `{stem}.prompt.md` (the
     /// prompt, when the executor takes it as a file).
@@ -330,11 +333,25 @@ impl SubprocessAttempt {
         });
         // Its own files, and the loop's progress directory they are in (the notes its prompt
         // may ask it to keep there, `$LOOPD_PROGRESS_DIR`).
+        let progress_dir = spec.dir.path().parent();
         let own: Vec<&Path> = std::iter::once(spec.dir.path())
-            .chain(spec.dir.path().parent())
+            .chain(progress_dir)
             .collect();
-        if let Some(sandboxed) = spec.sandbox.prepare(&spec.cwd, &own)? {
+        let place = sandbox::Place {
+            tree: &spec.cwd,
+            own: &own,
+            state_dir: Some(&spec.state_dir),
+            progress_dir,
+        };
+        if let Some(sandboxed) = spec.sandbox.prepare(&place)? {
             enter_on_spawn(&mut command, sandboxed);
+            // Another program's socket is not named to it (nor reachable: see the sandbox),
+            // unless its executor sets the variable itself.
+            for name in sandbox::SOCKET_VARIABLES {
+                if !spec.env.iter().any(|(k, _)| k == name) {
+                    command.env_remove(name);
+                }
+            }
         }
         if let Some((name, path)) = &tmp {
             spec.dir.subdir(name, true)?;

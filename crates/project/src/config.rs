@@ -187,6 +187,9 @@ pub struct ExecutorConfig {
     pub sandbox_writable: Vec<String>,
     /// Hidden paths its attempts may read anyway (an agent's own key file).
     pub sandbox_readable: Vec<String>,
+    /// Unix sockets of programs outside the sandbox its attempts may connect to (absolute or
+    /// `~/...`).
+    pub sandbox_sockets: Vec<String>,
 }
 
 #[derive(Clone, Debug, Default, Deserialize)]
@@ -547,6 +550,7 @@ impl Config {
             for (k, paths) in [
                 ("sandbox_writable", &e.sandbox_writable),
                 ("sandbox_readable", &e.sandbox_readable),
+                ("sandbox_sockets", &e.sandbox_sockets),
             ] {
                 for path in paths {
                     sandbox_path(path, anywhere).map_err(|r| (key(k), r))?;
@@ -667,6 +671,7 @@ impl Config {
             writable: paths(&executor.sandbox_writable),
             hidden,
             readable: paths(&executor.sandbox_readable),
+            sockets: paths(&executor.sandbox_sockets),
             network: executor
                 .sandbox_network
                 .as_ref()

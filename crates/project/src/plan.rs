@@ -148,11 +148,7 @@ impl Plans {
     ) -> Vec<String> {
         let mut problems = Vec::new();
         // Never a silent downgrade: a sandbox this machine cannot hold refuses the loop.
-        let none = self
-            .plans
-            .values()
-            .any(|p| p.sandbox.network == loopd_exec::sandbox::Network::None);
-        let support = loopd_exec::sandbox::Support::probe(none);
+        let support = loopd_exec::sandbox::Support::probe();
         let mut refused = std::collections::BTreeSet::new();
         for (action, plan) in &self.plans {
             if let Some(why) = support.refuses(&plan.sandbox)

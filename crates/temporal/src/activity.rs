@@ -216,6 +216,7 @@ async fn run_attempt(
         prompt_mode: plan.prompt_mode,
         env,
         cwd: root.clone(),
+        state_dir: state_dir.clone(),
         supervision: plan.supervision,
         dir: actions.clone(),
         stem: format!("{iteration:04}-{}-{attempt}", dispatch.action),

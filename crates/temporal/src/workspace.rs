@@ -564,6 +564,8 @@ async fn run_git(dir: &Path, args: &[&str], index: Option<&str>) -> Result<Vec<u
         .env("GIT_TERMINAL_PROMPT", "0")
         // A remote is a URL or path of the known transports, never a command (`ext::`).
         .env("GIT_ALLOW_PROTOCOL", "file:git:http:https:ssh")
+        // Reached by the user's own ssh command, never a repository's `core.sshCommand`.
+        .env("GIT_SSH_COMMAND", loopd_exec::git::ssh_command())
         .kill_on_drop(true);
     if let Some(index) = index {
         cmd.env("GIT_INDEX_FILE", index);

@@ -237,6 +237,7 @@ impl LoopRun<'_> {
             prompt_mode: step.plan.prompt_mode,
             env,
             cwd: engine.work_tree.clone(),
+            state_dir: store.dir().to_owned(),
             supervision: step.plan.supervision,
             dir: actions.clone(),
             stem: stem.clone(),

@@ -1,17 +1,25 @@
 //! The sandbox around every attempt: the executor and everything it starts may write only where
 //! the attempt's policy says (its work tree, its own files, a private temporary directory, the
-//! paths its executor declares), may not read the user's secrets, and reach the network only as
-//! told.
+//! paths its executor declares), may not change a git repository's control files nor its loop's
+//! state, may not read the user's secrets, may not reach another program's Unix socket nor signal
+//! or trace a process outside it, and reaches the network only as told.
 //!
 //! Theory of operation: a Landlock ruleset (no privileges needed) is built in loopd, before the
-//! spawn, from paths it opens itself ([`Policy::prepare`]); the child only enters it, between fork
-//! and exec, with two system calls that allocate nothing ([`Prepared::enter`]). Landlock domains
-//! are inherited and cannot be left: a grandchild in a new session, or a program that drops every
-//! variable, is held as its parent is. Landlock grants, it does not deny: what is hidden is every
-//! path but the hidden ones, so the directories on the way to a hidden path are granted entry by
-//! entry ([`readable`]), and a hidden path declared readable is granted again. TCP connects are
-//! limited to ports by Landlock (ABI 4); no network at all is a network namespace of a user
-//! namespace of the child's own.
+//! spawn, from paths it opens itself ([`Policy::prepare`]), with the attempt's view of the file
+//! system ([`view`]); the child makes a user and mount namespace of its own, makes the view in it,
+//! and enters the ruleset, between fork and exec, with system calls that allocate nothing
+//! ([`Prepared::enter`]). Landlock domains are inherited and cannot be left: a grandchild in a new
+//! session, or a program that drops every variable, is held as its parent is; and a process in one
+//! may not change mounts, so the view holds too. Landlock grants, it does not deny: what is hidden
+//! is every path but the hidden ones, so the directories on the way to a hidden path are granted
+//! entry by entry ([`readable`]), and a hidden path declared readable is granted again. Its scopes
+//! (ABI 6) keep signals and abstract Unix sockets within the attempt; pathname sockets are refused
+//! by Landlock from ABI 9, and covered by the view before. TCP connects are limited to ports by
+//! Landlock (ABI 4); no network at all is a network namespace of the child's own.
+
+mod view;
+
+pub use view::SOCKET_VARIABLES;
 
 use std::ffi::CString;
 use std::io;
@@ -20,7 +28,7 @@ use std::path::{Path, PathBuf};
 
 use landlock::{
     ABI, AccessFs, AccessNet, BitFlags, CompatLevel, Compatible, NetPort, PathBeneath, PathFd,
-    Ruleset, RulesetAttr, RulesetCreated, RulesetCreatedAttr, RulesetStatus,
+    Ruleset, RulesetAttr, RulesetCreated, RulesetCreatedAttr, RulesetStatus, Scope,
 };
 
 /// What an attempt may change.
@@ -101,41 +109,66 @@ pub struct Policy {
     pub hidden: Vec<PathBuf>,
     /// Hidden paths it may read anyway (an agent's own key file).
     pub readable: Vec<PathBuf>,
+    /// Unix sockets of programs outside it that it may connect to (`sandbox_sockets`).
+    pub sockets: Vec<PathBuf>,
     pub network: Network,
 }
+
+/// Where an attempt runs: its work tree, its own files (writable), and its loop's state directory
+/// with the progress directory in it.
+pub struct Place<'a> {
+    pub tree: &'a Path,
+    pub own: &'a [&'a Path],
+    pub state_dir: Option<&'a Path>,
+    pub progress_dir: Option<&'a Path>,
+}
+
+/// The Landlock ABI that scopes signals and abstract Unix sockets (Linux 6.12).
+const SCOPES_ABI: i32 = 6;
+/// The Landlock ABI that refuses a connect to a Unix socket by its path (Linux 7.1).
+const RESOLVE_UNIX_ABI: i32 = 9;
 
 /// What this machine offers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
 pub struct Support {
     /// The kernel's Landlock ABI version; `None` when Landlock is not there or not enabled.
     pub landlock: Option<i32>,
-    /// Whether this process may make a user namespace (for `sandbox_network = "none"`).
+    /// Whether this process may make a user namespace (for the attempt's own view of the file
+    /// system, and `sandbox_network = "none"`).
     pub user_namespaces: bool,
 }
 
 impl Support {
-    /// Asks the kernel; whether user namespaces may be made is tried (in a child, once a
-    /// process) only where `network_none` needs to know.
-    pub fn probe(network_none: bool) -> Support {
+    /// Asks the kernel; whether user namespaces may be made is tried once a process, in a child.
+    pub fn probe() -> Support {
         static USER_NAMESPACES: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
         Support {
             landlock: landlock_abi(),
-            user_namespaces: network_none && *USER_NAMESPACES.get_or_init(user_namespaces),
+            user_namespaces: *USER_NAMESPACES.get_or_init(user_namespaces),
         }
     }
 
     /// In a few words, for `doctor` and `demo`.
     pub fn describe(&self) -> String {
+        let yes = |b: bool| if b { "yes" } else { "no" };
         match self.landlock {
             Some(abi) => format!(
-                "Landlock ABI {abi}, user namespaces {}",
-                if self.user_namespaces { "yes" } else { "no" }
+                "Landlock ABI {abi}, user namespaces {}, signals and abstract sockets kept in \
+                 {}, sockets by path {}",
+                yes(self.user_namespaces),
+                yes(abi >= SCOPES_ABI),
+                if abi >= RESOLVE_UNIX_ABI {
+                    "refused by Landlock"
+                } else {
+                    "covered where they live"
+                }
             ),
             None => "none: this kernel has no Landlock".to_owned(),
         }
     }
 
-    /// Why `policy` cannot be held here, in one line; `None` when it can.
+    /// Why `policy` cannot be held here, in one line; `None` when it can. Never less than the
+    /// policy asks: what this machine cannot give refuses the loop.
     pub fn refuses(&self, policy: &Policy) -> Option<String> {
         if policy.mode == Mode::Off {
             return None;
@@ -148,15 +181,19 @@ impl Support {
                     .into(),
             );
         };
-        if matches!(policy.network, Network::Ports(_)) && abi < 4 {
+        if abi < SCOPES_ABI {
             return Some(format!(
-                "sandbox_network = [ports] needs Landlock ABI 4 (Linux 6.7); this kernel has {abi}"
+                "the sandbox needs Landlock ABI {SCOPES_ABI} (Linux 6.12) to keep an action from \
+                 signalling loopd and from other programs' abstract sockets; this kernel has \
+                 {abi}; set sandbox = \"off\" to run actions without it"
             ));
         }
-        if policy.network == Network::None && !self.user_namespaces {
+        if !self.user_namespaces {
             return Some(
-                "sandbox_network = \"none\" needs user namespaces, which this machine does not \
-                 allow an unprivileged process"
+                "the sandbox needs user namespaces (for an action's own read-only view of git's \
+                 and loopd's files), which this machine does not allow an unprivileged process; \
+                 allow them (sysctl kernel.unprivileged_userns_clone=1, or AppArmor's \
+                 kernel.apparmor_restrict_unprivileged_userns=0) or set sandbox = \"off\""
                     .into(),
             );
         }
@@ -181,10 +218,11 @@ fn landlock_abi() -> Option<i32> {
     (v > 0).then(|| i32::try_from(v).unwrap_or(i32::MAX))
 }
 
-/// Whether this process may make a user namespace: tried in a child that exits at once.
+/// Whether this process may make a user namespace with a mount and a network namespace: tried in
+/// a child that exits at once.
 fn user_namespaces() -> bool {
     std::process::Command::new("unshare")
-        .args(["--user", "--net", "true"])
+        .args(["--user", "--mount", "--net", "true"])
         .stdin(std::process::Stdio::null())
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null())
@@ -195,16 +233,17 @@ fn user_namespaces() -> bool {
 /// An attempt's sandbox, built, to be entered by its child ([`Prepared::enter`]).
 pub struct Prepared {
     ruleset: Option<RulesetCreated>,
-    /// `/proc/self/uid_map` and `gid_map` of the child's own user namespace, when it has a
-    /// network namespace of its own.
-    namespace: Option<(CString, CString)>,
+    /// `/proc/self/uid_map` and `gid_map` of the child's own user namespace.
+    maps: (CString, CString),
+    /// Whether it has a network namespace of its own (no network).
+    own_network: bool,
+    view: view::View,
 }
 
 impl Policy {
-    /// Builds the sandbox of an attempt that may write in `own` (its files, its temporary
-    /// directory) and, for `workspace-write`, in `tree` and the declared paths. `None` when the
-    /// policy is off.
-    pub fn prepare(&self, tree: &Path, own: &[&Path]) -> io::Result<Option<Prepared>> {
+    /// Builds the sandbox of an attempt at `place`: it may write in its own files and, for
+    /// `workspace-write`, in its tree and the declared paths. `None` when the policy is off.
+    pub fn prepare(&self, place: &Place<'_>) -> io::Result<Option<Prepared>> {
         if self.mode == Mode::Off {
             return Ok(None);
         }
@@ -217,40 +256,57 @@ impl Policy {
         if let Some(why) = support.refuses(self) {
             return Err(io::Error::new(io::ErrorKind::Unsupported, why));
         }
-        let abi = ABI::from(support.landlock.unwrap_or(0));
-        let ruleset = self.ruleset(abi, tree, own).map_err(io::Error::other)?;
-        let namespace = (self.network == Network::None).then(|| {
-            let (uid, gid) = (nix::unistd::getuid(), nix::unistd::getgid());
-            let map = |id: u32| CString::new(format!("{id} {id} 1")).unwrap_or_default();
-            (map(uid.as_raw()), map(gid.as_raw()))
-        });
+        let abi = support.landlock.unwrap_or(0);
+        let mut needed: Vec<PathBuf> = vec![place.tree.to_owned()];
+        needed.extend(place.own.iter().map(|p| p.to_path_buf()));
+        needed.extend(self.writable.iter().cloned());
+        needed.extend(self.readable.iter().cloned());
+        let view = view::View::plan(&view::Inputs {
+            tree: place.tree,
+            tree_writable: self.mode == Mode::WorkspaceWrite,
+            state_dir: place.state_dir,
+            progress_dir: place.progress_dir,
+            needed: &needed,
+            mask_sockets: abi < RESOLVE_UNIX_ABI,
+            sockets: &self.sockets,
+        })?;
+        let ruleset = self
+            .ruleset(ABI::from(abi), place, &view.writable)
+            .map_err(io::Error::other)?;
+        let (uid, gid) = (nix::unistd::getuid(), nix::unistd::getgid());
+        let map = |id: u32| CString::new(format!("{id} {id} 1")).unwrap_or_default();
         Ok(Some(Prepared {
             ruleset: Some(ruleset),
-            namespace,
+            maps: (map(uid.as_raw()), map(gid.as_raw())),
+            own_network: self.network == Network::None,
+            view,
         }))
     }
 
     fn ruleset(
         &self,
         abi: ABI,
-        tree: &Path,
-        own: &[&Path],
+        place: &Place<'_>,
+        git_dirs: &[PathBuf],
     ) -> Result<RulesetCreated, landlock::RulesetError> {
         let read = AccessFs::from_read(abi);
         let write = AccessFs::from_write(abi);
         let mut ruleset = Ruleset::default()
             .set_compatibility(CompatLevel::HardRequirement)
-            .handle_access(read | write)?;
+            .handle_access(read | write)?
+            .scope(Scope::AbstractUnixSocket | Scope::Signal)?;
         if let Network::Ports(_) = self.network {
             ruleset = ruleset.handle_access(AccessNet::ConnectTcp)?;
         }
         let mut created = ruleset.create()?;
-        let mut writable: Vec<PathBuf> = own.iter().map(|p| p.to_path_buf()).collect();
+        let mut writable: Vec<PathBuf> = place.own.iter().map(|p| p.to_path_buf()).collect();
         // Terminals, /dev/null, shared memory.
         writable.push(PathBuf::from("/dev"));
         if self.mode == Mode::WorkspaceWrite {
-            writable.push(tree.to_owned());
+            writable.push(place.tree.to_owned());
             writable.extend(self.writable.iter().cloned());
+            // A worktree's git directories, where its commits go.
+            writable.extend(git_dirs.iter().cloned());
             // A declared directory (`~/.codex/`) is made if missing, private: a CLI's first run
             // makes its own, and could not here.
             for dir in self.writable.iter().filter(|p| is_dir_name(p)) {
@@ -271,6 +327,13 @@ impl Policy {
         // hidden.
         for path in writable.iter().flat_map(|w| split(w, &hidden)) {
             created = add(created, &path, read | write, abi)?;
+        }
+        // The sockets it declares, where Landlock refuses the others (before, the view shows
+        // them).
+        if abi >= ABI::from(RESOLVE_UNIX_ABI) {
+            for socket in &self.sockets {
+                created = add(created, socket, AccessFs::ResolveUnix.into(), abi)?;
+            }
         }
         if let Network::Ports(ports) = &self.network {
             for port in ports {
@@ -358,16 +421,20 @@ fn split_into(dir: &Path, hidden: &[PathBuf], granted: &mut Vec<PathBuf>) {
 
 impl Prepared {
     /// Enters the sandbox: called in the child between fork and exec, where only system calls
-    /// that allocate nothing may be made. The network namespace comes first: its maps are
-    /// written in `/proc`, which the ruleset then forbids.
+    /// that allocate nothing may be made. The namespaces come first (their maps are written in
+    /// `/proc`, which the ruleset then forbids), then the view, then the ruleset (which forbids
+    /// any change of mounts from then on).
     pub fn enter(&mut self) -> io::Result<()> {
-        if let Some((uid_map, gid_map)) = &self.namespace {
-            use nix::sched::{CloneFlags, unshare};
-            unshare(CloneFlags::CLONE_NEWUSER | CloneFlags::CLONE_NEWNET)?;
-            write_proc(c"/proc/self/setgroups", c"deny")?;
-            write_proc(c"/proc/self/uid_map", uid_map)?;
-            write_proc(c"/proc/self/gid_map", gid_map)?;
+        use nix::sched::{CloneFlags, unshare};
+        let mut namespaces = CloneFlags::CLONE_NEWUSER | CloneFlags::CLONE_NEWNS;
+        if self.own_network {
+            namespaces |= CloneFlags::CLONE_NEWNET;
         }
+        unshare(namespaces)?;
+        write_proc(c"/proc/self/setgroups", c"deny")?;
+        write_proc(c"/proc/self/uid_map", &self.maps.0)?;
+        write_proc(c"/proc/self/gid_map", &self.maps.1)?;
+        self.view.make()?;
         if let Some(ruleset) = self.ruleset.take() {
             let status = ruleset.restrict_self().map_err(io::Error::other)?;
             if status.ruleset != RulesetStatus::FullyEnforced {
@@ -375,6 +442,12 @@ impl Prepared {
             }
         }
         Ok(())
+    }
+
+    /// What the attempt's view holds read-only (git's control files, the state directory) and
+    /// what it covers (where other programs' sockets are).
+    pub fn view(&self) -> (&[PathBuf], &[PathBuf]) {
+        (&self.view.protected, &self.view.covered)
     }
 }
 
@@ -426,21 +499,27 @@ mod tests {
             ..Policy::default()
         };
         assert_eq!(none.refuses(&off), None);
+        // Without scopes, an action could signal loopd: refused, not run with less.
         let old = Support {
-            landlock: Some(3),
+            landlock: Some(5),
+            user_namespaces: true,
+        };
+        let why = old.refuses(&policy(Network::Any)).unwrap();
+        assert!(why.contains("ABI 6") && why.contains("signalling"), "{why}");
+        // Without user namespaces, no read-only view of git's and loopd's files.
+        let no_namespaces = Support {
+            landlock: Some(6),
             user_namespaces: false,
         };
-        assert_eq!(old.refuses(&policy(Network::Any)), None);
-        assert!(
-            old.refuses(&policy(Network::Ports(vec![443])))
-                .unwrap()
-                .contains("ABI 4")
-        );
-        assert!(
-            old.refuses(&policy(Network::None))
-                .unwrap()
-                .contains("user namespaces")
-        );
+        let why = no_namespaces.refuses(&policy(Network::Any)).unwrap();
+        assert!(why.contains("user namespaces"), "{why}");
+        let enough = Support {
+            landlock: Some(6),
+            user_namespaces: true,
+        };
+        for network in [Network::Any, Network::None, Network::Ports(vec![443])] {
+            assert_eq!(enough.refuses(&policy(network)), None);
+        }
     }
 
     #[test]
