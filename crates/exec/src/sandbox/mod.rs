@@ -271,7 +271,7 @@ impl Policy {
             sockets: &self.sockets,
         })?;
         let ruleset = self
-            .ruleset(ABI::from(abi), place, &view.writable)
+            .ruleset(ABI::from(abi), place)
             .map_err(io::Error::other)?;
         let (uid, gid) = (nix::unistd::getuid(), nix::unistd::getgid());
         let map = |id: u32| CString::new(format!("{id} {id} 1")).unwrap_or_default();
@@ -287,7 +287,6 @@ impl Policy {
         &self,
         abi: ABI,
         place: &Place<'_>,
-        git_dirs: &[PathBuf],
     ) -> Result<RulesetCreated, landlock::RulesetError> {
         let read = AccessFs::from_read(abi);
         let write = AccessFs::from_write(abi);
@@ -305,8 +304,6 @@ impl Policy {
         if self.mode == Mode::WorkspaceWrite {
             writable.push(place.tree.to_owned());
             writable.extend(self.writable.iter().cloned());
-            // A worktree's git directories, where its commits go.
-            writable.extend(git_dirs.iter().cloned());
             // A declared directory (`~/.codex/`) is made if missing, private: a CLI's first run
             // makes its own, and could not here.
             for dir in self.writable.iter().filter(|p| is_dir_name(p)) {

@@ -74,9 +74,6 @@ pub(super) struct View {
     steps: Vec<Step>,
     /// What is bound back into a mask, open (close-on-exec) until the child has bound it.
     _held: Vec<OwnedFd>,
-    /// Git directories outside the tree that an agent's own `git commit` writes to (a worktree's
-    /// git directory and common directory).
-    pub(super) writable: Vec<PathBuf>,
     /// The read-only paths and the covered ones, for people (`doctor`, the tests).
     pub(super) protected: Vec<PathBuf>,
     pub(super) covered: Vec<PathBuf>,
@@ -115,7 +112,6 @@ impl View {
             let git = git_control(inputs.tree)?;
             binds.extend(git.pinned.into_iter().map(|p| (p, false)));
             binds.extend(git.read_only.into_iter().map(|p| (p, true)));
-            view.writable = git.writable;
         }
         if let Some(state) = inputs.state_dir.and_then(|s| std::fs::canonicalize(s).ok()) {
             let tree = std::fs::canonicalize(inputs.tree)?;
@@ -339,13 +335,12 @@ impl View {
     }
 }
 
-/// The git directories of a work tree: what is bound onto itself to stay where it is, what is
-/// read-only, and what an agent's commit writes to outside the tree.
+/// The git directories of a work tree: what is bound onto itself to stay where it is, and what
+/// is read-only.
 #[derive(Debug, Default, PartialEq)]
 struct GitControl {
     pinned: Vec<PathBuf>,
     read_only: Vec<PathBuf>,
-    writable: Vec<PathBuf>,
 }
 
 /// The git control files of `tree`'s repository (none when it has no `.git`). Control
@@ -374,13 +369,13 @@ fn git_control(tree: &Path) -> io::Result<GitControl> {
         return Ok(control);
     }
     // A pointer (`gitdir: DIR`): the pointer itself, the files of its git directory that say
-    // where the rest is, and the control files of its common directory.
+    // where the rest is, and the control files of its common directory. (Its git directories are
+    // outside the tree, and stay as unwritable as the rest: a fleet worker's clone serves other
+    // loops too.)
     control.read_only.push(dot_git.canonicalize()?);
     let Some(git_dir) = pointed(tree, &dot_git) else {
         return Ok(control);
     };
-    control.pinned.push(git_dir.clone());
-    control.writable.push(git_dir.clone());
     for name in ["commondir", "gitdir", "config.worktree"] {
         let path = git_dir.join(name);
         if std::fs::symlink_metadata(&path).is_ok() {
@@ -391,9 +386,6 @@ fn git_control(tree: &Path) -> io::Result<GitControl> {
         .ok()
         .and_then(|c| git_dir.join(c.trim()).canonicalize().ok())
         .unwrap_or_else(|| git_dir.clone());
-    if common != git_dir {
-        control.writable.push(common.clone());
-    }
     control_files(&common, &mut control.read_only)?;
     if common != git_dir {
         modules(
@@ -618,7 +610,6 @@ mod tests {
             g.join("hooks").is_dir(),
             "a missing hooks directory is made"
         );
-        assert!(control.writable.is_empty());
         // A control file that is a link cannot be held.
         std::fs::remove_dir(g.join("hooks")).unwrap();
         std::os::unix::fs::symlink(&tree, g.join("hooks")).unwrap();
@@ -650,8 +641,7 @@ mod tests {
         let control = git_control(&tree).unwrap();
         let common = root.join(".git");
         let own = common.join("worktrees/wt");
-        assert_eq!(control.pinned, vec![own.clone()]);
-        assert_eq!(control.writable, vec![own.clone(), common.clone()]);
+        assert!(control.pinned.is_empty(), "{control:?}");
         for held in [
             tree.join(".git"),
             own.join("commondir"),
