@@ -251,6 +251,10 @@ pub fn begin(
     skill.blocked = None;
     skill.outcome = None;
     no_progress::resumed(state);
+    // A person's answer: the rounds count afresh.
+    if answered.is_some() {
+        no_progress::afresh(state);
+    }
     answered
 }
 
@@ -359,13 +363,7 @@ pub fn finish(
 ) -> Option<LoopEnd> {
     let end = workflow.apply(state, dispatch, finish, inputs);
     workflow::record_finish(workflow, state, dispatch, finish, &inputs.now);
-    no_progress::round(
-        workflow,
-        state,
-        &dispatch.action,
-        finish,
-        inputs.tree_tracked,
-    );
+    no_progress::round(workflow, state, &dispatch.action, finish, inputs.tree);
     end
 }
 

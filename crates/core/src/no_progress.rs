@@ -2,17 +2,20 @@
 //! failed) before it spends more.
 //!
 //! A round is an action that counts an iteration (ccw-loop's develop, debug and validate;
-//! skill-tuning's verify). Each round leaves a [`Fingerprint`]: the workflow's measure of
-//! progress, its last validation's outcome, and the last error with its numbers, paths and
-//! hashes taken out; and the work tree either changed since the round before (a checkpoint with
-//! files in it) or did not. A round that changed no file and left the fingerprint the round
-//! before left is one more round without progress; [`check`] says when there were too many in a
-//! row. Without git checkpoints the work tree is left out, and the reason says so.
+//! skill-tuning's verify). Progress is what changed, not what was claimed: a round made progress
+//! when a file of the work tree changed (its git checkpoint had files in it; without checkpoints,
+//! the fingerprint of its files changed), or its last validation's outcome changed, or its error
+//! changed (with its numbers, paths and hashes taken out: a [`Fingerprint`]). The task bookkeeping
+//! alone (a fix task the agent added and marked done in a round that changed no file) is none.
+//! A person's change (a task they added, a resume, an answer) counts afresh ([`afresh`]). A round
+//! without progress is one more in a row, with a note of what it did
+//! ([`crate::workflow::Workflow::round_note`]); [`check`] says when there were too many, in words
+//! a person acts on.
 
 use serde::{Deserialize, Serialize};
 
 use crate::state::{Checkpoint, Fingerprint, LoopState, NoProgress, Stalled};
-use crate::workflow::{Finish, Workflow};
+use crate::workflow::{Finish, Tree, Workflow};
 
 /// What a loop that makes no progress for `rounds` rounds does (`rounds = 0`: nothing).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -38,6 +41,9 @@ const SIGNATURE_MAX: usize = 200;
 /// Failing tests named in a validation's fingerprint; more are counted.
 pub const FAILING_NAMED: usize = 10;
 
+/// The notes of rounds without progress kept for the reason (the last ones).
+pub const NOTES_KEPT: usize = 12;
+
 /// An attempt recorded `checkpoint`: a round whose work tree changed made progress.
 pub fn touched(state: &mut LoopState, checkpoint: Option<&Checkpoint>) {
     if checkpoint.is_some_and(|c| c.files > 0) {
@@ -45,20 +51,21 @@ pub fn touched(state: &mut LoopState, checkpoint: Option<&Checkpoint>) {
     }
 }
 
-/// An action finished: when it ends a round, the round is compared with the one before.
-/// `tree_tracked`: the work tree's checkpoints are recorded.
+/// An action finished: when it ends a round, the round is compared with the one before. `tree`:
+/// what is known of the work tree now.
 pub fn round(
     workflow: &dyn Workflow,
     state: &mut LoopState,
     action: &str,
     finish: &Finish,
-    tree_tracked: bool,
+    tree: Tree,
 ) {
     if !workflow.counts_iteration(action) {
         return;
     }
     let progress = workflow.view(state).progress;
     let validation = workflow.validation(state);
+    let note = round_note(workflow, state, action, finish, tree);
     let books = books(state);
     let now = Fingerprint {
         progress,
@@ -69,36 +76,115 @@ pub fn round(
             Finish::Failed(message) => Some(signature(message)),
             Finish::Success(_) => books.fingerprint.as_ref().and_then(|f| f.error.clone()),
         },
-        tree_tracked,
+        tree_tracked: tree == Tree::Checkpointed,
+        files: match tree {
+            Tree::Files(files) => Some(files),
+            _ => None,
+        },
     };
-    let same = !(tree_tracked && books.tree_changed) && books.fingerprint.as_ref() == Some(&now);
-    books.rounds = if same { books.rounds + 1 } else { 0 };
+    let same = match &books.fingerprint {
+        Some(before) => {
+            let tree_changed = match tree {
+                Tree::Checkpointed => books.tree_changed,
+                Tree::Files(files) => before.files != Some(files),
+                Tree::Unknown => false,
+            };
+            !tree_changed
+                && before.validation == now.validation
+                && before.error == now.error
+                && before.tree_tracked == now.tree_tracked
+        }
+        None => false,
+    };
+    if same {
+        books.rounds += 1;
+        books.notes.push(note);
+        let over = books.notes.len().saturating_sub(NOTES_KEPT);
+        books.notes.drain(..over);
+    } else {
+        books.rounds = 0;
+        books.notes.clear();
+    }
     books.fingerprint = Some(now);
     books.tree_changed = false;
 }
 
-/// Why the loop is to stop for making no progress, if `rule` says it is.
+/// What a round did, in a few words: the workflow's note, else what it changed.
+fn round_note(
+    workflow: &dyn Workflow,
+    state: &LoopState,
+    action: &str,
+    finish: &Finish,
+    tree: Tree,
+) -> String {
+    if let Finish::Failed(message) = finish {
+        return format!("{action} failed: {}", signature(message));
+    }
+    if let Some(note) = workflow.round_note(state, action, finish) {
+        return note;
+    }
+    match (workflow.changes_work_tree(action), tree) {
+        (true, Tree::Unknown) => format!("{action} changed nothing loopd could see"),
+        (true, _) => format!("{action} changed no file"),
+        (false, _) => format!("{action} changed nothing"),
+    }
+}
+
+/// A person changed something (added a task, resumed the loop, answered a question): the rounds
+/// without progress count afresh from here.
+pub fn afresh(state: &mut LoopState) {
+    if let Some(books) = state
+        .skill_state
+        .as_mut()
+        .and_then(|s| s.no_progress.as_mut())
+    {
+        books.rounds = 0;
+        books.notes.clear();
+        books.fingerprint = None;
+    }
+}
+
+/// Why the loop is to stop for making no progress, if `rule` says it is: how many rounds, what
+/// each kind of round did (`debug proposed 'fix the off by one' each time, develop changed no
+/// file each time, validation failed t_broken each time`).
 pub fn check(state: &LoopState, rule: Rule) -> Option<String> {
     let books = state.skill_state.as_ref()?.no_progress.as_ref()?;
     if rule.rounds == 0 || books.rounds < rule.rounds {
         return None;
     }
     let fingerprint = books.fingerprint.as_ref()?;
-    let mut same = vec![match fingerprint.tree_tracked {
-        true => "no file changed".to_owned(),
-        false => "the work tree left out (no git checkpoints)".to_owned(),
-    }];
-    same.push(format!("progress {}", fingerprint.progress));
-    if let Some(validation) = &fingerprint.validation {
-        same.push(format!("validation {validation}"));
+    // The notes grouped by the action they begin with, in the order the actions came.
+    let mut groups: Vec<(&str, Vec<&str>)> = Vec::new();
+    for note in &books.notes {
+        let action = note.split_whitespace().next().unwrap_or("");
+        match groups.iter_mut().find(|(a, _)| *a == action) {
+            Some((_, notes)) => notes.push(note),
+            None => groups.push((action, vec![note])),
+        }
     }
-    if let Some(error) = &fingerprint.error {
-        same.push(format!("error \"{error}\""));
+    let mut said: Vec<String> = groups
+        .into_iter()
+        .map(|(_, notes)| {
+            let mut distinct: Vec<&str> = Vec::new();
+            for note in &notes {
+                if !distinct.contains(note) {
+                    distinct.push(note);
+                }
+            }
+            match distinct.as_slice() {
+                [one] if notes.len() > 1 => format!("{one} each time"),
+                [one] => (*one).to_owned(),
+                many => many.join(", then "),
+            }
+        })
+        .collect();
+    if !fingerprint.tree_tracked && fingerprint.files.is_none() {
+        said.push("the work tree left out (no git checkpoints)".to_owned());
     }
     Some(format!(
         "no progress in {} rounds: {}",
         books.rounds,
-        same.join("; ")
+        said.join("; ")
     ))
 }
 
@@ -218,20 +304,16 @@ mod tests {
     fn rounds_that_change_nothing_are_counted_and_reach_the_rule() {
         let mut state = LoopState::default();
         let fail = failed("validation failed: 2 of 5 tests");
-        round(&CcwLoop, &mut state, "validate", &fail, true);
+        round(&CcwLoop, &mut state, "validate", &fail, Tree::Checkpointed);
         for n in 1..=3 {
             assert_eq!(check(&state, RULE), None, "after {n} rounds");
             touched(&mut state, Some(&checkpoint(0)));
-            round(&CcwLoop, &mut state, "debug", &fail, true);
+            round(&CcwLoop, &mut state, "debug", &fail, Tree::Checkpointed);
         }
         let reason = check(&state, RULE).expect("three rounds without progress");
-        assert!(
-            reason.starts_with("no progress in 3 rounds: no file changed"),
-            "{reason}"
-        );
-        assert!(
-            reason.contains("error \"validation failed: # of # tests\""),
-            "{reason}"
+        assert_eq!(
+            reason,
+            "no progress in 3 rounds: debug failed: validation failed: # of # tests each time"
         );
         assert_eq!(
             check(&state, Rule { rounds: 0, ..RULE }),
@@ -245,11 +327,11 @@ mod tests {
     fn a_changed_file_or_a_new_error_is_progress_and_a_success_alone_is_not() {
         let mut state = LoopState::default();
         let fail = failed("boom 1");
-        round(&CcwLoop, &mut state, "debug", &fail, true);
-        round(&CcwLoop, &mut state, "debug", &fail, true);
+        round(&CcwLoop, &mut state, "debug", &fail, Tree::Checkpointed);
+        round(&CcwLoop, &mut state, "debug", &fail, Tree::Checkpointed);
         assert_eq!(state.skill().no_progress.as_ref().unwrap().rounds, 1);
         touched(&mut state, Some(&checkpoint(2)));
-        round(&CcwLoop, &mut state, "debug", &fail, true);
+        round(&CcwLoop, &mut state, "debug", &fail, Tree::Checkpointed);
         assert_eq!(
             state.skill().no_progress.as_ref().unwrap().rounds,
             0,
@@ -260,7 +342,7 @@ mod tests {
             &mut state,
             "debug",
             &failed("another thing"),
-            true,
+            Tree::Checkpointed,
         );
         assert_eq!(
             state.skill().no_progress.as_ref().unwrap().rounds,
@@ -268,13 +350,19 @@ mod tests {
             "a new error"
         );
         let ok = Finish::Success(serde_json::from_str(r#"{"status": "success"}"#).unwrap());
-        round(&CcwLoop, &mut state, "validate", &ok, true);
+        round(&CcwLoop, &mut state, "validate", &ok, Tree::Checkpointed);
         assert_eq!(
             state.skill().no_progress.as_ref().unwrap().rounds,
             1,
             "the error stands"
         );
-        round(&CcwLoop, &mut state, "plan", &failed("another thing"), true);
+        round(
+            &CcwLoop,
+            &mut state,
+            "plan",
+            &failed("another thing"),
+            Tree::Checkpointed,
+        );
         assert_eq!(
             state.skill().no_progress.as_ref().unwrap().rounds,
             1,
@@ -289,14 +377,131 @@ mod tests {
         SkillTuning.init_part(state.skill());
         let same = failed("verify found the same 2 issues");
         for _ in 0..4 {
-            round(&SkillTuning, &mut state, "diagnose-memory", &same, true);
+            round(
+                &SkillTuning,
+                &mut state,
+                "diagnose-memory",
+                &same,
+                Tree::Checkpointed,
+            );
         }
         assert_eq!(check(&state, RULE), None, "a diagnosis is not a round");
         for _ in 0..4 {
-            round(&SkillTuning, &mut state, "verify", &same, true);
+            round(
+                &SkillTuning,
+                &mut state,
+                "verify",
+                &same,
+                Tree::Checkpointed,
+            );
         }
         let reason = check(&state, RULE).expect("four verifications alike");
-        assert!(reason.contains("diagnosed"), "{reason}");
+        assert!(
+            reason.contains("verify failed: verify found the same # issues each time"),
+            "{reason}"
+        );
+        // An applied fix that left the score and the open issues as they were: no progress.
+        let mut state = LoopState::default();
+        SkillTuning.init_part(state.skill());
+        let ok = Finish::Success(serde_json::from_str(r#"{"status": "success"}"#).unwrap());
+        for _ in 0..4 {
+            round(&SkillTuning, &mut state, "verify", &ok, Tree::Checkpointed);
+        }
+        assert!(check(&state, RULE).is_some());
+    }
+
+    /// The stuck cycle agents fall into most: validation fails, debug proposes a fix task,
+    /// develop marks it done and changes no file, validation fails the same way. The task
+    /// bookkeeping (a task added and done each round) is no progress.
+    #[test]
+    fn a_fix_task_added_and_done_each_round_with_no_file_changed_is_no_progress() {
+        use crate::workflow::{Decision, Inputs, Limits, Workflow as _, decide};
+        for (tree, worded_alike) in [
+            (Tree::Checkpointed, true),
+            (Tree::Checkpointed, false),
+            (Tree::Files(7), true),
+            (Tree::Files(7), false),
+        ] {
+            let mut state = LoopState::default();
+            CcwLoop.init_part(state.skill());
+            let inputs = Inputs {
+                now: "2026-01-01T00:00:00.000Z".into(),
+                listed_tasks: Vec::new(),
+                tree,
+            };
+            let init = crate::workflow::Dispatch::new("init");
+            let planned = r#"{"status":"success","state_updates":{"tasks":[{"description":"t"}]}}"#;
+            let planned = Finish::Success(serde_json::from_str(planned).unwrap());
+            crate::attempt::finish(&CcwLoop, &mut state, &init, &planned, &inputs);
+            let limits = Limits {
+                max_iterations: 50,
+                max_errors: 3,
+                no_progress: RULE,
+                ..Limits::default()
+            };
+            let mut paused = None;
+            for n in 0..20 {
+                let dispatch = match decide(&CcwLoop, &state, limits) {
+                    Decision::Run(dispatch) => dispatch,
+                    Decision::Pause(reason) => {
+                        paused = Some(reason);
+                        break;
+                    }
+                    other => panic!("{other:?}"),
+                };
+                CcwLoop.begin(&mut state, &dispatch, &inputs.now);
+                let fix = match worded_alike {
+                    true => "fix the off by one".to_owned(),
+                    false => format!("fix the off by one, take {n}"),
+                };
+                let result = match dispatch.action.as_str() {
+                    "validate" => r#"{"status":"success","state_updates":{"passed":false,"pass_rate":50,"failed_tests":["t_broken"]}}"#.to_owned(),
+                    "debug" => format!(r#"{{"status":"success","state_updates":{{"fix_tasks":[{{"description":"{fix}"}}]}}}}"#),
+                    _ => r#"{"status":"success"}"#.to_owned(),
+                };
+                let finish = Finish::Success(serde_json::from_str(&result).unwrap());
+                if dispatch.action == "develop" {
+                    touched(&mut state, Some(&checkpoint(0)));
+                }
+                crate::attempt::finish(&CcwLoop, &mut state, &dispatch, &finish, &inputs);
+            }
+            let reason = paused.expect("paused for no progress");
+            assert!(reason.starts_with("no progress in 3 rounds: "), "{reason}");
+            assert!(reason.contains("develop changed no file"), "{reason}");
+            assert!(reason.contains("validation failed t_broken"), "{reason}");
+            if worded_alike {
+                assert!(
+                    reason.contains("debug proposed 'fix the off by one'"),
+                    "{reason}"
+                );
+            }
+        }
+    }
+
+    /// A person's change counts afresh: a task they added, a resume, an answer.
+    #[test]
+    fn a_persons_change_counts_afresh() {
+        let mut state = LoopState::default();
+        for _ in 0..3 {
+            round(
+                &CcwLoop,
+                &mut state,
+                "validate",
+                &failed("same"),
+                Tree::Checkpointed,
+            );
+        }
+        assert_eq!(state.skill().no_progress.as_ref().unwrap().rounds, 2);
+        afresh(&mut state);
+        round(
+            &CcwLoop,
+            &mut state,
+            "validate",
+            &failed("same"),
+            Tree::Checkpointed,
+        );
+        assert_eq!(state.skill().no_progress.as_ref().unwrap().rounds, 0);
+        assert!(state.skill().no_progress.as_ref().unwrap().notes.is_empty());
     }
 
     #[test]
@@ -306,7 +511,7 @@ mod tests {
         for _ in 0..4 {
             // A checkpoint cannot say anything when the tree is not tracked.
             touched(&mut state, Some(&checkpoint(3)));
-            round(&CcwLoop, &mut state, "develop", &fail, false);
+            round(&CcwLoop, &mut state, "develop", &fail, Tree::Unknown);
         }
         let reason = check(&state, RULE).unwrap();
         assert!(
@@ -321,7 +526,13 @@ mod tests {
         let mut state = LoopState::default();
         CcwLoop.init_part(state.skill());
         for _ in 0..4 {
-            round(&CcwLoop, &mut state, "validate", &failed("same"), true);
+            round(
+                &CcwLoop,
+                &mut state,
+                "validate",
+                &failed("same"),
+                Tree::Checkpointed,
+            );
         }
         let limits = |then| Limits {
             max_iterations: 10,
@@ -349,7 +560,13 @@ mod tests {
     fn a_pause_starts_the_count_afresh_and_an_action_clears_it() {
         let mut state = LoopState::default();
         for _ in 0..4 {
-            round(&CcwLoop, &mut state, "validate", &failed("same"), true);
+            round(
+                &CcwLoop,
+                &mut state,
+                "validate",
+                &failed("same"),
+                Tree::Checkpointed,
+            );
         }
         let reason = check(&state, RULE).unwrap();
         pause(&mut state, reason.clone(), "2026-11-25T12:00:00.000Z");
@@ -360,7 +577,13 @@ mod tests {
         assert_eq!(check(&state, RULE), None);
         resumed(&mut state);
         assert_eq!(paused(&state), None);
-        round(&CcwLoop, &mut state, "validate", &failed("same"), true);
+        round(
+            &CcwLoop,
+            &mut state,
+            "validate",
+            &failed("same"),
+            Tree::Checkpointed,
+        );
         assert_eq!(check(&state, RULE), None, "one round since the resume");
     }
 }

@@ -450,6 +450,10 @@ pub struct NoProgress {
     /// A checkpoint changed files since the last round ended.
     #[serde(default)]
     pub tree_changed: bool,
+    /// What each round without progress did, in a few words (`debug proposed 'fix it'`), for
+    /// the pause's reason: the last [`crate::no_progress::NOTES_KEPT`].
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub notes: Vec<String>,
     /// Set while the loop is paused for making no progress; cleared (`null`, always written so
     /// that the store's merge sees it cleared) when an action starts.
     #[serde(default)]
@@ -462,7 +466,8 @@ pub struct NoProgress {
 /// whether it changed).
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct Fingerprint {
-    /// The workflow's measure of progress (`2/3` tasks, a gate).
+    /// The workflow's measure of progress (`2/3` tasks, a gate), for people: the task bookkeeping
+    /// alone (a task the agent added and marked done) is no progress.
     pub progress: String,
     /// The last validation's outcome, in a few words, once there was one.
     #[serde(default)]
@@ -474,6 +479,10 @@ pub struct Fingerprint {
     /// file is known.
     #[serde(default)]
     pub tree_tracked: bool,
+    /// Without checkpoints, a fingerprint of the work tree's files (their names, sizes and
+    /// times), when the driver can take one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub files: Option<u64>,
 }
 
 /// A loop paused because it made no progress.

@@ -68,6 +68,8 @@ impl LoopWorkflow {
                 Status::Paused => {
                     ctx.wait_condition(|s| s.input.state.status != Status::Paused)
                         .await?;
+                    // A person resumed it: its rounds without progress count afresh.
+                    ctx.state_mut(|s| loopd_core::no_progress::afresh(&mut s.input.state));
                     continue;
                 }
                 Status::Running => {}
@@ -78,7 +80,12 @@ impl LoopWorkflow {
             let at = format_ts(now(ctx));
             let joined = ctx.state_mut(|s| {
                 let input = &mut s.input;
-                wf.absorb_tasks(&mut input.state, &input.tasks, &at)
+                let joined = wf.absorb_tasks(&mut input.state, &input.tasks, &at);
+                // Tasks a person added: the rounds without progress count afresh.
+                if joined > 0 {
+                    loopd_core::no_progress::afresh(&mut input.state);
+                }
+                joined
             });
             let state = match joined {
                 0 => state,
@@ -385,7 +392,10 @@ fn finish_action(
             now: at.clone(),
             listed_tasks,
             // Checkpoints are recorded only where the work tree is on a git remote.
-            tree_tracked: s.input.git.is_some(),
+            tree: match s.input.git {
+                Some(_) => loopd_core::workflow::Tree::Checkpointed,
+                None => loopd_core::workflow::Tree::Unknown,
+            },
         };
         let state = &mut s.input.state;
         if let Some(LoopEnd::Completed(_)) = attempt::finish(wf, state, dispatch, &finish, &inputs)

@@ -187,8 +187,20 @@ pub struct Inputs {
     pub now: String,
     /// Tasks from the task list file, in order.
     pub listed_tasks: Vec<ListedTask>,
-    /// The work tree's checkpoints are recorded, so a round that changed no file is known.
-    pub tree_tracked: bool,
+    /// What is known of the work tree after the action: whether a round changed a file.
+    pub tree: Tree,
+}
+
+/// What a driver knows of the work tree after an action.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Tree {
+    /// Its git checkpoints are recorded: each attempt's says whether a file changed.
+    Checkpointed,
+    /// No checkpoints: a fingerprint of its files (names, sizes, times).
+    Files(u64),
+    /// Nothing is known of it.
+    #[default]
+    Unknown,
 }
 
 /// A line of `status`: a label, a value, and lines under it.
@@ -252,6 +264,13 @@ pub trait Workflow: Send + Sync {
     /// The last validation's outcome in a few words, once there was one: a round that leaves it
     /// as it was made no progress there ([`crate::no_progress`]).
     fn validation(&self, _state: &LoopState) -> Option<String> {
+        None
+    }
+    /// What a round of `action` did in a few words, for a person reading why a loop made no
+    /// progress (`debug proposed 'fix the off by one'`, `validation failed t_broken`), when the
+    /// workflow says more than "changed no file". `state` is after the action's result was
+    /// applied.
+    fn round_note(&self, _state: &LoopState, _action: &str, _finish: &Finish) -> Option<String> {
         None
     }
     /// The ids of the tasks done so far.

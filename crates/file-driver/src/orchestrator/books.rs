@@ -203,10 +203,24 @@ impl LoopRun<'_> {
     /// What the workflow needs from outside to apply a result: the time, and where its rules
     /// take them, the tasks of the task list file (which are then seen).
     pub(super) fn inputs(&mut self, dispatch: &Dispatch) -> Result<Inputs> {
+        let engine = self.engine;
+        // Whether a round changed a file: its checkpoint says, or without git (when no-progress
+        // detection is on) a fingerprint of the tree's files.
+        let tree = match &self.checkpoints {
+            Some(_) => Tree::Checkpointed,
+            None if engine.config.no_progress_rounds > 0
+                && engine.workflow.counts_iteration(&dispatch.action) =>
+            {
+                let state_dir = engine.store.dir().to_owned();
+                blocking(|| checkpoint::files_fingerprint(&engine.work_tree, &[&state_dir]))
+                    .map_or(Tree::Unknown, Tree::Files)
+            }
+            None => Tree::Unknown,
+        };
         let mut inputs = Inputs {
             now: now_rfc3339(),
             listed_tasks: Vec::new(),
-            tree_tracked: self.checkpoints.is_some(),
+            tree,
         };
         if self.engine.workflow.reads_task_list(&dispatch.action) {
             inputs.listed_tasks = self.read_tasks()?.tasks;

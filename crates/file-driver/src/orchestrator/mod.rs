@@ -38,7 +38,7 @@ use loopd_core::state::{
     format_ts,
 };
 use loopd_core::workflow::{
-    self, Decision, Dispatch, Finish, Inputs, Limits, LoopEnd, Outcome, Workflow,
+    self, Decision, Dispatch, Finish, Inputs, Limits, LoopEnd, Outcome, Tree, Workflow,
 };
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;

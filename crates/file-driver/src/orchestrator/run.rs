@@ -13,7 +13,10 @@ impl LoopRun<'_> {
                 return Ok(Exit::Signalled(sig));
             }
             let mut state = self.refresh()?;
+            let was_paused = paused;
             match self.on_status(&state, &mut paused).await? {
+                // A person resumed the loop: its rounds without progress count afresh.
+                Next::Select if was_paused => loopd_core::no_progress::afresh(&mut state),
                 Next::Select => {}
                 Next::Again => continue,
                 Next::End(exit) => return Ok(exit),
@@ -287,6 +290,8 @@ impl LoopRun<'_> {
             .workflow
             .absorb_tasks(state, &list.tasks, &now_rfc3339());
         if joined > 0 {
+            // Tasks a person added: the rounds without progress count afresh.
+            loopd_core::no_progress::afresh(state);
             *state = self.commit(state, None, None, true)?;
             self.events
                 .emit(Event::new(name::TASKS_ADDED).with("count", joined));

@@ -91,6 +91,42 @@ impl Workflow for CcwLoop {
         Some(text)
     }
 
+    /// debug: the fix it proposed; validate: what failed.
+    fn round_note(&self, state: &LoopState, action: &str, finish: &Finish) -> Option<String> {
+        match action {
+            "debug" => {
+                let fixes: Vec<String> = finish
+                    .result()?
+                    .state_updates
+                    .get("fix_tasks")?
+                    .as_array()?
+                    .iter()
+                    .filter_map(|f| f.get("description")?.as_str())
+                    .map(|d| format!("'{}'", one_line(d, 80)))
+                    .collect();
+                (!fixes.is_empty()).then(|| format!("debug proposed {}", fixes.join(" and ")))
+            }
+            "validate" => {
+                let v = state.skill_state.as_ref()?.part::<CcwState>().validate;
+                if v.passed {
+                    return Some("validation passed".to_owned());
+                }
+                let mut failing = v.failed_tests;
+                failing.sort();
+                Some(match failing.len() {
+                    0 => format!("validation did not pass ({}% passed)", v.pass_rate),
+                    n if n <= 3 => format!("validation failed {}", failing.join(", ")),
+                    n => format!(
+                        "validation failed {} and {} more",
+                        failing[..3].join(", "),
+                        n - 3
+                    ),
+                })
+            }
+            _ => None,
+        }
+    }
+
     fn done_tasks(&self, state: &LoopState) -> Vec<String> {
         let Some(skill) = state.skill_state.as_ref() else {
             return Vec::new();
@@ -708,6 +744,15 @@ fn summary(
     );
     map.insert("errors".into(), json!(skill.error_count));
     Value::Object(map)
+}
+
+/// `text` on one line (its whitespace runs made one space), cut at `max` characters.
+fn one_line(text: &str, max: usize) -> String {
+    let line = text.split_whitespace().collect::<Vec<_>>().join(" ");
+    match line.char_indices().nth(max) {
+        Some((end, _)) => format!("{}…", &line[..end]),
+        None => line,
+    }
 }
 
 #[cfg(test)]

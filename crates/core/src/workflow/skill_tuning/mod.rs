@@ -203,6 +203,13 @@ impl Workflow for SkillTuning {
         Some(format!("score {score}, {} issues open", t.issues.len()))
     }
 
+    /// verify: the score and the open issues it left (an applied fix that changed neither is
+    /// no progress).
+    fn round_note(&self, state: &LoopState, action: &str, _finish: &Finish) -> Option<String> {
+        let validation = self.validation(state).filter(|_| action == "verify")?;
+        Some(format!("verify left {validation}"))
+    }
+
     /// The gate passes, and no task of the task list waits to be applied or verified.
     fn goal_met(&self, state: &LoopState) -> bool {
         let t = part(state);
