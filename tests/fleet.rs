@@ -518,7 +518,8 @@ fn a_work_tree_no_action_used_for_its_grace_period_is_removed() {
         || !tree.exists() && std::fs::read_dir(&clones).is_ok_and(|mut c| c.next().is_none()),
     );
     fleet.check_branch(&id);
-    let log = std::fs::read_to_string(fleet.p.root.join("worker-w0.log")).unwrap_or_default();
+    let log = std::fs::read_to_string(common::temporal::side_dir(&fleet.p).join("worker-w0.log"))
+        .unwrap_or_default();
     assert!(log.contains("removed"), "{log}");
 }
 

@@ -123,8 +123,8 @@ fn a_good_agent_completes_the_loop_with_exit_0() {
 #[test]
 fn a_develop_that_always_fails_ends_failed_with_exit_4() {
     let p = Project::new(&GOOD_AGENT.replace(
-        "develop) echo \"{\\\"status\\\":\\\"success\\\"",
-        "develop) echo 'compiler exploded' >&2; exit 1; echo \"{\\\"status\\\":\\\"success\\\"",
+        "develop) echo \"$LOOPD_TASK_ID\" >> f.txt;",
+        "develop) echo 'compiler exploded' >&2; exit 1;",
     ));
     let id = p.create(&["--title", "t", "--max-errors", "2"]);
     let out = p.run(&id, &[]);

@@ -48,6 +48,22 @@ fn hostile(p: &Project, tries: &[(&str, String)]) {
     p.script("hostile.sh", &script);
 }
 
+/// Each of `tries`, itself and from a grandchild, was done if it is in `done`, else refused.
+fn assert_tried(p: &Project, tries: &[(&str, String)], done: &[&str]) {
+    let said = tried(p);
+    for (name, _) in tries {
+        let word = if done.contains(name) {
+            "done"
+        } else {
+            "refused"
+        };
+        for who in ["", " (grandchild)"] {
+            let line = format!("{name}{who}: {word}");
+            assert!(said.contains(&line), "{line:?} not in {said:#?}");
+        }
+    }
+}
+
 /// What develop tried, line by line.
 fn tried(p: &Project) -> Vec<String> {
     std::fs::read_to_string(p.root.join("tried.txt"))
@@ -97,23 +113,7 @@ fn a_hostile_executor_changes_nothing_outside_its_work_tree_and_reads_no_secret(
     assert_eq!(code(&run), 0, "{}", stderr(&run));
     assert_eq!(p.state(&id)["status"], "completed");
 
-    let said = tried(&p);
-    for (name, allowed) in [
-        ("write outside", false),
-        ("overwrite outside", false),
-        ("write in the home", false),
-        ("write through a link", false),
-        ("read the key", false),
-        ("list the keys", false),
-        ("write in the work tree", true),
-        ("write in TMPDIR", true),
-    ] {
-        let word = if allowed { "done" } else { "refused" };
-        for who in ["", " (grandchild)"] {
-            let line = format!("{name}{who}: {word}");
-            assert!(said.contains(&line), "{line:?} not in {said:#?}");
-        }
-    }
+    assert_tried(&p, &tries, &["write in the work tree", "write in TMPDIR"]);
     // Nothing outside changed; no secret reached the work tree.
     assert!(!outside.join("new.txt").exists());
     assert!(!outside.join("through-link.txt").exists());
@@ -321,18 +321,7 @@ fn an_action_cannot_make_git_run_anything_and_its_own_commits_work() {
     let id = p.create(&["--title", "git"]);
     let run = p.run(&id, &[]);
     assert_eq!(code(&run), 0, "{}", stderr(&run));
-    let said = tried(&p);
-    for (name, _) in &tries {
-        let word = if *name == "commit its work" {
-            "done"
-        } else {
-            "refused"
-        };
-        for who in ["", " (grandchild)"] {
-            let line = format!("{name}{who}: {word}");
-            assert!(said.contains(&line), "{line:?} not in {said:#?}");
-        }
-    }
+    assert_tried(&p, &tries, &["commit its work"]);
     // The agent's commits are there; loopd's checkpoints and diff ran over its work.
     let log = git(&p.root, &["log", "--format=%s"]);
     assert_eq!(log.lines().filter(|l| *l == "work").count(), 2, "{log}");
@@ -422,20 +411,17 @@ fn an_action_cannot_change_its_loops_limits_another_loop_or_the_config() {
     std::fs::rename(p.state_path(&other), p.root.join(".loop/other.json")).unwrap();
     let config = std::fs::read_to_string(p.root.join(".loop/config.toml")).unwrap();
     let id = p.create(&["--title", "limits", "--max-iterations", "6"]);
+    let mounts = || std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    let before = mounts();
     let run = p.run(&id, &[]);
     assert_eq!(code(&run), 0, "{}", stderr(&run));
-    let said = tried(&p);
-    for (name, _) in &tries {
-        let word = if *name == "keep a note" {
-            "done"
-        } else {
-            "refused"
-        };
-        for who in ["", " (grandchild)"] {
-            let line = format!("{name}{who}: {word}");
-            assert!(said.contains(&line), "{line:?} not in {said:#?}");
-        }
-    }
+    // The attempts' views were made in namespaces of their own: loopd's has no mount more.
+    assert!(
+        !mounts().contains(&format!("{} ", p.root.join(".loop").display())),
+        "a mount of the view leaked into loopd's namespace"
+    );
+    assert_eq!(mounts().lines().count(), before.lines().count());
+    assert_tried(&p, &tries, &["keep a note"]);
     assert_eq!(p.state(&id)["max_iterations"], 6);
     let other: serde_json::Value =
         serde_json::from_slice(&std::fs::read(p.root.join(".loop/other.json")).unwrap()).unwrap();
@@ -549,21 +535,56 @@ fn an_action_reaches_no_socket_outside_and_signals_no_process_outside() {
         .unwrap();
     let run = wait_output(child, DEADLINE);
     assert_eq!(code(&run), 0, "{}", stderr(&run));
-    let said = tried(&p);
-    for (name, _) in &tries {
-        let done = matches!(
-            *name,
-            "reach the declared socket" | "serve a socket of its own"
-        );
-        let word = if done { "done" } else { "refused" };
-        for who in ["", " (grandchild)"] {
-            let line = format!("{name}{who}: {word}");
-            assert!(said.contains(&line), "{line:?} not in {said:#?}");
-        }
-    }
+    assert_tried(
+        &p,
+        &tries,
+        &["reach the declared socket", "serve a socket of its own"],
+    );
     assert_eq!(agent_taken.load(Ordering::SeqCst), 0);
     assert_eq!(abstract_taken.load(Ordering::SeqCst), 0);
     wait_for("the declared socket's connections", || {
         declared_taken.load(Ordering::SeqCst) == 2
     });
+}
+
+/// An attempt's sandbox is kept for the next attempts of its loop while what it was made from
+/// holds: a credential file made since is hidden all the same, a directory made since in the home
+/// is readable, and a `.git/config` git rewrote since is the one an agent's git reads.
+#[test]
+fn a_kept_sandbox_follows_what_changed_since_it_was_made() {
+    if !sandboxed_here() {
+        return;
+    }
+    let user = Project::new("");
+    let home = user.root.display().to_string();
+    let look = format!(
+        "{{ cat {home}/.aws/credentials || echo hidden; cat {home}/later/notes.txt || echo unseen; git config --get loopd.test; }} >> \"looked-$LOOPD_TASK_ID.txt\" 2>/dev/null"
+    );
+    let p = Project::beside(
+        &user,
+        &agent(&[(
+            "develop",
+            &format!(
+                "{look}; if [ \"$LOOPD_TASK_ID\" = task-001 ]; then touch first-done; {}; fi",
+                wait_for_file("go")
+            ),
+        )]),
+    );
+    git(&p.root, &["init", "-q"]);
+    git(&p.root, &["config", "loopd.test", "before"]);
+    let id = p.create(&["--title", "kept"]);
+    let run = p.spawn_run(&id, &[]);
+    wait_for("the first develop", || p.root.join("first-done").exists());
+    std::fs::create_dir_all(user.root.join(".aws")).unwrap();
+    std::fs::write(user.root.join(".aws/credentials"), "SECRET\n").unwrap();
+    std::fs::create_dir_all(user.root.join("later")).unwrap();
+    std::fs::write(user.root.join("later/notes.txt"), "seen\n").unwrap();
+    git(&p.root, &["config", "loopd.test", "after"]);
+    std::fs::write(p.root.join("go"), "").unwrap();
+    let out = wait_output(run, DEADLINE);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    let looked =
+        |task: &str| std::fs::read_to_string(p.root.join(format!("looked-{task}.txt"))).unwrap();
+    assert_eq!(looked("task-001"), "hidden\nunseen\nbefore\n");
+    assert_eq!(looked("task-002"), "hidden\nseen\nafter\n");
 }

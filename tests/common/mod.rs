@@ -29,12 +29,13 @@ prompt = "stdin"
 format = "json"
 "#;
 
-/// An agent that plans two tasks, develops them, and passes validation.
+/// An agent that plans two tasks, develops them (each adds a line to `f.txt`, as it says), and
+/// passes validation.
 pub const GOOD_AGENT: &str = r#"
 cat > /dev/null
 case "$LOOPD_ACTION" in
   init) echo '{"status":"success","summary":"planned","state_updates":{"tasks":[{"description":"first"},{"description":"second"}]}}' > "$LOOPD_RESULT_FILE" ;;
-  develop) echo "{\"status\":\"success\",\"summary\":\"did $LOOPD_TASK_ID\",\"files_changed\":[\"f.txt\"]}" > "$LOOPD_RESULT_FILE" ;;
+  develop) echo "$LOOPD_TASK_ID" >> f.txt; echo "{\"status\":\"success\",\"summary\":\"did $LOOPD_TASK_ID\",\"files_changed\":[\"f.txt\"]}" > "$LOOPD_RESULT_FILE" ;;
   validate) echo '{"status":"success","summary":"ok","state_updates":{"passed":true,"pass_rate":100}}' > "$LOOPD_RESULT_FILE" ;;
   debug) echo '{"status":"success","summary":"nothing"}' > "$LOOPD_RESULT_FILE" ;;
   complete) echo '{"status":"success","summary":"done","state_updates":{"summary":"all done"}}' > "$LOOPD_RESULT_FILE" ;;
@@ -489,8 +490,9 @@ pub fn demo_state_file(out: &Output) -> PathBuf {
     PathBuf::from(path)
 }
 
-/// An agent like the harness's `GOOD_AGENT` (init plans two tasks, develop succeeds, validation
-/// passes), except that action `A` first runs the shell snippet given for it in `before`.
+/// An agent like the harness's `GOOD_AGENT` (init plans two tasks, develop adds a line to `f.txt`
+/// and succeeds, validation passes), except that action `A` first runs the shell snippet given
+/// for it in `before`.
 pub fn agent(before: &[(&str, &str)]) -> String {
     let hook = |action: &str| {
         before
@@ -507,6 +509,7 @@ case "$LOOPD_ACTION" in
     echo '{{"status":"success","summary":"planned","state_updates":{{"tasks":[{{"description":"first"}},{{"description":"second"}}]}}}}' > "$LOOPD_RESULT_FILE" ;;
   develop)
     {develop}
+    echo "$LOOPD_TASK_ID" >> f.txt
     echo "{{\"status\":\"success\",\"summary\":\"did $LOOPD_TASK_ID\",\"files_changed\":[\"f.txt\"]}}" > "$LOOPD_RESULT_FILE" ;;
   validate)
     {validate}

@@ -142,12 +142,12 @@ impl Temporal {
 
     /// Starts a `loopd worker` named `name` in the project, as `configure` changes its command
     /// (its standard streams set after);
-    /// its log goes to `worker-NAME.log` in the project.
+    /// its log goes to `worker-NAME.log` in the project's [`side_dir`].
     pub fn worker_with(&mut self, p: &Project, name: &str, configure: impl FnOnce(&mut Command)) {
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
-            .open(p.root.join(format!("worker-{name}.log")))
+            .open(side_dir(p).join(format!("worker-{name}.log")))
             .expect("the worker's log");
         let mut cmd = p.loopd();
         cmd.args(["worker", "--temporal", &self.address, "--name", name]);
@@ -186,19 +186,29 @@ impl Temporal {
     }
 }
 
-/// Starts a dev server on `ports` (frontend, HTTP, metrics), its database in the project, and
-/// waits until it serves.
+/// Where a test keeps the files of its Temporal server and workers (database, logs): in the
+/// state directory, so that they are no file of the work tree (whose fingerprint tells whether a
+/// round changed anything).
+pub fn side_dir(p: &Project) -> PathBuf {
+    let dir = p.root.join(".loop/test-temporal");
+    std::fs::create_dir_all(&dir).expect("mkdir the test's Temporal directory");
+    dir
+}
+
+/// Starts a dev server on `ports` (frontend, HTTP, metrics), its database in the project's
+/// [`side_dir`], and waits until it serves.
 pub fn serve(p: &Project, bin: &PathBuf, ports: [u16; 3]) -> Process {
     let [port, http, metrics] = ports.map(|p| p.to_string());
+    let dir = side_dir(p);
     let server = Command::new(bin)
         .args(["server", "start-dev", "--headless", "--ip", "127.0.0.1"])
         .args(["--port", &port, "--log-level", "error"])
         .args(["--http-port", &http, "--metrics-port", &metrics])
         .arg("--db-filename")
-        .arg(p.root.join("temporal.db"))
+        .arg(dir.join("temporal.db"))
         .stdin(Stdio::null())
         .stdout(Stdio::null())
-        .stderr(std::fs::File::create(p.root.join("temporal.log")).expect("its log"))
+        .stderr(std::fs::File::create(dir.join("temporal.log")).expect("its log"))
         .spawn()
         .expect("start the Temporal dev server");
     let address = format!("127.0.0.1:{port}");
@@ -207,7 +217,7 @@ pub fn serve(p: &Project, bin: &PathBuf, ports: [u16; 3]) -> Process {
         assert!(
             matches!(server.0.try_wait(), Ok(None)),
             "the Temporal server on port {port} exited: {}",
-            std::fs::read_to_string(p.root.join("temporal.log")).unwrap_or_default()
+            std::fs::read_to_string(dir.join("temporal.log")).unwrap_or_default()
         );
         Command::new(bin)
             .args(["operator", "cluster", "health", "--address", &address])

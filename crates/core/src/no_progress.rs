@@ -140,7 +140,6 @@ pub fn afresh(state: &mut LoopState) {
     {
         books.rounds = 0;
         books.notes.clear();
-        books.fingerprint = None;
     }
 }
 
@@ -277,6 +276,17 @@ mod tests {
 
     fn failed(message: &str) -> Finish {
         Finish::Failed(message.to_owned())
+    }
+
+    /// A round: a validation that failed as the one before (git checkpoints on).
+    fn same_validation(state: &mut LoopState) {
+        round(
+            &CcwLoop,
+            state,
+            "validate",
+            &failed("same"),
+            Tree::Checkpointed,
+        );
     }
 
     fn checkpoint(files: u64) -> Checkpoint {
@@ -483,25 +493,18 @@ mod tests {
     fn a_persons_change_counts_afresh() {
         let mut state = LoopState::default();
         for _ in 0..3 {
-            round(
-                &CcwLoop,
-                &mut state,
-                "validate",
-                &failed("same"),
-                Tree::Checkpointed,
-            );
+            same_validation(&mut state);
         }
         assert_eq!(state.skill().no_progress.as_ref().unwrap().rounds, 2);
         afresh(&mut state);
-        round(
-            &CcwLoop,
-            &mut state,
-            "validate",
-            &failed("same"),
-            Tree::Checkpointed,
-        );
         assert_eq!(state.skill().no_progress.as_ref().unwrap().rounds, 0);
         assert!(state.skill().no_progress.as_ref().unwrap().notes.is_empty());
+        same_validation(&mut state);
+        assert_eq!(
+            state.skill().no_progress.as_ref().unwrap().rounds,
+            1,
+            "counted from the person's change"
+        );
     }
 
     #[test]
@@ -526,13 +529,7 @@ mod tests {
         let mut state = LoopState::default();
         CcwLoop.init_part(state.skill());
         for _ in 0..4 {
-            round(
-                &CcwLoop,
-                &mut state,
-                "validate",
-                &failed("same"),
-                Tree::Checkpointed,
-            );
+            same_validation(&mut state);
         }
         let limits = |then| Limits {
             max_iterations: 10,
@@ -560,13 +557,7 @@ mod tests {
     fn a_pause_starts_the_count_afresh_and_an_action_clears_it() {
         let mut state = LoopState::default();
         for _ in 0..4 {
-            round(
-                &CcwLoop,
-                &mut state,
-                "validate",
-                &failed("same"),
-                Tree::Checkpointed,
-            );
+            same_validation(&mut state);
         }
         let reason = check(&state, RULE).unwrap();
         pause(&mut state, reason.clone(), "2026-11-25T12:00:00.000Z");
@@ -577,13 +568,7 @@ mod tests {
         assert_eq!(check(&state, RULE), None);
         resumed(&mut state);
         assert_eq!(paused(&state), None);
-        round(
-            &CcwLoop,
-            &mut state,
-            "validate",
-            &failed("same"),
-            Tree::Checkpointed,
-        );
+        same_validation(&mut state);
         assert_eq!(check(&state, RULE), None, "one round since the resume");
     }
 }

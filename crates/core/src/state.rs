@@ -451,8 +451,9 @@ pub struct NoProgress {
     #[serde(default)]
     pub tree_changed: bool,
     /// What each round without progress did, in a few words (`debug proposed 'fix it'`), for
-    /// the pause's reason: the last [`crate::no_progress::NOTES_KEPT`].
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    /// the pause's reason: the last [`crate::no_progress::NOTES_KEPT`]. (Always written, empty
+    /// too: a key the daemon leaves out would be kept as another writer's.)
+    #[serde(default)]
     pub notes: Vec<String>,
     /// Set while the loop is paused for making no progress; cleared (`null`, always written so
     /// that the store's merge sees it cleared) when an action starts.
@@ -481,7 +482,7 @@ pub struct Fingerprint {
     pub tree_tracked: bool,
     /// Without checkpoints, a fingerprint of the work tree's files (their names, sizes and
     /// times), when the driver can take one.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default)]
     pub files: Option<u64>,
 }
 

@@ -77,6 +77,20 @@ pub fn own_output(cmd: &mut std::process::Command) -> std::io::Result<std::proce
     child.wait_with_output()
 }
 
+/// Runs `with` on `cmd` spawned as a process of loopd's own (spared by every orphan sweep until
+/// `with` returns, having waited for it).
+pub fn own_child<T>(
+    cmd: &mut std::process::Command,
+    with: impl FnOnce(&mut std::process::Child) -> std::io::Result<T>,
+) -> std::io::Result<T> {
+    let mut child = born_spared(|| cmd.spawn(), |child| Some(child.id()))?;
+    let _spared = Spared(child.id());
+    let done = with(&mut child);
+    let _ = child.kill();
+    let _ = child.wait();
+    done
+}
+
 /// [`own_output`] for tokio, which waits without a thread.
 pub async fn own_output_async(
     cmd: &mut tokio::process::Command,

@@ -76,6 +76,11 @@ pub struct AttemptReport {
     /// The worker that keeps the loop's work tree now, when it has one.
     #[serde(default)]
     pub holder: Option<Holder>,
+    /// Without a git remote (a shared directory), a fingerprint of the work tree's files after
+    /// the attempt (see [`loopd_exec::checkpoint::files_fingerprint`]): whether a round changed
+    /// a file, for no-progress detection.
+    #[serde(default)]
+    pub files: Option<u64>,
 }
 
 /// The activities of loopd's workers.
@@ -260,12 +265,25 @@ async fn run_attempt(
     let reported = loopd_exec::result::read_result_file(&actions, RESULT_FILE);
     let verdict = loopd_exec::result::verdict(plan.format, reported, &run);
     let spent = run.agent.map(|a| (a.usage, a.cost_usd));
+    let files = match (&git, wf.counts_iteration(&dispatch.action)) {
+        (None, true) => {
+            let (root, state_dir) = (root.clone(), state_dir.clone());
+            tokio::task::spawn_blocking(move || {
+                loopd_exec::checkpoint::files_fingerprint(&root, &[&state_dir])
+            })
+            .await
+            .ok()
+            .flatten()
+        }
+        _ => None,
+    };
     let mut report = AttemptReport {
         executor: plan.executor.clone(),
         verdict,
         spent,
         checkpoint: None,
         holder: None,
+        files,
     };
     if let (Some(tree), Some((source, commit))) = (tree, &git) {
         // Only a success moves the loop on: what a failed or interrupted attempt left stays
@@ -309,6 +327,7 @@ impl AttemptReport {
             spent: None,
             checkpoint: None,
             holder: None,
+            files: None,
         }
     }
 

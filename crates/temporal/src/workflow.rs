@@ -274,6 +274,10 @@ async fn run_action(
                 s.input.head = head.or(s.input.head.take());
             });
         }
+        let files = report
+            .as_ref()
+            .and_then(|r| r.as_ref().ok())
+            .and_then(|r| r.files);
         let (verdict, spent, ran_by, checkpoint) = match report {
             Some(Ok(report)) => (
                 attempt::checked(wf, &dispatch.action, report.verdict),
@@ -304,7 +308,7 @@ async fn run_action(
         });
         match attempts.next(verdict, now(ctx)) {
             AfterAttempt::Finish(finish) => {
-                finish_action(ctx, wf, &dispatch, finish);
+                finish_action(ctx, wf, &dispatch, finish, files);
                 return Ok(());
             }
             AfterAttempt::Retry { pause: wait } | AfterAttempt::WaitRateLimit { wait, .. } => {
@@ -374,12 +378,14 @@ async fn attempt(
 }
 
 /// The action is done: the core applies its result and keeps the books; a loop it ends is
-/// completed.
+/// completed. `files`: without a git remote, the fingerprint of the work tree's files its worker
+/// reported.
 fn finish_action(
     ctx: &mut WorkflowContext<LoopWorkflow>,
     wf: &'static dyn Workflow,
     dispatch: &Dispatch,
     finish: Finish,
+    files: Option<u64>,
 ) {
     let at = format_ts(now(ctx));
     ctx.state_mut(|s| {
@@ -391,10 +397,12 @@ fn finish_action(
         let inputs = Inputs {
             now: at.clone(),
             listed_tasks,
-            // Checkpoints are recorded only where the work tree is on a git remote.
-            tree: match s.input.git {
-                Some(_) => loopd_core::workflow::Tree::Checkpointed,
-                None => loopd_core::workflow::Tree::Unknown,
+            // Checkpoints are recorded only where the work tree is on a git remote; in a shared
+            // directory, its worker fingerprints its files.
+            tree: match (&s.input.git, files) {
+                (Some(_), _) => loopd_core::workflow::Tree::Checkpointed,
+                (None, Some(files)) => loopd_core::workflow::Tree::Files(files),
+                (None, None) => loopd_core::workflow::Tree::Unknown,
             },
         };
         let state = &mut s.input.state;

@@ -17,6 +17,7 @@
 //! by Landlock from ABI 9, and covered by the view before. TCP connects are limited to ports by
 //! Landlock (ABI 4); no network at all is a network namespace of the child's own.
 
+mod cache;
 mod view;
 
 pub use view::SOCKET_VARIABLES;
@@ -32,7 +33,7 @@ use landlock::{
 };
 
 /// What an attempt may change.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum Mode {
     /// Its work tree, its own files and the declared paths (the default).
     #[default]
@@ -64,7 +65,7 @@ impl Mode {
 }
 
 /// Where an attempt may connect.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
 pub enum Network {
     #[default]
     Any,
@@ -99,7 +100,7 @@ pub const HIDDEN_IN_HOME: [&str; 7] = [
 ];
 
 /// What one attempt may do.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
 pub struct Policy {
     pub mode: Mode,
     /// Where it may write besides its own files (the work tree, for `workspace-write`, and
@@ -232,23 +233,29 @@ fn user_namespaces() -> bool {
 
 /// An attempt's sandbox, built, to be entered by its child ([`Prepared::enter`]).
 pub struct Prepared {
+    /// The namespaces (with the view made in them) and the ruleset, kept for the place's next
+    /// attempts.
+    built: std::sync::Arc<cache::Built>,
     ruleset: Option<RulesetCreated>,
-    /// `/proc/self/uid_map` and `gid_map` of the child's own user namespace.
-    maps: (CString, CString),
     /// Whether it has a network namespace of its own (no network).
     own_network: bool,
-    view: view::View,
+    /// The mount namespace loopd is in (`st_dev`, `st_ino` of `/proc/self/ns/mnt`).
+    parent_mount_ns: (u64, u64),
+    /// The attempt's working directory (its tree).
+    cwd: CString,
 }
 
 impl Policy {
     /// Builds the sandbox of an attempt at `place`: it may write in its own files and, for
-    /// `workspace-write`, in its tree and the declared paths. `None` when the policy is off.
+    /// `workspace-write`, in its tree and the declared paths. `None` when the policy is off. The
+    /// sandbox of the place's last attempt is taken again while what it was made from holds
+    /// ([`cache`]).
     pub fn prepare(&self, place: &Place<'_>) -> io::Result<Option<Prepared>> {
         if self.mode == Mode::Off {
             return Ok(None);
         }
         // User namespaces were checked before the loop started (preflight); should they be gone
-        // since, the child's `unshare` fails and the attempt with it: never unsandboxed.
+        // since, making them fails and the attempt with it: never unsandboxed.
         let support = Support {
             landlock: landlock_abi(),
             user_namespaces: true,
@@ -270,23 +277,57 @@ impl Policy {
             mask_sockets: abi < RESOLVE_UNIX_ABI,
             sockets: &self.sockets,
         })?;
-        let ruleset = self
-            .ruleset(ABI::from(abi), place)
-            .map_err(io::Error::other)?;
-        let (uid, gid) = (nix::unistd::getuid(), nix::unistd::getgid());
-        let map = |id: u32| CString::new(format!("{id} {id} 1")).unwrap_or_default();
+        let key = cache::Key {
+            policy: self.clone(),
+            tree: place.tree.to_owned(),
+            own: place.own.iter().map(|p| p.to_path_buf()).collect(),
+            state_dir: place.state_dir.map(Path::to_owned),
+            progress_dir: place.progress_dir.map(Path::to_owned),
+        };
+        let built = cache::built(key, view, || {
+            let mut listed = Vec::new();
+            let ruleset = self
+                .ruleset(ABI::from(abi), place, &mut listed)
+                .map_err(io::Error::other)?;
+            // What the ruleset was made of: the hidden and declared paths as they were, and the
+            // directories listed to leave the hidden ones out.
+            let declared = self
+                .hidden
+                .iter()
+                .chain(&self.writable)
+                .chain(&self.readable)
+                .chain(&self.sockets);
+            let paths = declared
+                .map(|path| cache::DependsOn {
+                    path: path.clone(),
+                    listed: false,
+                })
+                .chain(
+                    listed
+                        .into_iter()
+                        .map(|path| cache::DependsOn { path, listed: true }),
+                )
+                .collect();
+            Ok((ruleset, paths))
+        })?;
+        let cwd = CString::new(place.tree.as_os_str().as_encoded_bytes())
+            .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
         Ok(Some(Prepared {
-            ruleset: Some(ruleset),
-            maps: (map(uid.as_raw()), map(gid.as_raw())),
+            ruleset: Some(built.ruleset()?),
+            built,
             own_network: self.network == Network::None,
-            view,
+            parent_mount_ns: mount_namespace()?,
+            cwd,
         }))
     }
 
+    /// The Landlock ruleset of an attempt at `place`; the directories it listed to leave the
+    /// hidden paths out go into `listed`.
     fn ruleset(
         &self,
         abi: ABI,
         place: &Place<'_>,
+        listed: &mut Vec<PathBuf>,
     ) -> Result<RulesetCreated, landlock::RulesetError> {
         let read = AccessFs::from_read(abi);
         let write = AccessFs::from_write(abi);
@@ -314,7 +355,7 @@ impl Policy {
             }
         }
         let hidden = existing(&self.hidden);
-        for path in split(Path::new("/"), &hidden)
+        for path in split(Path::new("/"), &hidden, listed)
             .into_iter()
             .chain(self.readable.iter().cloned())
         {
@@ -322,8 +363,10 @@ impl Policy {
         }
         // A hidden path in a writable one (a work tree that holds the home directory) stays
         // hidden.
-        for path in writable.iter().flat_map(|w| split(w, &hidden)) {
-            created = add(created, &path, read | write, abi)?;
+        for writable in &writable {
+            for path in split(writable, &hidden, listed) {
+                created = add(created, &path, read | write, abi)?;
+            }
         }
         // The sockets it declares, where Landlock refuses the others (before, the view shows
         // them).
@@ -389,14 +432,21 @@ fn existing(hidden: &[PathBuf]) -> Vec<PathBuf> {
 
 /// `dir` as grants that leave out `hidden`: `dir` itself when nothing hidden is in it, else its
 /// entries, each split the same way. A symbolic link on the way is not followed (its target is
-/// granted where it is), and one that leads into a hidden path is left out.
-fn split(dir: &Path, hidden: &[PathBuf]) -> Vec<PathBuf> {
+/// granted where it is), and one that leads into a hidden path is left out. The directories whose
+/// entries were listed go into `listed` (a new entry in one is not granted until it is split
+/// again).
+fn split(dir: &Path, hidden: &[PathBuf], listed: &mut Vec<PathBuf>) -> Vec<PathBuf> {
     let mut granted = Vec::new();
-    split_into(dir, hidden, &mut granted);
+    split_into(dir, hidden, &mut granted, listed);
     granted
 }
 
-fn split_into(dir: &Path, hidden: &[PathBuf], granted: &mut Vec<PathBuf>) {
+fn split_into(
+    dir: &Path,
+    hidden: &[PathBuf],
+    granted: &mut Vec<PathBuf>,
+    listed: &mut Vec<PathBuf>,
+) {
     let real = std::fs::canonicalize(dir).unwrap_or_else(|_| dir.to_owned());
     if hidden.iter().any(|h| real.starts_with(h)) {
         return;
@@ -411,27 +461,30 @@ fn split_into(dir: &Path, hidden: &[PathBuf], granted: &mut Vec<PathBuf>) {
     let Ok(entries) = std::fs::read_dir(dir) else {
         return;
     };
+    listed.push(dir.to_owned());
     for entry in entries.flatten() {
-        split_into(&entry.path(), hidden, granted);
+        split_into(&entry.path(), hidden, granted, listed);
     }
 }
 
 impl Prepared {
     /// Enters the sandbox: called in the child between fork and exec, where only system calls
-    /// that allocate nothing may be made. The namespaces come first (their maps are written in
-    /// `/proc`, which the ruleset then forbids), then the view, then the ruleset (which forbids
-    /// any change of mounts from then on).
+    /// that allocate nothing may be made. It joins the user and mount namespaces made for its
+    /// place (the view made in them; never the namespace loopd is in), makes a network
+    /// namespace of its own if it has no network, and enters the ruleset (which forbids any
+    /// change of mounts from then on).
     pub fn enter(&mut self) -> io::Result<()> {
-        use nix::sched::{CloneFlags, unshare};
-        let mut namespaces = CloneFlags::CLONE_NEWUSER | CloneFlags::CLONE_NEWNS;
-        if self.own_network {
-            namespaces |= CloneFlags::CLONE_NEWNET;
+        use nix::sched::{CloneFlags, setns, unshare};
+        setns(&self.built.user, CloneFlags::CLONE_NEWUSER)?;
+        setns(&self.built.mount, CloneFlags::CLONE_NEWNS)?;
+        if mount_namespace()? == self.parent_mount_ns {
+            return Err(io::Error::other("no mount namespace of its own"));
         }
-        unshare(namespaces)?;
-        write_proc(c"/proc/self/setgroups", c"deny")?;
-        write_proc(c"/proc/self/uid_map", &self.maps.0)?;
-        write_proc(c"/proc/self/gid_map", &self.maps.1)?;
-        self.view.make()?;
+        if self.own_network {
+            unshare(CloneFlags::CLONE_NEWNET)?;
+        }
+        // Joining a mount namespace takes the working directory to its root.
+        nix::unistd::chdir(self.cwd.as_c_str())?;
         if let Some(ruleset) = self.ruleset.take() {
             let status = ruleset.restrict_self().map_err(io::Error::other)?;
             if status.ruleset != RulesetStatus::FullyEnforced {
@@ -444,8 +497,34 @@ impl Prepared {
     /// What the attempt's view holds read-only (git's control files, the state directory) and
     /// what it covers (where other programs' sockets are).
     pub fn view(&self) -> (&[PathBuf], &[PathBuf]) {
-        (&self.view.protected, &self.view.covered)
+        (&self.built.protected, &self.built.covered)
     }
+}
+
+/// The mount namespace this process is in: `st_dev` and `st_ino` of `/proc/self/ns/mnt` (a
+/// `stat`, which allocates nothing).
+fn mount_namespace() -> io::Result<(u64, u64)> {
+    let ns = nix::sys::stat::stat(c"/proc/self/ns/mnt")?;
+    Ok((ns.st_dev, ns.st_ino))
+}
+
+/// Makes a user and a mount namespace of the calling child's own (and a network namespace, with
+/// `network`), mapping its user and group to themselves (`maps`): never the mount namespace
+/// `parent` it was in (checked, not assumed). Only system calls that allocate nothing.
+fn new_namespaces(maps: &(CString, CString), parent: (u64, u64), network: bool) -> io::Result<()> {
+    use nix::sched::{CloneFlags, unshare};
+    let mut namespaces = CloneFlags::CLONE_NEWUSER | CloneFlags::CLONE_NEWNS;
+    if network {
+        namespaces |= CloneFlags::CLONE_NEWNET;
+    }
+    unshare(namespaces)?;
+    if mount_namespace()? == parent {
+        return Err(io::Error::other("no mount namespace of its own"));
+    }
+    write_proc(c"/proc/self/setgroups", c"deny")?;
+    write_proc(c"/proc/self/uid_map", &maps.0)?;
+    write_proc(c"/proc/self/gid_map", &maps.1)?;
+    Ok(())
 }
 
 /// Writes `text` to the file `path` of `/proc`, with system calls alone (a `CStr` path is
@@ -532,7 +611,7 @@ mod tests {
             home.join(".config/gcloud"),
             home.join(".missing"),
         ];
-        let granted = split(Path::new("/"), &existing(&hidden));
+        let granted = split(Path::new("/"), &existing(&hidden), &mut Vec::new());
         for h in &hidden {
             assert!(
                 !granted.iter().any(|g| h.starts_with(g)),
@@ -550,7 +629,13 @@ mod tests {
         assert!(!granted.contains(&home.join("keys")), "a link into .ssh");
         assert!(granted.contains(&PathBuf::from("/usr")));
         // A writable home keeps its hidden paths hidden.
-        let writable = split(&home, &existing(&hidden));
+        let mut listed = Vec::new();
+        let writable = split(&home, &existing(&hidden), &mut listed);
+        assert_eq!(
+            listed,
+            vec![home.clone(), home.join(".config")],
+            "the directories listed"
+        );
         assert!(writable.contains(&home.join("work")));
         assert!(!writable.iter().any(|g| home.join(".ssh").starts_with(g)));
     }

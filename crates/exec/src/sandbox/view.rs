@@ -69,18 +69,47 @@ pub(super) struct Inputs<'a> {
 }
 
 /// An attempt's view, planned by the parent, made by the child.
-#[derive(Default)]
+#[derive(Debug, Default)]
 pub(super) struct View {
     steps: Vec<Step>,
-    /// What is bound back into a mask, open (close-on-exec) until the child has bound it.
-    _held: Vec<OwnedFd>,
+    /// What is bound back into a mask, open (close-on-exec) until the child has bound it, with
+    /// its name in `/proc/self/fd`.
+    held: Vec<(OwnedFd, CString)>,
+    /// The paths bound and shown again: the view is made of what they are now.
+    bound: Vec<PathBuf>,
     /// The read-only paths and the covered ones, for people (`doctor`, the tests).
     pub(super) protected: Vec<PathBuf>,
     pub(super) covered: Vec<PathBuf>,
 }
 
+/// Two views are the same when they are made the same way (whatever the descriptors' numbers).
+impl PartialEq for View {
+    fn eq(&self, other: &View) -> bool {
+        self.steps == other.steps
+            && self.bound == other.bound
+            && self.protected == other.protected
+            && self.covered == other.covered
+    }
+}
+
+/// What the child needs of a view to make it: its steps, and the names of what it shows again.
+#[derive(Clone)]
+pub(super) struct Made {
+    steps: Vec<Step>,
+    sources: Vec<CString>,
+}
+
+/// What a bind is made from.
+#[derive(Clone, Debug, PartialEq)]
+enum Source {
+    /// `/dev/null` (a socket covered).
+    DevNull,
+    /// The `n`th descriptor the view holds.
+    Held(usize),
+}
+
 /// One system call's worth of the view, in order.
-#[derive(Debug)]
+#[derive(Clone, Debug, PartialEq)]
 enum Step {
     /// `path` bound onto itself, read-only or writable (a bind in a read-only one copies its
     /// flag), keeping the flags of the mount it is in, which a remount in a user namespace may not
@@ -97,7 +126,7 @@ enum Step {
     /// An empty file made in a mask, to bind a file onto.
     MakeFile { path: CString },
     /// `source` bound onto `target`.
-    BindAt { source: CString, target: CString },
+    BindAt { source: Source, target: CString },
     /// A mask made read-only, once what it shows again is bound.
     Seal { path: CString },
 }
@@ -134,6 +163,7 @@ impl View {
             if read_only {
                 view.protected.push(path.clone());
             }
+            view.bound.push(path.clone());
             view.steps.push(Step::Bind {
                 path: c_path(&path)?,
                 read_only,
@@ -219,7 +249,7 @@ impl View {
         for socket in sockets {
             self.covered.push(socket.clone());
             self.steps.push(Step::BindAt {
-                source: c"/dev/null".to_owned(),
+                source: Source::DevNull,
                 target: c_path(&socket)?,
             });
         }
@@ -258,17 +288,41 @@ impl View {
             }
         });
         self.steps.push(Step::BindAt {
-            source,
+            source: Source::Held(self.held.len()),
             target: target_c,
         });
-        self._held.push(fd);
+        self.held.push((fd, source));
+        self.bound.push(target.to_owned());
         Ok(())
     }
 
-    /// Makes the view: called in the child, in its own user and mount namespaces, between fork
-    /// and exec, where only system calls that allocate nothing may be made.
+    /// The paths the view is made of: what it binds and shows again.
+    pub(super) fn depends_on(&self) -> Vec<PathBuf> {
+        self.bound.clone()
+    }
+
+    /// What the child needs to make it (while this view lives, holding what it shows again).
+    pub(super) fn made(&self) -> Made {
+        Made {
+            steps: self.steps.clone(),
+            sources: self.held.iter().map(|(_, name)| name.clone()).collect(),
+        }
+    }
+}
+
+impl Made {
+    /// Makes the view: called in a child in its own user and mount namespaces, between fork and
+    /// exec, where only system calls that allocate nothing may be made.
     pub(super) fn make(&self) -> io::Result<()> {
         const NONE: Option<&CStr> = None;
+        // Whatever the mounts it was copied from, nothing made here propagates anywhere.
+        mount(
+            NONE,
+            c"/",
+            NONE,
+            MsFlags::MS_REC | MsFlags::MS_PRIVATE,
+            NONE,
+        )?;
         for step in &self.steps {
             match step {
                 Step::Bind {
@@ -311,13 +365,22 @@ impl View {
                         nix::sys::stat::Mode::S_IRUSR,
                     )?);
                 }
-                Step::BindAt { source, target } => mount(
-                    Some(source.as_c_str()),
-                    target.as_c_str(),
-                    NONE,
-                    MsFlags::MS_BIND,
-                    NONE,
-                )?,
+                Step::BindAt { source, target } => {
+                    let source = match source {
+                        Source::DevNull => c"/dev/null",
+                        Source::Held(n) => match self.sources.get(*n) {
+                            Some(name) => name.as_c_str(),
+                            None => return Err(nix::errno::Errno::EINVAL.into()),
+                        },
+                    };
+                    mount(
+                        Some(source),
+                        target.as_c_str(),
+                        NONE,
+                        MsFlags::MS_BIND,
+                        NONE,
+                    )?
+                }
                 Step::Seal { path } => mount(
                     NONE,
                     path.as_c_str(),
@@ -408,26 +471,12 @@ fn pointed(tree: &Path, dot_git: &Path) -> Option<PathBuf> {
 /// reads one), made where missing.
 fn control_files(git_dir: &Path, read_only: &mut Vec<PathBuf>) -> io::Result<()> {
     let config = git_dir.join("config");
-    if std::fs::symlink_metadata(&config).is_err() {
-        std::fs::OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .mode(0o600)
-            .open(&config)?;
-    }
+    made(&config)?;
     read_only.push(held(&config)?);
     let text = std::fs::read_to_string(&config).unwrap_or_default();
     if text.to_ascii_lowercase().contains("worktreeconfig") {
         let worktree = git_dir.join("config.worktree");
-        if std::fs::symlink_metadata(&worktree).is_err() {
-            std::fs::OpenOptions::new()
-                .write(true)
-                .create(true)
-                .truncate(false)
-                .mode(0o600)
-                .open(&worktree)?;
-        }
+        made(&worktree)?;
         read_only.push(held(&worktree)?);
     }
     for name in ["hooks", "info"] {
@@ -436,6 +485,19 @@ fn control_files(git_dir: &Path, read_only: &mut Vec<PathBuf>) -> io::Result<()>
             std::fs::DirBuilder::new().mode(0o700).create(&dir)?;
         }
         read_only.push(held(&dir)?);
+    }
+    Ok(())
+}
+
+/// `path` made as an empty private file if nothing is there.
+fn made(path: &Path) -> io::Result<()> {
+    if std::fs::symlink_metadata(path).is_err() {
+        std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .mode(0o600)
+            .open(path)?;
     }
     Ok(())
 }

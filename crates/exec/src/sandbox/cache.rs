@@ -1,0 +1,187 @@
+//! Sandboxes kept between the attempts of one place: what a sandbox costs to make (its Landlock
+//! ruleset, opening the entries of `/` and of the home directory one by one to leave the hidden
+//! paths out; its user and mount namespaces with the view made in them) is paid once, and each
+//! attempt only joins it (`setns` twice, then the ruleset: a few system calls).
+//!
+//! Theory of operation: a built sandbox is kept by what it was made for (the policy and the
+//! place) with a [`Stamp`] of what it was made from: the view's plan, and the identity of every
+//! path it depends on (the hidden, declared and bound paths, each one's device, inode and time;
+//! the directories whose entries were listed, with their times). Each attempt plans the view and
+//! takes the stamp again, a few dozen `stat`s; while both are the same, the kept sandbox is its
+//! own. A credential file made since, a `.git/config` git replaced, a new entry in the home
+//! directory: the stamp differs, and the sandbox is made anew. The namespaces are made by a helper
+//! (`/bin/sh` waiting on its standard input) whose pre-exec makes them and the view; loopd keeps
+//! descriptors of them, then lets the helper go. Descriptors keep a namespace alive.
+
+use std::collections::HashMap;
+use std::ffi::CString;
+use std::io;
+use std::os::fd::OwnedFd;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, LazyLock, Mutex};
+
+use landlock::RulesetCreated;
+
+use super::view::View;
+
+/// How many sandboxes a process keeps (one a loop under `loopd serve`): past it, all are let go.
+const KEPT: usize = 512;
+
+/// What a sandbox is kept by.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub(super) struct Key {
+    pub policy: super::Policy,
+    pub tree: PathBuf,
+    pub own: Vec<PathBuf>,
+    pub state_dir: Option<PathBuf>,
+    pub progress_dir: Option<PathBuf>,
+}
+
+/// A sandbox made once, joined by each attempt.
+pub(super) struct Built {
+    stamp: Stamp,
+    ruleset: RulesetCreated,
+    /// The user and mount namespaces, with the view made in them.
+    pub(super) user: OwnedFd,
+    pub(super) mount: OwnedFd,
+    pub(super) protected: Vec<PathBuf>,
+    pub(super) covered: Vec<PathBuf>,
+}
+
+impl Built {
+    /// The ruleset, for one attempt to enter.
+    pub(super) fn ruleset(&self) -> io::Result<RulesetCreated> {
+        self.ruleset.try_clone()
+    }
+}
+
+/// What a sandbox was made from.
+#[derive(Debug, PartialEq)]
+struct Stamp {
+    view: View,
+    /// Each path it depends on, whether its entries were listed, and what it was (see
+    /// [`identity`]); nothing if it was not there.
+    paths: Vec<(PathBuf, bool, Option<Identity>)>,
+}
+
+/// A path a sandbox depends on, and whether its entries were listed.
+pub(super) struct DependsOn {
+    pub path: PathBuf,
+    pub listed: bool,
+}
+
+impl Stamp {
+    fn take(view: View, paths: Vec<DependsOn>) -> Stamp {
+        let paths = paths
+            .into_iter()
+            .map(|d| {
+                let id = identity(&d.path, d.listed);
+                (d.path, d.listed, id)
+            })
+            .collect();
+        Stamp { view, paths }
+    }
+
+    /// Whether `view` and the paths are as they were.
+    fn holds(&self, view: &View) -> bool {
+        self.view == *view
+            && self
+                .paths
+                .iter()
+                .all(|(path, listed, was)| identity(path, *listed) == *was)
+    }
+}
+
+/// A path's device and inode, and for a directory whose entries were listed its modification
+/// time (a new entry changes it; zero for the others, whose contents the sandbox does not depend
+/// on).
+type Identity = (u64, u64, i64, i64);
+
+fn identity(path: &Path, listed: bool) -> Option<Identity> {
+    use std::os::unix::fs::MetadataExt as _;
+    let m = std::fs::symlink_metadata(path).ok()?;
+    let (s, ns) = if listed {
+        (m.mtime(), m.mtime_nsec())
+    } else {
+        (0, 0)
+    };
+    Some((m.dev(), m.ino(), s, ns))
+}
+
+static KEPT_SANDBOXES: LazyLock<Mutex<HashMap<Key, Arc<Built>>>> = LazyLock::new(Default::default);
+
+fn kept() -> std::sync::MutexGuard<'static, HashMap<Key, Arc<Built>>> {
+    KEPT_SANDBOXES.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The sandbox for `key` whose view is `view`: the one kept while its stamp holds, else one made
+/// with the ruleset `make` returns (with the paths it depends on), and kept.
+pub(super) fn built(
+    key: Key,
+    view: View,
+    make: impl FnOnce() -> io::Result<(RulesetCreated, Vec<DependsOn>)>,
+) -> io::Result<Arc<Built>> {
+    if let Some(built) = kept().get(&key)
+        && built.stamp.holds(&view)
+    {
+        return Ok(built.clone());
+    }
+    tracing::debug!("making the sandbox of {}", key.tree.display());
+    let (ruleset, mut paths) = make()?;
+    let (user, mount) = namespaces(&view)?;
+    paths.extend(view.depends_on().into_iter().map(|path| DependsOn {
+        path,
+        listed: false,
+    }));
+    let built = Arc::new(Built {
+        protected: view.protected.clone(),
+        covered: view.covered.clone(),
+        stamp: Stamp::take(view, paths),
+        ruleset,
+        user,
+        mount,
+    });
+    let mut kept = kept();
+    if kept.len() >= KEPT {
+        kept.clear();
+    }
+    kept.insert(key, built.clone());
+    Ok(built)
+}
+
+/// A user and a mount namespace with `view` made in them: made by a helper, which waits on its
+/// standard input while loopd opens them, then goes.
+fn namespaces(view: &View) -> io::Result<(OwnedFd, OwnedFd)> {
+    use std::os::unix::process::CommandExt as _;
+    use std::process::{Command, Stdio};
+    let (uid, gid) = (nix::unistd::getuid(), nix::unistd::getgid());
+    let map = |id: u32| CString::new(format!("{id} {id} 1")).unwrap_or_default();
+    let maps = (map(uid.as_raw()), map(gid.as_raw()));
+    let parent = super::mount_namespace()?;
+    let made = view.made();
+    let mut helper = Command::new("/bin/sh");
+    helper
+        .args(["-c", "read _"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
+    // SAFETY: the closure makes system calls only: it allocates nothing and takes no lock, as a
+    // child of a process with other threads must.
+    #[allow(unsafe_code)]
+    unsafe {
+        helper.pre_exec(move || {
+            super::new_namespaces(&maps, parent, false)?;
+            made.make()
+        });
+    }
+    crate::procs::own_child(&mut helper, |child| {
+        let open = |name: &str| -> io::Result<OwnedFd> {
+            Ok(std::fs::File::open(format!("/proc/{}/ns/{name}", child.id()))?.into())
+        };
+        let fds = (open("user")?, open("mnt")?);
+        // Its standard input closed, it reads the end and exits.
+        drop(child.stdin.take());
+        child.wait()?;
+        Ok(fds)
+    })
+}
