@@ -78,6 +78,12 @@ fn shell_config(develop: &str, validate: &str) -> String {
          # per task, with the task in $LOOPD_TASK_ID and $LOOPD_TASK; validate runs your test\n\
          # command (exit 0: passed). A develop command may print loopd's JSON result; otherwise\n\
          # exit 0 is a success.\n\n\
+         [executor_defaults]\n\
+         # Where your commands may connect: the hosts listed, with their ports, through loopd's\n\
+         # proxy, and nothing else. A command that fetches packages needs their registries, as\n\
+         # [\"index.crates.io:443\", \"static.crates.io:443\"] or [\"registry.npmjs.org:443\"];\n\
+         # \"any\" lets it reach everything. A refusal's event in `loopd logs` names the host.\n\
+         sandbox_network = []\n\n\
          [actions.init]\ncommand = {}\n\n\
          [actions.develop]\ncommand = {}\n\n\
          [actions.debug]\ncommand = {}\n\n\

@@ -270,6 +270,19 @@ fn each_real_cli_runs_a_whole_loop_against_its_scripted_server() {
         let state = p.state(&id);
         assert_eq!(state["status"], "completed", "{cli}");
         assert_eq!(state["skill_state"]["outcome"], "passed", "{cli}");
+        // Under the default network (its model endpoint only): the scripted server was reached,
+        // and whatever else the CLI asked for was refused and said.
+        let refused = p.events_named(&id, "network_refused");
+        for e in &refused {
+            eprintln!(
+                "{cli}: refused {}:{} ({})",
+                e["host"], e["port"], e["count"]
+            );
+        }
+        assert!(
+            refused.iter().all(|e| e["port"] != a.server.port),
+            "{cli}: its model server was refused: {refused:?}"
+        );
         let actions: Vec<String> = p
             .events(&id)
             .iter()

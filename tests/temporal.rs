@@ -650,3 +650,26 @@ fn sse_body(to: &To<'_>, path: &str, last_id: Option<&str>) -> String {
     assert_eq!(status, 200, "{path}: {text}");
     text
 }
+
+/// A worker's agents reach what their `sandbox_network` lists and nothing else: not the Temporal
+/// server the worker talks to.
+#[test]
+fn a_workers_agent_reaches_no_host_it_may_not_not_even_the_temporal_server() {
+    let Some(bin) = temporal_bin() else { return };
+    let p = Project::new("");
+    let mut temporal = Temporal::start(&p, &bin);
+    let (host, port) = temporal.address.rsplit_once(':').unwrap();
+    p.agent(&GOOD_AGENT.replace(
+        "develop) ",
+        &format!(
+            "develop) python3 -c \"import socket; socket.create_connection((\\\"{host}\\\", {port}), 5)\" 2>/dev/null && touch reached; "
+        ),
+    ));
+    temporal.worker(&p);
+    let id = temporal.create(&p, &["--title", "boxed"]);
+    temporal.wait_for_status(&p, &id, "completed");
+    assert!(
+        !p.root.join("reached").exists(),
+        "an agent reached the Temporal server"
+    );
+}

@@ -21,7 +21,9 @@ pub fn env_num(name: &str, default: usize) -> usize {
 /// A project config for a benchmark: short retry backoff and kill grace, and one executor, `agent`,
 /// run as `argv` with the prompt passed as `prompt` (`stdin`, `arg`), its output read as `format`
 /// (`json`, `text`); with `validate`, validate runs that shell command instead. Its attempts are
-/// sandboxed as by default, or as `LOOPD_BENCH_SANDBOX` says (`off`).
+/// sandboxed as by default, or as `LOOPD_BENCH_SANDBOX` says (`off`), their network as by
+/// default (for a plain command: nothing, through loopd's proxy), or as `LOOPD_BENCH_NETWORK`
+/// says (a `sandbox_network` value: `'"any"'`).
 pub fn config(argv: &[&str], prompt: &str, format: &str, validate: Option<&str>) -> String {
     let argv: Vec<String> = argv.iter().map(|a| format!("{a:?}")).collect();
     let mut text = format!(
@@ -43,6 +45,13 @@ format = "{format}"
         argv.join(", "),
         sandbox = std::env::var("LOOPD_BENCH_SANDBOX").unwrap_or_else(|_| "workspace-write".into()),
     );
+    if let Ok(network) = std::env::var("LOOPD_BENCH_NETWORK") {
+        text = text.replacen(
+            "[executor_defaults]\n",
+            &format!("[executor_defaults]\nsandbox_network = {network}\n"),
+            1,
+        );
+    }
     if let Some(command) = validate {
         text.push_str(&format!("\n[actions.validate]\ncommand = {command:?}\n"));
     }

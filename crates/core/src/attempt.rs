@@ -318,6 +318,19 @@ pub fn record(state: &mut LoopState, attempted: Attempted<'_>, verdict: &Verdict
     }
 }
 
+/// The sandbox's proxy refused an attempt of `action` the hosts `refused` (`host:port` each):
+/// counted, the last kept.
+pub fn network_refused(state: &mut LoopState, action: &str, refused: &[String], now: &str) {
+    let Some(last) = refused.last() else {
+        return;
+    };
+    let network = state.skill().network.get_or_insert_with(Default::default);
+    network.refused = network.refused.saturating_add(refused.len() as u64);
+    network.last = last.clone();
+    network.action = action.to_owned();
+    network.at = now.to_owned();
+}
+
 /// The loop waits for a person to fix what keeps `executor` from running: the driver pauses it.
 pub fn block(
     state: &mut LoopState,

@@ -289,6 +289,7 @@ pub const SKILL_KEY_ORDER: &[&str] = &[
     "rate_limit",
     "best_validation",
     "no_progress",
+    "network",
 ];
 
 impl Serialize for SkillState {
@@ -429,6 +430,19 @@ pub struct Bookkeeping {
     /// paused for it, why (see `no_progress`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub no_progress: Option<NoProgress>,
+    /// What the sandbox's proxy refused the loop's attempts (a network of hosts), once it did.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub network: Option<NetworkRefused>,
+}
+
+/// The connections the sandbox's proxy refused a loop's attempts: how many, and the last.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct NetworkRefused {
+    pub refused: u64,
+    /// `host:port` of the last, the action that asked, and when.
+    pub last: String,
+    pub action: String,
+    pub at: String,
 }
 
 /// A loop waiting for a rate limit to reset.

@@ -162,6 +162,8 @@ pub struct Run {
     pub killed: bool,
     /// The agent's stream, read to the end.
     pub agent: Option<agent::AgentStream>,
+    /// What loopd's proxy refused it (a network of hosts).
+    pub network_refused: Vec<sandbox::Refusal>,
 }
 
 /// Starts attempts. Two phases, so that the daemon records the attempt in flight (and learns that
@@ -234,6 +236,8 @@ struct SubprocessAttempt {
     marker: String,
     /// Its private temporary directory (sandboxed), removed at its end.
     tmp: Option<PathBuf>,
+    /// What loopd's proxy refused it (a network of hosts).
+    refusals: Option<sandbox::network::Refusals>,
 }
 
 /// What an attempt's output goes to: the log, the tails, the agent's stream.
@@ -343,8 +347,8 @@ impl SubprocessAttempt {
             state_dir: Some(&spec.state_dir),
             progress_dir,
         };
+        let mut refusals = None;
         if let Some(sandboxed) = spec.sandbox.prepare(&place)? {
-            enter_on_spawn(&mut command, sandboxed);
             // Another program's socket is not named to it (nor reachable: see the sandbox),
             // unless its executor sets the variable itself.
             for name in sandbox::SOCKET_VARIABLES {
@@ -352,6 +356,15 @@ impl SubprocessAttempt {
                     command.env_remove(name);
                 }
             }
+            // A network of hosts: its clients are sent to loopd's proxy, and told of no way
+            // around it.
+            let proxy = sandboxed.proxy_env();
+            if !proxy.is_empty() {
+                command.env_remove("NO_PROXY").env_remove("no_proxy");
+                command.envs(proxy);
+            }
+            refusals = sandboxed.refusals();
+            enter_on_spawn(&mut command, sandboxed);
         }
         if let Some((name, path)) = &tmp {
             spec.dir.subdir(name, true)?;
@@ -391,6 +404,7 @@ impl SubprocessAttempt {
             },
             marker: spec.marker,
             tmp: tmp.map(|(_, path)| path),
+            refusals,
         })
     }
 }
@@ -503,6 +517,7 @@ impl SubprocessAttempt {
             output_bytes: out.log.seen,
             killed,
             agent: out.agent,
+            network_refused: self.refusals.map(|r| r.take()).unwrap_or_default(),
         })
     }
 }

@@ -213,6 +213,13 @@ fn engine_rows(
         );
         rows.push(row("stalled", value));
     }
+    if let Some(n) = skill.network.as_ref().filter(|n| n.refused > 0) {
+        let value = format!(
+            "{} refused by the sandbox (last: {} for {}, at {}); see `loopd logs {id}`",
+            n.refused, n.last, n.action, n.at
+        );
+        rows.push(row("network", value));
+    }
     if let Some(f) = &skill.in_flight {
         let task = f
             .task_id

@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use loopd_exec::sandbox::{Mode as SandboxMode, Network, Policy};
+use loopd_exec::sandbox::{HostRule, Mode as SandboxMode, Network, Policy};
 use loopd_exec::{Format, PromptMode, Supervision};
 use serde::Deserialize;
 
@@ -109,34 +109,147 @@ pub struct ExecutorDefaults {
     pub sandbox_hidden: Vec<String>,
 }
 
-/// `sandbox_network`: `"any"`, `"none"`, or the TCP ports an action may connect to.
+/// `sandbox_network`: `"model"` (an agent CLI's own model endpoint, nothing for any other
+/// executor), `"any"`, `"none"`, the hosts with their ports an action may reach through loopd's
+/// proxy (`["api.anthropic.com:443", "*.npmjs.org:443", "127.0.0.1:8080"]`), or the TCP ports it
+/// may connect to (`[443]`).
 #[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
 #[serde(untagged)]
 pub enum SandboxNetwork {
     Named(String),
+    /// (Before `Ports`: an empty list is no host.)
+    Hosts(Vec<String>),
     Ports(Vec<u16>),
 }
 
 impl Default for SandboxNetwork {
     fn default() -> SandboxNetwork {
-        SandboxNetwork::Named("any".into())
+        SandboxNetwork::Named("model".into())
     }
 }
 
 impl SandboxNetwork {
-    fn resolve(&self) -> Result<Network, String> {
+    /// The network it says; `model` gives the hosts of `"model"`.
+    fn resolve(&self, model: impl FnOnce() -> Vec<HostRule>) -> Result<Network, String> {
         match self {
             SandboxNetwork::Named(name) if name == "any" => Ok(Network::Any),
             SandboxNetwork::Named(name) if name == "none" => Ok(Network::None),
+            SandboxNetwork::Named(name) if name == "model" => Ok(Network::Hosts(model())),
             SandboxNetwork::Named(name) => Err(format!(
-                "{name:?}: must be \"any\", \"none\" or a list of TCP ports"
+                "{name:?}: must be \"model\", \"any\", \"none\", a list of host:port, or a list \
+                 of TCP ports"
             )),
             SandboxNetwork::Ports(ports) if ports.contains(&0) => {
                 Err("port 0 is no port to connect to".into())
             }
             SandboxNetwork::Ports(ports) => Ok(Network::Ports(ports.clone())),
+            SandboxNetwork::Hosts(hosts) => hosts
+                .iter()
+                .map(|h| HostRule::parse(h))
+                .collect::<Result<_, _>>()
+                .map(Network::Hosts),
         }
     }
+
+    /// Checks it, as it would be resolved for any executor.
+    fn check(&self) -> Result<(), String> {
+        self.resolve(Vec::new).map(drop)
+    }
+}
+
+/// The model endpoints of an agent CLI, by its program's name, following the variables (and for
+/// Codex its config file) that point it elsewhere, as the CLI itself does: the executor's `env`
+/// first, then loopd's environment. Nothing for any other program.
+pub fn model_hosts(executor: &ExecutorConfig, home: &Path) -> Vec<HostRule> {
+    let program = executor
+        .command
+        .first()
+        .map(|c| {
+            Path::new(c)
+                .file_name()
+                .map_or(c.as_str(), |n| n.to_str().unwrap_or(""))
+        })
+        .unwrap_or("");
+    let var = |name: &str| {
+        executor
+            .env
+            .get(name)
+            .cloned()
+            .or_else(|| std::env::var(name).ok())
+            .filter(|v| !v.is_empty())
+    };
+    let (base, defaults): (Option<String>, &[&str]) = match program {
+        "claude" => (var("ANTHROPIC_BASE_URL"), &["api.anthropic.com:443"]),
+        "codex" => (
+            var("OPENAI_BASE_URL").or_else(|| codex_base_url(&var("CODEX_HOME"), home)),
+            &["api.openai.com:443", "chatgpt.com:443"],
+        ),
+        "gemini" => (
+            var("GOOGLE_GEMINI_BASE_URL"),
+            &[
+                "generativelanguage.googleapis.com:443",
+                "oauth2.googleapis.com:443",
+                "cloudcode-pa.googleapis.com:443",
+            ],
+        ),
+        "qwen" => (
+            var("OPENAI_BASE_URL"),
+            &[
+                "dashscope.aliyuncs.com:443",
+                "dashscope-intl.aliyuncs.com:443",
+                "chat.qwen.ai:443",
+                "portal.qwen.ai:443",
+            ],
+        ),
+        _ => (None, &[]),
+    };
+    match base.as_deref().and_then(url_host) {
+        Some(rule) => vec![rule],
+        None => defaults
+            .iter()
+            .filter_map(|d| HostRule::parse(d).ok())
+            .collect(),
+    }
+}
+
+/// The base URL of Codex's model provider in its config file (`$CODEX_HOME/config.toml`, else
+/// `~/.codex/config.toml`): `model_providers.<model_provider>.base_url`.
+fn codex_base_url(codex_home: &Option<String>, home: &Path) -> Option<String> {
+    let dir = codex_home
+        .as_ref()
+        .map(PathBuf::from)
+        .unwrap_or_else(|| home.join(".codex"));
+    let text = std::fs::read_to_string(dir.join("config.toml")).ok()?;
+    let config: toml::Table = text.parse().ok()?;
+    let provider = config.get("model_provider")?.as_str()?;
+    config
+        .get("model_providers")?
+        .get(provider)?
+        .get("base_url")?
+        .as_str()
+        .map(str::to_owned)
+}
+
+/// The host and port of a URL (`https://api.example.com/v1` is `api.example.com:443`).
+fn url_host(url: &str) -> Option<HostRule> {
+    let (scheme, rest) = url.split_once("://")?;
+    let authority = rest.split(['/', '?', '#']).next()?;
+    let authority = authority.rsplit('@').next()?;
+    let default = match scheme {
+        "https" => 443,
+        "http" => 80,
+        _ => return None,
+    };
+    let has_port = match authority.rfind(']') {
+        Some(end) => authority[end..].contains(':'),
+        None => authority.contains(':'),
+    };
+    let text = if has_port {
+        authority.to_owned()
+    } else {
+        format!("{authority}:{default}")
+    };
+    HostRule::parse(&text).ok()
 }
 
 /// A sandbox mode by its name, or why not.
@@ -202,6 +315,8 @@ pub struct ActionConfig {
     pub command: Option<String>,
     /// Its attempts' sandbox mode, if not its executor's.
     pub sandbox: Option<String>,
+    /// Its attempts' network, if not its executor's.
+    pub sandbox_network: Option<SandboxNetwork>,
 }
 
 /// The events a `[[notify]]` receiver may ask for, by the names people use for them.
@@ -527,7 +642,7 @@ impl Config {
         }
         sandbox_mode(&d.sandbox).map_err(|r| ("executor_defaults.sandbox".to_owned(), r))?;
         d.sandbox_network
-            .resolve()
+            .check()
             .map_err(|r| ("executor_defaults.sandbox_network".to_owned(), r))?;
         let anywhere = Path::new("/");
         for path in &d.sandbox_hidden {
@@ -538,6 +653,11 @@ impl Config {
             if let Some(mode) = &a.sandbox {
                 sandbox_mode(mode).map_err(|r| (format!("actions.{name}.sandbox"), r))?;
             }
+            if let Some(network) = &a.sandbox_network {
+                network
+                    .check()
+                    .map_err(|r| (format!("actions.{name}.sandbox_network"), r))?;
+            }
         }
         for (name, e) in &self.executors {
             let key = |k: &str| format!("executors.{name}.{k}");
@@ -545,7 +665,7 @@ impl Config {
                 sandbox_mode(mode).map_err(|r| (key("sandbox"), r))?;
             }
             if let Some(network) = &e.sandbox_network {
-                network.resolve().map_err(|r| (key("sandbox_network"), r))?;
+                network.check().map_err(|r| (key("sandbox_network"), r))?;
             }
             for (k, paths) in [
                 ("sandbox_writable", &e.sandbox_writable),
@@ -672,12 +792,13 @@ impl Config {
             hidden,
             readable: paths(&executor.sandbox_readable),
             sockets: paths(&executor.sandbox_sockets),
-            network: executor
-                .sandbox_network
-                .as_ref()
+            // Checked when the config loaded; were it bad, nothing rather than anything.
+            network: action
+                .and_then(|a| a.sandbox_network.as_ref())
+                .or(executor.sandbox_network.as_ref())
                 .unwrap_or(&d.sandbox_network)
-                .resolve()
-                .unwrap_or_default(),
+                .resolve(|| model_hosts(executor, home))
+                .unwrap_or(Network::None),
         }
     }
 

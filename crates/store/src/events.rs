@@ -60,6 +60,9 @@ pub mod name {
     /// loopd's: a sandboxed attempt's output says it was refused something (`lines`, its own
     /// words, at most three), as the kernel tells a program that Landlock said no.
     pub const SANDBOX_REFUSED: &str = "sandbox_refused";
+    /// loopd's: the sandbox's proxy refused an attempt a host (`host`, `port`, `count`, `error`:
+    /// why, and which setting would allow it).
+    pub const NETWORK_REFUSED: &str = "network_refused";
     /// loopd's: a validation succeeded and measured `pass_rate` (percent), for pictures of the
     /// loop over time.
     pub const VALIDATED: &str = "validated";
@@ -552,6 +555,17 @@ pub fn render(event: &Value, clock: Clock) -> String {
     }
     if let Some(pid) = event.get("pid").and_then(Value::as_u64) {
         details.push(format!("pid {pid}"));
+    }
+    if let (host, Some(port)) = (s("host"), event.get("port").and_then(Value::as_u64))
+        && !host.is_empty()
+    {
+        let times = event.get("count").and_then(Value::as_u64).unwrap_or(1);
+        let times = if times > 1 {
+            format!(" ×{times}")
+        } else {
+            String::new()
+        };
+        details.push(format!("{host}:{port}{times}"));
     }
     if !s("outcome").is_empty() {
         details.push(s("outcome").to_owned());

@@ -44,6 +44,11 @@ pub(super) struct Built {
     /// The user and mount namespaces, with the view made in them.
     pub(super) user: OwnedFd,
     pub(super) mount: OwnedFd,
+    /// For a network of hosts: its network namespace, the port of loopd's proxy on its
+    /// loopback, and what the proxy refused.
+    pub(super) net: Option<OwnedFd>,
+    pub(super) proxy_port: Option<u16>,
+    pub(super) refusals: Option<super::network::Refusals>,
     pub(super) protected: Vec<PathBuf>,
     pub(super) covered: Vec<PathBuf>,
 }
@@ -128,7 +133,18 @@ pub(super) fn built(
     }
     tracing::debug!("making the sandbox of {}", key.tree.display());
     let (ruleset, mut paths) = make()?;
-    let (user, mount) = namespaces(&view)?;
+    let hosts = match &key.policy.network {
+        super::Network::Hosts(hosts) => Some(hosts.clone()),
+        _ => None,
+    };
+    let (user, mount, net) = namespaces(&view, hosts.is_some())?;
+    let (net, proxy_port, refusals) = match (net, hosts) {
+        (Some(net), Some(hosts)) => {
+            let (port, refusals) = serve_network(&net, hosts)?;
+            (Some(net), Some(port), Some(refusals))
+        }
+        _ => (None, None, None),
+    };
     paths.extend(view.depends_on().into_iter().map(|path| DependsOn {
         path,
         listed: false,
@@ -140,6 +156,9 @@ pub(super) fn built(
         ruleset,
         user,
         mount,
+        net,
+        proxy_port,
+        refusals,
     });
     let mut kept = kept();
     if kept.len() >= KEPT {
@@ -149,9 +168,10 @@ pub(super) fn built(
     Ok(built)
 }
 
-/// A user and a mount namespace with `view` made in them: made by a helper, which waits on its
-/// standard input while loopd opens them, then goes.
-fn namespaces(view: &View) -> io::Result<(OwnedFd, OwnedFd)> {
+/// A user and a mount namespace with `view` made in them, and with `network` a network namespace
+/// whose loopback is up: made by a helper, which waits on its standard input while loopd opens
+/// them, then goes.
+fn namespaces(view: &View, network: bool) -> io::Result<(OwnedFd, OwnedFd, Option<OwnedFd>)> {
     use std::os::unix::process::CommandExt as _;
     use std::process::{Command, Stdio};
     let (uid, gid) = (nix::unistd::getuid(), nix::unistd::getgid());
@@ -170,7 +190,10 @@ fn namespaces(view: &View) -> io::Result<(OwnedFd, OwnedFd)> {
     #[allow(unsafe_code)]
     unsafe {
         helper.pre_exec(move || {
-            super::new_namespaces(&maps, parent, false)?;
+            super::new_namespaces(&maps, parent, network)?;
+            if network {
+                super::network::loopback_up()?;
+            }
             made.make()
         });
     }
@@ -178,10 +201,46 @@ fn namespaces(view: &View) -> io::Result<(OwnedFd, OwnedFd)> {
         let open = |name: &str| -> io::Result<OwnedFd> {
             Ok(std::fs::File::open(format!("/proc/{}/ns/{name}", child.id()))?.into())
         };
-        let fds = (open("user")?, open("mnt")?);
+        let net = if network { Some(open("net")?) } else { None };
+        let fds = (open("user")?, open("mnt")?, net);
         // Its standard input closed, it reads the end and exits.
         drop(child.stdin.take());
         child.wait()?;
         Ok(fds)
     })
+}
+
+/// Makes the listeners of a network of `hosts` in the namespace `net` (from a thread that joins it
+/// for that) and serves them from here: the proxy's (its port returned) and a forwarder for each
+/// loopback host. The refusals are told as they come.
+fn serve_network(
+    net: &OwnedFd,
+    hosts: Vec<super::HostRule>,
+) -> io::Result<(u16, super::network::Refusals)> {
+    use std::os::fd::AsFd as _;
+    let runtime = tokio::runtime::Handle::try_current()
+        .map_err(|_| io::Error::other("a network of hosts needs loopd's runtime"))?;
+    let net = net.as_fd().try_clone_to_owned()?;
+    let loopbacks: Vec<std::net::SocketAddr> = hosts.iter().filter_map(|h| h.loopback()).collect();
+    let (proxy, forwards) = std::thread::spawn(move || -> io::Result<_> {
+        nix::sched::setns(&net, nix::sched::CloneFlags::CLONE_NEWNET)?;
+        let proxy = std::net::TcpListener::bind("127.0.0.1:0")?;
+        let forwards = loopbacks
+            .into_iter()
+            .map(|to| Ok((std::net::TcpListener::bind(to)?, to)))
+            .collect::<io::Result<Vec<_>>>()?;
+        Ok((proxy, forwards))
+    })
+    .join()
+    .map_err(|_| io::Error::other("the thread that made the network's listeners panicked"))??;
+    let port = proxy.local_addr()?.port();
+    let refusals = super::network::Refusals::default();
+    let _entered = runtime.enter();
+    super::network::serve(
+        proxy,
+        forwards,
+        std::sync::Arc::new(hosts),
+        refusals.clone(),
+    )?;
+    Ok((port, refusals))
 }

@@ -18,8 +18,10 @@
 //! Landlock (ABI 4); no network at all is a network namespace of the child's own.
 
 mod cache;
+pub mod network;
 mod view;
 
+pub use network::{HostPattern, HostRule, Refusal};
 pub use view::SOCKET_VARIABLES;
 
 use std::ffi::CString;
@@ -73,6 +75,9 @@ pub enum Network {
     None,
     /// TCP connects to these ports only (Landlock ABI 4).
     Ports(Vec<u16>),
+    /// These hosts and ports only, through loopd's proxy, from a network namespace of its own
+    /// ([`network`]).
+    Hosts(Vec<HostRule>),
 }
 
 impl std::fmt::Display for Network {
@@ -83,6 +88,11 @@ impl std::fmt::Display for Network {
             Network::Ports(ports) => {
                 let ports: Vec<String> = ports.iter().map(u16::to_string).collect();
                 write!(f, "TCP ports {}", ports.join(", "))
+            }
+            Network::Hosts(hosts) if hosts.is_empty() => f.write_str("no host"),
+            Network::Hosts(hosts) => {
+                let hosts: Vec<String> = hosts.iter().map(HostRule::to_string).collect();
+                f.write_str(&hosts.join(", "))
             }
         }
     }
@@ -243,6 +253,34 @@ pub struct Prepared {
     parent_mount_ns: (u64, u64),
     /// The attempt's working directory (its tree).
     cwd: CString,
+}
+
+impl Prepared {
+    /// The variables that send the attempt's clients to loopd's proxy (`HTTPS_PROXY`, ...), when
+    /// its network is a list of hosts.
+    pub fn proxy_env(&self) -> Vec<(&'static str, String)> {
+        let Some(port) = self.built.proxy_port else {
+            return Vec::new();
+        };
+        let url = format!("http://127.0.0.1:{port}");
+        [
+            "HTTPS_PROXY",
+            "HTTP_PROXY",
+            "ALL_PROXY",
+            "https_proxy",
+            "http_proxy",
+            "all_proxy",
+        ]
+        .into_iter()
+        .map(|name| (name, url.clone()))
+        .collect()
+    }
+
+    /// What loopd's proxy refused the place's attempts since this was last asked (at the end of
+    /// each attempt: the attempt's own).
+    pub fn refusals(&self) -> Option<network::Refusals> {
+        self.built.refusals.clone()
+    }
 }
 
 impl Policy {
@@ -477,6 +515,9 @@ impl Prepared {
         use nix::sched::{CloneFlags, setns, unshare};
         setns(&self.built.user, CloneFlags::CLONE_NEWUSER)?;
         setns(&self.built.mount, CloneFlags::CLONE_NEWNS)?;
+        if let Some(net) = &self.built.net {
+            setns(net, CloneFlags::CLONE_NEWNET)?;
+        }
         if mount_namespace()? == self.parent_mount_ns {
             return Err(io::Error::other("no mount namespace of its own"));
         }

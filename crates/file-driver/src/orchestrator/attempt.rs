@@ -338,6 +338,53 @@ impl LoopRun<'_> {
         }
     }
 
+    /// What the sandbox's proxy refused the attempt: an event for each host (with how many times,
+    /// and the setting that would allow it), and the count in the state.
+    fn network_refused(
+        &mut self,
+        state: &mut LoopState,
+        done: &Done<'_>,
+        plan: &Plan,
+        refused: &[loopd_exec::sandbox::Refusal],
+    ) {
+        let mut hosts: Vec<(String, u16, &str, usize)> = Vec::new();
+        for r in refused {
+            match hosts
+                .iter_mut()
+                .find(|(h, p, _, _)| *h == r.host && *p == r.port)
+            {
+                Some(seen) => seen.3 += 1,
+                None => hosts.push((r.host.clone(), r.port, &r.why, 1)),
+            }
+        }
+        let action = &done.dispatch.action;
+        for (host, port, why, count) in &hosts {
+            let target = match host.contains(':') {
+                true => format!("[{host}]:{port}"),
+                false => format!("{host}:{port}"),
+            };
+            self.events.emit(
+                done.event(name::NETWORK_REFUSED)
+                    .with("host", host.clone())
+                    .with("port", *port)
+                    .with("count", *count)
+                    .with(
+                        "error",
+                        format!(
+                            "{why}; to allow it, add \"{target}\" to sandbox_network in \
+                             [executors.{}] (or in [actions.{action}], for this action alone)",
+                            plan.executor
+                        ),
+                    ),
+            );
+        }
+        let refused: Vec<String> = refused
+            .iter()
+            .map(|r| format!("{}:{}", r.host, r.port))
+            .collect();
+        attempt_rules::network_refused(state, action, &refused, &now_rfc3339());
+    }
+
     /// The executor could not start. No room for the attempt's files is the environment's
     /// fault: the daemon waits and tries again. A program that cannot start (missing, a working
     /// directory gone) blocks the loop: the environment's fault, not the task's.
@@ -415,6 +462,7 @@ impl LoopRun<'_> {
                 );
             }
         }
+        self.network_refused(state, done, plan, &run.network_refused);
         let mut event = attempt_event(done, &v, &run, log_path, interrupt.as_ref());
         if let Some(c) = &checkpoint {
             event = event.with("checkpoint", serde_json::to_value(c).unwrap_or_default());
