@@ -48,6 +48,9 @@ pub struct Cli {
     #[cfg(feature = "temporal")]
     #[arg(long, global = true, value_name = "HOST:PORT", env = "LOOPD_TEMPORAL")]
     pub temporal: Option<String>,
+    #[cfg(feature = "temporal")]
+    #[command(flatten)]
+    pub connect: crate::temporal::ConnectArgs,
     #[command(subcommand)]
     pub command: Command,
 }
@@ -220,10 +223,13 @@ pub fn run(cli: Cli) -> Result<i32> {
         command,
         #[cfg(feature = "temporal")]
         temporal,
+        #[cfg(feature = "temporal")]
+        connect,
     } = cli;
     #[cfg(feature = "temporal")]
     if let Some(exit) = on_temporal(
         temporal.as_deref(),
+        &connect,
         &command,
         json,
         &roots,
@@ -243,7 +249,8 @@ pub fn run(cli: Cli) -> Result<i32> {
         Command::Serve(_) if json => Err(usage("--json: serve prints a log, not a result")),
         Command::Serve(args) => {
             #[cfg(feature = "temporal")]
-            let elsewhere = crate::temporal::elsewhere(temporal.as_deref(), config.as_deref())?;
+            let elsewhere =
+                crate::temporal::elsewhere(temporal.as_deref(), &connect, config.as_deref())?;
             #[cfg(not(feature = "temporal"))]
             let elsewhere = None;
             loopd_file_driver::serve::run(&roots, config.as_deref(), &args, elsewhere)
@@ -828,6 +835,7 @@ fn finished(p: &Project, id: &str) -> bool {
 #[cfg(feature = "temporal")]
 fn on_temporal(
     address: Option<&str>,
+    connect: &crate::temporal::ConnectArgs,
     command: &Command,
     json: bool,
     roots: &[PathBuf],
@@ -842,7 +850,7 @@ fn on_temporal(
     if let Command::Worker(args) = command {
         // A worker belongs to no project: the built-in, user and `--config` layers.
         let service = loopd_project::config::Config::load_service(config)?;
-        return temporal::worker(temporal::settings(&service, address), args).map(Some);
+        return temporal::worker(temporal::settings(&service, address, connect)?, args).map(Some);
     }
     let on_loops = matches!(
         command,
@@ -879,7 +887,7 @@ fn on_temporal(
         // The file store's loops; a config that does not load is reported there.
         _ => return Ok(None),
     };
-    let settings = temporal::settings(&project.config, address);
+    let settings = temporal::settings(&project.config, address, connect)?;
     let change = |id: &str, change: Change| temporal::change(&settings, id, change, json);
     Ok(Some(match command {
         Command::Create(args) => temporal::create(&project, &settings, args, json)?,

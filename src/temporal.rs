@@ -21,9 +21,6 @@ use crate::output::print_result;
 /// `loopd worker`'s options, over the config's `[temporal]`.
 #[derive(Debug, clap::Args)]
 pub struct WorkerArgs {
-    /// The Temporal namespace [default: the config's, `default`]
-    #[arg(long)]
-    pub namespace: Option<String>,
     /// The task queue of loopd's workflows and activities [default: the config's, `loopd`]
     #[arg(long)]
     pub task_queue: Option<String>,
@@ -40,13 +37,84 @@ pub struct WorkerArgs {
     pub max_actions: Option<u32>,
 }
 
-/// The config's `[temporal]`, at `--temporal`'s address when one is given.
-pub fn settings(config: &Config, address: Option<&str>) -> TemporalConfig {
+/// How to reach Temporal, on the command line: over the config's `[temporal]`, which is over the
+/// Temporal CLI's environment and profile.
+#[derive(Debug, Default, clap::Args)]
+#[command(
+    next_help_heading = "Temporal connection (over the config's [temporal], the $TEMPORAL_* \
+                                environment and the Temporal CLI's profile)"
+)]
+pub struct ConnectArgs {
+    /// The Temporal namespace [default: the config's, else $TEMPORAL_NAMESPACE, else `default`]
+    #[arg(long, global = true, value_name = "NAME")]
+    pub namespace: Option<String>,
+    /// The Temporal CLI's profile to read (in ~/.config/temporalio/temporal.toml or
+    /// $TEMPORAL_CONFIG_FILE) [default: $TEMPORAL_PROFILE, else `default`]
+    #[arg(long, global = true, value_name = "NAME")]
+    pub profile: Option<String>,
+    /// Connect with TLS [default: for an address that is not loopback, or with a CA, a client
+    /// certificate, a server name or an API key]
+    #[arg(long, global = true, overrides_with = "no_tls")]
+    pub tls: bool,
+    /// Connect in plaintext, whatever the address
+    #[arg(long, global = true, overrides_with = "tls")]
+    pub no_tls: bool,
+    /// The PEM file of the CA that signed the server's certificate [default: the system's]
+    #[arg(long, global = true, value_name = "FILE")]
+    pub tls_ca_path: Option<PathBuf>,
+    /// The client's certificate (PEM), for a server that asks for one (mutual TLS)
+    #[arg(long, global = true, value_name = "FILE", requires = "tls_key_path")]
+    pub tls_cert_path: Option<PathBuf>,
+    /// The client certificate's private key (PEM)
+    #[arg(long, global = true, value_name = "FILE", requires = "tls_cert_path")]
+    pub tls_key_path: Option<PathBuf>,
+    /// The name the server's certificate carries, when it is not the address's host
+    #[arg(long, global = true, value_name = "NAME")]
+    pub tls_server_name: Option<String>,
+    /// A file holding the API key (never shown) [default: the config's api_key_file, else
+    /// $TEMPORAL_API_KEY, else the profile's]
+    #[arg(long, global = true, value_name = "FILE")]
+    pub api_key_file: Option<PathBuf>,
+}
+
+/// The config's `[temporal]` under the command line's settings (`--temporal`'s address and
+/// [`ConnectArgs`]), with what both leave empty resolved from the Temporal CLI's environment and
+/// profile; a setting that cannot be used is the user's to fix (exit 2).
+pub fn settings(
+    config: &Config,
+    address: Option<&str>,
+    flags: &ConnectArgs,
+) -> Result<TemporalConfig> {
     let mut settings = config.temporal.clone();
-    if let Some(address) = address {
-        settings.address = address.to_owned();
+    let path = |p: &Option<PathBuf>| p.as_ref().map(|p| p.display().to_string());
+    let over = |setting: &mut String, flag: Option<String>| {
+        if let Some(flag) = flag {
+            *setting = flag;
+        }
+    };
+    over(&mut settings.address, address.map(str::to_owned));
+    over(&mut settings.namespace, flags.namespace.clone());
+    over(&mut settings.profile, flags.profile.clone());
+    over(&mut settings.ca_cert, path(&flags.tls_ca_path));
+    over(&mut settings.client_cert, path(&flags.tls_cert_path));
+    over(&mut settings.client_key, path(&flags.tls_key_path));
+    over(&mut settings.server_name, flags.tls_server_name.clone());
+    over(&mut settings.api_key_file, path(&flags.api_key_file));
+    if flags.tls || flags.no_tls {
+        settings.tls = Some(flags.tls);
     }
-    settings
+    let endpoint = loopd_temporal::connection::Endpoint::resolve(&settings)
+        .map_err(|e| usage(format!("{e:#}")))?;
+    // No attempt this process runs reads its credentials.
+    let named = ["TEMPORAL_CONFIG_FILE", "TEMPORAL_TLS_CLIENT_KEY_PATH"]
+        .into_iter()
+        .filter_map(std::env::var_os)
+        .map(PathBuf::from);
+    loopd_exec::sandbox::keep_secret(settings.secrets().chain(named));
+    settings.tls = Some(endpoint.tls());
+    settings.address = endpoint.address;
+    settings.namespace = endpoint.namespace;
+    Ok(settings)
 }
 
 /// A client of the service; a service that cannot be reached is the user's to fix (exit 2).
@@ -66,7 +134,6 @@ fn runtime() -> Result<tokio::runtime::Runtime> {
 /// that ends the executors of its attempts should it die (`loopd worker-guard`).
 pub fn worker(settings: TemporalConfig, args: &WorkerArgs) -> Result<i32> {
     let config = TemporalConfig {
-        namespace: args.namespace.clone().unwrap_or(settings.namespace),
         task_queue: args.task_queue.clone().unwrap_or(settings.task_queue),
         ..settings
     };
@@ -117,9 +184,14 @@ pub fn worker(settings: TemporalConfig, args: &WorkerArgs) -> Result<i32> {
             tracing::info!("signal: the worker stops");
         };
         tracing::info!(
-            "worker {name} on {} (namespace {}, task queues {q} and {q}@{name}, {} actions at \
+            "worker {name} on {}{} (namespace {}, task queues {q} and {q}@{name}, {} actions at \
              once, cache {})",
             config.address,
+            if config.tls == Some(true) {
+                " with TLS"
+            } else {
+                ""
+            },
             config.namespace,
             setup.max_actions,
             cache.dir().display(),
@@ -217,13 +289,14 @@ impl loopd_file_driver::serve::Elsewhere for OnTemporal {
 /// `[temporal] enabled` says so.
 pub fn elsewhere(
     address: Option<&str>,
+    connect: &ConnectArgs,
     config: Option<&Path>,
 ) -> Result<Option<std::sync::Arc<dyn loopd_file_driver::serve::Elsewhere>>> {
     let service = Config::load_service(config)?;
     if address.is_none() && !service.temporal.enabled {
         return Ok(None);
     }
-    let config = settings(&service, address);
+    let config = settings(&service, address, connect)?;
     tracing::info!("serving the loops on Temporal at {} too", config.address);
     Ok(Some(std::sync::Arc::new(OnTemporal {
         config,

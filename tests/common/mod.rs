@@ -193,6 +193,12 @@ impl Project {
             .env_remove("LOOPD_TEMPORAL")
             .env_remove("LOOPD_LOG")
             .stdin(Stdio::null());
+        // Nor the Temporal CLI's settings of whoever runs the tests.
+        for (name, _) in std::env::vars_os() {
+            if name.to_string_lossy().starts_with("TEMPORAL_") {
+                cmd.env_remove(name);
+            }
+        }
         cmd
     }
 

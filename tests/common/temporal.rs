@@ -140,18 +140,22 @@ impl Temporal {
         self.worker_with(p, &name, |_| {});
     }
 
-    /// Starts a `loopd worker` named `name` in the project, as `configure` changes its command
-    /// (its standard streams set after);
-    /// its log goes to `worker-NAME.log` in the project's [`side_dir`].
+    /// Starts a `loopd worker` named `name` in the project, as `configure` changes its command.
     pub fn worker_with(&mut self, p: &Project, name: &str, configure: impl FnOnce(&mut Command)) {
+        let mut cmd = p.loopd();
+        cmd.args(["worker", "--temporal", &self.address, "--name", name]);
+        configure(&mut cmd);
+        self.add_worker(p, name, cmd);
+    }
+
+    /// Starts `cmd`, a `loopd worker` named `name` (its standard streams set here), as one of
+    /// the workers; its log goes to `worker-NAME.log` in the project's [`side_dir`].
+    pub fn add_worker(&mut self, p: &Project, name: &str, mut cmd: Command) {
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
             .open(side_dir(p).join(format!("worker-{name}.log")))
             .expect("the worker's log");
-        let mut cmd = p.loopd();
-        cmd.args(["worker", "--temporal", &self.address, "--name", name]);
-        configure(&mut cmd);
         cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(log);
         self.workers
             .push(Process(cmd.spawn().expect("start a worker")));

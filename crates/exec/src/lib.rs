@@ -347,6 +347,19 @@ impl SubprocessAttempt {
             state_dir: Some(&spec.state_dir),
             progress_dir,
         };
+        // loopd's own connection to Temporal (an API key, a client key) is none of its business,
+        // unless its executor sets such a variable itself.
+        for (name, _) in std::env::vars_os() {
+            let ours = name.to_str().is_some_and(|n| n.starts_with("TEMPORAL_"));
+            if ours
+                && !spec
+                    .env
+                    .iter()
+                    .any(|(k, _)| std::ffi::OsStr::new(k) == name)
+            {
+                command.env_remove(name);
+            }
+        }
         let mut refusals = None;
         if let Some(sandboxed) = spec.sandbox.prepare(&place)? {
             // Another program's socket is not named to it (nor reachable: see the sandbox),

@@ -76,9 +76,29 @@ pub const MIN_HISTORY_LIMIT: u32 = 30;
 pub struct TemporalConfig {
     /// Every command of the project's loops goes to Temporal, without `--temporal`.
     pub enabled: bool,
-    /// `host:port` of the frontend (a dev server: `temporal server start-dev`).
+    /// `host:port` (or a URL) of the frontend. Empty: `$TEMPORAL_ADDRESS`, else the Temporal
+    /// CLI's profile, else `127.0.0.1:7233` (a dev server: `temporal server start-dev`).
     pub address: String,
+    /// Empty: `$TEMPORAL_NAMESPACE`, else the profile's, else `default`.
     pub namespace: String,
+    /// The Temporal CLI's profile (in `$TEMPORAL_CONFIG_FILE`, else
+    /// `~/.config/temporalio/temporal.toml`) that fills what these settings leave empty. Empty:
+    /// `$TEMPORAL_PROFILE`, else `default`.
+    pub profile: String,
+    /// TLS to the frontend. Unset: on for an address that is not loopback, for a CA, client
+    /// certificate or server name, for an API key, or as the profile says.
+    pub tls: Option<bool>,
+    /// The PEM file of the CA that signed the server's certificate. Empty: the system's roots.
+    pub ca_cert: String,
+    /// The PEM files of the client's certificate and key, for a server that asks for one
+    /// (mutual TLS).
+    pub client_cert: String,
+    pub client_key: String,
+    /// The name the server's certificate must carry, when it is not the address's host.
+    pub server_name: String,
+    /// A file holding the API key (Temporal Cloud's `Bearer` token). Empty:
+    /// `$TEMPORAL_API_KEY`, else the profile's.
+    pub api_key_file: String,
     /// The task queue of loopd's workflows and activities.
     pub task_queue: String,
     /// Events a loop's run keeps in its history before it continues as a new run.
@@ -92,6 +112,16 @@ pub struct TemporalConfig {
     pub max_actions: u32,
     /// Seconds a work tree no action used is kept before the worker removes it.
     pub tree_grace: f64,
+}
+
+impl TemporalConfig {
+    /// The files of its credentials, which no attempt may read.
+    pub fn secrets(&self) -> impl Iterator<Item = PathBuf> + '_ {
+        [&self.api_key_file, &self.client_key]
+            .into_iter()
+            .filter(|f| !f.is_empty())
+            .map(PathBuf::from)
+    }
 }
 
 #[derive(Clone, Debug, Default, Deserialize)]
@@ -785,6 +815,8 @@ impl Config {
             .iter()
             .map(|p| home.join(p))
             .chain(paths(&d.sandbox_hidden))
+            .chain(self.temporal.secrets())
+            .chain(loopd_exec::sandbox::secrets())
             .collect();
         Policy {
             mode: sandbox_mode(mode).unwrap_or_default(),

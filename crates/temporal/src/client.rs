@@ -11,16 +11,19 @@ pub use temporalio_client::Client;
 use temporalio_client::errors::{
     WorkflowGetResultError, WorkflowInteractionError, WorkflowQueryError, WorkflowUpdateError,
 };
+use temporalio_client::tonic::{Code, Request};
 use temporalio_client::{
-    ClientOptions, Connection, ConnectionOptions, Url, WorkflowDescribeOptions,
-    WorkflowExecuteUpdateOptions, WorkflowFetchHistoryOptions, WorkflowGetResultOptions,
-    WorkflowHistory, WorkflowListOptions, WorkflowQueryOptions, WorkflowStartOptions,
+    ClientOptions, Connection, WorkflowDescribeOptions, WorkflowExecuteUpdateOptions,
+    WorkflowFetchHistoryOptions, WorkflowGetResultOptions, WorkflowHistory, WorkflowListOptions,
+    WorkflowQueryOptions, WorkflowStartOptions,
 };
+use temporalio_common::protos::temporal::api::workflowservice::v1::DescribeNamespaceRequest;
 use temporalio_sdk::workflow_replayer::{WorkflowReplayer, WorkflowReplayerOptions};
 use temporalio_sdk::{Runtime, Worker, WorkerOptions};
 
 use crate::activity::{LoopActivities, Progress};
 use crate::change::Change;
+use crate::connection::Endpoint;
 use crate::visibility::{self, Listed};
 use crate::workflow::LoopWorkflow;
 use crate::workspace::Cache;
@@ -39,21 +42,38 @@ const STICKY_TIMEOUT: Duration = Duration::from_secs(2);
 /// How long a change may wait for a worker to take it into the loop.
 const ANSWER_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// A client of the service `config` names; one clear line when it cannot be reached.
+/// A client of the service `config` names (over the Temporal CLI's environment and profile,
+/// [`Endpoint`]), its namespace known there; one clear line when it cannot be reached.
 pub async fn connect(config: &TemporalConfig) -> Result<Client> {
-    let url = Url::parse(&format!("http://{}", config.address))
-        .with_context(|| format!("bad Temporal address {:?}", config.address))?;
-    let options = ConnectionOptions::new(url)
-        .identity(format!("loopd@{}", std::process::id()))
-        .connect_timeout(CONNECT_TIMEOUT)
-        .build();
+    let endpoint = Endpoint::resolve(config)?;
+    let options = endpoint.options(format!("loopd@{}", std::process::id()), CONNECT_TIMEOUT);
     let connection = Connection::connect(options)
         .await
-        .map_err(|e| anyhow::anyhow!("cannot reach Temporal at {}: {e}", config.address))?;
-    Ok(Client::new(
+        .map_err(|e| endpoint.explain(&e))?;
+    let client = Client::new(
         connection,
-        ClientOptions::new(config.namespace.clone()).build(),
-    )?)
+        ClientOptions::new(endpoint.namespace.clone()).build(),
+    )?;
+    // The first call of the namespace: an unknown one, or credentials that reach the server
+    // but not the namespace, are told here rather than as a worker's endless retries.
+    let request = DescribeNamespaceRequest {
+        namespace: endpoint.namespace.clone(),
+        ..Default::default()
+    };
+    match client
+        .connection()
+        .workflow_service()
+        .describe_namespace(Request::new(request))
+        .await
+    {
+        Ok(_) => Ok(client),
+        Err(status) if status.code() == Code::NotFound => Err(anyhow::anyhow!(
+            "cannot use Temporal at {}: namespace {:?} is not there",
+            endpoint.address,
+            endpoint.namespace
+        )),
+        Err(status) => Err(endpoint.explain(&status)),
+    }
 }
 
 /// Starts loop `input.state.loop_id` as a workflow of that id, shown in the visibility store

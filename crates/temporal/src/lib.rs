@@ -26,6 +26,7 @@
 pub mod activity;
 pub mod change;
 pub mod client;
+pub mod connection;
 pub mod history;
 pub mod reference;
 pub mod visibility;

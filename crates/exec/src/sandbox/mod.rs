@@ -99,7 +99,7 @@ impl std::fmt::Display for Network {
 }
 
 /// The credential files and directories no action reads, under `$HOME`.
-pub const HIDDEN_IN_HOME: [&str; 7] = [
+pub const HIDDEN_IN_HOME: [&str; 8] = [
     ".ssh",
     ".aws",
     ".gnupg",
@@ -107,7 +107,26 @@ pub const HIDDEN_IN_HOME: [&str; 7] = [
     ".docker/config.json",
     ".kube",
     ".config/gcloud",
+    // The Temporal CLI's profiles, API keys among them.
+    ".config/temporalio",
 ];
+
+/// The files of this process's own credentials (a worker's Temporal API key and client key):
+/// hidden from every attempt it runs, beside each policy's own.
+static SECRETS: std::sync::RwLock<Vec<PathBuf>> = std::sync::RwLock::new(Vec::new());
+
+/// Hides `files` from every attempt this process runs from now on.
+pub fn keep_secret(files: impl IntoIterator<Item = PathBuf>) {
+    SECRETS
+        .write()
+        .unwrap_or_else(|e| e.into_inner())
+        .extend(files);
+}
+
+/// The files [`keep_secret`] was given.
+pub fn secrets() -> Vec<PathBuf> {
+    SECRETS.read().unwrap_or_else(|e| e.into_inner()).clone()
+}
 
 /// What one attempt may do.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
