@@ -35,6 +35,10 @@ pub struct WorkerArgs {
     /// Actions it runs at once; the rest wait in Temporal's queue [default: the config's, 4]
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
     pub max_actions: Option<u32>,
+    /// Serve its metrics (the Temporal SDK's and loopd's) for Prometheus at HOST:PORT,
+    /// `GET /metrics` [default: the config's `metrics`, else none]
+    #[arg(long, value_name = "HOST:PORT")]
+    pub metrics: Option<std::net::SocketAddr>,
 }
 
 /// How to reach Temporal, on the command line: over the config's `[temporal]`, which is over the
@@ -165,14 +169,38 @@ pub fn worker(settings: TemporalConfig, args: &WorkerArgs) -> Result<i32> {
     let guard = std::env::current_exe()
         .and_then(|me| Guard::start(&me, &["worker-guard"]))
         .context("cannot start the guard of this worker's executors")?;
-    let setup = client::WorkerSetup {
+    let metrics = match (args.metrics, config.metrics.as_str()) {
+        (Some(addr), _) => Some(addr),
+        (None, "") => None,
+        (None, addr) => Some(addr.parse::<std::net::SocketAddr>().map_err(|_| {
+            usage(format!(
+                "[temporal] metrics = {addr:?}: not an IP address and port"
+            ))
+        })?),
+    };
+    // Like the service's listener: this machine's only (a scraper elsewhere goes through a
+    // proxy that asks who it is).
+    if let Some(addr) = metrics.filter(|a| !a.ip().is_loopback()) {
+        return Err(usage(format!(
+            "--metrics {addr}: a loopback address only (127.0.0.1 or [::1])"
+        )));
+    }
+    let mut setup = client::WorkerSetup {
         guard: Some(std::sync::Arc::new(guard)),
         name: name.clone(),
         cache: cache.clone(),
         max_actions: args.max_actions.unwrap_or(config.max_actions) as usize,
         tree_grace: std::time::Duration::from_secs_f64(config.tree_grace),
+        metrics: None,
     };
     runtime()?.block_on(async {
+        if let Some(addr) = metrics {
+            let exporter = loopd_temporal::metrics::Exporter::bind(addr)
+                .await
+                .map_err(|e| usage(format!("{e:#}")))?;
+            tracing::info!("metrics at http://{}/metrics", exporter.local_addr()?);
+            setup.metrics = Some(exporter);
+        }
         let shutdown = async {
             let mut term =
                 tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())

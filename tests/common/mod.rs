@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod http;
+pub mod prometheus;
 #[cfg(feature = "temporal")]
 pub mod temporal;
 
@@ -874,4 +875,28 @@ pub fn in_tmpfs(cmd: &mut Command, dir: &Path, size: &str) {
     }
     wrapped.current_dir(cmd.get_current_dir().unwrap_or(Path::new("/")));
     *cmd = wrapped;
+}
+
+/// A free port of 127.0.0.1 that no other test of this process was given: the servers of the
+/// tests run at once, and each is given every port it listens on (none picked at random by the
+/// server, which could take another server's port before it binds it). Taken below the kernel's
+/// range of ephemeral ports, so that no outgoing connection (a worker's, a client's) takes it
+/// between this look and the server's bind.
+pub fn free_port() -> u16 {
+    static GIVEN: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
+    let mut given = GIVEN.lock().unwrap_or_else(|e| e.into_inner());
+    let ephemeral = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|r| r.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(32768);
+    let (low, high) = (10_000, ephemeral.max(10_100));
+    // Where to start looking: different in each test process.
+    let mut port = low + (std::process::id() % u32::from(high - low)) as u16;
+    loop {
+        port = if port + 1 >= high { low } else { port + 1 };
+        if !given.contains(&port) && std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            given.push(port);
+            return port;
+        }
+    }
 }

@@ -6,12 +6,12 @@
 //! they must run. `LOOPD_TEMPORAL_BIN` names the `temporal` program; `.ci/run` installs it into
 //! `~/.cache/loopd/temporal-1.9.1`.
 
-use std::net::TcpListener;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 
 use serde_json::Value;
 
+pub use super::free_port;
 use super::{DEADLINE, Project, code, end_child, stderr, stdout, wait_for};
 
 /// The `temporal` program, or `None` (with a message) where it is not installed outside CI.
@@ -31,30 +31,6 @@ pub fn temporal_bin() -> Option<PathBuf> {
         "README, Development, \"Loops on Temporal\"",
     );
     None
-}
-
-/// A free port of 127.0.0.1 that no other test of this process was given: the servers of the
-/// tests run at once, and each is given every port it listens on (none picked at random by the
-/// server, which could take another server's port before it binds it). Taken below the kernel's
-/// range of ephemeral ports, so that no outgoing connection (a worker's, a client's) takes it
-/// between this look and the server's bind.
-pub fn free_port() -> u16 {
-    static GIVEN: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
-    let mut given = GIVEN.lock().unwrap_or_else(|e| e.into_inner());
-    let ephemeral = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
-        .ok()
-        .and_then(|r| r.split_whitespace().next()?.parse::<u16>().ok())
-        .unwrap_or(32768);
-    let (low, high) = (10_000, ephemeral.max(10_100));
-    // Where to start looking: different in each test process.
-    let mut port = low + (std::process::id() % u32::from(high - low)) as u16;
-    loop {
-        port = if port + 1 >= high { low } else { port + 1 };
-        if !given.contains(&port) && TcpListener::bind(("127.0.0.1", port)).is_ok() {
-            given.push(port);
-            return port;
-        }
-    }
 }
 
 /// A process of the test, ended (SIGTERM, then SIGKILL) and reaped when dropped.

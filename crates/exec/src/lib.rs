@@ -22,6 +22,7 @@ pub mod agent;
 pub mod checkpoint;
 pub mod git;
 pub mod guard;
+pub mod metrics;
 pub mod procs;
 pub mod result;
 pub mod sandbox;

@@ -99,6 +99,8 @@ pub struct TemporalConfig {
     /// A file holding the API key (Temporal Cloud's `Bearer` token). Empty:
     /// `$TEMPORAL_API_KEY`, else the profile's.
     pub api_key_file: String,
+    /// Where a worker serves its metrics for Prometheus (`HOST:PORT`). Empty: nowhere.
+    pub metrics: String,
     /// The task queue of loopd's workflows and activities.
     pub task_queue: String,
     /// Events a loop's run keeps in its history before it continues as a new run.

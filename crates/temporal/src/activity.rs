@@ -3,6 +3,7 @@
 //! remote, in the worker's work tree of the loop, put at its last checkpoint before and pushed
 //! after ([`crate::workspace`]).
 
+use loopd_exec::metrics::metrics;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, PoisonError};
 use std::time::Duration;
@@ -241,6 +242,7 @@ async fn run_attempt(
     };
     let _guarded = worker.guard.as_ref().map(|g| g.attempt(&marker));
     let running = Subprocess.spawn(spec)?;
+    metrics().attempt_started(wf.name(), &dispatch.action, &plan.executor);
     let cancel = CancellationToken::new();
     // What the agent has spent so far, for the heartbeats.
     let spent = std::sync::Mutex::new((0, None));
@@ -264,6 +266,13 @@ async fn run_attempt(
     };
     let reported = loopd_exec::result::read_result_file(&actions, RESULT_FILE);
     let verdict = loopd_exec::result::verdict(plan.format, reported, &run);
+    let attempt = loopd_exec::metrics::Attempt {
+        workflow: wf.name(),
+        action: &dispatch.action,
+        executor: &plan.executor,
+        account: &plan.account,
+    };
+    metrics().attempt_finished(&attempt, verdict.outcome(), &run);
     let spent = run.agent.map(|a| (a.usage, a.cost_usd));
     let files = match (&git, wf.counts_iteration(&dispatch.action)) {
         (None, true) => {

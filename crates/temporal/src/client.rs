@@ -18,6 +18,8 @@ use temporalio_client::{
     WorkflowQueryOptions, WorkflowStartOptions,
 };
 use temporalio_common::protos::temporal::api::workflowservice::v1::DescribeNamespaceRequest;
+use temporalio_common::telemetry::TelemetryOptions;
+use temporalio_sdk::runtime::RuntimeOptions;
 use temporalio_sdk::workflow_replayer::{WorkflowReplayer, WorkflowReplayerOptions};
 use temporalio_sdk::{Runtime, Worker, WorkerOptions};
 
@@ -245,6 +247,8 @@ pub struct WorkerSetup {
     pub max_actions: usize,
     /// How long it keeps a work tree no action used.
     pub tree_grace: Duration,
+    /// Its metrics endpoint, bound ([`crate::metrics`]).
+    pub metrics: Option<crate::metrics::Exporter>,
 }
 
 /// Runs a worker of loopd's workflows and activities until `shutdown` resolves; the attempt it
@@ -256,8 +260,23 @@ pub async fn run_worker(
     setup: WorkerSetup,
     shutdown: impl std::future::Future<Output = ()>,
 ) -> Result<()> {
-    let runtime = Runtime::from_current_tokio(Default::default())
+    let mut setup = setup;
+    let exporter = setup.metrics.take();
+    let telemetry = TelemetryOptions::builder()
+        .maybe_metrics(exporter.as_ref().map(|e| e.meter.clone()))
+        .build();
+    let options = RuntimeOptions::builder()
+        .telemetry_options(telemetry)
+        .build()
+        .map_err(|e| anyhow::anyhow!("the Temporal runtime's options: {e}"))?;
+    let runtime = Runtime::from_current_tokio(options)
         .map_err(|e| anyhow::anyhow!("cannot start the Temporal runtime: {e}"))?;
+    let metrics = async {
+        match exporter {
+            Some(exporter) => exporter.serve().await,
+            None => std::future::pending().await,
+        }
+    };
     let client = connect(config).await?;
     visibility::register(&client, &config.namespace).await?;
     let own_queue = format!("{}@{}", config.task_queue, setup.name);
@@ -313,6 +332,7 @@ pub async fn run_worker(
     tokio::pin!(run);
     tokio::pin!(shutdown);
     tokio::pin!(sweep);
+    tokio::pin!(metrics);
     tokio::select! {
         ended = &mut run => return ended.map(|_| ()).context("the worker stopped"),
         () = &mut shutdown => {
@@ -320,6 +340,13 @@ pub async fn run_worker(
             stop_own();
         }
         () = &mut sweep => {}
+        served = &mut metrics => {
+            if let Err(e) = served {
+                tracing::error!("{e:#}");
+            }
+            stop_shared();
+            stop_own();
+        }
     }
     run.await.map(|_| ()).context("the worker stopped")
 }

@@ -28,6 +28,7 @@ pub mod change;
 pub mod client;
 pub mod connection;
 pub mod history;
+pub mod metrics;
 pub mod reference;
 pub mod visibility;
 pub mod workflow;

@@ -20,6 +20,7 @@
 //! without work trees with it: the loops' work is on the remote, and a worker that takes a loop
 //! again fetches it.
 
+use loopd_exec::metrics::metrics;
 use std::collections::{HashMap, HashSet};
 use std::fs::File;
 use std::os::unix::fs::DirBuilderExt as _;
@@ -292,7 +293,8 @@ impl Tree {
         let branch = branch(&self.id);
         let refs = format!("refs/loopd/{}/*", self.id);
         let notes = format!("refs/loopd-notes/{}/*", self.id);
-        git(
+        let started = std::time::Instant::now();
+        let fetched = git(
             &self.repo,
             &[
                 "fetch",
@@ -306,8 +308,9 @@ impl Tree {
                 &format!("+{notes}:{notes}"),
             ],
         )
-        .await
-        .context("cannot fetch the loop's branch")?;
+        .await;
+        metrics().git("fetch", started.elapsed(), fetched.is_err());
+        fetched.context("cannot fetch the loop's branch")?;
         git(
             &self.repo,
             &["cat-file", "-e", &format!("{commit}^{{commit}}")],
@@ -382,9 +385,10 @@ impl Tree {
             args.push(format!("+{notes}:{}", notes_ref(&self.id, commit)));
         }
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        git(&self.path, &args)
-            .await
-            .context("cannot push the checkpoint")?;
+        let started = std::time::Instant::now();
+        let pushed = git(&self.path, &args).await;
+        metrics().git("push", started.elapsed(), pushed.is_err());
+        pushed.context("cannot push the checkpoint")?;
         Ok(())
     }
 

@@ -4,6 +4,7 @@
 use super::attempt::Attempted;
 use loopd_core::attempt::AfterAttempt;
 use loopd_core::state::RateLimitWait;
+use loopd_exec::metrics::metrics;
 
 use super::*;
 
@@ -95,6 +96,7 @@ impl LoopRun<'_> {
         let account = &step.plan.account;
         let until = Utc::now() + chrono::Duration::from_std(wait).unwrap_or_default();
         let until = self.engine.accounts.hold(account, until);
+        metrics().rate_limit_wait(&step.plan.executor, account);
         self.events.emit(
             Event::new(name::RATE_LIMITED)
                 .with("iteration", step.iteration)
@@ -116,6 +118,7 @@ impl LoopRun<'_> {
     ) -> Result<Option<Interrupt>> {
         let account = &step.plan.account;
         while let Some(until) = self.engine.accounts.held(account, Utc::now()) {
+            metrics().rate_limit_wait(&step.plan.executor, account);
             self.events.emit(
                 Event::new(name::RATE_LIMITED)
                     .with("iteration", step.iteration)

@@ -2,6 +2,7 @@
 //! environment), spawned, recorded in flight, supervised (while the watcher may end it), and
 //! concluded (its result read and checked); or not started at all.
 
+use loopd_exec::metrics::metrics;
 use loopd_exec::result::{RESULT_FILE, empty_result_file};
 use loopd_project::plan;
 
@@ -153,6 +154,11 @@ impl LoopRun<'_> {
             let _ = running.supervise(cancel, &mut |_| {}).await;
             return Err(e);
         }
+        metrics().attempt_started(
+            self.engine.workflow.name(),
+            &step.dispatch.action,
+            &step.plan.executor,
+        );
         self.events.emit(
             done.event(name::ACTION_STARTED)
                 .with("executor", step.plan.executor.clone())
@@ -163,6 +169,9 @@ impl LoopRun<'_> {
         let (run, mut interrupt) = self.supervise(running, &done, &mut rx).await;
         let fired = armed.fired();
         drop(armed);
+        if fired.is_some() || matches!(interrupt, Some(Interrupt::Control(_))) {
+            self.stop_took();
+        }
         let run = match run {
             // The watcher ended the attempt for a controller before this task heard of it: an
             // interruption, unless the executor had finished with success first.
@@ -338,6 +347,21 @@ impl LoopRun<'_> {
         }
     }
 
+    /// How long the pause or stop that ended an attempt took, from its write (when its writer
+    /// stamped it, as loopd's commands do) to the executor gone: now.
+    fn stop_took(&self) {
+        let at = self
+            .store()
+            .read_control(self.id)
+            .and_then(|c| c.status_by?.at)
+            .and_then(|at| chrono::DateTime::parse_from_rfc3339(&at).ok());
+        if let Some(at) = at
+            && let Ok(took) = (chrono::Utc::now() - at.to_utc()).to_std()
+        {
+            metrics().stopped(took);
+        }
+    }
+
     /// What the sandbox's proxy refused the attempt: an event for each host (with how many times,
     /// and the setting that would allow it), and the count in the state.
     fn network_refused(
@@ -463,6 +487,13 @@ impl LoopRun<'_> {
             }
         }
         self.network_refused(state, done, plan, &run.network_refused);
+        let attempt = loopd_exec::metrics::Attempt {
+            workflow: engine.workflow.name(),
+            action: &dispatch.action,
+            executor: &plan.executor,
+            account: &plan.account,
+        };
+        metrics().attempt_finished(&attempt, v.outcome(), &run);
         let mut event = attempt_event(done, &v, &run, log_path, interrupt.as_ref());
         if let Some(c) = &checkpoint {
             event = event.with("checkpoint", serde_json::to_value(c).unwrap_or_default());

@@ -333,6 +333,7 @@ fn router(shared: Shared) -> Router {
             get(|| async { page("text/css; charset=utf-8", APP_CSS) }),
         )
         .route("/openapi.json", get(openapi))
+        .route("/metrics", get(metrics))
         .route("/v1/stream", get(stream))
         .route("/v1/service", get(service))
         .route("/v1/loops", get(list_loops).post(create))
@@ -568,6 +569,28 @@ async fn stream(State(shared): State<Shared>) -> impl IntoResponse {
 
 async fn openapi() -> Response {
     ([(header::CONTENT_TYPE, "application/json")], OPENAPI).into_response()
+}
+
+/// `GET /metrics`: loopd's metrics ([`loopd_exec::metrics`]), with the loops of the file store
+/// by status as they are now.
+async fn metrics(State(shared): State<Shared>) -> ApiResult<Response> {
+    let projects = shared.projects();
+    let statuses = blocking(move || {
+        let mut statuses = Vec::new();
+        for p in &projects {
+            for id in p.store.list_ids()? {
+                if let Ok(loaded) = p.store.load(&id) {
+                    statuses.push(loaded.state.status.as_str().to_owned());
+                }
+            }
+        }
+        Ok(statuses)
+    })
+    .await?;
+    let metrics = loopd_exec::metrics::metrics();
+    metrics.set_loops(statuses.iter().map(String::as_str));
+    let content_type = [(header::CONTENT_TYPE, loopd_exec::metrics::CONTENT_TYPE)];
+    Ok((content_type, metrics.encode()).into_response())
 }
 
 async fn service(State(shared): State<Shared>) -> Json<ServiceInfo> {
