@@ -192,8 +192,23 @@ pub fn worker(settings: TemporalConfig, args: &WorkerArgs) -> Result<i32> {
         max_actions: args.max_actions.unwrap_or(config.max_actions) as usize,
         tree_grace: std::time::Duration::from_secs_f64(config.tree_grace),
         metrics: None,
+        ready: None,
     };
-    runtime()?.block_on(async {
+    // As `serve` does under systemd (`Type=notify`): ready once connected, a watchdog from the
+    // runtime's tick, stopping at the signal.
+    let notifier = std::sync::Arc::new(loopd_file_driver::serve::systemd::Notifier::from_env());
+    let told = notifier.clone();
+    let status = format!(
+        "worker {name} on {}, task queue {}",
+        config.address, config.task_queue
+    );
+    let (is_ready, ready) = tokio::sync::oneshot::channel();
+    setup.ready = Some(Box::new(move || {
+        told.ready();
+        told.status(&status);
+        let _ = is_ready.send(());
+    }));
+    let exit = runtime()?.block_on(async {
         if let Some(addr) = metrics {
             let exporter = loopd_temporal::metrics::Exporter::bind(addr)
                 .await
@@ -210,6 +225,19 @@ pub fn worker(settings: TemporalConfig, args: &WorkerArgs) -> Result<i32> {
                 _ = term.recv() => {}
             }
             tracing::info!("signal: the worker stops");
+            notifier.stopping();
+        };
+        let watchdog = async {
+            match notifier.watchdog {
+                Some(every) if ready.await.is_ok() => {
+                    let mut tick = tokio::time::interval(every / 2);
+                    loop {
+                        tick.tick().await;
+                        notifier.watchdog();
+                    }
+                }
+                _ => std::future::pending().await,
+            }
         };
         tracing::info!(
             "worker {name} on {}{} (namespace {}, task queues {q} and {q}@{name}, {} actions at \
@@ -225,8 +253,14 @@ pub fn worker(settings: TemporalConfig, args: &WorkerArgs) -> Result<i32> {
             cache.dir().display(),
             q = config.task_queue,
         );
-        client::run_worker(&config, setup, shutdown).await
-    })?;
+        tokio::select! {
+            ran = client::run_worker(&config, setup, shutdown) => ran,
+            () = watchdog => unreachable!("the watchdog ticks for ever"),
+        }
+    });
+    notifier.stopping();
+    notifier.flush(std::time::Duration::from_secs(2));
+    exit?;
     Ok(0)
 }
 

@@ -356,23 +356,6 @@ fn sighup_reloads_the_configuration() {
     assert!(log.contains("at most 2 loops at once"), "{log}");
 }
 
-/// Receives the notify datagrams the service sends, until `until` is among them.
-fn notifications(socket: &UnixDatagram, until: &str) -> Vec<String> {
-    let mut seen = Vec::new();
-    let mut buf = [0u8; 4096];
-    while !seen.iter().any(|s: &String| s.starts_with(until)) {
-        let n = socket
-            .recv(&mut buf)
-            .unwrap_or_else(|e| panic!("no {until} after {seen:?}: {e}"));
-        seen.extend(
-            String::from_utf8_lossy(&buf[..n])
-                .lines()
-                .map(str::to_owned),
-        );
-    }
-    seen
-}
-
 #[test]
 fn systemd_hears_ready_status_watchdog_reloading_and_stopping_in_order() {
     let p = Project::new(GOOD_AGENT);
@@ -467,7 +450,7 @@ fn a_second_service_for_the_same_user_is_refused() {
 }
 
 #[test]
-fn the_user_unit_passes_systemd_analyze_verify() {
+fn the_user_units_pass_systemd_analyze_verify() {
     let Some(analyze) = which("systemd-analyze") else {
         eprintln!("skipped: systemd-analyze is not installed");
         return;
@@ -479,19 +462,24 @@ fn the_user_unit_passes_systemd_analyze_verify() {
     std::os::unix::fs::symlink(env!("CARGO_BIN_EXE_loopd"), bin.join("loopd")).expect("link");
     let runtime = home.path().join("run");
     std::fs::create_dir_all(&runtime).expect("mkdir");
-    let unit = Path::new(env!("CARGO_MANIFEST_DIR")).join("contrib/loopd.service");
-    let out = std::process::Command::new(analyze)
-        .args(["verify", "--user"])
-        .arg(&unit)
-        .env("HOME", home.path())
-        .env("XDG_RUNTIME_DIR", &runtime)
-        .output()
-        .expect("run systemd-analyze");
-    assert!(
-        out.status.success() && out.stderr.is_empty(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    for unit in ["loopd.service", "loopd-worker.service"] {
+        let out = std::process::Command::new(&analyze)
+            .args(["verify", "--user"])
+            .arg(
+                Path::new(env!("CARGO_MANIFEST_DIR"))
+                    .join("contrib")
+                    .join(unit),
+            )
+            .env("HOME", home.path())
+            .env("XDG_RUNTIME_DIR", &runtime)
+            .output()
+            .expect("run systemd-analyze");
+        assert!(
+            out.status.success() && out.stderr.is_empty(),
+            "{unit}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
 }
 
 #[test]

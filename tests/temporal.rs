@@ -673,3 +673,43 @@ fn a_workers_agent_reaches_no_host_it_may_not_not_even_the_temporal_server() {
         "an agent reached the Temporal server"
     );
 }
+
+#[test]
+fn a_worker_under_systemd_says_ready_keeps_its_watchdog_and_says_stopping() {
+    let Some(bin) = temporal_bin() else { return };
+    let p = Project::new(GOOD_AGENT);
+    let mut temporal = Temporal::start(&p, &bin);
+    let path = p.root.join("notify.sock");
+    let socket = std::os::unix::net::UnixDatagram::bind(&path).expect("bind the notify socket");
+    socket
+        .set_read_timeout(Some(DEADLINE))
+        .expect("read timeout");
+    temporal.worker_with(&p, "w0", |cmd| {
+        cmd.env("NOTIFY_SOCKET", &path)
+            .env("WATCHDOG_USEC", "200000");
+    });
+    let mut seen = common::notifications(&socket, "READY=1");
+    seen.extend(common::notifications(&socket, "WATCHDOG=1"));
+    // It works once ready.
+    let id = temporal.create(&p, &["--title", "under systemd"]);
+    temporal.wait_for_status(&p, &id, "completed");
+    let reader = std::thread::spawn(move || common::notifications(&socket, "STOPPING=1"));
+    temporal.stop_worker(0);
+    seen.extend(reader.join().expect("reader"));
+    let first = |prefix: &str| {
+        seen.iter()
+            .position(|s| s.starts_with(prefix))
+            .unwrap_or_else(|| panic!("no {prefix} in {seen:?}"))
+    };
+    assert!(first("READY=1") < first("WATCHDOG=1"), "{seen:?}");
+    assert!(
+        seen.iter()
+            .any(|s| s.starts_with("STATUS=worker w0 on 127.0.0.1:")),
+        "{seen:?}"
+    );
+    assert_eq!(
+        seen.last().map(String::as_str),
+        Some("STOPPING=1"),
+        "{seen:?}"
+    );
+}

@@ -900,3 +900,20 @@ pub fn free_port() -> u16 {
         }
     }
 }
+
+/// Receives the notify datagrams a service sends, until `until` is among them.
+pub fn notifications(socket: &std::os::unix::net::UnixDatagram, until: &str) -> Vec<String> {
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !seen.iter().any(|s: &String| s.starts_with(until)) {
+        let n = socket
+            .recv(&mut buf)
+            .unwrap_or_else(|e| panic!("no {until} after {seen:?}: {e}"));
+        seen.extend(
+            String::from_utf8_lossy(&buf[..n])
+                .lines()
+                .map(str::to_owned),
+        );
+    }
+    seen
+}

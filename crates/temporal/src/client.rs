@@ -249,6 +249,8 @@ pub struct WorkerSetup {
     pub tree_grace: Duration,
     /// Its metrics endpoint, bound ([`crate::metrics`]).
     pub metrics: Option<crate::metrics::Exporter>,
+    /// Called once it is connected and its workers are made, before they poll.
+    pub ready: Option<Box<dyn FnOnce() + Send>>,
 }
 
 /// Runs a worker of loopd's workflows and activities until `shutdown` resolves; the attempt it
@@ -326,6 +328,9 @@ pub async fn run_worker(
         .build();
     let mut shared = Worker::new(&runtime, client.clone(), shared)?;
     let mut own = Worker::new(&runtime, client, own)?;
+    if let Some(ready) = setup.ready.take() {
+        ready();
+    }
     let (stop_shared, stop_own) = (shared.shutdown_handle(), own.shutdown_handle());
     let sweep = sweep(&setup.cache, setup.tree_grace);
     let run = futures::future::try_join(shared.run(), own.run());

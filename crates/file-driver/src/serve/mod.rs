@@ -16,7 +16,7 @@
 
 pub mod api;
 
-mod systemd;
+pub mod systemd;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::path::{Path, PathBuf};
