@@ -7,7 +7,7 @@ mod common;
 use std::collections::BTreeSet;
 use std::path::PathBuf;
 
-use common::http::{To, call, runtime, send};
+use common::http::{To, call, fetch, runtime, send};
 use common::*;
 use http_body_util::BodyExt as _;
 use serde_json::{Value, json};
@@ -171,6 +171,13 @@ fn every_route_works_over_the_unix_socket() {
         serde_json::from_str(include_str!("../crates/file-driver/src/serve/openapi.json")).unwrap();
     assert_eq!(doc, kept);
     hit("/openapi.json");
+    let (status, metrics) = fetch(&to, "GET", "/metrics", None, &[]);
+    assert_eq!(status, 200, "{metrics}");
+    assert!(
+        metrics.contains("# TYPE loopd_control_to_executor_gone_seconds histogram"),
+        "{metrics}"
+    );
+    hit("/metrics");
 
     // Changes of served loops, live: one comes when a loop is created below.
     let mut changes = Events::open(&to, "/v1/stream", None);
