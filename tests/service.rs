@@ -381,11 +381,7 @@ fn systemd_hears_ready_status_watchdog_reloading_and_stopping_in_order() {
     let out = service.stop();
     assert_eq!(out.status.code(), Some(0));
     seen.extend(reader.join().expect("reader"));
-    let first = |prefix: &str| {
-        seen.iter()
-            .position(|s| s.starts_with(prefix))
-            .unwrap_or_else(|| panic!("no {prefix} in {seen:?}"))
-    };
+    let first = |prefix: &str| common::first_of(&seen, prefix);
     assert!(first("READY=1") < first("WATCHDOG=1"), "{seen:?}");
     assert!(first("STATUS=") < first("RELOADING=1"), "{seen:?}");
     assert!(first("RELOADING=1") < first("STOPPING=1"), "{seen:?}");

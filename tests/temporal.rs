@@ -696,11 +696,7 @@ fn a_worker_under_systemd_says_ready_keeps_its_watchdog_and_says_stopping() {
     let reader = std::thread::spawn(move || common::notifications(&socket, "STOPPING=1"));
     temporal.stop_worker(0);
     seen.extend(reader.join().expect("reader"));
-    let first = |prefix: &str| {
-        seen.iter()
-            .position(|s| s.starts_with(prefix))
-            .unwrap_or_else(|| panic!("no {prefix} in {seen:?}"))
-    };
+    let first = |prefix: &str| common::first_of(&seen, prefix);
     assert!(first("READY=1") < first("WATCHDOG=1"), "{seen:?}");
     assert!(
         seen.iter()

@@ -21,21 +21,12 @@ const KEY: &str = "sk-loopd-test-4f1c9a";
 /// The Python with `grpcio` and `trustme`, or `None` (with a message) where it is not installed
 /// outside CI.
 fn proxy_python() -> Option<PathBuf> {
-    let python = std::env::var_os("LOOPD_TLS_PROXY_PYTHON")
-        .map(PathBuf::from)
-        .or_else(|| {
-            std::env::var_os("HOME")
-                .map(|h| PathBuf::from(h).join(".cache/loopd/tls-proxy/bin/python"))
-        })?;
-    if python.exists() {
-        return Some(python);
-    }
-    common::not_installed(
+    common::installed(
+        "LOOPD_TLS_PROXY_PYTHON",
+        ".cache/loopd/tls-proxy/bin/python",
         "Python's grpcio and trustme",
-        &python,
         "README, Development, \"Loops on Temporal\"",
-    );
-    None
+    )
 }
 
 /// A TLS endpoint in front of a dev server: mutual TLS, and the API key [`KEY`] on every call.

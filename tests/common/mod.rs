@@ -842,6 +842,26 @@ pub fn not_installed(what: &str, place: &Path, by_hand: &str) {
     );
 }
 
+/// A tool a test needs: at `$VAR`, else at `in_home` under `$HOME`; `None` (with a message)
+/// where it is not there outside CI ([`not_installed`]).
+pub fn installed(var: &str, in_home: &str, what: &str, by_hand: &str) -> Option<PathBuf> {
+    let path = std::env::var_os(var)
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(in_home)))?;
+    if path.exists() {
+        return Some(path);
+    }
+    not_installed(what, &path, by_hand);
+    None
+}
+
+/// Where in `seen` (a service's notifications) the first line starting with `prefix` is.
+pub fn first_of(seen: &[String], prefix: &str) -> usize {
+    seen.iter()
+        .position(|s| s.starts_with(prefix))
+        .unwrap_or_else(|| panic!("no {prefix} in {seen:?}"))
+}
+
 /// Whether this machine lets a test make a mount namespace with a tmpfs in it.
 pub fn can_mount() -> bool {
     Command::new("unshare")

@@ -16,21 +16,12 @@ use super::{DEADLINE, Project, code, end_child, stderr, stdout, wait_for};
 
 /// The `temporal` program, or `None` (with a message) where it is not installed outside CI.
 pub fn temporal_bin() -> Option<PathBuf> {
-    let bin = std::env::var_os("LOOPD_TEMPORAL_BIN")
-        .map(PathBuf::from)
-        .or_else(|| {
-            std::env::var_os("HOME")
-                .map(|h| PathBuf::from(h).join(".cache/loopd/temporal-1.9.1/bin/temporal"))
-        })?;
-    if bin.exists() {
-        return Some(bin);
-    }
-    super::not_installed(
+    super::installed(
+        "LOOPD_TEMPORAL_BIN",
+        ".cache/loopd/temporal-1.9.1/bin/temporal",
         "the Temporal server",
-        &bin,
         "README, Development, \"Loops on Temporal\"",
-    );
-    None
+    )
 }
 
 /// A process of the test, ended (SIGTERM, then SIGKILL) and reaped when dropped.
