@@ -805,3 +805,41 @@ fn create_and_start_record_the_project_and_projects_lists_them() {
     assert_eq!(code(&out), 2);
     assert_eq!(stderr(&out).trim().lines().count(), 1, "{}", stderr(&out));
 }
+
+#[test]
+fn the_demo_run_from_a_clone_says_how_to_install_that_build_as_the_readme_does() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let without = dir.path().join("bin-without");
+    let with = dir.path().join("bin-with");
+    for d in [&without, &with] {
+        std::fs::create_dir_all(d).expect("mkdir");
+    }
+    std::os::unix::fs::symlink(env!("CARGO_BIN_EXE_loopd"), with.join("loopd")).expect("link");
+    let hint = "cargo install --locked --path . --target-dir target";
+    let demo_on = |path: &std::path::Path| {
+        let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_loopd"));
+        cmd.arg("demo")
+            .env("TMPDIR", dir.path())
+            .env("HOME", dir.path())
+            .env("PATH", format!("{}:/usr/bin:/bin", path.display()))
+            .env_remove("LOOPD_CONFIG")
+            .env_remove("LOOPD_ROOT")
+            .stdin(std::process::Stdio::null());
+        let out = cmd.output().expect("run loopd demo");
+        assert_eq!(code(&out), 0, "{}", stderr(&out));
+        stdout(&out)
+    };
+    let shown = demo_on(&without);
+    assert!(shown.contains(&format!("\n  {hint}\n")), "{shown}");
+    assert!(!demo_on(&with).contains(hint));
+    // The README's install step is the same command.
+    let readme = include_str!("../README.md");
+    let install = readme
+        .split("## Install")
+        .nth(1)
+        .expect("an Install section");
+    assert!(
+        install.contains(&format!("    {hint}")),
+        "README's Install: {install}"
+    );
+}

@@ -121,6 +121,13 @@ pub fn run(workflow: Option<&str>) -> Result<i32> {
     crate::outln!("\nlook around:")?;
     crate::outln!("  loopd --root {} status {id}", dir.display())?;
     crate::outln!("  loopd --root {} logs {id}", dir.display())?;
+    if crate::doctor::find_program("loopd").is_none() {
+        // Run from a clone (`cargo run --release -- demo`): this very build, installed as it is.
+        crate::outln!(
+            "\nloopd is not on your PATH yet; from the clone, this build installs without \
+             compiling again:\n  cargo install --locked --path . --target-dir target"
+        )?;
+    }
     Ok(exit.code())
 }
 
