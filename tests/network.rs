@@ -10,44 +10,8 @@ use std::net::TcpListener;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
+use common::tries::{HOSTILE_AGENT, assert_tried, hostile};
 use common::*;
-
-/// Develop runs `bin/tries.sh` (see [`tries`]) itself and from a grandchild in a new session,
-/// once, then succeeds, so the loop goes on.
-const TRYING_AGENT: &str = "[ -e tried.txt ] || { sh bin/tries.sh; setsid -w sh bin/tries.sh ' (grandchild)' < /dev/null; cat errors.txt >&2; }";
-
-/// Writes `bin/tries.sh`: it tries each `(NAME, COMMAND)` and writes `NAME: done` or `NAME:
-/// refused` (NAME followed by its first argument) to `tried.txt`, what they said to `errors.txt`.
-fn tries(p: &Project, tries: &[(&str, String)]) {
-    let mut script = String::from(
-        "try() { if ( eval \"$2\" ) 2>>errors.txt; then echo \"$1$who: done\" >> tried.txt; \
-         else echo \"$1$who: refused\" >> tried.txt; fi; }\nwho=$1\n",
-    );
-    for (name, command) in tries {
-        script.push_str(&format!("try '{name}' '{command}'\n"));
-    }
-    p.script("tries.sh", &script);
-}
-
-/// Each try, itself and from a grandchild, was done if it is in `done`, else refused.
-fn assert_tried(p: &Project, tries: &[(&str, String)], done: &[&str]) {
-    let said: Vec<String> = std::fs::read_to_string(p.root.join("tried.txt"))
-        .unwrap_or_default()
-        .lines()
-        .map(str::to_owned)
-        .collect();
-    for (name, _) in tries {
-        let word = if done.contains(name) {
-            "done"
-        } else {
-            "refused"
-        };
-        for who in ["", " (grandchild)"] {
-            let line = format!("{name}{who}: {word}");
-            assert!(said.contains(&line), "{line:?} not in {said:#?}");
-        }
-    }
-}
 
 /// An HTTP server on 127.0.0.1 answering `hello` to every request: its port, and how many
 /// requests it took.
@@ -99,7 +63,7 @@ fn an_action_reaches_the_hosts_it_may_through_the_proxy_and_nothing_else() {
     let (other, other_taken) = server();
     // A second proxy, loopd's own environment naming it: loopd never relays to it.
     let (second_proxy, second_taken) = server();
-    let p = Project::new(&agent(&[("develop", TRYING_AGENT)]));
+    let p = Project::new(&agent(&[("develop", HOSTILE_AGENT)]));
     let hosts = p.root.join("hosts");
     std::fs::write(&hosts, "127.0.0.1 allowed.test other.test\n").unwrap();
     let get = |url: String| format!("python3 bin/get.py {url}");
@@ -150,7 +114,7 @@ fn an_action_reaches_the_hosts_it_may_through_the_proxy_and_nothing_else() {
             format!("python3 bin/tunnel.py 127.0.0.1:{second_proxy}"),
         ),
     ];
-    tries(&p, &tried);
+    hostile(&p, &tried);
     p.config(&TEST_CONFIG.replace(
         "format = \"json\"",
         &format!("format = \"json\"\nsandbox_network = [\"allowed.test:{allowed}\"]"),

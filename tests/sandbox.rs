@@ -7,6 +7,7 @@ mod common;
 use std::net::TcpListener;
 use std::path::Path;
 
+use common::tries::{HOSTILE_AGENT, assert_tried, hostile, tried};
 use common::*;
 
 /// Whether this machine can sandbox (Landlock), as `loopd doctor` finds it; outside CI a test
@@ -28,49 +29,6 @@ fn sandboxed_here() -> bool {
     );
     eprintln!("skipped: this kernel has no Landlock ABI 4");
     false
-}
-
-/// Develop runs `bin/hostile.sh` (see [`hostile`]) itself and from a grandchild in a new session,
-/// once, then succeeds, so the loop goes on.
-const HOSTILE_AGENT: &str = "[ -e tried.txt ] || { sh bin/hostile.sh; setsid -w sh bin/hostile.sh ' (grandchild)' < /dev/null; cat errors.txt >&2; }";
-
-/// Writes `bin/hostile.sh`: it tries each `(NAME, COMMAND)` and writes `NAME: done` or `NAME:
-/// refused` (NAME followed by its first argument) to `tried.txt` in the work tree, and what the
-/// commands said to `errors.txt`.
-fn hostile(p: &Project, tries: &[(&str, String)]) {
-    let mut script = String::from(
-        "try() { if ( eval \"$2\" ) 2>>errors.txt; then echo \"$1$who: done\" >> tried.txt; \
-         else echo \"$1$who: refused\" >> tried.txt; fi; }\nwho=$1\n",
-    );
-    for (name, command) in tries {
-        script.push_str(&format!("try '{name}' '{command}'\n"));
-    }
-    p.script("hostile.sh", &script);
-}
-
-/// Each of `tries`, itself and from a grandchild, was done if it is in `done`, else refused.
-fn assert_tried(p: &Project, tries: &[(&str, String)], done: &[&str]) {
-    let said = tried(p);
-    for (name, _) in tries {
-        let word = if done.contains(name) {
-            "done"
-        } else {
-            "refused"
-        };
-        for who in ["", " (grandchild)"] {
-            let line = format!("{name}{who}: {word}");
-            assert!(said.contains(&line), "{line:?} not in {said:#?}");
-        }
-    }
-}
-
-/// What develop tried, line by line.
-fn tried(p: &Project) -> Vec<String> {
-    std::fs::read_to_string(p.root.join("tried.txt"))
-        .unwrap_or_default()
-        .lines()
-        .map(str::to_owned)
-        .collect()
 }
 
 #[test]
@@ -587,4 +545,63 @@ fn a_kept_sandbox_follows_what_changed_since_it_was_made() {
         |task: &str| std::fs::read_to_string(p.root.join(format!("looked-{task}.txt"))).unwrap();
     assert_eq!(looked("task-001"), "hidden\nunseen\nbefore\n");
     assert_eq!(looked("task-002"), "hidden\nseen\nafter\n");
+}
+
+#[test]
+fn no_attempt_reads_loopds_temporal_credentials_nor_sees_their_variables() {
+    if !sandboxed_here() {
+        return;
+    }
+    // The user's: an API key file that `[temporal]` names, and the temporal CLI's profiles.
+    let user = Project::new("");
+    let home = user.root.display().to_string();
+    let secrets = user.root.join("secrets");
+    std::fs::create_dir_all(&secrets).unwrap();
+    let key = secrets.join("temporal-key");
+    std::fs::write(&key, "sk-from-the-file\n").unwrap();
+    let profiles = user.root.join(".config/temporalio");
+    std::fs::create_dir_all(&profiles).unwrap();
+    std::fs::write(
+        profiles.join("temporal.toml"),
+        "[profile.default]\napi_key = \"sk-from-the-profile\"\n",
+    )
+    .unwrap();
+    let tries = [
+        (
+            "read the API key file",
+            format!("cat {} > k1.txt", key.display()),
+        ),
+        (
+            "read the temporal CLI profiles",
+            format!("cat {home}/.config/temporalio/temporal.toml > k2.txt"),
+        ),
+        (
+            "see TEMPORAL_API_KEY",
+            "test -n \"$TEMPORAL_API_KEY\"".to_owned(),
+        ),
+        (
+            "see its executor own TEMPORAL_ variable",
+            "test -n \"$TEMPORAL_MINE\"".to_owned(),
+        ),
+    ];
+    let p = Project::beside(&user, &agent(&[("develop", HOSTILE_AGENT)]));
+    hostile(&p, &tries);
+    p.config(&format!(
+        "{TEST_CONFIG}env = {{ TEMPORAL_MINE = \"set by its executor\" }}\n\n\
+         [temporal]\napi_key_file = {:?}\n",
+        key.display().to_string()
+    ));
+    let id = p.create(&["--title", "after loopd's credentials"]);
+    let out = p
+        .loopd()
+        .env("TEMPORAL_API_KEY", "sk-from-the-environment")
+        .args(["run", &id])
+        .output()
+        .expect("run loopd");
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    assert_tried(&p, &tries, &["see its executor own TEMPORAL_ variable"]);
+    for copy in ["k1.txt", "k2.txt"] {
+        let read = std::fs::read_to_string(p.root.join(copy)).unwrap_or_default();
+        assert!(!read.contains("sk-from"), "{copy}: {read}");
+    }
 }

@@ -6,6 +6,7 @@ pub mod http;
 pub mod prometheus;
 #[cfg(feature = "temporal")]
 pub mod temporal;
+pub mod tries;
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
