@@ -211,6 +211,10 @@ pub enum TaskCommand {
         id: String,
         /// What the task is, for the agent that will do it
         text: String,
+        /// A task this one needs done first (repeat for several); without it, the task may be
+        /// developed at once with the others when the loop has `parallel` over 1
+        #[arg(long, value_name = "TASK_ID")]
+        after: Vec<String>,
     },
 }
 
@@ -305,8 +309,8 @@ pub fn run(cli: Cli) -> Result<i32> {
         Command::Retry { id } => crate::recovery::retry(&project()?, &id, json),
         Command::Answer { id, text } => crate::recovery::answer(&inspect()?, &id, &text, json),
         Command::Set { id, limits } => crate::recovery::set(&project()?, &id, &limits, json),
-        Command::Task(TaskCommand::Add { id, text }) => {
-            crate::recovery::task_add(&project()?, &id, &text, json)
+        Command::Task(TaskCommand::Add { id, text, after }) => {
+            crate::recovery::task_add(&project()?, &id, &text, &after, json)
         }
         Command::Status { id } => status(&inspect()?, &id, json),
         Command::Checkpoints { id } => crate::checkpoint::list_command(&inspect()?, &id, json),
@@ -909,7 +913,15 @@ fn on_temporal(
         Command::Stop { id } => change(id, Change::Control(Control::Stop))?,
         Command::Next { id, action } => change(id, Change::Next(action.clone()))?,
         Command::Answer { id, text } => change(id, Change::Answer(text.clone()))?,
-        Command::Task(TaskCommand::Add { id, text }) => change(id, Change::Task(text.clone()))?,
+        Command::Task(TaskCommand::Add { id, text, after }) => {
+            if !after.is_empty() {
+                return Err(usage(
+                    "--after is for loops on this machine; a loop on Temporal develops its tasks \
+                     one at a time, in order",
+                ));
+            }
+            change(id, Change::Task(text.clone()))?
+        }
         Command::Set { id, limits } => change(id, temporal::set_limits(limits)?)?,
         _ => unreachable!("a command of a loop"),
     }))

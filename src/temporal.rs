@@ -373,6 +373,7 @@ pub fn create(p: &Project, config: &TemporalConfig, args: &CreateArgs, json: boo
             "--worktree is for loops in the file store; a loop on Temporal runs in its root",
         ));
     }
+    refuse_parallel(&args.limits)?;
     let id = loopd_store::store::new_id();
     let state = loopd_file_driver::create::new_state(p, args, &id, None)?;
     let git = match &args.remote {
@@ -620,12 +621,26 @@ pub fn change(config: &TemporalConfig, id: &str, change: Change, json: bool) -> 
 /// The new limits `loopd set` gives, checked as for a loop in the file store.
 pub fn set_limits(limits: &Limits) -> Result<Change> {
     limits.check()?;
+    refuse_parallel(limits)?;
     Ok(Change::Set(SetLimits {
         max_iterations: limits.max_iterations,
         max_errors: limits.max_errors,
         max_cost_usd: limits.max_cost_usd,
         max_tokens: limits.max_tokens,
+        parallel: None,
     }))
+}
+
+/// `parallel` over 1 is for loops in the file store for now: a loop on Temporal develops its
+/// tasks one at a time.
+fn refuse_parallel(limits: &Limits) -> Result<()> {
+    match limits.parallel {
+        Some(n) if n > 1 => Err(usage(format!(
+            "--parallel {n} is for loops on this machine; a loop on Temporal develops its tasks \
+             one at a time"
+        ))),
+        _ => Ok(()),
+    }
 }
 
 /// A JSON string as it reads, without its quotes.

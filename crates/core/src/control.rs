@@ -172,6 +172,7 @@ impl std::fmt::Display for Change {
                     ("max_errors", set.max_errors.map(|n| n.to_string())),
                     ("max_cost_usd", set.max_cost_usd.map(|n| n.to_string())),
                     ("max_tokens", set.max_tokens.map(|n| n.to_string())),
+                    ("parallel", set.parallel.map(|n| n.to_string())),
                 ];
                 let said: Vec<String> = limits
                     .into_iter()
@@ -190,6 +191,8 @@ pub struct SetLimits {
     pub max_errors: Option<u64>,
     pub max_cost_usd: Option<f64>,
     pub max_tokens: Option<u64>,
+    #[serde(default)]
+    pub parallel: Option<u64>,
 }
 
 /// Whether `action` may be chosen as the next action of loop `id`: an interactive loop only, an

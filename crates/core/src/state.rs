@@ -129,6 +129,10 @@ pub struct LoopState {
     pub max_cost_usd: Option<f64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_tokens: Option<u64>,
+    /// loopd's: how many of its tasks are developed at once, each in a git work tree of its own;
+    /// absent means the configured default.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parallel: Option<u64>,
     /// loopd's: who set the status last, when a loopd command or the service's API did.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub status_by: Option<StatusBy>,
@@ -275,6 +279,7 @@ pub const SKILL_KEY_ORDER: &[&str] = &[
     "error_count",
     "action_history",
     "in_flight",
+    "lanes",
     "initialized_at",
     "seq",
     "finished",
@@ -387,6 +392,10 @@ pub struct Bookkeeping {
     /// The attempt running now, so that a restarted daemon can clean up after a crash.
     #[serde(default)]
     pub in_flight: Option<InFlight>,
+    /// loopd's: the attempts of a batch of tasks developed at once (`parallel`), each in a work
+    /// tree of its own; empty when none runs.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub lanes: Vec<InFlight>,
     /// How many actions have finished; the clock of `finished`.
     #[serde(default)]
     pub seq: u64,
@@ -737,6 +746,9 @@ pub struct ListedTask {
     pub created_at: Option<String>,
     /// Its place in the list, as its writer numbered it.
     pub order: Option<Value>,
+    /// The tasks it needs done first (`loopd task add --after`); `None` when its writer cannot
+    /// say (CCW's tasks), and then it keeps its place in the order.
+    pub after: Option<Vec<String>>,
 }
 
 /// One attempt in `skill_state.action_history`.
@@ -849,6 +861,11 @@ impl LoopState {
 
     pub fn max_iterations_or(&self, default: u64) -> u64 {
         self.max_iterations.unwrap_or(default)
+    }
+
+    /// How many tasks the loop develops at once: its own setting, else `default`; at least 1.
+    pub fn parallel_or(&self, default: u64) -> u64 {
+        self.parallel.unwrap_or(default).max(1)
     }
 
     pub fn max_errors_or(&self, default: u64) -> u64 {

@@ -264,6 +264,79 @@ impl Repo {
         Ok(target)
     }
 
+    /// Merges checkpoint commit `theirs` (made from `base`) into `ours` with git's three-way merge
+    /// (`git merge-tree`, nothing checked out), recording a clean result as checkpoint `name`,
+    /// the child of both. A conflict records nothing and names the files.
+    pub fn merge(&self, name: &str, base: &str, ours: &str, theirs: &str) -> Result<Merge> {
+        let output = crate::procs::own_output(self.git().args([
+            "merge-tree",
+            "--write-tree",
+            "--name-only",
+            "--no-messages",
+            "-z",
+            &format!("--merge-base={base}"),
+            ours,
+            theirs,
+        ]))
+        .context("cannot run git")?;
+        let stdout = String::from_utf8_lossy(&output.stdout);
+        let mut fields = stdout.split('\0').filter(|f| !f.is_empty());
+        let tree = fields.next().unwrap_or_default().trim().to_owned();
+        match output.status.code() {
+            Some(0) => {}
+            // Conflicts: the tree, then the conflicted files.
+            Some(1) => {
+                let mut files: Vec<String> = fields.map(str::to_owned).collect();
+                files.dedup();
+                return Ok(Merge::Conflict(files));
+            }
+            _ => {
+                let stderr = String::from_utf8_lossy(&output.stderr);
+                anyhow::bail!(
+                    "git merge-tree: {}",
+                    stderr.lines().last().unwrap_or("failed").trim()
+                );
+            }
+        }
+        let message = format!("loopd: loop {}, {name}", self.loop_id);
+        let commit = self.run(&[
+            "commit-tree",
+            &tree,
+            "-m",
+            &message,
+            "-p",
+            ours,
+            "-p",
+            theirs,
+        ])?;
+        self.run(&["update-ref", &self.ref_name(name), &commit])?;
+        let mut checkpoint = Checkpoint {
+            name: name.to_owned(),
+            commit,
+            ..Checkpoint::default()
+        };
+        self.count_changes(ours, &mut checkpoint)?;
+        Ok(Merge::Clean(checkpoint))
+    }
+
+    /// Moves the work tree from checkpoint commit `from`, where it is, to `to`: the files that
+    /// differ are written or removed (`git read-tree -m -u` in the loop's index), refused when
+    /// that would lose a change made since `from`.
+    pub fn advance(&self, from: &str, to: &str) -> Result<()> {
+        let now = self.tree_now()?;
+        let recorded = self.run(&["rev-parse", &format!("{from}^{{tree}}")])?;
+        if now != recorded {
+            return Err(Refused(format!(
+                "the work tree of loop {} changed since its checkpoint {from}; the merged tasks \
+                 are kept as checkpoints but not written over it",
+                self.loop_id
+            ))
+            .into());
+        }
+        self.run(&["read-tree", "-m", "-u", from, to])?;
+        Ok(())
+    }
+
     /// Removes all but the last `keep` checkpoints of the loop (its start is always kept).
     pub fn prune(&self, keep: usize) -> Result<usize> {
         let list = self.list()?;
@@ -274,6 +347,14 @@ impl Repo {
         }
         Ok(drop)
     }
+}
+
+/// How a merge of two checkpoints went ([`Repo::merge`]).
+#[derive(Debug)]
+pub enum Merge {
+    Clean(Checkpoint),
+    /// The files both sides changed in ways git cannot put together.
+    Conflict(Vec<String>),
 }
 
 /// The most entries [`files_fingerprint`] looks at: a larger tree is not fingerprinted.
@@ -381,6 +462,52 @@ impl Recorder {
     /// The name of the checkpoint the work tree is at, as far as the loop knows.
     pub fn last(&self) -> &str {
         &self.last.0
+    }
+
+    /// The commit of that checkpoint.
+    pub fn last_commit(&self) -> &str {
+        &self.last.1
+    }
+
+    /// The repository.
+    pub fn repo(&self) -> &Repo {
+        &self.repo
+    }
+
+    /// Where a batch of tasks starts: the last checkpoint, or when the work tree changed since
+    /// (a file an action that records none wrote), a new one, `name`.
+    pub fn base(&mut self, name: &str) -> Result<String> {
+        let recorded = self
+            .repo
+            .run(&["rev-parse", &format!("{}^{{tree}}", self.last.1)])?;
+        if self.repo.tree_now()? != recorded {
+            self.record(name)?;
+        }
+        Ok(self.last.1.clone())
+    }
+
+    /// Merges checkpoint `theirs` (made from `base`) into the last checkpoint as `name` (see
+    /// [`Repo::merge`]); a clean merge becomes the last checkpoint, the work tree not yet moved.
+    pub fn merge(&mut self, name: &str, base: &str, theirs: &str) -> Result<Merge> {
+        let merge = self.repo.merge(name, base, &self.last.1, theirs)?;
+        if let Merge::Clean(checkpoint) = &merge {
+            self.last = (name.to_owned(), checkpoint.commit.clone());
+            self.count += 1;
+        }
+        Ok(merge)
+    }
+
+    /// Moves the work tree from commit `from` to the last checkpoint ([`Repo::advance`]), then
+    /// prunes the oldest checkpoints past those kept.
+    pub fn catch_up(&mut self, from: &str) -> Result<()> {
+        if from != self.last.1 {
+            self.repo.advance(from, &self.last.1)?;
+        }
+        if self.count > self.keep {
+            self.repo.prune(self.keep)?;
+            self.count = self.keep;
+        }
+        Ok(())
     }
 
     /// Puts the work tree back as it was at checkpoint `name`, whatever changed since; returns

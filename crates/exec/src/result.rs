@@ -195,18 +195,19 @@ fn secs(d: std::time::Duration) -> String {
 /// made and later removed (which on ext4 costs a search for a free inode).
 pub const RESULT_FILE: &str = "result.json";
 
-/// Empties the result file before an attempt, making it if it is missing; what is there that is
-/// not a plain file (an executor's symlink) is removed first.
-pub fn empty_result_file(actions: &loopd_fs::Dir) {
+/// Empties the result file `name` ([`RESULT_FILE`], or one of the attempts run at once) before
+/// an attempt, making it if it is missing; what is there that is not a plain file (an executor's
+/// symlink) is removed first.
+pub fn empty_result_file(actions: &loopd_fs::Dir, name: &str) {
     let emptied = |dir: &loopd_fs::Dir| {
-        let file = dir.open_rw(RESULT_FILE)?;
+        let file = dir.open_rw(name)?;
         match file.metadata()?.len() {
             0 => Ok(()),
             _ => file.set_len(0),
         }
     };
     if emptied(actions).is_err() {
-        let _ = actions.remove(RESULT_FILE);
+        let _ = actions.remove(name);
         let _ = emptied(actions);
     }
 }

@@ -100,8 +100,9 @@ pub fn choose_next(p: &Project, id: &str, action: &str) -> Result<Value> {
     Ok(json!({ "loop_id": id, "next_action": action }))
 }
 
-/// Appends a task to a loop's task list ([`rules::check_task`]); returns `{loop_id, task_id}`.
-pub fn add_task(p: &Project, id: &str, text: &str) -> Result<Value> {
+/// Appends a task to a loop's task list ([`rules::check_task`]), needing the tasks `after` names
+/// done first (each a task of the loop); returns `{loop_id, task_id}`.
+pub fn add_task(p: &Project, id: &str, text: &str, after: &[String]) -> Result<Value> {
     let state = p.load(id)?;
     let workflow = loop_workflow(p, &state)?;
     let text = rules::check_task(&state, id, text).map_err(usage)?;
@@ -111,7 +112,16 @@ pub fn add_task(p: &Project, id: &str, text: &str) -> Result<Value> {
         .as_ref()
         .map(|s| workflow.task_ids(s))
         .unwrap_or_default();
-    let task_id = p.store.add_tasks(id, &[text], &taken)?.remove(0);
+    if !after.is_empty() {
+        let listed = p.store.read_tasks(id)?.tasks;
+        let known = |t: &String| taken.contains(t) || listed.iter().any(|l| &l.id == t);
+        if let Some(unknown) = after.iter().find(|t| !known(t)) {
+            return Err(usage(format!(
+                "--after {unknown}: loop {id} has no such task"
+            )));
+        }
+    }
+    let task_id = p.store.add_tasks(id, &[text], after, &taken)?.remove(0);
     Ok(json!({ "loop_id": id, "task_id": task_id }))
 }
 
@@ -120,18 +130,21 @@ pub fn add_task(p: &Project, id: &str, text: &str) -> Result<Value> {
 pub fn set_limits(p: &Project, id: &str, limits: &crate::create::Limits) -> Result<Value> {
     p.load(id)?;
     limits.check()?;
+    crate::worktree::check_parallel(p, limits.parallel)?;
     let changes: serde_json::Map<String, Value> = [
         ("max_iterations", limits.max_iterations.map(|n| json!(n))),
         ("max_errors", limits.max_errors.map(|n| json!(n))),
         ("max_cost_usd", limits.max_cost_usd.map(|usd| json!(usd))),
         ("max_tokens", limits.max_tokens.map(|n| json!(n))),
+        ("parallel", limits.parallel.map(|n| json!(n))),
     ]
     .into_iter()
     .filter_map(|(key, value)| Some((key.to_owned(), value?)))
     .collect();
     if changes.is_empty() {
         return Err(usage(
-            "nothing to set: give --max-iterations, --max-errors, --max-cost-usd or --max-tokens",
+            "nothing to set: give --max-iterations, --max-errors, --max-cost-usd, --max-tokens or \
+             --parallel",
         ));
     }
     p.store.update(id, true, |raw, _| {

@@ -33,6 +33,10 @@ pub struct Limits {
     /// Fail the loop once its agents have used this many tokens
     #[arg(long, value_name = "N")]
     pub max_tokens: Option<u64>,
+    /// Develop up to N tasks at once, each in a git work tree of its own, merged back in task
+    /// order (a project in git only) [create: the config's]
+    #[arg(long, value_name = "N")]
+    pub parallel: Option<u64>,
 }
 
 impl Limits {
@@ -42,6 +46,7 @@ impl Limits {
             ("--max-iterations", self.max_iterations),
             ("--max-errors", self.max_errors),
             ("--max-tokens", self.max_tokens),
+            ("--parallel", self.parallel),
         ] {
             if value == Some(0) {
                 return Err(usage(format!("{flag} must be at least 1")));
@@ -213,6 +218,7 @@ pub fn create_loop(p: &Project, args: &CreateArgs) -> Result<String> {
             "--remote is for loops on Temporal (`loopd create --temporal ADDR --remote URL`)",
         ));
     }
+    crate::worktree::check_parallel(p, args.limits.parallel)?;
     let id = new_id();
     let worktree = match args.worktree {
         true => Some(crate::worktree::create(&p.root, &p.store, &id)?),
@@ -235,7 +241,7 @@ pub fn create_loop(p: &Project, args: &CreateArgs) -> Result<String> {
     }
     if !args.tasks.is_empty() {
         let texts: Vec<&str> = args.tasks.iter().map(String::as_str).collect();
-        p.store.add_tasks(&id, &texts, &[])?;
+        p.store.add_tasks(&id, &texts, &[], &[])?;
     }
     Ok(id)
 }
@@ -265,6 +271,7 @@ pub fn new_state(
         max_errors,
         max_cost_usd,
         max_tokens,
+        parallel,
     } = *limits;
     limits.check()?;
     let name = workflow.as_deref().unwrap_or(&p.config.workflow);
@@ -304,6 +311,7 @@ pub fn new_state(
         max_errors: Some(max_errors.unwrap_or(defaults.1)),
         max_cost_usd: max_cost_usd.or(p.config.max_cost_usd),
         max_tokens: max_tokens.or(p.config.max_tokens),
+        parallel,
         status: Status::Created,
         created_at: Some(now.clone()),
         updated_at: Some(now),

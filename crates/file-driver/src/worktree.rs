@@ -75,12 +75,95 @@ pub fn create(root: &Path, store: &Store, id: &str) -> Result<Worktree> {
     Ok(Worktree { path, branch })
 }
 
+/// Refuses `parallel` over 1 where the loop's tasks cannot each have a work tree of their own:
+/// a project outside git, or checkpoints off.
+pub fn check_parallel(p: &Project, parallel: Option<u64>) -> Result<()> {
+    let Some(n) = parallel.filter(|n| *n > 1) else {
+        return Ok(());
+    };
+    if p.config.checkpoint == loopd_project::config::Checkpoints::Off {
+        return Err(usage(format!(
+            "--parallel {n} needs git checkpoints, and the config says checkpoint = \"off\""
+        )));
+    }
+    git(&p.root, &["rev-parse", "--is-inside-work-tree"]).map_err(|_| {
+        usage(format!(
+            "--parallel {n} needs a git repository (each task is developed in a work tree of its \
+             own and merged back by git); {} is in none",
+            p.root.display()
+        ))
+    })
+}
+
 /// Removes a worktree and its branch, for a loop whose creation failed after it was made.
 pub fn remove(root: &Path, worktree: &Worktree) {
     if let Some(path) = worktree.path.to_str() {
         let _ = git(root, &["worktree", "remove", "--force", path]);
     }
     let _ = git(root, &["branch", "--quiet", "-D", &worktree.branch]);
+}
+
+/// Where the work trees of a loop's tasks developed at once live: `worktrees/{id}.lanes/N` in
+/// the state dir, one per attempt of a batch.
+pub fn lanes_path(store: &Store, id: &str) -> PathBuf {
+    store.dir().join("worktrees").join(format!("{id}.lanes"))
+}
+
+/// Makes the work tree of lane `number` of loop `id`: a git worktree of the repository `repo`
+/// is in, detached at `commit` (nothing on any branch changes). What a daemon that died left
+/// there is removed first.
+pub fn add_lane(
+    repo: &Path,
+    store: &Store,
+    id: &str,
+    number: usize,
+    commit: &str,
+) -> Result<PathBuf> {
+    // The directories it goes in are the state dir's own, private and checked, never a link.
+    store
+        .state_dir(true)?
+        .subdir("worktrees", true)
+        .and_then(|d| d.subdir(&format!("{id}.lanes"), true))
+        .context("cannot make the state dir's directory of work trees")?;
+    let path = lanes_path(store, id).join(number.to_string());
+    let target = path.to_str().context("the state dir's path is not UTF-8")?;
+    if path.symlink_metadata().is_ok() {
+        remove_tree(repo, &path);
+    }
+    git(
+        repo,
+        &["worktree", "add", "--detach", "--quiet", target, commit],
+    )
+    .map_err(|why| anyhow::anyhow!("cannot make a work tree for a task of loop {id}: {why}"))?;
+    Ok(path)
+}
+
+/// Removes every lane's work tree of loop `id` (after a batch, or what a daemon that died left);
+/// returns how many there were.
+pub fn remove_lanes(repo: &Path, store: &Store, id: &str) -> usize {
+    let dir = lanes_path(store, id);
+    let Ok(entries) = std::fs::read_dir(&dir) else {
+        return 0;
+    };
+    let mut removed = 0;
+    for entry in entries.flatten() {
+        remove_tree(repo, &entry.path());
+        removed += 1;
+    }
+    let _ = std::fs::remove_dir(&dir);
+    removed
+}
+
+/// Removes a worktree git knows, or a directory it no longer does, and git's record of it.
+fn remove_tree(repo: &Path, path: &Path) {
+    if let Some(target) = path.to_str() {
+        let _ = git(repo, &["worktree", "remove", "--force", "--force", target]);
+    }
+    if path.symlink_metadata().is_ok() {
+        // Not a link followed: remove_dir_all removes a link itself, not what it points to.
+        let _ = std::fs::remove_dir_all(path);
+    }
+    let _ = git(repo, &["worktree", "prune"]);
 }
 
 /// Runs git in `root`; on failure, the last line it printed (or why it did not run).

@@ -44,6 +44,9 @@ pub struct Config {
     pub rate_limit_max_wait: f64,
     /// `loopd serve`: how many loops run at once; the others wait in a queue.
     pub max_running_loops: u64,
+    /// How many tasks of a loop are developed at once (each in a git work tree of its own,
+    /// merged back in task order), for loops that do not set their own.
+    pub parallel: u64,
     /// `git`: a checkpoint of the work tree after each action that changes it; `off`: none.
     pub checkpoint: Checkpoints,
     /// How many checkpoints of each loop are kept (the oldest go; the start stays).
@@ -607,6 +610,9 @@ impl Config {
             return Err(("temporal.max_actions".into(), "must be at least 1".into()));
         }
         positive("temporal.tree_grace", self.temporal.tree_grace)?;
+        if self.parallel == 0 {
+            return Err(("parallel".into(), "must be at least 1".into()));
+        }
         if self.checkpoint_keep == 0 {
             return Err(("checkpoint_keep".into(), "must be at least 1".into()));
         }

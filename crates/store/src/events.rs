@@ -66,6 +66,15 @@ pub mod name {
     /// loopd's: a validation succeeded and measured `pass_rate` (percent), for pictures of the
     /// loop over time.
     pub const VALIDATED: &str = "validated";
+    /// loopd's: tasks developed at once (`parallel`) start, each in a work tree of its own at
+    /// checkpoint `base` (`tasks`).
+    pub const BATCH_STARTED: &str = "batch_started";
+    /// loopd's: a task's result was merged into the loop's tree (`task_id`, `checkpoint`: the
+    /// merge's, with its `files`, `insertions`, `deletions`).
+    pub const MERGED: &str = "merged";
+    /// loopd's: a task's result could not be merged (`task_id`, `files` in conflict, `error`):
+    /// the task is developed again on the merged tree, or fails after its retries.
+    pub const MERGE_CONFLICT: &str = "merge_conflict";
     /// loopd's: something worth a person's attention that changes nothing.
     pub const WARNING: &str = "warning";
 }

@@ -188,7 +188,7 @@ async fn run_attempt(
         return Ok(AttemptReport::git_failed(id, &e));
     }
     let result_file = actions.join(RESULT_FILE);
-    empty_result_file(&actions);
+    empty_result_file(&actions, RESULT_FILE);
     let step = Step {
         dispatch: &dispatch,
         plan,

@@ -296,6 +296,15 @@ pub trait Workflow: Send + Sync {
     fn goal_met(&self, state: &LoopState) -> bool;
     /// The next action in auto mode.
     fn select(&self, state: &LoopState) -> Dispatch;
+    /// Tasks that may be developed at once after `first` (the dispatch [`Workflow::select`]
+    /// chose): those whose needs are met, in order, `first` among them, at most `max`. Empty
+    /// when `first` is no such task or the workflow has none.
+    fn batch(&self, _state: &LoopState, _first: &Dispatch, _max: usize) -> Vec<Dispatch> {
+        Vec::new()
+    }
+    /// A task's result could not be merged into the loop's tree: it is to be done again, `why`
+    /// in its next prompt. Failed instead when `fail` (its merges have no retry left).
+    fn merge_failed(&self, _state: &mut LoopState, _task_id: &str, _why: &str, _fail: bool) {}
     /// The dispatch for an action a controller chose in interactive mode, or why it cannot run
     /// now.
     fn choose(&self, state: &LoopState, action: &str) -> Result<Dispatch, String>;

@@ -111,7 +111,7 @@ impl LoopRun<'_> {
 
     /// Another loop of the executor's account was rate limited: waits for the reset before
     /// starting an attempt that would be refused the same way.
-    async fn wait_for_account(
+    pub(super) async fn wait_for_account(
         &mut self,
         state: &mut LoopState,
         step: &Step<'_>,

@@ -6,19 +6,20 @@ use loopd_exec::metrics::metrics;
 use loopd_exec::result::{RESULT_FILE, empty_result_file};
 use loopd_project::plan;
 
+use super::batch::Lane;
 use super::*;
 
 /// An attempt ready to spawn, and where its files go.
 pub(super) struct Prepared {
-    spec: Spec,
-    files: AttemptFiles,
+    pub(super) spec: Spec,
+    pub(super) files: AttemptFiles,
 }
 
 /// Where an attempt's files are: its directory, its result file's name, its log.
 pub(super) struct AttemptFiles {
     actions: loopd_fs::Dir,
     result_name: String,
-    log_path: PathBuf,
+    pub(super) log_path: PathBuf,
 }
 
 pub(super) enum Attempted {
@@ -32,6 +33,8 @@ pub(super) struct Done<'a> {
     pub(super) iteration: u64,
     pub(super) attempt: u32,
     pub(super) started_at: &'a str,
+    /// The work tree of its own it ran in, one of a batch's; `None`: the loop's.
+    pub(super) lane: Option<&'a Lane>,
 }
 
 impl Done<'_> {
@@ -122,13 +125,14 @@ impl LoopRun<'_> {
                 control.interruption(),
             )));
         }
-        let Prepared { spec, files } = self.prepare(state, step, attempt)?;
+        let Prepared { spec, files } = self.prepare(state, step, attempt, None)?;
         let started_at = now_rfc3339();
         let done = Done {
             dispatch: step.dispatch,
             iteration: step.iteration,
             attempt,
             started_at: &started_at,
+            lane: None,
         };
         // Every finished action is durable before the next one starts.
         if !self.store().all_durable() {
@@ -193,12 +197,14 @@ impl LoopRun<'_> {
         self.conclude(state, &done, step.plan, &files, run, interrupt)
     }
 
-    /// The attempt's files' names, its prompt and its environment.
+    /// The attempt's files' names, its prompt and its environment; in `lane`'s work tree when it
+    /// is one of a batch.
     pub(super) fn prepare(
         &self,
         state: &LoopState,
         step: &Step<'_>,
         attempt: u32,
+        lane: Option<&Lane>,
     ) -> Result<Prepared> {
         let engine = self.engine;
         let (id, store, dispatch) = (self.id, &engine.store, step.dispatch);
@@ -208,7 +214,15 @@ impl LoopRun<'_> {
             .actions()
             .with_context(|| format!("cannot open {}/actions", progress_dir.display()))?;
         let seq = state.skill_state.as_ref().map_or(0, |s| s.seq);
-        let stem = format!("{:04}-{}-{attempt}", seq.saturating_add(1), dispatch.action);
+        let stem = match lane {
+            Some(lane) => format!(
+                "{:04}-{}-{attempt}-lane{}",
+                seq.saturating_add(1),
+                dispatch.action,
+                lane.number
+            ),
+            None => format!("{:04}-{}-{attempt}", seq.saturating_add(1), dispatch.action),
+        };
         // One file per attempt: a rerun (after an interruption or a rate limit) gets its own.
         let stem = (1..)
             .map(|n| match n {
@@ -217,13 +231,14 @@ impl LoopRun<'_> {
             })
             .find(|s| !actions.exists(&format!("{s}.log")))
             .unwrap_or(stem);
-        let result_name = RESULT_FILE.to_owned();
+        let result_name = lane.map_or_else(|| RESULT_FILE.to_owned(), Lane::result_name);
         let result_path = actions.join(&result_name);
-        empty_result_file(&actions);
+        empty_result_file(&actions, &result_name);
         self.progress.reuse_log(&actions, &format!("{stem}.log"));
         let task = engine.workflow.task(state, dispatch);
+        let tree = lane.map_or(engine.work_tree.as_path(), |l| l.path.as_path());
         let paths = Paths {
-            root: &engine.work_tree,
+            root: tree,
             state_file: &store.state_path(id),
             progress_dir: &progress_dir,
             result_file: &result_path,
@@ -245,7 +260,7 @@ impl LoopRun<'_> {
             prompt,
             prompt_mode: step.plan.prompt_mode,
             env,
-            cwd: engine.work_tree.clone(),
+            cwd: tree.to_owned(),
             state_dir: store.dir().to_owned(),
             supervision: step.plan.supervision,
             dir: actions.clone(),
@@ -349,7 +364,7 @@ impl LoopRun<'_> {
 
     /// How long the pause or stop that ended an attempt took, from its write (when its writer
     /// stamped it, as loopd's commands do) to the executor gone: now.
-    fn stop_took(&self) {
+    pub(super) fn stop_took(&self) {
         let at = self
             .store()
             .read_control(self.id)
@@ -463,11 +478,15 @@ impl LoopRun<'_> {
             &dispatch.action,
             verdict(plan.format, reported, &run),
         );
+        let name = format!("{}-{}", done.iteration, dispatch.action);
         let checkpoint = match &v {
             Verdict::Interrupted => None,
             _ if !engine.workflow.changes_work_tree(&dispatch.action) => None,
-            _ if self.checkpoints.is_none() => None,
-            _ => blocking(|| self.checkpoint(&format!("{}-{}", done.iteration, dispatch.action))),
+            _ => match done.lane {
+                Some(lane) => blocking(|| self.lane_checkpoint(lane, &name)),
+                None if self.checkpoints.is_none() => None,
+                None => blocking(|| self.checkpoint(&name)),
+            },
         };
         if plan.sandbox.mode != loopd_exec::sandbox::Mode::Off {
             let lines = loopd_exec::sandbox::refusals(&run.output_tail);

@@ -59,6 +59,7 @@ use crate::notify::Notifier;
 
 mod action;
 mod attempt;
+mod batch;
 mod books;
 mod run;
 
@@ -120,6 +121,7 @@ pub struct Engine {
 }
 
 /// What ended the wait for an attempt or a backoff.
+#[derive(Clone)]
 enum Interrupt {
     /// The status left `running`: why, and who set it.
     Control(String),
@@ -225,6 +227,7 @@ impl Engine {
             tasks_seen: None,
             ours: None,
             checkpoints: None,
+            said_sequential: false,
         };
         // The daemon's durable writes are made durable while it goes on (see `attempt`).
         self.store.defer_durability();
@@ -259,6 +262,8 @@ struct LoopRun<'a> {
     ours: Option<Arc<LoopState>>,
     /// The loop's git checkpoints, when its work tree is in a repository and they are on.
     checkpoints: Option<checkpoint::Recorder>,
+    /// Whether it was said that the loop's `parallel` cannot be had here.
+    said_sequential: bool,
 }
 
 impl LoopRun<'_> {

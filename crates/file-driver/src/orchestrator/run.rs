@@ -153,6 +153,10 @@ impl LoopRun<'_> {
                     .await?,
             )),
             Decision::Run(dispatch) => {
+                let batch = self.batch_of(&state, &dispatch);
+                if !batch.is_empty() {
+                    return self.run_batch(state, batch).await;
+                }
                 let consumed = state.next_action.clone();
                 self.run_action(state, &dispatch, consumed).await
             }
@@ -315,49 +319,69 @@ impl LoopRun<'_> {
     /// environment, wherever it moved; never a pid on the file's word alone) and record the
     /// attempt as interrupted.
     pub(super) async fn recover(&mut self, state: &mut LoopState) -> Result<()> {
-        let flight = state.skill_state.as_mut().and_then(|s| s.in_flight.take());
+        let skill = state.skill_state.as_mut();
+        let flights: Vec<InFlight> = skill
+            .map(|s| {
+                s.in_flight
+                    .take()
+                    .into_iter()
+                    .chain(s.lanes.drain(..))
+                    .collect()
+            })
+            .unwrap_or_default();
         let ended = self
-            .end_leftovers(flight.as_ref().map_or("", |f| f.action.as_str()))
+            .end_leftovers(flights.first().map_or("", |f| f.action.as_str()))
             .await;
-        let Some(flight) = flight else {
-            if ended > 0 {
+        let trees = blocking(|| self.remove_lanes());
+        if flights.is_empty() {
+            if ended > 0 || trees > 0 {
                 self.events.emit(Event::new(name::RECOVERED).with(
                     "message",
-                    format!("ended {ended} executor process(es) of a daemon that died"),
+                    format!(
+                        "ended {ended} executor process(es) and removed {trees} task work tree(s) \
+                         of a daemon that died"
+                    ),
                 ));
             }
             return Ok(());
-        };
-        workflow::record_attempt(
-            state,
-            HistoryEntry {
-                action: flight.action.clone(),
-                iteration: flight.iteration,
-                attempt: flight.attempt,
-                task_id: flight.task_id.clone(),
-                started_at: flight.started_at.clone(),
-                finished_at: Some(now_rfc3339()),
-                outcome: "interrupted".into(),
-                error: Some(format!(
-                    "daemon {} ended during the attempt",
-                    flight.daemon_pid
-                )),
-                ..HistoryEntry::default()
-            },
-        );
+        }
+        for flight in &flights {
+            workflow::record_attempt(
+                state,
+                HistoryEntry {
+                    action: flight.action.clone(),
+                    iteration: flight.iteration,
+                    attempt: flight.attempt,
+                    task_id: flight.task_id.clone(),
+                    started_at: flight.started_at.clone(),
+                    finished_at: Some(now_rfc3339()),
+                    outcome: "interrupted".into(),
+                    error: Some(format!(
+                        "daemon {} ended during the attempt",
+                        flight.daemon_pid
+                    )),
+                    ..HistoryEntry::default()
+                },
+            );
+        }
         state.skill().current_action = None;
         *state = self.commit(state, None, None, true)?;
-        self.events.emit(
-            Event::new(name::RECOVERED)
+        for flight in flights {
+            let mut event = Event::new(name::RECOVERED)
                 .with("action", flight.action)
                 .with("iteration", flight.iteration)
                 .with("attempt", flight.attempt)
+                .with("task_id", flight.task_id)
                 .with("pid", flight.pid)
                 .with(
                     "message",
                     "an attempt of a daemon that died was in flight; recorded as interrupted",
-                ),
-        );
+                );
+            if trees > 0 {
+                event = event.with("work_trees_removed", trees);
+            }
+            self.events.emit(event);
+        }
         Ok(())
     }
 

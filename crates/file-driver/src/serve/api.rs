@@ -734,6 +734,7 @@ struct CreateRequest {
     max_errors: Option<u64>,
     max_cost_usd: Option<f64>,
     max_tokens: Option<u64>,
+    parallel: Option<u64>,
 }
 
 async fn create(
@@ -757,6 +758,7 @@ async fn create(
                 max_errors: request.max_errors,
                 max_cost_usd: request.max_cost_usd,
                 max_tokens: request.max_tokens,
+                parallel: request.parallel,
             },
             mode: if request.interactive {
                 crate::create::ModeArg::Interactive
@@ -814,6 +816,14 @@ struct Text {
     text: String,
 }
 
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct NewTask {
+    text: String,
+    #[serde(default)]
+    after: Vec<String>,
+}
+
 async fn next(
     State(shared): State<Shared>,
     id: std::result::Result<UrlPath<String>, PathRejection>,
@@ -840,6 +850,7 @@ async fn set_limits(
         max_errors: limits.max_errors,
         max_cost_usd: limits.max_cost_usd,
         max_tokens: limits.max_tokens,
+        parallel: limits.parallel,
     });
     let local = move |p: &Project, id: &str| Ok(Json(crate::control::set_limits(p, id, &limits)?));
     change_loop(&shared, id, place.root, change, local, Json).await
@@ -862,12 +873,12 @@ async fn add_task(
     State(shared): State<Shared>,
     id: std::result::Result<UrlPath<String>, PathRejection>,
     place: std::result::Result<Query<Where>, QueryRejection>,
-    body: std::result::Result<Json<Text>, JsonRejection>,
+    body: std::result::Result<Json<NewTask>, JsonRejection>,
 ) -> ApiResult<(StatusCode, Json<Value>)> {
-    let (UrlPath(id), Query(place), Json(text)) = (id?, place?, body?);
-    let change = Change::Task(text.text.clone());
+    let (UrlPath(id), Query(place), Json(task)) = (id?, place?, body?);
+    let change = Change::Task(task.text.clone());
     let local = move |p: &Project, id: &str| {
-        let value = crate::control::add_task(p, id, &text.text)?;
+        let value = crate::control::add_task(p, id, &task.text, &task.after)?;
         Ok((StatusCode::CREATED, Json(value)))
     };
     let remote = |said| (StatusCode::CREATED, Json(said));

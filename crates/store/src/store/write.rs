@@ -17,7 +17,7 @@ pub(super) fn daemon_fields(state: &LoopState) -> serde_json::Result<Map<String,
 
 /// Keys of `skill_state` the daemon writes only while they hold something: when the daemon's
 /// state lacks one, it was cleared, and it is removed rather than kept as another writer's.
-pub(super) const CLEARABLE_SKILL_KEYS: &[&str] = &["blocked", "question", "rate_limit"];
+pub(super) const CLEARABLE_SKILL_KEYS: &[&str] = &["blocked", "question", "rate_limit", "lanes"];
 
 /// Copies into `ours` what `theirs` has and `ours` does not know: keys missing from an object
 /// (at any depth) and, in lists of objects with an `id`, the unknown keys of the element with the

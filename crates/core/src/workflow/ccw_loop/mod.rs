@@ -212,6 +212,47 @@ impl Workflow for CcwLoop {
         Dispatch::complete_if_done(Self::passed(skill))
     }
 
+    fn batch(&self, state: &LoopState, first: &Dispatch, max: usize) -> Vec<Dispatch> {
+        let (Some(skill), Some(first_id)) = (state.skill_state.as_ref(), &first.task_id) else {
+            return Vec::new();
+        };
+        let ccw: CcwState = skill.part();
+        let tasks = &ccw.develop.tasks;
+        let ready: Vec<Dispatch> = tasks
+            .iter()
+            .enumerate()
+            .filter(|(i, t)| {
+                matches!(t.status, TaskStatus::Pending | TaskStatus::InProgress)
+                    && t.ready(*i, tasks)
+            })
+            .take(max)
+            .map(|(_, t)| Dispatch {
+                task_id: Some(t.id.clone()),
+                ..Dispatch::new("develop")
+            })
+            .collect();
+        let first_in = ready.iter().any(|d| d.task_id.as_ref() == Some(first_id));
+        if first_in { ready } else { Vec::new() }
+    }
+
+    fn merge_failed(&self, state: &mut LoopState, task_id: &str, why: &str, fail: bool) {
+        let skill = state.skill();
+        let mut ccw: CcwState = skill.part();
+        if let Some(task) = ccw.develop.task_mut(task_id) {
+            task.status = if fail {
+                TaskStatus::Failed
+            } else {
+                TaskStatus::Pending
+            };
+            task.merge_conflict = Some(why.into());
+        }
+        if fail {
+            ccw.develop_failed_seq = Some(skill.seq + 1);
+        }
+        ccw.develop.recount();
+        skill.set_part(&ccw);
+    }
+
     fn choose(&self, state: &LoopState, action: &str) -> Result<Dispatch, String> {
         let skill = state.skill_state.as_ref();
         let ccw: CcwState = skill.map(SkillState::part).unwrap_or_default();
@@ -590,6 +631,9 @@ fn developed(
             TaskStatus::Failed
         };
         task.completed_at = Some(now.to_owned());
+        if ok && task.merge_conflict.is_some() {
+            task.merge_conflict = Some(Value::Null);
+        }
         if let Some(r) = result {
             task.files_changed = r.files_changed.clone();
             trim_window(&mut task.files_changed, FILES_CHANGED_WINDOW);

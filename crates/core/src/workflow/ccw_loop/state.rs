@@ -107,8 +107,34 @@ pub struct DevelopTask {
     pub created_at: Option<String>,
     #[serde(default)]
     pub completed_at: Option<String>,
+    /// loopd's: the tasks it needs done first. Absent: its writer could not say (CCW's tasks),
+    /// so it waits for every task before it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub after: Option<Vec<String>>,
+    /// loopd's: why its last result could not be merged into the loop's tree (developed at once
+    /// with others, `parallel`); its next prompt says so. `null` once it completed: written as
+    /// such, so that no writer takes the old reason for one it does not know.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub merge_conflict: Option<Value>,
     #[serde(flatten)]
     pub extra: Extra,
+}
+
+impl DevelopTask {
+    /// Why its last result could not be merged, while that stands.
+    pub fn merge_conflict(&self) -> Option<&str> {
+        self.merge_conflict.as_ref().and_then(Value::as_str)
+    }
+
+    /// Whether its needs are met in `tasks`, where it stands at `index`: the tasks it names are
+    /// completed (a name of no task is no need), or, when it cannot say, every task before it.
+    pub fn ready(&self, index: usize, tasks: &[DevelopTask]) -> bool {
+        let done = |t: &DevelopTask| t.status == TaskStatus::Completed;
+        match &self.after {
+            Some(after) => tasks.iter().filter(|t| after.contains(&t.id)).all(done),
+            None => tasks[..index].iter().all(done),
+        }
+    }
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
@@ -224,6 +250,7 @@ impl DevelopTask {
             tool: task.tool.clone(),
             mode: task.mode.clone(),
             created_at: task.created_at.clone().or(now.map(str::to_owned)),
+            after: task.after.clone(),
             extra,
             ..DevelopTask::default()
         }

@@ -21,7 +21,15 @@ pub fn task(state: &LoopState, dispatch: &Dispatch) -> Option<(String, String)> 
     let id = dispatch.task_id.as_deref()?;
     let ccw = part(state);
     let task = ccw.develop.task(id)?;
-    Some((task.id.clone(), task.description.clone()))
+    let mut text = task.description.clone();
+    if let Some(conflict) = task.merge_conflict() {
+        text.push_str(&format!(
+            "\n\nNOTE: your last result for this task could not be merged into the loop's tree, \
+             which others' tasks changed meanwhile: {conflict}. Do the task again on the tree as \
+             it is now, keeping their changes."
+        ));
+    }
+    Some((task.id.clone(), text))
 }
 
 /// `{{tasks}}`, `{{validation}}`, `{{debug}}`.

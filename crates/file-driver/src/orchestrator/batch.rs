@@ -1,0 +1,698 @@
+//! A batch: tasks developed at once (`parallel`), each attempt in a git work tree of its own (a
+//! lane) at the loop's last checkpoint, then merged back into the loop's tree in task order.
+//!
+//! Theory of operation: the batch runs in rounds. A round spawns an attempt in every lane whose
+//! task still wants one, records them all in flight (`skill_state.lanes`), arms the watcher to
+//! end them all, and supervises them together: a pause, a stop or a signal cancels every one.
+//! Each finished attempt is concluded as a lone one is (its history entry, its spending, its
+//! checkpoint: a commit of its lane's tree, the child of the batch's base); a failed one is tried
+//! again in the next round, after its backoff, as the action's retries allow. Once no lane wants
+//! another attempt, the successes are merged into the loop's last checkpoint in task order with
+//! git's three-way merge from the base (`git merge-tree`, nothing checked out), each merge a
+//! checkpoint of its own; the loop's work tree is then moved to the last merge in one step (`git
+//! read-tree -m -u`, which refuses to write over a change it does not know). A task whose result
+//! conflicts with the tasks merged before it goes back to pending with the conflicting files in
+//! its next prompt, and fails once its merges have used the action's retries. Only then are the
+//! results applied to the state, in task order, as the lone action's are: whatever ends the batch
+//! before that (a stop, a crash) leaves the tasks to be developed again, never half merged. The
+//! lanes' work trees are removed when the batch ends, and by the next daemon's start after a
+//! crash.
+
+use std::sync::Mutex;
+
+use futures_util::future::join_all;
+use loopd_core::attempt::{AfterAttempt, Attempts};
+use loopd_exec::checkpoint::Merge;
+use loopd_exec::metrics::metrics;
+
+use super::attempt::{Attempted, Done, Prepared};
+use super::*;
+use crate::worktree;
+
+/// A work tree of a batch's own, where one task's attempts run.
+pub(super) struct Lane {
+    /// Its place in the batch, from 1: its directory's and its result file's name.
+    pub(super) number: usize,
+    pub(super) path: PathBuf,
+    repo: checkpoint::Repo,
+    /// The checkpoint it started at.
+    base: String,
+    /// The commit of its last attempt's checkpoint.
+    recorded: Mutex<Option<String>>,
+}
+
+impl Lane {
+    /// The result file of its attempts, in the loop's actions directory.
+    pub(super) fn result_name(&self) -> String {
+        format!("result-{}.json", self.number)
+    }
+}
+
+/// One task of a batch and how it stands.
+struct Entry {
+    dispatch: Dispatch,
+    iteration: u64,
+    lane: Lane,
+    attempts: Attempts,
+    /// How its attempts ended, once they did.
+    end: Option<AfterAttempt>,
+    /// The pause before its next attempt, when it wants one.
+    pause: Duration,
+}
+
+/// How the batch's action runs: its definition and plan.
+#[derive(Clone, Copy)]
+struct How<'a> {
+    def: &'a loopd_project::actions::ActionDef,
+    plan: &'a Plan,
+}
+
+impl<'a> How<'a> {
+    fn step<'e>(&self, entry: &'e Entry) -> Step<'e>
+    where
+        'a: 'e,
+    {
+        Step {
+            dispatch: &entry.dispatch,
+            plan: self.plan,
+            def: self.def,
+            iteration: entry.iteration,
+        }
+    }
+}
+
+/// An attempt of a round, spawned.
+struct Spawned {
+    entry: usize,
+    files: super::attempt::AttemptFiles,
+    started_at: String,
+    pid: loopd_exec::Spawned,
+}
+
+impl LoopRun<'_> {
+    /// The tasks to develop at once, `first` (the selection's) among them, when the loop's
+    /// `parallel` allows more than one and more than one is ready; else none.
+    pub(super) fn batch_of(&mut self, state: &LoopState, first: &Dispatch) -> Vec<Dispatch> {
+        let config = &self.engine.config;
+        let parallel = state.parallel_or(config.parallel);
+        if parallel < 2 || state.mode() != loopd_core::state::Mode::Auto {
+            return Vec::new();
+        }
+        if self.checkpoints.is_none() {
+            if !std::mem::replace(&mut self.said_sequential, true) {
+                self.events.emit(Event::new(name::WARNING).with(
+                    "message",
+                    format!(
+                        "parallel is {parallel}, but the loop's tasks are developed one at a time: \
+                         each needs a git work tree of its own, and {} has no git checkpoints",
+                        self.engine.work_tree.display()
+                    ),
+                ));
+            }
+            return Vec::new();
+        }
+        let left = state
+            .max_iterations_or(config.max_iterations)
+            .saturating_sub(state.current_iteration);
+        let max = usize::try_from(parallel.min(left)).unwrap_or(usize::MAX);
+        let batch = self.engine.workflow.batch(state, first, max);
+        if batch.len() < 2 { Vec::new() } else { batch }
+    }
+
+    /// Develops `batch`'s tasks at once, each in a lane, and merges them back; returns how the
+    /// loop ends, if it does.
+    pub(super) async fn run_batch(
+        &mut self,
+        mut state: LoopState,
+        batch: Vec<Dispatch>,
+    ) -> Result<Option<Exit>> {
+        let engine = self.engine;
+        let action = batch[0].action.clone();
+        let (def, plan) = engine
+            .plans
+            .get(&action)
+            .with_context(|| format!("no plan for action {action}"))?;
+        let base_name = format!("{}-base", state.current_iteration);
+        let recorder = self
+            .checkpoints
+            .as_mut()
+            .context("a batch needs checkpoints")?;
+        let base = match blocking(|| recorder.base(&base_name)) {
+            Ok(base) => base,
+            Err(e) => return self.one_at_a_time(state, &batch[0], e).await,
+        };
+        let lanes = match blocking(|| self.make_lanes(&batch, &base)) {
+            Ok(lanes) => lanes,
+            Err(e) => {
+                blocking(|| self.remove_lanes());
+                return self.one_at_a_time(state, &batch[0], e).await;
+            }
+        };
+        let mut entries = Vec::new();
+        for (k, (dispatch, lane)) in batch.into_iter().zip(lanes).enumerate() {
+            self.begin(&mut state, &dispatch);
+            entries.push(Entry {
+                iteration: state.current_iteration + 1 + k as u64,
+                dispatch,
+                lane,
+                attempts: Attempts::new(engine.config.retry_policy()),
+                end: None,
+                pause: Duration::ZERO,
+            });
+        }
+        let tasks: Vec<String> = entries
+            .iter()
+            .filter_map(|e| e.dispatch.task_id.clone())
+            .collect();
+        self.events.emit(
+            Event::new(name::BATCH_STARTED)
+                .with("action", action.clone())
+                .with("tasks", tasks)
+                .with("base", base.clone()),
+        );
+        let how = How { def, plan };
+        let ended = self.rounds(&mut state, &mut entries, how).await;
+        let exit = match ended {
+            Ok(None) => self.merge(state, entries, &base, plan).await,
+            Ok(Some(interrupt)) => Ok(interrupt.exit()),
+            Err(e) => Err(e),
+        };
+        blocking(|| self.remove_lanes());
+        exit
+    }
+
+    /// A batch could not start (git could not record its base or make its work trees): says
+    /// why, and develops the first task alone.
+    async fn one_at_a_time(
+        &mut self,
+        state: LoopState,
+        first: &Dispatch,
+        why: anyhow::Error,
+    ) -> Result<Option<Exit>> {
+        self.events.emit(Event::new(name::WARNING).with(
+            "message",
+            format!("cannot develop tasks at once ({why:#}); developing one at a time"),
+        ));
+        self.run_action(state, first, None).await
+    }
+
+    /// A work tree at `base` for each task of the batch.
+    fn make_lanes(&self, batch: &[Dispatch], base: &str) -> Result<Vec<Lane>> {
+        let engine = self.engine;
+        let mut lanes = Vec::new();
+        for number in 1..=batch.len() {
+            let path = worktree::add_lane(&engine.work_tree, &engine.store, self.id, number, base)?;
+            let index = self
+                .progress_dir
+                .path()
+                .join(format!("lane-{number}.index"));
+            let _ = std::fs::remove_file(&index);
+            let repo = checkpoint::Repo::open(&path, engine.store.dir(), index, self.id)
+                .with_context(|| format!("git does not see {} as a work tree", path.display()))?;
+            lanes.push(Lane {
+                number,
+                path,
+                repo,
+                base: base.to_owned(),
+                recorded: Mutex::new(None),
+            });
+        }
+        Ok(lanes)
+    }
+
+    /// Removes the lanes' work trees and indexes; returns how many trees there were.
+    pub(super) fn remove_lanes(&self) -> usize {
+        let engine = self.engine;
+        let removed = worktree::remove_lanes(&engine.work_tree, &engine.store, self.id);
+        if let Ok(names) = self.progress_dir.path().read_dir() {
+            for entry in names.flatten() {
+                let name = entry.file_name();
+                let name = name.to_string_lossy();
+                if name.starts_with("lane-") && name.contains(".index") {
+                    let _ = std::fs::remove_file(entry.path());
+                }
+            }
+        }
+        removed
+    }
+
+    /// Records checkpoint `name` of a lane's tree, the child of the batch's base; a warning if
+    /// git fails.
+    pub(super) fn lane_checkpoint(&mut self, lane: &Lane, name: &str) -> Option<Checkpoint> {
+        match lane.repo.record(name, Some(&lane.base)) {
+            Ok(checkpoint) => {
+                *lock(&lane.recorded) = Some(checkpoint.commit.clone());
+                Some(checkpoint)
+            }
+            Err(e) => {
+                self.events.emit(
+                    Event::new(name::WARNING)
+                        .with("message", format!("cannot record checkpoint {name}: {e:#}")),
+                );
+                None
+            }
+        }
+    }
+
+    /// The batch's rounds, until no lane wants another attempt; the interruption that ended
+    /// them early, if one did.
+    async fn rounds(
+        &mut self,
+        state: &mut LoopState,
+        entries: &mut [Entry],
+        how: How<'_>,
+    ) -> Result<Option<Interrupt>> {
+        loop {
+            let first = entries
+                .iter()
+                .find(|e| e.end.is_none())
+                .expect("a round has an entry");
+            if let Some(interrupt) = self.wait_for_account(state, &how.step(first)).await? {
+                return Ok(Some(interrupt));
+            }
+            if let Some(interrupt) = self.round(state, entries, how).await? {
+                return Ok(Some(interrupt));
+            }
+            let pause = entries
+                .iter()
+                .filter(|e| e.end.is_none())
+                .map(|e| e.pause)
+                .max();
+            let Some(pause) = pause else {
+                return Ok(None);
+            };
+            if let Some(interrupt) = self.sleep_unless_interrupted(pause).await {
+                return Ok(Some(interrupt));
+            }
+        }
+    }
+
+    /// One round: an attempt in each lane that wants one, all supervised together, each
+    /// concluded; the interruption that ended them, if one did.
+    async fn round(
+        &mut self,
+        state: &mut LoopState,
+        entries: &mut [Entry],
+        how: How<'_>,
+    ) -> Result<Option<Interrupt>> {
+        // As for a lone attempt: subscribed before the last look.
+        let mut rx = self.watch.subscribe();
+        rx.borrow_and_update();
+        if !still_running(&rx)
+            && let Some(control) = self
+                .store()
+                .read_control(self.id)
+                .filter(|c| c.status != Status::Running)
+        {
+            return Ok(Some(Interrupt::Control(control.interruption())));
+        }
+        if !self.store().all_durable() {
+            blocking(|| self.store().wait_durable());
+        }
+        let mut spawned = Vec::new();
+        let mut running = Vec::new();
+        let mut refused = None;
+        for (i, entry) in entries.iter().enumerate().filter(|(_, e)| e.end.is_none()) {
+            let attempt = entry.attempts.attempt;
+            let Prepared { spec, files } =
+                self.prepare(state, &how.step(entry), attempt, Some(&entry.lane))?;
+            let started_at = now_rfc3339();
+            match self.engine.executor.spawn(spec) {
+                Ok(r) => {
+                    spawned.push(Spawned {
+                        entry: i,
+                        files,
+                        started_at,
+                        pid: r.spawned(),
+                    });
+                    running.push(r);
+                }
+                Err(e) => {
+                    refused = Some((i, started_at, e));
+                    break;
+                }
+            }
+        }
+        let pids: Vec<loopd_exec::Spawned> = spawned.iter().map(|s| s.pid).collect();
+        // From now on a stop or pause ends them all from the watcher's thread.
+        let armed = self
+            .watch
+            .arm(move || pids.iter().fold(false, |any, p| p.terminate() | any));
+        let cancel = CancellationToken::new();
+        if let Some((i, started_at, e)) = refused {
+            // One could not start: the others end, and it is told as a lone attempt's would be.
+            cancel.cancel();
+            join_all(running.into_iter().map(|r| {
+                let cancel = cancel.clone();
+                async move { r.supervise(cancel, &mut |_| {}).await }
+            }))
+            .await;
+            drop(armed);
+            let entry = &mut entries[i];
+            let done = Done {
+                dispatch: &entry.dispatch,
+                iteration: entry.iteration,
+                attempt: entry.attempts.attempt,
+                started_at: &started_at,
+                lane: Some(&entry.lane),
+            };
+            return Ok(match self.not_started(state, &done, e).await? {
+                Attempted::Done(verdict) => {
+                    entry.end = Some(entry.attempts.next(verdict, Utc::now()));
+                    None
+                }
+                Attempted::Interrupted(interrupt) => Some(interrupt),
+            });
+        }
+        self.record_lanes(state, entries, &spawned)?;
+        for s in &spawned {
+            let entry = &entries[s.entry];
+            let plan = how.plan;
+            metrics().attempt_started(
+                self.engine.workflow.name(),
+                &entry.dispatch.action,
+                &plan.executor,
+            );
+            self.events.emit(
+                lane_event(entry, name::ACTION_STARTED)
+                    .with("executor", plan.executor.clone())
+                    .with("pid", s.pid.pid)
+                    .with("log", s.files.log_path.display().to_string()),
+            );
+        }
+        self.progress.stock_log();
+        let mut heard: Vec<Vec<loopd_exec::agent::Retry>> = vec![Vec::new(); running.len()];
+        let (runs, mut interrupt) = {
+            let all = join_all(running.into_iter().zip(heard.iter_mut()).map(|(r, told)| {
+                let cancel = cancel.clone();
+                async move {
+                    let mut heard = |t: loopd_exec::agent::Told| {
+                        if let loopd_exec::agent::Told::Retry(retry) = t {
+                            told.push(retry);
+                        }
+                    };
+                    r.supervise(cancel, &mut heard).await
+                }
+            }));
+            let mut all = std::pin::pin!(all);
+            let mut interrupt = None;
+            loop {
+                tokio::select! {
+                    runs = &mut all => break (runs, interrupt),
+                    _ = rx.changed(), if interrupt.is_none() => {
+                        if !still_running(&rx) {
+                            interrupt = Some(stopped_by(&rx));
+                            cancel.cancel();
+                        }
+                    }
+                    _ = self.shutdown.changed(), if interrupt.is_none() => {
+                        if let Some(sig) = *self.shutdown.borrow() {
+                            interrupt = Some(Interrupt::Shutdown(sig));
+                            cancel.cancel();
+                        }
+                    }
+                }
+            }
+        };
+        let fired = armed.fired();
+        drop(armed);
+        if fired.is_some() || matches!(interrupt, Some(Interrupt::Control(_))) {
+            self.stop_took();
+        }
+        if let Some(control) = &fired {
+            interrupt.get_or_insert(Interrupt::Control(control.interruption()));
+        }
+        state.skill().lanes.clear();
+        for ((s, run), told) in spawned.into_iter().zip(runs).zip(heard) {
+            let entry = &mut entries[s.entry];
+            for retry in told {
+                self.events.emit(
+                    lane_event(entry, name::AGENT_RETRYING)
+                        .with("retry", retry.attempt)
+                        .with("max_retries", retry.max_retries)
+                        .with("status", retry.status)
+                        .with("delay_ms", retry.delay_ms)
+                        .with("error", retry.error),
+                );
+            }
+            let done = Done {
+                dispatch: &entry.dispatch,
+                iteration: entry.iteration,
+                attempt: entry.attempts.attempt,
+                started_at: &s.started_at,
+                lane: Some(&entry.lane),
+            };
+            let attempted = match run {
+                Ok(mut run) => {
+                    if fired.is_some()
+                        && run.cut.is_none()
+                        && !run.status.is_some_and(|s| s.success())
+                    {
+                        run.cut = Some(loopd_exec::Cut::Cancelled);
+                    }
+                    self.conclude(state, &done, how.plan, &s.files, run, interrupt.clone())?
+                }
+                Err(e) => self.not_started(state, &done, e).await?,
+            };
+            match attempted {
+                Attempted::Done(verdict) => match entry.attempts.next(verdict, Utc::now()) {
+                    AfterAttempt::Retry { pause } => entry.pause = pause,
+                    AfterAttempt::WaitRateLimit { wait, message } => {
+                        let attempt = entry.attempts.attempt;
+                        let account = &how.plan.account;
+                        let until =
+                            Utc::now() + chrono::Duration::from_std(wait).unwrap_or_default();
+                        self.engine.accounts.hold(account, until);
+                        self.events.emit(
+                            lane_event(entry, name::RATE_LIMITED)
+                                .with("attempt", attempt)
+                                .with("account", account.clone())
+                                .with("until", format_ts(until))
+                                .with("message", message),
+                        );
+                        // Its next attempt waits for the account, at the next round's start.
+                        entry.pause = Duration::ZERO;
+                    }
+                    after => entry.end = Some(after),
+                },
+                Attempted::Interrupted(i) => {
+                    interrupt.get_or_insert(i);
+                }
+            }
+        }
+        Ok(interrupt)
+    }
+
+    /// Writes the round's attempts in flight, as a lone attempt's is ([`LoopRun::record_in_flight`]).
+    fn record_lanes(
+        &mut self,
+        state: &mut LoopState,
+        entries: &[Entry],
+        spawned: &[Spawned],
+    ) -> Result<()> {
+        state.skill().lanes = spawned
+            .iter()
+            .map(|s| {
+                let entry = &entries[s.entry];
+                InFlight {
+                    action: entry.dispatch.action.clone(),
+                    iteration: entry.iteration,
+                    attempt: entry.attempts.attempt,
+                    task_id: entry.dispatch.task_id.clone(),
+                    started_at: s.started_at.clone(),
+                    pid: s.pid.pid,
+                    pgid: s.pid.pgid,
+                    proc_start: s.pid.proc_start,
+                    daemon_pid: std::process::id(),
+                    log: s
+                        .files
+                        .log_path
+                        .file_name()
+                        .map(|n| n.to_string_lossy().into_owned()),
+                    extra: Default::default(),
+                }
+            })
+            .collect();
+        match self.store().commit_with(state, None, None, false) {
+            Ok(committed) => self.ours = Some(committed),
+            Err(e) if e.is_transient() => self.events.emit(Event::new(name::WARNING).with(
+                "message",
+                format!("cannot record the attempts in flight: {e:#}"),
+            )),
+            Err(e) => return Err(e.into()),
+        }
+        Ok(())
+    }
+
+    /// Merges the batch's successes into the loop's tree in task order, moves the work tree
+    /// there, then applies each task's outcome; returns how the loop ends, if it does.
+    async fn merge(
+        &mut self,
+        mut state: LoopState,
+        entries: Vec<Entry>,
+        base: &str,
+        plan: &Plan,
+    ) -> Result<Option<Exit>> {
+        let mut applied = Vec::new();
+        let mut conflicts = Vec::new();
+        let mut held = None;
+        for entry in entries {
+            match entry.end {
+                Some(AfterAttempt::Finish(Finish::Success(ref result))) => {
+                    match self.merge_one(&entry, base) {
+                        Ok(merge) => applied.push((
+                            entry.dispatch,
+                            entry.iteration,
+                            Finish::Success(result.clone()),
+                            Some(merge),
+                        )),
+                        Err((why, files)) => {
+                            conflicts.push((entry.dispatch, entry.iteration, why, files))
+                        }
+                    }
+                }
+                Some(AfterAttempt::Finish(failed)) => {
+                    applied.push((entry.dispatch, entry.iteration, failed, None));
+                }
+                Some(AfterAttempt::Block(message)) => {
+                    held.get_or_insert((entry.dispatch, Err(message)));
+                }
+                Some(AfterAttempt::Ask(question)) => {
+                    held.get_or_insert((entry.dispatch, Ok(question)));
+                }
+                Some(AfterAttempt::Retry { .. } | AfterAttempt::WaitRateLimit { .. })
+                | Some(AfterAttempt::Interrupted)
+                | None => {}
+            }
+        }
+        let recorder = self
+            .checkpoints
+            .as_mut()
+            .context("a batch needs checkpoints")?;
+        blocking(|| recorder.catch_up(base))
+            .context("cannot write the merged tasks into the loop's work tree")?;
+        for (dispatch, iteration, finish, merge) in applied {
+            // What changed the loop's tree is the merge: a round's progress, as a lone
+            // attempt's checkpoint is.
+            loopd_core::no_progress::touched(&mut state, merge.as_ref());
+            if let Some(exit) = self.finish(state, &dispatch, iteration, finish)? {
+                return Ok(Some(exit));
+            }
+            state = self.refresh()?;
+        }
+        for (dispatch, iteration, why, files) in conflicts {
+            state = self.merge_failed(state, &dispatch, iteration, why, files)?;
+        }
+        match held {
+            Some((dispatch, Err(message))) => self.block(state, &dispatch, plan, message),
+            Some((dispatch, Ok(question))) => self.ask(state, &dispatch, question),
+            None => Ok(None),
+        }
+    }
+
+    /// Merges one task's checkpoint into the loop's last, returning the merge's checkpoint; why
+    /// not, with the files in conflict.
+    fn merge_one(
+        &mut self,
+        entry: &Entry,
+        base: &str,
+    ) -> std::result::Result<Checkpoint, (String, Vec<String>)> {
+        let task = entry.dispatch.task_id.clone();
+        let Some(theirs) = lock(&entry.lane.recorded).clone() else {
+            return Err(("its work tree could not be recorded".to_owned(), Vec::new()));
+        };
+        let name = format!("{}-merge", entry.iteration);
+        let recorder = self.checkpoints.as_mut().expect("a batch has checkpoints");
+        match blocking(|| recorder.merge(&name, base, &theirs)) {
+            Ok(Merge::Clean(checkpoint)) => {
+                self.events.emit(
+                    Event::new(name::MERGED)
+                        .with("iteration", entry.iteration)
+                        .with("task_id", task)
+                        .with(
+                            "checkpoint",
+                            serde_json::to_value(&checkpoint).unwrap_or_default(),
+                        ),
+                );
+                Ok(checkpoint)
+            }
+            Ok(Merge::Conflict(files)) => Err((
+                format!(
+                    "{} changed by the tasks merged before it too, in ways git cannot put together",
+                    files.join(", ")
+                ),
+                files,
+            )),
+            Err(e) => Err((format!("git could not merge it: {e:#}"), Vec::new())),
+        }
+    }
+
+    /// A task's result could not be merged: it goes back to its agent with why, or fails once
+    /// its merges used the action's retries.
+    fn merge_failed(
+        &mut self,
+        mut state: LoopState,
+        dispatch: &Dispatch,
+        iteration: u64,
+        why: String,
+        files: Vec<String>,
+    ) -> Result<LoopState> {
+        let task = dispatch.task_id.clone().unwrap_or_default();
+        let skill = state.skill();
+        let before = skill
+            .action_history
+            .iter()
+            .filter(|h| h.outcome == MERGE_CONFLICT && h.task_id.as_deref() == Some(&task))
+            .count();
+        let fail = before >= self.engine.config.action_retries as usize;
+        let now = now_rfc3339();
+        workflow::record_attempt(
+            &mut state,
+            HistoryEntry {
+                action: dispatch.action.clone(),
+                iteration,
+                attempt: 1,
+                task_id: dispatch.task_id.clone(),
+                started_at: now.clone(),
+                finished_at: Some(now),
+                outcome: MERGE_CONFLICT.into(),
+                error: Some(why.clone()),
+                ..HistoryEntry::default()
+            },
+        );
+        let said = match fail {
+            true => format!("could not be merged after {} tries: {why}", before + 1),
+            false => why.clone(),
+        };
+        self.engine
+            .workflow
+            .merge_failed(&mut state, &task, &said, fail);
+        let state = self.commit(&state, None, None, true)?;
+        self.events.emit(
+            Event::new(name::MERGE_CONFLICT)
+                .with("iteration", iteration)
+                .with("task_id", dispatch.task_id.clone())
+                .with("files", files)
+                .with("failed", fail)
+                .with("error", said),
+        );
+        Ok(state)
+    }
+}
+
+/// The outcome a history entry gives a result that could not be merged.
+const MERGE_CONFLICT: &str = "merge_conflict";
+
+/// An event of a lane's attempt.
+fn lane_event(entry: &Entry, event: &str) -> Event {
+    Event::new(event)
+        .with("iteration", entry.iteration)
+        .with("action", entry.dispatch.action.clone())
+        .with("attempt", entry.attempts.attempt)
+        .with("task_id", entry.dispatch.task_id.clone())
+        .with("lane", entry.lane.number)
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
