@@ -93,6 +93,19 @@ impl LoopRun<'_> {
         wait: Duration,
         message: String,
     ) -> Result<Option<Interrupt>> {
+        let until = self.hold_account(step, attempt, wait, message);
+        self.wait_rate_limit(state, &step.plan.account, until).await
+    }
+
+    /// Holds the executor's account for `wait` (or until a later reset another loop of it
+    /// saw), and says so; returns until when.
+    pub(super) fn hold_account(
+        &mut self,
+        step: &Step<'_>,
+        attempt: u32,
+        wait: Duration,
+        message: String,
+    ) -> chrono::DateTime<Utc> {
         let account = &step.plan.account;
         let until = Utc::now() + chrono::Duration::from_std(wait).unwrap_or_default();
         let until = self.engine.accounts.hold(account, until);
@@ -102,11 +115,12 @@ impl LoopRun<'_> {
                 .with("iteration", step.iteration)
                 .with("action", step.dispatch.action.clone())
                 .with("attempt", attempt)
+                .with("task_id", step.dispatch.task_id.clone())
                 .with("account", account.clone())
                 .with("until", format_ts(until))
                 .with("message", message),
         );
-        self.wait_rate_limit(state, account, until).await
+        until
     }
 
     /// Another loop of the executor's account was rate limited: waits for the reset before

@@ -39,11 +39,32 @@ pub(super) struct Done<'a> {
 
 impl Done<'_> {
     pub(super) fn event(&self, event: &str) -> Event {
-        Event::new(event)
+        let event = Event::new(event)
             .with("iteration", self.iteration)
             .with("action", self.dispatch.action.clone())
             .with("attempt", self.attempt)
-            .with("task_id", self.dispatch.task_id.clone())
+            .with("task_id", self.dispatch.task_id.clone());
+        match self.lane {
+            Some(lane) => event.with("lane", lane.number),
+            None => event,
+        }
+    }
+
+    /// The record of the attempt in flight, once `spawned`; `log`: its log's name.
+    pub(super) fn in_flight(&self, spawned: loopd_exec::Spawned, log: Option<String>) -> InFlight {
+        InFlight {
+            action: self.dispatch.action.clone(),
+            iteration: self.iteration,
+            attempt: self.attempt,
+            task_id: self.dispatch.task_id.clone(),
+            started_at: self.started_at.to_owned(),
+            pid: spawned.pid,
+            pgid: spawned.pgid,
+            proc_start: spawned.proc_start,
+            daemon_pid: std::process::id(),
+            log,
+            extra: Default::default(),
+        }
     }
 }
 
@@ -291,19 +312,16 @@ impl LoopRun<'_> {
         log: Option<String>,
         consumed_choice: Option<&str>,
     ) -> Result<()> {
-        state.skill().in_flight = Some(InFlight {
-            action: done.dispatch.action.clone(),
-            iteration: done.iteration,
-            attempt: done.attempt,
-            task_id: done.dispatch.task_id.clone(),
-            started_at: done.started_at.to_owned(),
-            pid: spawned.pid,
-            pgid: spawned.pgid,
-            proc_start: spawned.proc_start,
-            daemon_pid: std::process::id(),
-            log,
-            extra: Default::default(),
-        });
+        state.skill().in_flight = Some(done.in_flight(spawned, log));
+        self.commit_in_flight(state, consumed_choice)
+    }
+
+    /// Writes what is in flight (see [`LoopRun::record_in_flight`]).
+    pub(super) fn commit_in_flight(
+        &mut self,
+        state: &LoopState,
+        consumed_choice: Option<&str>,
+    ) -> Result<()> {
         match self
             .store()
             .commit_with(state, None, consumed_choice, false)

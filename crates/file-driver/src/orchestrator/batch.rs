@@ -81,6 +81,19 @@ impl<'a> How<'a> {
     }
 }
 
+impl Entry {
+    /// Its attempt that started at `started_at`.
+    fn done<'e>(&'e self, started_at: &'e str) -> Done<'e> {
+        Done {
+            dispatch: &self.dispatch,
+            iteration: self.iteration,
+            attempt: self.attempts.attempt,
+            started_at,
+            lane: Some(&self.lane),
+        }
+    }
+}
+
 /// An attempt of a round, spawned.
 struct Spawned {
     entry: usize,
@@ -348,16 +361,12 @@ impl LoopRun<'_> {
             }))
             .await;
             drop(armed);
-            let entry = &mut entries[i];
-            let done = Done {
-                dispatch: &entry.dispatch,
-                iteration: entry.iteration,
-                attempt: entry.attempts.attempt,
-                started_at: &started_at,
-                lane: Some(&entry.lane),
-            };
-            return Ok(match self.not_started(state, &done, e).await? {
+            let attempted = self
+                .not_started(state, &entries[i].done(&started_at), e)
+                .await?;
+            return Ok(match attempted {
                 Attempted::Done(verdict) => {
+                    let entry = &mut entries[i];
                     entry.end = Some(entry.attempts.next(verdict, Utc::now()));
                     None
                 }
@@ -374,7 +383,9 @@ impl LoopRun<'_> {
                 &plan.executor,
             );
             self.events.emit(
-                lane_event(entry, name::ACTION_STARTED)
+                entry
+                    .done(&s.started_at)
+                    .event(name::ACTION_STARTED)
                     .with("executor", plan.executor.clone())
                     .with("pid", s.pid.pid)
                     .with("log", s.files.log_path.display().to_string()),
@@ -424,10 +435,10 @@ impl LoopRun<'_> {
         }
         state.skill().lanes.clear();
         for ((s, run), told) in spawned.into_iter().zip(runs).zip(heard) {
-            let entry = &mut entries[s.entry];
+            let done = entries[s.entry].done(&s.started_at);
             for retry in told {
                 self.events.emit(
-                    lane_event(entry, name::AGENT_RETRYING)
+                    done.event(name::AGENT_RETRYING)
                         .with("retry", retry.attempt)
                         .with("max_retries", retry.max_retries)
                         .with("status", retry.status)
@@ -435,13 +446,6 @@ impl LoopRun<'_> {
                         .with("error", retry.error),
                 );
             }
-            let done = Done {
-                dispatch: &entry.dispatch,
-                iteration: entry.iteration,
-                attempt: entry.attempts.attempt,
-                started_at: &s.started_at,
-                lane: Some(&entry.lane),
-            };
             let attempted = match run {
                 Ok(mut run) => {
                     if fired.is_some()
@@ -454,22 +458,13 @@ impl LoopRun<'_> {
                 }
                 Err(e) => self.not_started(state, &done, e).await?,
             };
+            let entry = &mut entries[s.entry];
             match attempted {
                 Attempted::Done(verdict) => match entry.attempts.next(verdict, Utc::now()) {
                     AfterAttempt::Retry { pause } => entry.pause = pause,
                     AfterAttempt::WaitRateLimit { wait, message } => {
                         let attempt = entry.attempts.attempt;
-                        let account = &how.plan.account;
-                        let until =
-                            Utc::now() + chrono::Duration::from_std(wait).unwrap_or_default();
-                        self.engine.accounts.hold(account, until);
-                        self.events.emit(
-                            lane_event(entry, name::RATE_LIMITED)
-                                .with("attempt", attempt)
-                                .with("account", account.clone())
-                                .with("until", format_ts(until))
-                                .with("message", message),
-                        );
+                        self.hold_account(&how.step(entry), attempt, wait, message);
                         // Its next attempt waits for the account, at the next round's start.
                         entry.pause = Duration::ZERO;
                     }
@@ -493,35 +488,13 @@ impl LoopRun<'_> {
         state.skill().lanes = spawned
             .iter()
             .map(|s| {
-                let entry = &entries[s.entry];
-                InFlight {
-                    action: entry.dispatch.action.clone(),
-                    iteration: entry.iteration,
-                    attempt: entry.attempts.attempt,
-                    task_id: entry.dispatch.task_id.clone(),
-                    started_at: s.started_at.clone(),
-                    pid: s.pid.pid,
-                    pgid: s.pid.pgid,
-                    proc_start: s.pid.proc_start,
-                    daemon_pid: std::process::id(),
-                    log: s
-                        .files
-                        .log_path
-                        .file_name()
-                        .map(|n| n.to_string_lossy().into_owned()),
-                    extra: Default::default(),
-                }
+                let log = s.files.log_path.file_name();
+                entries[s.entry]
+                    .done(&s.started_at)
+                    .in_flight(s.pid, log.map(|n| n.to_string_lossy().into_owned()))
             })
             .collect();
-        match self.store().commit_with(state, None, None, false) {
-            Ok(committed) => self.ours = Some(committed),
-            Err(e) if e.is_transient() => self.events.emit(Event::new(name::WARNING).with(
-                "message",
-                format!("cannot record the attempts in flight: {e:#}"),
-            )),
-            Err(e) => return Err(e.into()),
-        }
-        Ok(())
+        self.commit_in_flight(state, None)
     }
 
     /// Merges the batch's successes into the loop's tree in task order, moves the work tree
@@ -682,16 +655,6 @@ impl LoopRun<'_> {
 
 /// The outcome a history entry gives a result that could not be merged.
 const MERGE_CONFLICT: &str = "merge_conflict";
-
-/// An event of a lane's attempt.
-fn lane_event(entry: &Entry, event: &str) -> Event {
-    Event::new(event)
-        .with("iteration", entry.iteration)
-        .with("action", entry.dispatch.action.clone())
-        .with("attempt", entry.attempts.attempt)
-        .with("task_id", entry.dispatch.task_id.clone())
-        .with("lane", entry.lane.number)
-}
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
