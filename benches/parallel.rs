@@ -2,9 +2,9 @@
 //! on the file driver.
 //!
 //! A git project whose scripted agent takes `LOOPD_BENCH_TASK_SECS` (2 s) per develop and writes
-//! a file of its own, `out-TASK.txt`; the last two tasks also write the same line of `shared.txt`,
-//! so one of them conflicts when they run in one batch and is developed again on the merged tree
-//! (its second try appends its line). Validation passes at once. The loop (8 tasks) runs with
+//! a file of its own, `out-TASK.txt`; the last two tasks also put their line in place of the base
+//! line of `shared.txt` (after the other's, when it is there), so one of them conflicts when they
+//! run in one batch and is developed again on the merged tree. Validation passes at once. The loop (8 tasks) runs with
 //! `parallel = 1` and with `parallel = 4` (`LOOPD_BENCH_PARALLEL`), the sandbox on as by
 //! default; for each: the wall time of `loopd run` to the loop's end, and for the parallel one
 //! loopd's own time per merge (from the last attempt of a batch finished to its last `merged`
@@ -31,10 +31,11 @@ case "$LOOPD_ACTION" in
     echo "$LOOPD_TASK_ID" > "out-$LOOPD_TASK_ID.txt"
     case "$LOOPD_TASK" in
       *shared*)
-        if printf '%s' "$prompt" | grep -q "could not be merged"; then
-          echo "$LOOPD_TASK_ID" >> shared.txt
-        else
+        # Its line in place of the base's, else after the other task's.
+        if grep -q base shared.txt; then
           echo "$LOOPD_TASK_ID" > shared.txt
+        else
+          echo "$LOOPD_TASK_ID" >> shared.txt
         fi ;;
     esac
     echo '{"status":"success","summary":"done"}' > "$LOOPD_RESULT_FILE" ;;
