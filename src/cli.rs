@@ -61,7 +61,7 @@ pub enum Command {
     /// recorded (`loopd projects`), and each `--root DIR` (see README, "Run as a service")
     Serve(loopd_file_driver::serve::ServeArgs),
     /// Write a new loop (status `created`) and print its id
-    Create(loopd_file_driver::create::CreateArgs),
+    Create(Box<loopd_file_driver::create::CreateArgs>),
     /// Run loops on Temporal: their workflows, and their actions as this machine's processes
     #[cfg(feature = "temporal")]
     Worker(crate::temporal::WorkerArgs),
@@ -215,6 +215,10 @@ pub enum TaskCommand {
         /// developed at once with the others when the loop has `parallel` over 1
         #[arg(long, value_name = "TASK_ID")]
         after: Vec<String>,
+        /// An executor that tries the task (repeat: at least two), each in a git work tree of its
+        /// own; the check (validate on each tree) keeps the best, the others stay as checkpoints
+        #[arg(long, value_name = "EXECUTOR")]
+        race: Vec<String>,
     },
 }
 
@@ -309,9 +313,12 @@ pub fn run(cli: Cli) -> Result<i32> {
         Command::Retry { id } => crate::recovery::retry(&project()?, &id, json),
         Command::Answer { id, text } => crate::recovery::answer(&inspect()?, &id, &text, json),
         Command::Set { id, limits } => crate::recovery::set(&project()?, &id, &limits, json),
-        Command::Task(TaskCommand::Add { id, text, after }) => {
-            crate::recovery::task_add(&project()?, &id, &text, &after, json)
-        }
+        Command::Task(TaskCommand::Add {
+            id,
+            text,
+            after,
+            race,
+        }) => crate::recovery::task_add(&project()?, &id, &text, &after, &race, json),
         Command::Status { id } => status(&inspect()?, &id, json),
         Command::Checkpoints { id } => crate::checkpoint::list_command(&inspect()?, &id, json),
         Command::Diff { id, checkpoint } => {
@@ -913,11 +920,16 @@ fn on_temporal(
         Command::Stop { id } => change(id, Change::Control(Control::Stop))?,
         Command::Next { id, action } => change(id, Change::Next(action.clone()))?,
         Command::Answer { id, text } => change(id, Change::Answer(text.clone()))?,
-        Command::Task(TaskCommand::Add { id, text, after }) => {
-            if !after.is_empty() {
+        Command::Task(TaskCommand::Add {
+            id,
+            text,
+            after,
+            race,
+        }) => {
+            if !after.is_empty() || !race.is_empty() {
                 return Err(usage(
-                    "--after is for loops on this machine; a loop on Temporal develops its tasks \
-                     one at a time, in order",
+                    "--after and --race are for loops on this machine; a loop on Temporal \
+                     develops its tasks one at a time, in order, by one executor",
                 ));
             }
             change(id, Change::Task(text.clone()))?

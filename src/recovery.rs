@@ -58,8 +58,15 @@ pub fn set(p: &Project, id: &str, limits: &Limits, as_json: bool) -> Result<i32>
 
 /// `loopd task add ID TEXT`: appends a task to the loop's task list, where a daemon driving the
 /// loop picks it up before its next selection (event `tasks_added`); prints the task's id.
-pub fn task_add(p: &Project, id: &str, text: &str, after: &[String], as_json: bool) -> Result<i32> {
-    let value = add_task(p, id, text, after)?;
+pub fn task_add(
+    p: &Project,
+    id: &str,
+    text: &str,
+    after: &[String],
+    race: &[String],
+    as_json: bool,
+) -> Result<i32> {
+    let value = add_task(p, id, text, after, race)?;
     print_result(
         as_json,
         &value,

@@ -374,6 +374,12 @@ pub fn create(p: &Project, config: &TemporalConfig, args: &CreateArgs, json: boo
         ));
     }
     refuse_parallel(&args.limits)?;
+    if !args.race.is_empty() {
+        return Err(usage(
+            "--race is for loops on this machine; a loop on Temporal develops each task with one \
+             executor",
+        ));
+    }
     let id = loopd_store::store::new_id();
     let state = loopd_file_driver::create::new_state(p, args, &id, None)?;
     let git = match &args.remote {

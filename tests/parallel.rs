@@ -386,3 +386,80 @@ fn parallel_needs_git_and_says_so_in_one_line() {
     assert_eq!(code(&out), 2);
     assert!(stderr(&out).contains("--parallel must be at least 1"));
 }
+
+/// Executors `a` and `b`, the agent told which it is: `a` makes a small change its check rates
+/// 40%, `b` a larger one rated 100%.
+const RACE_AGENT: &str = r#"
+cat > /dev/null
+case "$LOOPD_ACTION" in
+  develop)
+    case "$1" in
+      a) echo a > impl.txt ;;
+      b) printf 'b\nmore\n' > impl.txt ;;
+    esac
+    echo "{\"status\":\"success\",\"summary\":\"$1 did it\"}" > "$LOOPD_RESULT_FILE" ;;
+  validate)
+    if grep -q b impl.txt 2>/dev/null; then rate=100; passed=true; else rate=40; passed=false; fi
+    echo "{\"status\":\"success\",\"state_updates\":{\"passed\":$passed,\"pass_rate\":$rate}}" > "$LOOPD_RESULT_FILE" ;;
+  *) echo '{"status":"success"}' > "$LOOPD_RESULT_FILE" ;;
+esac
+"#;
+
+#[test]
+fn a_race_of_two_executors_keeps_the_best_and_the_other_as_a_checkpoint() {
+    let p = Project::new(RACE_AGENT);
+    let racers = ["a", "b"]
+        .map(|n| {
+            format!(
+                "[executors.{n}]\ncommand = [\"sh\", \"bin/agent.sh\", \"{n}\"]\n\
+                 prompt = \"stdin\"\nformat = \"json\"\n"
+            )
+        })
+        .concat();
+    p.config(&format!("{TEST_CONFIG}\n{racers}"));
+    git(&p.root, &["init", "--quiet", "--initial-branch=main"]);
+    std::fs::write(p.root.join(".gitignore"), ".loop/\n").unwrap();
+    git(&p.root, &["add", "."]);
+    git(&p.root, &["commit", "--quiet", "-m", "base"]);
+    let id = p.create(&["--title", "race"]);
+    let one = p.output(&["task", "add", &id, "x", "--race", "a"]);
+    assert_eq!(code(&one), 2);
+    assert!(stderr(&one).contains("at least two"), "{}", stderr(&one));
+    let out = p.output(&["task", "add", &id, "race me", "--race", "a", "--race", "b"]);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+
+    let out = p.run(&id, &[]);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    let started = p.events_named(&id, "race_started");
+    assert_eq!(started[0]["executors"], serde_json::json!(["a", "b"]));
+    let decided = p.events_named(&id, "race_decided");
+    assert_eq!(decided.len(), 1, "{decided:?}");
+    assert_eq!(decided[0]["winner"], "b", "{decided:?}");
+    let rates: Vec<(&str, f64)> = decided[0]["entries"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| {
+            (
+                e["executor"].as_str().unwrap(),
+                e["pass_rate"].as_f64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(rates, [("a", 40.0), ("b", 100.0)]);
+
+    // The winner is merged; the other's work is kept as a checkpoint of its own, and `diff`
+    // shows it from the tree it started on.
+    assert_eq!(read(&p.root, "impl.txt"), "b\nmore");
+    let loser = format!("refs/loopd/{id}/1-develop-a");
+    assert_eq!(git(&p.root, &["show", &format!("{loser}:impl.txt")]), "a");
+    let diff = p.output(&["diff", &id, "1-develop-a"]);
+    assert_eq!(code(&diff), 0, "{}", stderr(&diff));
+    assert!(stdout(&diff).contains("+a"), "{}", stdout(&diff));
+    assert!(!stdout(&diff).contains("more"), "{}", stdout(&diff));
+    let state = p.state(&id);
+    let task = &tasks(&state)[0];
+    assert_eq!(task["status"], "completed");
+    assert_eq!(task["race"], serde_json::json!(["a", "b"]));
+    assert!(!lanes(&p, &id).exists());
+}

@@ -133,6 +133,10 @@ pub struct LoopState {
     /// absent means the configured default.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub parallel: Option<u64>,
+    /// loopd's: the executors that each try every task of the loop in a tree of their own, the
+    /// best result kept (`loopd create --race`); absent means the configured default.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub race: Option<Vec<String>>,
     /// loopd's: who set the status last, when a loopd command or the service's API did.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub status_by: Option<StatusBy>,
@@ -749,6 +753,8 @@ pub struct ListedTask {
     /// The tasks it needs done first (`loopd task add --after`); `None` when its writer cannot
     /// say (CCW's tasks), and then it keeps its place in the order.
     pub after: Option<Vec<String>>,
+    /// The executors that each try it (`loopd task add --race`); empty: the loop's.
+    pub race: Vec<String>,
 }
 
 /// One attempt in `skill_state.action_history`.

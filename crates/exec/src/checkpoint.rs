@@ -188,6 +188,12 @@ impl Repo {
         Err(Refused(why).into())
     }
 
+    /// The first parent of `commit`, when it has one.
+    pub fn parent(&self, commit: &str) -> Option<String> {
+        self.run(&["rev-parse", "--verify", "--quiet", &format!("{commit}^1")])
+            .ok()
+    }
+
     /// The patch from `from` to `to` (commits), with a summary of the files first.
     pub fn diff(&self, from: &str, to: &str) -> Result<String> {
         let mut out = self.run(&[

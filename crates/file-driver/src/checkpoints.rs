@@ -61,10 +61,16 @@ fn range(repo: &Repo, id: &str, name: Option<&str>) -> Result<(String, String)> 
     match name {
         Some(name) => {
             let to = repo.find(name)?;
+            // From the tree it started on: its first parent (a task developed at once with
+            // others starts on the batch's base, a merge on the loop's tree), else the checkpoint
+            // before it.
             let at = list.iter().position(|(n, _)| n == name).unwrap_or(0);
-            let from = match at.checked_sub(1).and_then(|before| list.get(before)) {
-                Some((_, commit)) => commit.clone(),
-                None => format!("{to}^"),
+            let from = match repo.parent(&to) {
+                Some(parent) => parent,
+                None => match at.checked_sub(1).and_then(|before| list.get(before)) {
+                    Some((_, commit)) => commit.clone(),
+                    None => format!("{to}^"),
+                },
             };
             Ok((from, to))
         }

@@ -101,8 +101,16 @@ pub fn choose_next(p: &Project, id: &str, action: &str) -> Result<Value> {
 }
 
 /// Appends a task to a loop's task list ([`rules::check_task`]), needing the tasks `after` names
-/// done first (each a task of the loop); returns `{loop_id, task_id}`.
-pub fn add_task(p: &Project, id: &str, text: &str, after: &[String]) -> Result<Value> {
+/// done first (each a task of the loop), tried by each executor of `race`; returns `{loop_id,
+/// task_id}`.
+pub fn add_task(
+    p: &Project,
+    id: &str,
+    text: &str,
+    after: &[String],
+    race: &[String],
+) -> Result<Value> {
+    crate::worktree::check_race(p, race)?;
     let state = p.load(id)?;
     let workflow = loop_workflow(p, &state)?;
     let text = rules::check_task(&state, id, text).map_err(usage)?;
@@ -121,7 +129,8 @@ pub fn add_task(p: &Project, id: &str, text: &str, after: &[String]) -> Result<V
             )));
         }
     }
-    let task_id = p.store.add_tasks(id, &[text], after, &taken)?.remove(0);
+    let how = loopd_store::tasks::NewTasks { after, race };
+    let task_id = p.store.add_tasks(id, &[text], &how, &taken)?.remove(0);
     Ok(json!({ "loop_id": id, "task_id": task_id }))
 }
 

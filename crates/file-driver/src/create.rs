@@ -82,6 +82,10 @@ pub struct CreateArgs {
     /// A develop task (repeatable); written to the loop's task list
     #[arg(long = "task", value_name = "TEXT")]
     pub tasks: Vec<String>,
+    /// Every task is tried by each of these executors (repeat: at least two), each in a git
+    /// work tree of its own; the check (validate on each tree) keeps the best [the config's]
+    #[arg(long = "race", value_name = "EXECUTOR")]
+    pub race: Vec<String>,
     /// Give the loop a git worktree of its own (branch `loopd/<id>` from HEAD, in the state
     /// dir's worktrees/), so that it can run beside the project's other loops
     #[arg(long)]
@@ -219,6 +223,7 @@ pub fn create_loop(p: &Project, args: &CreateArgs) -> Result<String> {
         ));
     }
     crate::worktree::check_parallel(p, args.limits.parallel)?;
+    crate::worktree::check_race(p, &args.race)?;
     let id = new_id();
     let worktree = match args.worktree {
         true => Some(crate::worktree::create(&p.root, &p.store, &id)?),
@@ -241,7 +246,7 @@ pub fn create_loop(p: &Project, args: &CreateArgs) -> Result<String> {
     }
     if !args.tasks.is_empty() {
         let texts: Vec<&str> = args.tasks.iter().map(String::as_str).collect();
-        p.store.add_tasks(&id, &texts, &[], &[])?;
+        p.store.add_tasks(&id, &texts, &Default::default(), &[])?;
     }
     Ok(id)
 }
@@ -261,6 +266,7 @@ pub fn new_state(
         mode,
         workflow,
         tasks,
+        race,
         worktree: _,
         remote: _,
         base: _,
@@ -312,6 +318,7 @@ pub fn new_state(
         max_cost_usd: max_cost_usd.or(p.config.max_cost_usd),
         max_tokens: max_tokens.or(p.config.max_tokens),
         parallel,
+        race: (!race.is_empty()).then(|| race.clone()),
         status: Status::Created,
         created_at: Some(now.clone()),
         updated_at: Some(now),

@@ -95,6 +95,38 @@ pub fn check_parallel(p: &Project, parallel: Option<u64>) -> Result<()> {
     })
 }
 
+/// Refuses a race that cannot be run: fewer than two executors, one that is not configured or
+/// whose name git cannot take into a ref, or a project where tasks cannot have work trees of
+/// their own.
+pub fn check_race(p: &Project, race: &[String]) -> Result<()> {
+    if race.is_empty() {
+        return Ok(());
+    }
+    if race.len() < 2 {
+        return Err(usage("--race needs at least two executors (repeat it)"));
+    }
+    for name in race {
+        p.config
+            .executor_named(name)
+            .map_err(|why| usage(format!("--race: {why}")))?;
+        if !name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+        {
+            return Err(usage(format!(
+                "--race: executor name {name:?} can only race with letters, digits, - and _"
+            )));
+        }
+    }
+    check_parallel(p, Some(2)).map_err(|_| {
+        usage(format!(
+            "--race needs a git repository with checkpoints (each executor tries the task in a \
+             work tree of its own); {} has none",
+            p.root.display()
+        ))
+    })
+}
+
 /// Removes a worktree and its branch, for a loop whose creation failed after it was made.
 pub fn remove(root: &Path, worktree: &Worktree) {
     if let Some(path) = worktree.path.to_str() {

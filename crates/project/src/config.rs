@@ -47,6 +47,9 @@ pub struct Config {
     /// How many tasks of a loop are developed at once (each in a git work tree of its own,
     /// merged back in task order), for loops that do not set their own.
     pub parallel: u64,
+    /// Executors that each try every develop task of loops that do not set their own, the best
+    /// result kept; empty: none race.
+    pub race: Vec<String>,
     /// `git`: a checkpoint of the work tree after each action that changes it; `off`: none.
     pub checkpoint: Checkpoints,
     /// How many checkpoints of each loop are kept (the oldest go; the start stays).
@@ -610,6 +613,16 @@ impl Config {
             return Err(("temporal.max_actions".into(), "must be at least 1".into()));
         }
         positive("temporal.tree_grace", self.temporal.tree_grace)?;
+        if self.race.len() == 1 {
+            return Err((
+                "race".into(),
+                "needs at least two executors, or none".into(),
+            ));
+        }
+        for name in &self.race {
+            self.executor_named(name)
+                .map_err(|why| ("race".to_owned(), why))?;
+        }
         if self.parallel == 0 {
             return Err(("parallel".into(), "must be at least 1".into()));
         }

@@ -75,6 +75,12 @@ pub mod name {
     /// loopd's: a task's result could not be merged (`task_id`, `files` in conflict, `error`):
     /// the task is developed again on the merged tree, or fails after its retries.
     pub const MERGE_CONFLICT: &str = "merge_conflict";
+    /// loopd's: several executors (`executors`) each try a task (`task_id`) in a work tree of its
+    /// own, from checkpoint `base`.
+    pub const RACE_STARTED: &str = "race_started";
+    /// loopd's: a race's `winner` (none when every entry failed), and its `entries`: each
+    /// executor's outcome, its check's `pass_rate` and its `checkpoint`, kept.
+    pub const RACE_DECIDED: &str = "race_decided";
     /// loopd's: something worth a person's attention that changes nothing.
     pub const WARNING: &str = "warning";
 }

@@ -418,6 +418,11 @@ impl<'a> Merged<'a> {
                     .map
                     .get("after")
                     .and_then(|a| serde_json::from_value(a.clone()).ok()),
+                race: record
+                    .map
+                    .get("race")
+                    .and_then(|r| serde_json::from_value(r.clone()).ok())
+                    .unwrap_or_default(),
             });
             merged.taken.push((record, only_own));
         }
@@ -431,6 +436,14 @@ impl<'a> Merged<'a> {
             .filter(|(_, only_own)| *only_own)
             .map(|(r, _)| *r)
     }
+}
+
+/// How tasks loopd adds are run: the tasks each needs done first, the executors that each try
+/// it (`loopd task add --after`, `--race`).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct NewTasks<'a> {
+    pub after: &'a [String],
+    pub race: &'a [String],
 }
 
 impl Store {
@@ -528,14 +541,13 @@ impl Store {
 
     /// Adds tasks to a loop's list, one per description, in loopd's own record and in CCW's
     /// file (see the module's documentation); returns their ids. Each gets the next `task-NNN`
-    /// that neither the list nor `taken` (the ids the loop's state knows) has had, and needs the
-    /// tasks `after` names done first (`after`, written even when empty: loopd's tasks say what
-    /// they need, where CCW's cannot).
+    /// that neither the list nor `taken` (the ids the loop's state knows) has had, and is run
+    /// as `how` says.
     pub fn add_tasks(
         &self,
         id: &str,
         descriptions: &[&str],
-        after: &[String],
+        how: &NewTasks<'_>,
         taken: &[String],
     ) -> Result<Vec<String>, StoreError> {
         crate::store::validate_id(id)?;
@@ -563,7 +575,12 @@ impl Store {
                     let mut map = Map::new();
                     map.insert("task_id".into(), id.clone().into());
                     map.insert("description".into(), (*description).into());
-                    map.insert("after".into(), after.into());
+                    // Written even when empty: loopd's tasks say what they need, where CCW's
+                    // cannot.
+                    map.insert("after".into(), how.after.into());
+                    if !how.race.is_empty() {
+                        map.insert("race".into(), how.race.into());
+                    }
                     let record = Record::new(id, map);
                     shared_form(&record, next_order + i as u64, &now)
                 })
@@ -879,11 +896,15 @@ mod tests {
     #[test]
     fn added_tasks_go_to_both_files_numbered_past_every_id_known() {
         let (dir, store) = store();
-        let added = store.add_tasks("l1", &["one", "two"], &[], &[]).unwrap();
+        let added = store
+            .add_tasks("l1", &["one", "two"], &NewTasks::default(), &[])
+            .unwrap();
         assert_eq!(added, ["task-001", "task-002"]);
         let taken = vec!["task-007".to_owned()];
         assert_eq!(
-            store.add_tasks("l1", &["three"], &[], &taken).unwrap(),
+            store
+                .add_tasks("l1", &["three"], &NewTasks::default(), &taken)
+                .unwrap(),
             ["task-008"]
         );
         let lines = ccw_lines(dir.path());
@@ -920,7 +941,9 @@ mod tests {
     #[test]
     fn a_lockless_append_that_lands_in_the_replaced_version_is_merged() {
         let (dir, store) = store();
-        store.add_tasks("l1", &["one"], &[], &[]).unwrap();
+        store
+            .add_tasks("l1", &["one"], &NewTasks::default(), &[])
+            .unwrap();
         let path = dir.path().join("l1/tasks.jsonl");
         // CCW opens the file to append just before loopd's write replaces it, and writes after.
         let mut late = fs::OpenOptions::new().append(true).open(&path).unwrap();
@@ -940,7 +963,9 @@ mod tests {
                 .unwrap();
             })
         };
-        store.add_tasks("l1", &["two"], &[], &[]).unwrap();
+        store
+            .add_tasks("l1", &["two"], &NewTasks::default(), &[])
+            .unwrap();
         replaced.join().unwrap();
         let list = store.read_tasks("l1").unwrap();
         assert_eq!(ids(&list), ["task-001", "task-002", "ccw-late"]);

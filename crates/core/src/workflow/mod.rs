@@ -302,6 +302,15 @@ pub trait Workflow: Send + Sync {
     fn batch(&self, _state: &LoopState, _first: &Dispatch, _max: usize) -> Vec<Dispatch> {
         Vec::new()
     }
+    /// The executors that each try `dispatch`'s task, when it names them; empty: none do.
+    fn racers(&self, _state: &LoopState, _dispatch: &Dispatch) -> Vec<String> {
+        Vec::new()
+    }
+    /// The action that checks a tree (a race's entries are compared by its pass rate), if the
+    /// workflow has one.
+    fn check_action(&self) -> Option<&'static str> {
+        None
+    }
     /// A task's result could not be merged into the loop's tree: it is to be done again, `why`
     /// in its next prompt. Failed instead when `fail` (its merges have no retry left).
     fn merge_failed(&self, _state: &mut LoopState, _task_id: &str, _why: &str, _fail: bool) {}

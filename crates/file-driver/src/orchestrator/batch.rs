@@ -21,7 +21,9 @@
 use std::sync::Mutex;
 
 use futures_util::future::join_all;
-use loopd_core::attempt::{AfterAttempt, Attempts};
+use std::sync::Arc;
+
+use loopd_core::attempt::{AfterAttempt, Attempts, RetryPolicy};
 use loopd_exec::checkpoint::Merge;
 use loopd_exec::metrics::metrics;
 
@@ -37,8 +39,11 @@ pub(super) struct Lane {
     repo: checkpoint::Repo,
     /// The checkpoint it started at.
     base: String,
-    /// The commit of its last attempt's checkpoint.
-    recorded: Mutex<Option<String>>,
+    /// What tells its checkpoints apart from the other lanes' of the same iteration: a racing
+    /// executor's name.
+    label: Option<String>,
+    /// Its last attempt's checkpoint.
+    recorded: Mutex<Option<Checkpoint>>,
 }
 
 impl Lane {
@@ -48,11 +53,13 @@ impl Lane {
     }
 }
 
-/// One task of a batch and how it stands.
-struct Entry {
+/// One task of a batch (or one executor's try of a raced task, or the check of it) and how it
+/// stands.
+struct Entry<'p> {
     dispatch: Dispatch,
     iteration: u64,
-    lane: Lane,
+    lane: Arc<Lane>,
+    how: How<'p>,
     attempts: Attempts,
     /// How its attempts ended, once they did.
     end: Option<AfterAttempt>,
@@ -67,21 +74,34 @@ struct How<'a> {
     plan: &'a Plan,
 }
 
-impl<'a> How<'a> {
-    fn step<'e>(&self, entry: &'e Entry) -> Step<'e>
-    where
-        'a: 'e,
-    {
-        Step {
-            dispatch: &entry.dispatch,
-            plan: self.plan,
-            def: self.def,
-            iteration: entry.iteration,
+impl<'p> Entry<'p> {
+    fn new(
+        dispatch: Dispatch,
+        iteration: u64,
+        lane: Arc<Lane>,
+        how: How<'p>,
+        policy: RetryPolicy,
+    ) -> Self {
+        Entry {
+            dispatch,
+            iteration,
+            lane,
+            how,
+            attempts: Attempts::new(policy),
+            end: None,
+            pause: Duration::ZERO,
         }
     }
-}
 
-impl Entry {
+    fn step(&self) -> Step<'_> {
+        Step {
+            dispatch: &self.dispatch,
+            plan: self.how.plan,
+            def: self.how.def,
+            iteration: self.iteration,
+        }
+    }
+
     /// Its attempt that started at `started_at`.
     fn done<'e>(&'e self, started_at: &'e str) -> Done<'e> {
         Done {
@@ -128,7 +148,10 @@ impl LoopRun<'_> {
             .max_iterations_or(config.max_iterations)
             .saturating_sub(state.current_iteration);
         let max = usize::try_from(parallel.min(left)).unwrap_or(usize::MAX);
-        let batch = self.engine.workflow.batch(state, first, max);
+        let wf = self.engine.workflow;
+        let mut batch = wf.batch(state, first, max);
+        // A task its own executors race runs as a race of its own, when it comes first.
+        batch.retain(|d| d == first || wf.racers(state, d).is_empty());
         if batch.len() < 2 { Vec::new() } else { batch }
     }
 
@@ -145,33 +168,18 @@ impl LoopRun<'_> {
             .plans
             .get(&action)
             .with_context(|| format!("no plan for action {action}"))?;
-        let base_name = format!("{}-base", state.current_iteration);
-        let recorder = self
-            .checkpoints
-            .as_mut()
-            .context("a batch needs checkpoints")?;
-        let base = match blocking(|| recorder.base(&base_name)) {
-            Ok(base) => base,
+        let labels = vec![None; batch.len()];
+        let (base, lanes) = match self.open_lanes(state.current_iteration, &labels) {
+            Ok(opened) => opened,
             Err(e) => return self.one_at_a_time(state, &batch[0], e).await,
         };
-        let lanes = match blocking(|| self.make_lanes(&batch, &base)) {
-            Ok(lanes) => lanes,
-            Err(e) => {
-                blocking(|| self.remove_lanes());
-                return self.one_at_a_time(state, &batch[0], e).await;
-            }
-        };
+        let how = How { def, plan };
+        let policy = engine.config.retry_policy();
         let mut entries = Vec::new();
         for (k, (dispatch, lane)) in batch.into_iter().zip(lanes).enumerate() {
             self.begin(&mut state, &dispatch);
-            entries.push(Entry {
-                iteration: state.current_iteration + 1 + k as u64,
-                dispatch,
-                lane,
-                attempts: Attempts::new(engine.config.retry_policy()),
-                end: None,
-                pause: Duration::ZERO,
-            });
+            let iteration = state.current_iteration + 1 + k as u64;
+            entries.push(Entry::new(dispatch, iteration, lane, how, policy));
         }
         let tasks: Vec<String> = entries
             .iter()
@@ -183,8 +191,7 @@ impl LoopRun<'_> {
                 .with("tasks", tasks)
                 .with("base", base.clone()),
         );
-        let how = How { def, plan };
-        let ended = self.rounds(&mut state, &mut entries, how).await;
+        let ended = self.rounds(&mut state, &mut entries).await;
         let exit = match ended {
             Ok(None) => self.merge(state, entries, &base, plan).await,
             Ok(Some(interrupt)) => Ok(interrupt.exit()),
@@ -192,6 +199,230 @@ impl LoopRun<'_> {
         };
         blocking(|| self.remove_lanes());
         exit
+    }
+
+    /// The executors that race on `dispatch`'s task: the task's own, else the loop's, else the
+    /// config's; none when fewer than two, outside auto mode, or without checkpoints.
+    pub(super) fn racers(&mut self, state: &LoopState, dispatch: &Dispatch) -> Vec<String> {
+        let engine = self.engine;
+        if state.mode() != loopd_core::state::Mode::Auto {
+            return Vec::new();
+        }
+        let mut racers = engine.workflow.racers(state, dispatch);
+        if racers.is_empty() && dispatch.task_id.is_some() {
+            racers = state
+                .race
+                .clone()
+                .unwrap_or_else(|| engine.config.race.clone());
+        }
+        if racers.len() < 2 {
+            return Vec::new();
+        }
+        if self.checkpoints.is_none() {
+            if !std::mem::replace(&mut self.said_sequential, true) {
+                self.events.emit(Event::new(name::WARNING).with(
+                    "message",
+                    format!(
+                        "the loop's tasks are developed by one executor, not raced by {}: each \
+                         needs a git work tree of its own, and {} has no git checkpoints",
+                        racers.join(", "),
+                        engine.work_tree.display()
+                    ),
+                ));
+            }
+            return Vec::new();
+        }
+        racers
+    }
+
+    /// Each of `racers` develops `dispatch`'s task in a lane of its own; the check action runs
+    /// on each tree that succeeded, and the best (the highest pass rate, then the smaller diff,
+    /// then the first) is merged; the others stay as checkpoints. Returns how the loop ends, if
+    /// it does.
+    pub(super) async fn run_race(
+        &mut self,
+        mut state: LoopState,
+        dispatch: Dispatch,
+        racers: Vec<String>,
+    ) -> Result<Option<Exit>> {
+        let engine = self.engine;
+        let (def, _) = engine
+            .plans
+            .get(&dispatch.action)
+            .with_context(|| format!("no plan for action {}", dispatch.action))?;
+        let plans = racers
+            .iter()
+            .map(|r| Plan::resolve(&engine.config, def, Some(r)))
+            .collect::<Result<Vec<Plan>>>()?;
+        let labels: Vec<Option<String>> = racers.iter().cloned().map(Some).collect();
+        let (base, lanes) = match self.open_lanes(state.current_iteration, &labels) {
+            Ok(opened) => opened,
+            Err(e) => return self.one_at_a_time(state, &dispatch, e).await,
+        };
+        self.begin(&mut state, &dispatch);
+        let iteration = state.current_iteration + 1;
+        let policy = engine.config.retry_policy();
+        let mut entries: Vec<Entry<'_>> = lanes
+            .into_iter()
+            .zip(&plans)
+            .map(|(lane, plan)| {
+                Entry::new(dispatch.clone(), iteration, lane, How { def, plan }, policy)
+            })
+            .collect();
+        self.events.emit(
+            Event::new(name::RACE_STARTED)
+                .with("iteration", iteration)
+                .with("task_id", dispatch.task_id.clone())
+                .with("executors", racers.clone())
+                .with("base", base.clone()),
+        );
+        let exit = match self.rounds(&mut state, &mut entries).await {
+            Ok(None) => self.decide_race(state, entries, &base).await,
+            Ok(Some(interrupt)) => Ok(interrupt.exit()),
+            Err(e) => Err(e),
+        };
+        blocking(|| self.remove_lanes());
+        exit
+    }
+
+    /// The check of a race's entries that succeeded, the choice, and the winner merged.
+    async fn decide_race(
+        &mut self,
+        mut state: LoopState,
+        mut entries: Vec<Entry<'_>>,
+        base: &str,
+    ) -> Result<Option<Exit>> {
+        let engine = self.engine;
+        let succeeded: Vec<usize> = (0..entries.len())
+            .filter(|&i| {
+                matches!(
+                    entries[i].end,
+                    Some(AfterAttempt::Finish(Finish::Success(_)))
+                )
+            })
+            .collect();
+        // Each tree that succeeded is checked, when there is a choice to make.
+        let mut rates: Vec<Option<f64>> = vec![None; entries.len()];
+        let check = engine
+            .workflow
+            .check_action()
+            .and_then(|a| engine.plans.get(a));
+        if let (Some((def, plan)), true) = (check, succeeded.len() > 1) {
+            let policy = engine.config.retry_policy();
+            let mut checks: Vec<Entry<'_>> = succeeded
+                .iter()
+                .map(|&i| {
+                    let e = &entries[i];
+                    let dispatch = Dispatch::new(&def.name);
+                    Entry::new(
+                        dispatch,
+                        e.iteration,
+                        e.lane.clone(),
+                        How { def, plan },
+                        policy,
+                    )
+                })
+                .collect();
+            if let Some(interrupt) = self.rounds(&mut state, &mut checks).await? {
+                return Ok(interrupt.exit());
+            }
+            for (&i, check) in succeeded.iter().zip(&checks) {
+                rates[i] = self.pass_rate_of(&state, check);
+            }
+        }
+        let size = |e: &Entry<'_>| {
+            lock(&e.lane.recorded)
+                .as_ref()
+                .map_or(u64::MAX, |c| c.insertions + c.deletions)
+        };
+        let winner = succeeded.iter().copied().max_by(|&a, &b| {
+            let rate = |i: usize| rates[i].unwrap_or(-1.0);
+            rate(a)
+                .total_cmp(&rate(b))
+                .then(size(&entries[b]).cmp(&size(&entries[a])))
+                .then(b.cmp(&a))
+        });
+        let said: Vec<serde_json::Value> = entries
+            .iter()
+            .zip(&rates)
+            .map(|(e, rate)| {
+                let checkpoint = lock(&e.lane.recorded).clone();
+                serde_json::json!({
+                    "executor": e.how.plan.executor,
+                    "outcome": match &e.end {
+                        Some(AfterAttempt::Finish(Finish::Success(_))) => "success",
+                        _ => "failed",
+                    },
+                    "pass_rate": rate,
+                    "checkpoint": checkpoint,
+                })
+            })
+            .collect();
+        let dispatch = entries[0].dispatch.clone();
+        self.events.emit(
+            Event::new(name::RACE_DECIDED)
+                .with("iteration", entries[0].iteration)
+                .with("task_id", dispatch.task_id.clone())
+                .with(
+                    "winner",
+                    winner.map(|w| entries[w].how.plan.executor.clone()),
+                )
+                .with("entries", said),
+        );
+        let Some(winner) = winner else {
+            // None succeeded: the task ends as its first executor's attempts did.
+            let first = entries.into_iter().next().expect("a race has entries");
+            let plan = first.how.plan;
+            return match first.end {
+                Some(AfterAttempt::Block(message)) => self.block(state, &dispatch, plan, message),
+                Some(AfterAttempt::Ask(question)) => self.ask(state, &dispatch, question),
+                Some(AfterAttempt::Finish(finish)) => {
+                    self.finish(state, &dispatch, first.iteration, finish)
+                }
+                _ => Ok(None),
+            };
+        };
+        let plan = entries[winner].how.plan;
+        self.merge(state, vec![entries.swap_remove(winner)], base, plan)
+            .await
+    }
+
+    /// The pass rate a check's result gives, as the workflow reads it after applying it (to a
+    /// copy of the state: a check changes nothing of the loop's).
+    fn pass_rate_of(&self, state: &LoopState, check: &Entry<'_>) -> Option<f64> {
+        let Some(AfterAttempt::Finish(finish @ Finish::Success(_))) = &check.end else {
+            return None;
+        };
+        let wf = self.engine.workflow;
+        let mut scratch = state.clone();
+        let inputs = Inputs {
+            now: now_rfc3339(),
+            ..Inputs::default()
+        };
+        attempt_rules::finish(wf, &mut scratch, &check.dispatch, finish, &inputs);
+        wf.pass_rate(&scratch, &check.dispatch.action)
+    }
+
+    /// The base of a batch (the loop's last checkpoint, recorded first when the tree changed
+    /// since) and a lane at it for each of `labels`; nothing left behind when it fails.
+    fn open_lanes(
+        &mut self,
+        iteration: u64,
+        labels: &[Option<String>],
+    ) -> Result<(String, Vec<Arc<Lane>>)> {
+        let base_name = format!("{iteration}-base");
+        let recorder = self
+            .checkpoints
+            .as_mut()
+            .context("a batch needs checkpoints")?;
+        let base = blocking(|| recorder.base(&base_name))?;
+        match blocking(|| self.make_lanes(labels, &base)) {
+            Ok(lanes) => Ok((base, lanes)),
+            Err(e) => {
+                blocking(|| self.remove_lanes());
+                Err(e)
+            }
+        }
     }
 
     /// A batch could not start (git could not record its base or make its work trees): says
@@ -209,11 +440,11 @@ impl LoopRun<'_> {
         self.run_action(state, first, None).await
     }
 
-    /// A work tree at `base` for each task of the batch.
-    fn make_lanes(&self, batch: &[Dispatch], base: &str) -> Result<Vec<Lane>> {
+    /// A work tree at `base` for each of `labels`.
+    fn make_lanes(&self, labels: &[Option<String>], base: &str) -> Result<Vec<Arc<Lane>>> {
         let engine = self.engine;
         let mut lanes = Vec::new();
-        for number in 1..=batch.len() {
+        for (number, label) in (1..).zip(labels) {
             let path = worktree::add_lane(&engine.work_tree, &engine.store, self.id, number, base)?;
             let index = self
                 .progress_dir
@@ -222,13 +453,14 @@ impl LoopRun<'_> {
             let _ = std::fs::remove_file(&index);
             let repo = checkpoint::Repo::open(&path, engine.store.dir(), index, self.id)
                 .with_context(|| format!("git does not see {} as a work tree", path.display()))?;
-            lanes.push(Lane {
+            lanes.push(Arc::new(Lane {
                 number,
                 path,
                 repo,
                 base: base.to_owned(),
+                label: label.clone(),
                 recorded: Mutex::new(None),
-            });
+            }));
         }
         Ok(lanes)
     }
@@ -252,9 +484,13 @@ impl LoopRun<'_> {
     /// Records checkpoint `name` of a lane's tree, the child of the batch's base; a warning if
     /// git fails.
     pub(super) fn lane_checkpoint(&mut self, lane: &Lane, name: &str) -> Option<Checkpoint> {
-        match lane.repo.record(name, Some(&lane.base)) {
+        let name = match &lane.label {
+            Some(label) => format!("{name}-{label}"),
+            None => name.to_owned(),
+        };
+        match lane.repo.record(&name, Some(&lane.base)) {
             Ok(checkpoint) => {
-                *lock(&lane.recorded) = Some(checkpoint.commit.clone());
+                *lock(&lane.recorded) = Some(checkpoint.clone());
                 Some(checkpoint)
             }
             Err(e) => {
@@ -272,18 +508,17 @@ impl LoopRun<'_> {
     async fn rounds(
         &mut self,
         state: &mut LoopState,
-        entries: &mut [Entry],
-        how: How<'_>,
+        entries: &mut [Entry<'_>],
     ) -> Result<Option<Interrupt>> {
         loop {
             let first = entries
                 .iter()
                 .find(|e| e.end.is_none())
                 .expect("a round has an entry");
-            if let Some(interrupt) = self.wait_for_account(state, &how.step(first)).await? {
+            if let Some(interrupt) = self.wait_for_account(state, &first.step()).await? {
                 return Ok(Some(interrupt));
             }
-            if let Some(interrupt) = self.round(state, entries, how).await? {
+            if let Some(interrupt) = self.round(state, entries).await? {
                 return Ok(Some(interrupt));
             }
             let pause = entries
@@ -305,8 +540,7 @@ impl LoopRun<'_> {
     async fn round(
         &mut self,
         state: &mut LoopState,
-        entries: &mut [Entry],
-        how: How<'_>,
+        entries: &mut [Entry<'_>],
     ) -> Result<Option<Interrupt>> {
         // As for a lone attempt: subscribed before the last look.
         let mut rx = self.watch.subscribe();
@@ -328,7 +562,7 @@ impl LoopRun<'_> {
         for (i, entry) in entries.iter().enumerate().filter(|(_, e)| e.end.is_none()) {
             let attempt = entry.attempts.attempt;
             let Prepared { spec, files } =
-                self.prepare(state, &how.step(entry), attempt, Some(&entry.lane))?;
+                self.prepare(state, &entry.step(), attempt, Some(&entry.lane))?;
             let started_at = now_rfc3339();
             match self.engine.executor.spawn(spec) {
                 Ok(r) => {
@@ -376,7 +610,7 @@ impl LoopRun<'_> {
         self.record_lanes(state, entries, &spawned)?;
         for s in &spawned {
             let entry = &entries[s.entry];
-            let plan = how.plan;
+            let plan = entry.how.plan;
             metrics().attempt_started(
                 self.engine.workflow.name(),
                 &entry.dispatch.action,
@@ -454,7 +688,14 @@ impl LoopRun<'_> {
                     {
                         run.cut = Some(loopd_exec::Cut::Cancelled);
                     }
-                    self.conclude(state, &done, how.plan, &s.files, run, interrupt.clone())?
+                    self.conclude(
+                        state,
+                        &done,
+                        entries[s.entry].how.plan,
+                        &s.files,
+                        run,
+                        interrupt.clone(),
+                    )?
                 }
                 Err(e) => self.not_started(state, &done, e).await?,
             };
@@ -464,7 +705,7 @@ impl LoopRun<'_> {
                     AfterAttempt::Retry { pause } => entry.pause = pause,
                     AfterAttempt::WaitRateLimit { wait, message } => {
                         let attempt = entry.attempts.attempt;
-                        self.hold_account(&how.step(entry), attempt, wait, message);
+                        self.hold_account(&entry.step(), attempt, wait, message);
                         // Its next attempt waits for the account, at the next round's start.
                         entry.pause = Duration::ZERO;
                     }
@@ -482,7 +723,7 @@ impl LoopRun<'_> {
     fn record_lanes(
         &mut self,
         state: &mut LoopState,
-        entries: &[Entry],
+        entries: &[Entry<'_>],
         spawned: &[Spawned],
     ) -> Result<()> {
         state.skill().lanes = spawned
@@ -502,7 +743,7 @@ impl LoopRun<'_> {
     async fn merge(
         &mut self,
         mut state: LoopState,
-        entries: Vec<Entry>,
+        entries: Vec<Entry<'_>>,
         base: &str,
         plan: &Plan,
     ) -> Result<Option<Exit>> {
@@ -567,11 +808,14 @@ impl LoopRun<'_> {
     /// not, with the files in conflict.
     fn merge_one(
         &mut self,
-        entry: &Entry,
+        entry: &Entry<'_>,
         base: &str,
     ) -> std::result::Result<Checkpoint, (String, Vec<String>)> {
         let task = entry.dispatch.task_id.clone();
-        let Some(theirs) = lock(&entry.lane.recorded).clone() else {
+        let Some(theirs) = lock(&entry.lane.recorded)
+            .as_ref()
+            .map(|c| c.commit.clone())
+        else {
             return Err(("its work tree could not be recorded".to_owned(), Vec::new()));
         };
         let name = format!("{}-merge", entry.iteration);

@@ -153,6 +153,10 @@ impl LoopRun<'_> {
                     .await?,
             )),
             Decision::Run(dispatch) => {
+                let racers = self.racers(&state, &dispatch);
+                if !racers.is_empty() {
+                    return self.run_race(state, dispatch, racers).await;
+                }
                 let batch = self.batch_of(&state, &dispatch);
                 if !batch.is_empty() {
                     return self.run_batch(state, batch).await;

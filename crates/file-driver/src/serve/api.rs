@@ -822,6 +822,8 @@ struct NewTask {
     text: String,
     #[serde(default)]
     after: Vec<String>,
+    #[serde(default)]
+    race: Vec<String>,
 }
 
 async fn next(
@@ -878,7 +880,7 @@ async fn add_task(
     let (UrlPath(id), Query(place), Json(task)) = (id?, place?, body?);
     let change = Change::Task(task.text.clone());
     let local = move |p: &Project, id: &str| {
-        let value = crate::control::add_task(p, id, &task.text, &task.after)?;
+        let value = crate::control::add_task(p, id, &task.text, &task.after, &task.race)?;
         Ok((StatusCode::CREATED, Json(value)))
     };
     let remote = |said| (StatusCode::CREATED, Json(said));

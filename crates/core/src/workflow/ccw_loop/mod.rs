@@ -235,6 +235,24 @@ impl Workflow for CcwLoop {
         if first_in { ready } else { Vec::new() }
     }
 
+    fn racers(&self, state: &LoopState, dispatch: &Dispatch) -> Vec<String> {
+        let (Some(skill), Some(id)) = (state.skill_state.as_ref(), &dispatch.task_id) else {
+            return Vec::new();
+        };
+        if dispatch.action != "develop" {
+            return Vec::new();
+        }
+        let ccw: CcwState = skill.part();
+        ccw.develop
+            .task(id)
+            .map(|t| t.race.clone())
+            .unwrap_or_default()
+    }
+
+    fn check_action(&self) -> Option<&'static str> {
+        Some("validate")
+    }
+
     fn merge_failed(&self, state: &mut LoopState, task_id: &str, why: &str, fail: bool) {
         let skill = state.skill();
         let mut ccw: CcwState = skill.part();

@@ -111,6 +111,10 @@ pub struct DevelopTask {
     /// so it waits for every task before it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub after: Option<Vec<String>>,
+    /// loopd's: the executors that each try it in a tree of their own, the best result kept
+    /// (`loopd task add --race`); empty: the loop's.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub race: Vec<String>,
     /// loopd's: why its last result could not be merged into the loop's tree (developed at once
     /// with others, `parallel`); its next prompt says so. `null` once it completed: written as
     /// such, so that no writer takes the old reason for one it does not know.
@@ -251,6 +255,7 @@ impl DevelopTask {
             mode: task.mode.clone(),
             created_at: task.created_at.clone().or(now.map(str::to_owned)),
             after: task.after.clone(),
+            race: task.race.clone(),
             extra,
             ..DevelopTask::default()
         }
