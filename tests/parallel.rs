@@ -306,6 +306,16 @@ fn a_stop_ends_every_attempt_of_a_batch() {
             .map(Vec::len),
         Some(3)
     );
+    // `status` lists every attempt in flight, `list` says how many.
+    let status = stdout(&p.output(&["status", &id]));
+    for t in ["task-001", "task-002", "task-003"] {
+        assert!(
+            status.contains(&format!("develop {t} attempt 1")),
+            "{status}"
+        );
+    }
+    let list = stdout(&p.output(&["list"]));
+    assert!(list.contains("develop x3"), "{list}");
 
     let out = p.output(&["stop", &id]);
     assert_eq!(code(&out), 0, "{}", stderr(&out));

@@ -92,6 +92,16 @@ impl Budget {
                 .cost_usd
                 .is_some_and(|c| stream.cost_usd.is_some_and(|spent| spent > c))
     }
+
+    /// One of `n` equal shares, for attempts that run at once and spend from one budget: together
+    /// they never spend more than it.
+    pub fn share(self, n: usize) -> Budget {
+        let n = n.max(1);
+        Budget {
+            tokens: self.tokens.map(|t| t / n as u64),
+            cost_usd: self.cost_usd.map(|c| c / n as f64),
+        }
+    }
 }
 
 /// Where `program` is, as a process started in `cwd` with `path` as its PATH finds it.

@@ -97,11 +97,14 @@ impl LoopView {
         let workflow = loop_workflow(p, s).ok();
         let wf_view = workflow.map(|w| w.view(s));
         let max_iterations = s.max_iterations_or(p.config.max_iterations);
-        let action = skill.in_flight.as_ref().map(|f| {
+        let action = skill.in_flight.as_ref().or(skill.lanes.first()).map(|f| {
             let age = loopd_core::state::parse_ts(&f.started_at)
                 .map(|t| format!(" {}", age(chrono::Utc::now() - t)))
                 .unwrap_or_default();
-            format!("{}{age}", f.action)
+            match skill.lanes.len() {
+                0 | 1 => format!("{}{age}", f.action),
+                n => format!("{} x{n}{age}", f.action),
+            }
         });
         let behind = service.and_then(|service| service.waits_behind(&key));
         let standing = match (queued, behind) {
@@ -220,7 +223,8 @@ fn engine_rows(
         );
         rows.push(row("network", value));
     }
-    if let Some(f) = &skill.in_flight {
+    // The attempt in flight, or each of a batch's.
+    for f in skill.in_flight.iter().chain(&skill.lanes) {
         let task = f
             .task_id
             .as_deref()
@@ -231,7 +235,11 @@ fn engine_rows(
             f.action, f.attempt, f.pid, f.started_at
         );
         rows.push(row("action", value));
-    } else if let Some(last) = &skill.last_action {
+    }
+    if skill.in_flight.is_none()
+        && skill.lanes.is_empty()
+        && let Some(last) = &skill.last_action
+    {
         rows.push(row("last", last.clone()));
     }
     if let Some(wait) = &skill.awaiting_choice {

@@ -559,10 +559,13 @@ impl LoopRun<'_> {
         let mut spawned = Vec::new();
         let mut running = Vec::new();
         let mut refused = None;
+        let wanting = entries.iter().filter(|e| e.end.is_none()).count();
         for (i, entry) in entries.iter().enumerate().filter(|(_, e)| e.end.is_none()) {
             let attempt = entry.attempts.attempt;
-            let Prepared { spec, files } =
+            let Prepared { mut spec, files } =
                 self.prepare(state, &entry.step(), attempt, Some(&entry.lane))?;
+            // The loop's budget is theirs together: each spends its share at most.
+            spec.budget = spec.budget.share(wanting);
             let started_at = now_rfc3339();
             match self.engine.executor.spawn(spec) {
                 Ok(r) => {
