@@ -6,7 +6,9 @@
 //! without a reload, and checks that a request without the token is refused. On a second project,
 //! a git repository whose agent (a Claude Code stand-in) reports what it spent, it runs a loop to
 //! the end from the page, opens a develop's diff, rolls the work tree back to a checkpoint, and
-//! counts the marks of the timeline and charts. Screenshots of every page go to
+//! counts the marks of the timeline and charts; then a loop of tasks developed at once, whose
+//! history shows each merge, the conflict and a race's entries side by side, and whose timeline
+//! has a lane per task. Screenshots of every page go to
 //! `target/tmp/dashboard/` (Cargo's temporary directory for tests), for a reviewer to look at.
 //!
 //! `.ci/run` installs Debian's `chromium` and `playwright-core` (into `$LOOPD_BROWSER_DIR`, by
@@ -54,10 +56,14 @@ case "$LOOPD_ACTION" in
 esac
 "#;
 
-/// Its project: a git repository with one commit, whose executor is the stand-in.
+/// Its project: a git repository with one commit, whose executors (`claude`, and `codex` to race
+/// it) are the stand-in, named by its path: `bin/` is ignored, so the work trees of tasks
+/// developed at once do not have it.
 fn git_project(beside: &Project) -> Project {
     let g = Project::beside(beside, "");
-    g.config(
+    let stand_in = g.root.join("bin/claude");
+    let stand_in = stand_in.to_str().expect("a UTF-8 path");
+    g.config(&format!(
         r#"
 retry_backoff = 0.01
 executor = "claude"
@@ -66,9 +72,13 @@ executor = "claude"
 kill_grace = 0.5
 
 [executors.claude]
-command = ["sh", "bin/claude"]
-"#,
-    );
+command = ["sh", "{stand_in}"]
+
+[executors.codex]
+command = ["sh", "{stand_in}"]
+format = "claude-stream-json"
+"#
+    ));
     g.script("claude", SPENDING_AGENT);
     std::fs::write(g.root.join(".gitignore"), ".loop/\nbin/\n").expect("write .gitignore");
     std::fs::write(g.root.join("README"), "a project\n").expect("write README");
@@ -113,6 +123,21 @@ fn the_dashboard_drives_a_loop_in_a_real_browser() {
     let p = Project::new(&browser_agent());
     let g = git_project(&p);
     let charted = g.create(&["--title", "Charts loop"]);
+    // Two tasks at once, which both write the end of work.txt (a conflict), then a race.
+    let parallel = g.create(&[
+        "--title",
+        "Parallel loop",
+        "--parallel",
+        "2",
+        "--task",
+        "one",
+        "--task",
+        "two",
+    ]);
+    let raced = g.output(&[
+        "task", "add", &parallel, "three", "--race", "claude", "--race", "codex",
+    ]);
+    assert!(raced.status.success(), "{}", stderr(&raced));
     let service = p.serve(&[
         "--root",
         p.root.to_str().unwrap(),
@@ -137,6 +162,7 @@ fn the_dashboard_drives_a_loop_in_a_real_browser() {
         .env("LOOPD_ROOT", &p.root)
         .env("LOOPD_GIT_ROOT", &g.root)
         .env("LOOPD_GIT_LOOP", &charted)
+        .env("LOOPD_PARALLEL_LOOP", &parallel)
         .env("LOOPD_SHOTS", &shots)
         .env("LOOPD_BROWSER_DIR", &browser_dir)
         .env("CHROMIUM", &chromium)
@@ -153,6 +179,7 @@ fn the_dashboard_drives_a_loop_in_a_real_browser() {
         "dashboard-loop.png",
         "dashboard-charts.png",
         "dashboard-narrow.png",
+        "dashboard-parallel.png",
     ] {
         let len = std::fs::metadata(shots.join(shot)).map_or(0, |m| m.len());
         assert!(len > 10_000, "{shot} is missing or empty");

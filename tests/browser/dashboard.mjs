@@ -5,6 +5,8 @@
 //   LOOPD_ROOT    the project the service serves (its agent pauses, asks, then hangs)
 //   LOOPD_GIT_ROOT, LOOPD_GIT_LOOP  a git project it also serves, and its loop (created, not
 //                 started), whose agent reports tokens and cost, fails one validation, then passes
+//   LOOPD_PARALLEL_LOOP  a loop of that project developing two tasks at once, then racing two
+//                 executors on a third
 //   LOOPD_SHOTS   where the screenshots go
 //   LOOPD_BROWSER_DIR  where playwright-core is installed; CHROMIUM the browser
 // Every wait has a generous deadline that catches a hang; none is a measure.
@@ -17,6 +19,7 @@ const env = (k) => { const v = process.env[k]; assert.ok(v, `${k} is not set`); 
 const base = env("LOOPD_URL"), token = env("LOOPD_TOKEN"), root = env("LOOPD_ROOT");
 const shots = env("LOOPD_SHOTS");
 const gitRoot = env("LOOPD_GIT_ROOT"), gitLoop = env("LOOPD_GIT_LOOP");
+const parallelLoop = env("LOOPD_PARALLEL_LOOP");
 const { chromium } = createRequire(path.join(env("LOOPD_BROWSER_DIR"), "noop.js"))("playwright-core");
 const DEADLINE = 30_000;
 
@@ -194,6 +197,33 @@ try {
   assert.ok(asked.includes("checkpoint"), `the confirmation: ${asked}`);
   await page.waitForSelector("#history-note:has-text('back as it was')", { timeout: DEADLINE });
   step("rolled the work tree back to the first develop's checkpoint from the page");
+
+  // Tasks developed at once: a lane per task, each merge, the conflict, the race side by side.
+  await page.evaluate(([id, at]) => { location.hash = `#/loop/${encodeURIComponent(id)}?root=${encodeURIComponent(at)}`; },
+    [parallelLoop, gitRoot]);
+  await page.waitForSelector("#detail-title:has-text('Parallel loop')", { timeout: DEADLINE });
+  await page.click("#btn-resume");
+  await until("the parallel loop to complete", () => state(parallelLoop, gitRoot).status === "completed");
+  const plog = events(parallelLoop, gitRoot);
+  const merges = plog.filter((e) => e.event === "merged").length;
+  assert.ok(merges >= 2, `${merges} merges`);
+  await until(`${merges} merges in the history`, async () =>
+    await count(page, "li.attempt[data-action='merge']:has-text('merged into')") === merges);
+  await page.waitForSelector("li.attempt[data-action='merge']:has-text('work.txt changed')", { timeout: DEADLINE });
+  const race = page.locator("li.attempt[data-action='race']");
+  await race.waitFor({ timeout: DEADLINE });
+  assert.equal(await race.locator(".entry").count(), 2, "the race's two entries");
+  assert.equal(await race.locator(".entry.won").count(), 1, "one winner");
+  const lanes = await page.locator("#chart-timeline text.lane").allTextContents();
+  for (const lane of ["develop task-001", "develop task-002", "merge"]) {
+    assert.ok(lanes.includes(lane), `the timeline's lanes: ${lanes.join(", ")}`);
+  }
+  const loser = race.locator(".entry:not(.won)");
+  await loser.locator("button[data-checkpoint]").click();
+  await loser.locator(".diff summary:has-text('work.txt')").waitFor({ timeout: DEADLINE });
+  step(`the parallel loop: ${merges} merges, the conflict, the race's entries side by side with ` +
+    `their diffs, a timeline lane per task (${lanes.join(", ")})`);
+  await page.screenshot({ path: path.join(shots, "dashboard-parallel.png"), fullPage: true });
 
   await page.setViewportSize({ width: 400, height: 900 });
   const narrowLoop = await page.evaluate(() => document.documentElement.scrollWidth - window.innerWidth);

@@ -240,6 +240,9 @@ async function loadDetail() {
 // ---- Attempts: the history, the timeline, the charts -------------------------------------------
 
 const ATTEMPT_EVENTS = ["action_finished", "action_failed", "action_interrupted"];
+// What tasks developed at once leave in the history beside their attempts: each merge back into
+// the loop's tree, each conflict, and each race's entries.
+const MERGE_EVENTS = ["merged", "merge_conflict", "race_decided"];
 // The most attempts the page keeps and draws; the history says when there were more.
 const MAX_ATTEMPTS = 500;
 const TIMELINE_BARS = 120;
@@ -254,6 +257,23 @@ function fromEvent(e) {
     cost_usd: e.cost_usd || 0, summary: e.summary || e.question, error: e.error || e.message,
     checkpoint: e.checkpoint && e.checkpoint.name,
   };
+}
+
+/** A merge, a conflict or a race's decision as the page keeps it, from its event. */
+function fromMergeEvent(e) {
+  const row = { iteration: e.iteration ?? 0, action: "merge", attempt: 1, task_id: e.task_id, ts: e.ts };
+  if (e.event === "merged") {
+    const c = e.checkpoint || {};
+    return { ...row, outcome: "success", checkpoint: c.name,
+      summary: `merged into the loop's tree (${c.files ?? 0} file(s), +${c.insertions ?? 0} -${c.deletions ?? 0})` };
+  }
+  if (e.event === "merge_conflict") {
+    return { ...row, outcome: e.failed ? "failed" : "merge_conflict", error: e.error };
+  }
+  return { ...row, action: "race", outcome: e.winner ? "success" : "failed", winner: e.winner,
+    race: (e.entries || []).map((r) => ({ executor: r.executor, outcome: r.outcome, pass_rate: r.pass_rate,
+      checkpoint: r.checkpoint && r.checkpoint.name,
+      changed: r.checkpoint ? `+${r.checkpoint.insertions} -${r.checkpoint.deletions}` : "" })) };
 }
 
 /** An attempt as the page keeps it, from the state's history window. */
@@ -281,6 +301,10 @@ function seconds(ms) {
 }
 
 function attemptText(a) {
+  if (a.race) {
+    return `#${a.iteration} race on ${a.task_id || "the task"} — ` +
+      (a.winner ? `${a.winner} won` : "no entry succeeded");
+  }
   const spent = a.tokens ? ` · ${a.tokens.toLocaleString()} tok` : "";
   const cost = a.cost_usd ? ` · $${a.cost_usd.toFixed(2)}` : "";
   return `#${a.iteration} ${a.action}${a.task_id ? " " + a.task_id : ""}` +
@@ -340,17 +364,36 @@ function drawHistory() {
 function historyRow(a) {
   const row = el("li", { class: `attempt ${outcomeClass(a.outcome)}`, "data-action": a.action },
     el("span", {}, attemptText(a)));
+  if (a.race) {
+    // The race's entries side by side, each with its own diff.
+    const entries = el("div", { class: "race" }, ...a.race.map((r) => {
+      const rate = typeof r.pass_rate === "number" ? `${r.pass_rate}% passed` : "not checked";
+      const box = el("div", { class: `entry ${r.executor === a.winner ? "won" : ""}`, "data-executor": r.executor },
+        el("strong", {}, r.executor), " ", el("span", {}, r.executor === a.winner ? "won" : r.outcome),
+        el("div", { class: "muted" }, `${rate}${r.changed ? " · " + r.changed : ""}`));
+      if (r.checkpoint && !current.driver) box.append(...diffButton(r.checkpoint));
+      return box;
+    }));
+    row.append(entries);
+    return row;
+  }
   if (a.checkpoint && !current.driver) {
-    const diff = el("button", { type: "button", class: "small", "aria-expanded": "false",
-      "data-checkpoint": a.checkpoint }, "Diff");
     const back = el("button", { type: "button", class: "small secondary",
       "data-rollback": a.checkpoint }, "Roll back here");
-    const shown = el("div", { class: "diff", hidden: "" });
-    diff.addEventListener("click", () => toggleDiff(a.checkpoint, diff, shown));
     back.addEventListener("click", () => rollback(a.checkpoint));
+    const [diff, shown] = diffButton(a.checkpoint);
     row.append(" ", diff, " ", back, shown);
   }
   return row;
+}
+
+/** A button that shows checkpoint `name`'s diff, and the box it shows it in. */
+function diffButton(name) {
+  const diff = el("button", { type: "button", class: "small", "aria-expanded": "false",
+    "data-checkpoint": name }, "Diff");
+  const shown = el("div", { class: "diff", hidden: "" });
+  diff.addEventListener("click", () => toggleDiff(name, diff, shown));
+  return [diff, shown];
 }
 
 async function toggleDiff(name, button, box) {
@@ -430,16 +473,18 @@ function drawCharts() {
   $("over-time-empty").textContent = "No attempt yet: the pictures start with the first one.";
   if (!all.length) return;
 
-  // The timeline: a lane per action, a bar per attempt, in order, coloured by outcome.
-  const recent = all.slice(-TIMELINE_BARS);
-  const lanes = [...new Set(recent.map((a) => a.action))];
-  const LABEL = 90, LANE = 18, SLOT = slot(recent.length, LABEL);
+  // The timeline: a lane per action (per task for the tasks' own), a bar per attempt, in order,
+  // coloured by outcome; merges and conflicts on a lane of their own.
+  const recent = all.filter((a) => !a.race).slice(-TIMELINE_BARS);
+  const laneOf = (a) => (a.task_id && a.action !== "merge" ? `${a.action} ${a.task_id}` : a.action);
+  const lanes = [...new Set(recent.map(laneOf))];
+  const LABEL = 120, LANE = 18, SLOT = slot(recent.length, LABEL);
   const width = Math.max(WIDTH, LABEL + recent.length * SLOT + 4);
   const timeline = chart(width, lanes.length * LANE + 4,
     `${recent.length} attempts${all.length > recent.length ? ` (the last of ${all.length})` : ""}`,
     ...lanes.map((action, i) => svg("text", { x: 0, y: i * LANE + 14, class: "lane" }, action)),
     ...recent.map((a, i) => svg("rect", {
-      x: LABEL + i * SLOT, y: lanes.indexOf(a.action) * LANE + 3, width: SLOT * 0.8, height: LANE - 4,
+      x: LABEL + i * SLOT, y: lanes.indexOf(laneOf(a)) * LANE + 3, width: SLOT * 0.8, height: LANE - 4,
       rx: 2, class: `mark ${outcomeClass(a.outcome)}`,
     }, svg("title", {}, attemptText(a)))));
   $("chart-timeline").replaceChildren(timeline);
@@ -514,8 +559,8 @@ function onEvent(m) {
   list.append(el("li", {}, line));
   while (list.childElementCount > MAX_ATTEMPTS) list.firstElementChild.remove();
   list.scrollTop = list.scrollHeight;
-  if (ATTEMPT_EVENTS.includes(e.event)) {
-    current.attempts.push(fromEvent(e));
+  if (ATTEMPT_EVENTS.includes(e.event) || MERGE_EVENTS.includes(e.event)) {
+    current.attempts.push(ATTEMPT_EVENTS.includes(e.event) ? fromEvent(e) : fromMergeEvent(e));
     if (current.attempts.length > MAX_ATTEMPTS) {
       current.attempts.shift();
       current.dropped = true;
