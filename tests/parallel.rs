@@ -473,3 +473,32 @@ fn a_race_of_two_executors_keeps_the_best_and_the_other_as_a_checkpoint() {
     assert_eq!(task["race"], serde_json::json!(["a", "b"]));
     assert!(!lanes(&p, &id).exists());
 }
+
+#[test]
+fn a_pause_ends_every_attempt_of_a_batch_and_a_resume_develops_them_again() {
+    let p = repo_project();
+    let id = hold_loop(&p);
+    let run = p.spawn_run(&id, &[]);
+    let pids = held_pids(&p, &id, &["task-001", "task-002", "task-003"]);
+    let out = p.output(&["pause", &id]);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    wait_for("every attempt of the batch to end", || {
+        pids.iter().all(|&pid| !alive(pid))
+    });
+    wait_for("the lanes' work trees to be removed", || {
+        !lanes(&p, &id).exists()
+    });
+    assert_eq!(p.events_named(&id, "action_interrupted").len(), 3);
+
+    // Resumed, the batch starts again from the loop's tree; this time the attempts go through.
+    std::fs::remove_dir_all(p.progress(&id).join("pids")).unwrap();
+    std::fs::remove_file(p.progress(&id).join("hold")).unwrap();
+    let out = p.output(&["resume", &id]);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    let out = wait_output(run, DEADLINE);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    assert_eq!(p.events_named(&id, "batch_started").len(), 2);
+    for n in 1..=3 {
+        assert_eq!(read(&p.root, &format!("out-task-00{n}.txt")), "done");
+    }
+}
