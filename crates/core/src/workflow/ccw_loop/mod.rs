@@ -617,7 +617,9 @@ fn planned(
             .unwrap_or_default();
         for spec in &planned {
             if let Ok((desc, tool, mode)) = task_spec(spec) {
-                tasks.push(new_task(&ccw.develop.tasks, &tasks, desc, tool, mode, now));
+                let mut task = new_task(&ccw.develop.tasks, &tasks, desc, tool, mode, now);
+                task.after = planned_after(spec);
+                tasks.push(task);
             }
         }
     }
@@ -740,7 +742,17 @@ fn task_spec(spec: &Value) -> Result<(&str, Option<&str>, Option<&str>), String>
         Some(d) if !d.trim().is_empty() => d,
         _ => return Err("a task needs a non-empty description".into()),
     };
+    if let Some(after) = map.get("after")
+        && serde_json::from_value::<Vec<String>>(after.clone()).is_err()
+    {
+        return Err(format!("after must be a list of task ids, not {after}"));
+    }
     Ok((description, opt_str(map, "tool")?, opt_str(map, "mode")?))
+}
+
+/// The tasks a planned task needs done first, when it says (`after`, ids as init numbers them).
+fn planned_after(spec: &Value) -> Option<Vec<String>> {
+    serde_json::from_value(spec.get("after")?.clone()).ok()
 }
 
 fn new_task(
@@ -833,6 +845,14 @@ mod tests {
 
     fn part(s: &LoopState) -> CcwState {
         s.skill_state.as_ref().unwrap().part()
+    }
+
+    /// A success with these state updates.
+    fn with(updates: Value) -> ActionResult {
+        ActionResult {
+            state_updates: updates.as_object().cloned().unwrap_or_default(),
+            ..ActionResult::bare_success()
+        }
     }
 
     const LIMITS: Limits = Limits {
@@ -1046,6 +1066,44 @@ mod tests {
     }
 
     #[test]
+    fn planned_tasks_that_say_what_they_need_run_together_and_the_others_keep_their_order() {
+        let mut s = state(&[], &[]);
+        ccw(&mut s, |c| c.initialized_at = None);
+        let d = run(decide(&CcwLoop, &s, LIMITS));
+        let plan = json!({"tasks": [
+            {"description": "a", "after": []},
+            {"description": "b", "after": []},
+            {"description": "c", "after": ["task-001"]},
+            {"description": "d"},
+        ]});
+        assert!(CcwLoop.validate("init", &with(plan.clone())).is_ok());
+        let bad = json!({"tasks": [{"description": "a", "after": "task-001"}]});
+        assert!(CcwLoop.validate("init", &with(bad)).is_err());
+        let inputs = Inputs {
+            now: "2026-01-01T00:00:00.000Z".into(),
+            ..Inputs::default()
+        };
+        let planned = Finish::Success(with(plan));
+        CcwLoop.apply(&mut s, &d, &planned, &inputs);
+        record_finish(&CcwLoop, &mut s, &d, &planned, &inputs.now);
+        let first = CcwLoop.select(&s);
+        let ids = |batch: Vec<Dispatch>| -> Vec<String> {
+            batch.into_iter().filter_map(|d| d.task_id).collect()
+        };
+        // c needs a; d cannot say, so it waits for every task before it.
+        assert_eq!(ids(CcwLoop.batch(&s, &first, 4)), ["task-001", "task-002"]);
+        ccw(&mut s, |c| c.develop.tasks[0].status = Completed);
+        let next = CcwLoop.select(&s);
+        assert_eq!(ids(CcwLoop.batch(&s, &next, 4)), ["task-002", "task-003"]);
+        ccw(&mut s, |c| {
+            c.develop.tasks[1].status = Completed;
+            c.develop.tasks[2].status = Completed;
+        });
+        let last = CcwLoop.select(&s);
+        assert_eq!(ids(CcwLoop.batch(&s, &last, 4)), ["task-004"]);
+    }
+
+    #[test]
     fn seed_defect_init_never_runs_twice() {
         let mut s = state(&[], &[]);
         ccw(&mut s, |c| c.initialized_at = None);
@@ -1161,10 +1219,6 @@ mod tests {
 
     #[test]
     fn results_are_validated_per_action() {
-        let with = |updates: Value| ActionResult {
-            state_updates: updates.as_object().cloned().unwrap_or_default(),
-            ..ActionResult::bare_success()
-        };
         assert!(
             CcwLoop
                 .validate("validate", &with(json!({"passed": true})))
