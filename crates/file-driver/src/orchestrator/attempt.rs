@@ -131,20 +131,9 @@ impl LoopRun<'_> {
         attempt: u32,
         consumed_choice: Option<String>,
     ) -> Result<Attempted> {
-        // Subscribed before the last look, so no control change can fall in between: one the
-        // watcher published is in its snapshot, one it has not yet will wake `rx`. The file is
-        // read only to confirm a stop the snapshot shows (it may lag behind a resume).
-        let mut rx = self.watch.subscribe();
-        rx.borrow_and_update();
-        if !still_running(&rx)
-            && let Some(control) = self
-                .store()
-                .read_control(self.id)
-                .filter(|c| c.status != Status::Running)
-        {
-            return Ok(Attempted::Interrupted(Interrupt::Control(
-                control.interruption(),
-            )));
+        let (mut rx, stopped) = self.look_before_start();
+        if let Some(interrupt) = stopped {
+            return Ok(Attempted::Interrupted(interrupt));
         }
         let Prepared { spec, files } = self.prepare(state, step, attempt, None)?;
         let started_at = now_rfc3339();
@@ -216,6 +205,26 @@ impl LoopRun<'_> {
             }
         };
         self.conclude(state, &done, step.plan, &files, run, interrupt)
+    }
+
+    /// The watcher's looks, subscribed before the last look before an attempt starts, so that no
+    /// control change can fall in between: one the watcher published is in its snapshot, one it
+    /// has not yet will wake the receiver. With the interruption a stop the snapshot shows calls
+    /// for, confirmed by the file (the snapshot may lag behind a resume).
+    pub(super) fn look_before_start(
+        &self,
+    ) -> (watch::Receiver<Option<Snapshot>>, Option<Interrupt>) {
+        let mut rx = self.watch.subscribe();
+        rx.borrow_and_update();
+        let stopped = match still_running(&rx) {
+            true => None,
+            false => self
+                .store()
+                .read_control(self.id)
+                .filter(|c| c.status != Status::Running)
+                .map(|control| Interrupt::Control(control.interruption())),
+        };
+        (rx, stopped)
     }
 
     /// The attempt's files' names, its prompt and its environment; in `lane`'s work tree when it

@@ -132,16 +132,9 @@ impl LoopRun<'_> {
             return Vec::new();
         }
         if self.checkpoints.is_none() {
-            if !std::mem::replace(&mut self.said_sequential, true) {
-                self.events.emit(Event::new(name::WARNING).with(
-                    "message",
-                    format!(
-                        "parallel is {parallel}, but the loop's tasks are developed one at a time: \
-                         each needs a git work tree of its own, and {} has no git checkpoints",
-                        self.engine.work_tree.display()
-                    ),
-                ));
-            }
+            self.no_trees_here(format!(
+                "parallel is {parallel}, but the loop's tasks are developed one at a time"
+            ));
             return Vec::new();
         }
         let left = state
@@ -219,20 +212,28 @@ impl LoopRun<'_> {
             return Vec::new();
         }
         if self.checkpoints.is_none() {
-            if !std::mem::replace(&mut self.said_sequential, true) {
-                self.events.emit(Event::new(name::WARNING).with(
-                    "message",
-                    format!(
-                        "the loop's tasks are developed by one executor, not raced by {}: each \
-                         needs a git work tree of its own, and {} has no git checkpoints",
-                        racers.join(", "),
-                        engine.work_tree.display()
-                    ),
-                ));
-            }
+            self.no_trees_here(format!(
+                "the loop's tasks are developed by one executor, not raced by {}",
+                racers.join(", ")
+            ));
             return Vec::new();
         }
         racers
+    }
+
+    /// Says once that what the loop asks for (`what`) cannot be had here: its tasks would need
+    /// work trees of their own, and the loop has no git checkpoints.
+    fn no_trees_here(&mut self, what: String) {
+        if !std::mem::replace(&mut self.said_sequential, true) {
+            self.events.emit(Event::new(name::WARNING).with(
+                "message",
+                format!(
+                    "{what}: each task needs a git work tree of its own, and {} has no git \
+                     checkpoints",
+                    self.engine.work_tree.display()
+                ),
+            ));
+        }
     }
 
     /// Each of `racers` develops `dispatch`'s task in a lane of its own; the check action runs
@@ -542,16 +543,9 @@ impl LoopRun<'_> {
         state: &mut LoopState,
         entries: &mut [Entry<'_>],
     ) -> Result<Option<Interrupt>> {
-        // As for a lone attempt: subscribed before the last look.
-        let mut rx = self.watch.subscribe();
-        rx.borrow_and_update();
-        if !still_running(&rx)
-            && let Some(control) = self
-                .store()
-                .read_control(self.id)
-                .filter(|c| c.status != Status::Running)
-        {
-            return Ok(Some(Interrupt::Control(control.interruption())));
+        let (mut rx, stopped) = self.look_before_start();
+        if stopped.is_some() {
+            return Ok(stopped);
         }
         if !self.store().all_durable() {
             blocking(|| self.store().wait_durable());
