@@ -11,7 +11,11 @@
 //! event, over the merges). Every task's file must be in the final tree exactly once, and
 //! `shared.txt` must hold both conflicting tasks' lines.
 //!
-//! Run: `cargo bench --bench parallel`. Environment:
+//! With `--features temporal` and the Temporal server installed, the same loop runs on Temporal
+//! too, its work tree on a git remote (a bare repository beside it), over 3 workers that take
+//! one action at a time each: the time from `loopd create` to the loop's end.
+//!
+//! Run: `cargo bench --bench parallel [--features temporal]`. Environment:
 //!   LOOPD_BENCH_TASKS      tasks of the loop (default 8)
 //!   LOOPD_BENCH_PARALLEL   parallel of the second run (default 4)
 //!   LOOPD_BENCH_TASK_SECS  seconds each develop takes (default 2)
@@ -19,6 +23,7 @@
 
 mod common;
 
+use std::path::Path;
 use std::time::Instant;
 
 use common::{Project, config, env_num, git, median};
@@ -46,7 +51,7 @@ esac
 
 struct Round {
     secs: f64,
-    /// loopd's time per merge, in ms (parallel runs only).
+    /// loopd's time per merge, in ms (parallel runs of the file driver only).
     merge_ms: Option<f64>,
 }
 
@@ -54,18 +59,26 @@ fn ts(event: &serde_json::Value) -> Option<chrono::DateTime<chrono::FixedOffset>
     chrono::DateTime::parse_from_rfc3339(event["ts"].as_str()?).ok()
 }
 
-fn round(tasks: usize, parallel: usize, task_secs: usize) -> Round {
-    let p = Project::new(
-        &config(&["sh", "bin/agent.sh"], "stdin", "json", None),
-        Some(AGENT),
-    );
+/// A git project whose agent takes `task_secs` per develop.
+fn project(task_secs: usize) -> Project {
+    let mut config = config(&["sh", "bin/agent.sh"], "stdin", "json", None);
+    config.push_str(&format!(
+        "\n[executors.agent.env]\nLOOPD_BENCH_TASK_SECS = \"{task_secs}\"\n"
+    ));
+    let p = Project::new(&config, Some(AGENT));
     std::fs::write(p.root.join(".gitignore"), ".loop/\n").unwrap();
     std::fs::write(p.root.join("shared.txt"), "base\n").unwrap();
     git(&p.root, &["init", "--quiet", "--initial-branch=main"]);
     git(&p.root, &["add", "."]);
     git(&p.root, &["commit", "--quiet", "-m", "base"]);
+    p
+}
+
+/// `loopd create ... --parallel N` with `tasks` tasks, the last two conflicting: the loop's id.
+fn create(p: &Project, extra: &[&str], tasks: usize, parallel: usize) -> String {
     let mut create = p.loopd();
     create.args(["create", "--title", "bench", "--max-iterations", "100"]);
+    create.args(extra);
     create.args(["--parallel", &parallel.to_string()]);
     for n in 1..=tasks {
         let text = if n + 2 > tasks { "task shared" } else { "task" };
@@ -77,36 +90,16 @@ fn round(tasks: usize, parallel: usize, task_secs: usize) -> Round {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let id = String::from_utf8(out.stdout).unwrap().trim().to_owned();
+    String::from_utf8(out.stdout).unwrap().trim().to_owned()
+}
 
-    let started = Instant::now();
-    let out = p
-        .loopd()
-        .args(["run", &id])
-        .env("LOOPD_BENCH_TASK_SECS", task_secs.to_string())
-        .output()
-        .expect("loopd run");
-    let secs = started.elapsed().as_secs_f64();
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-
-    // Every task's change is in the tree exactly once; neither side of the conflict is lost.
-    let tree = std::process::Command::new("git")
-        .args(["-C"])
-        .arg(&p.root)
-        .args(["ls-files", "--others", "--cached", "--exclude-standard"])
-        .output()
-        .unwrap();
-    let tree = String::from_utf8_lossy(&tree.stdout).into_owned();
+/// Every task's change is in the final tree (`files`, one a line) exactly once; neither side of
+/// the conflict (`shared`, `shared.txt`) is lost.
+fn check(tasks: usize, files: &str, shared: &str) {
     for n in 1..=tasks {
         let name = format!("out-task-{n:03}.txt");
-        assert_eq!(tree.lines().filter(|f| *f == name).count(), 1, "{tree}");
+        assert_eq!(files.lines().filter(|f| *f == name).count(), 1, "{files}");
     }
-    let shared = std::fs::read_to_string(p.root.join("shared.txt")).unwrap();
     let mut lines: Vec<&str> = shared.lines().collect();
     lines.sort();
     assert_eq!(
@@ -114,7 +107,47 @@ fn round(tasks: usize, parallel: usize, task_secs: usize) -> Round {
         [format!("task-{:03}", tasks - 1), format!("task-{tasks:03}")],
         "{shared}"
     );
+}
 
+fn output(cmd: &mut std::process::Command) -> String {
+    let out = cmd.output().expect("run");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// `git -C dir ARGS`: its output.
+fn git_out(dir: &Path, args: &[&str]) -> String {
+    output(
+        std::process::Command::new("git")
+            .arg("-C")
+            .arg(dir)
+            .args(args),
+    )
+}
+
+/// One loop on the file driver (`loopd run`).
+fn round(tasks: usize, parallel: usize, task_secs: usize) -> Round {
+    let p = project(task_secs);
+    let id = create(&p, &[], tasks, parallel);
+    let started = Instant::now();
+    let out = p.loopd().args(["run", &id]).output().expect("loopd run");
+    let secs = started.elapsed().as_secs_f64();
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let files = git_out(
+        &p.root,
+        &["ls-files", "--others", "--cached", "--exclude-standard"],
+    );
+    let shared = std::fs::read_to_string(p.root.join("shared.txt")).unwrap();
+    check(tasks, &files, &shared);
     let events = p.events(&id);
     let merge_ms = (parallel > 1).then(|| {
         // Per batch: its last attempt's end to its last merge.
@@ -147,6 +180,51 @@ fn round(tasks: usize, parallel: usize, task_secs: usize) -> Round {
     Round { secs, merge_ms }
 }
 
+/// The same loop on Temporal, its work tree on a git remote, over the workers of `temporal`: the
+/// seconds from `loopd create` to its end.
+#[cfg(feature = "temporal")]
+fn on_temporal(
+    temporal: &common::temporal::Started,
+    tasks: usize,
+    parallel: usize,
+    task_secs: usize,
+) -> f64 {
+    let p = project(task_secs);
+    let place = tempfile::tempdir_in(temporal.dir.path()).expect("tempdir");
+    git(place.path(), &["init", "--quiet", "--bare", "remote.git"]);
+    let remote = place.path().join("remote.git");
+    std::fs::write(
+        place.path().join("worker.toml"),
+        "[temporal]\nmax_actions = 1\n",
+    )
+    .unwrap();
+    let workers =
+        common::temporal::Workers::start_with(&p, &temporal.server.address, 3, |cmd, name| {
+            cmd.arg("--cache")
+                .arg(place.path().join(name))
+                .env("LOOPD_CONFIG", place.path().join("worker.toml"));
+        });
+    let started = Instant::now();
+    let remote_arg = remote.to_str().expect("a UTF-8 path");
+    let address = temporal.server.address.as_str();
+    let id = create(
+        &p,
+        &["--temporal", address, "--remote", remote_arg],
+        tasks,
+        parallel,
+    );
+    temporal
+        .rt
+        .block_on(common::temporal::finished(&temporal.config, &id));
+    let secs = started.elapsed().as_secs_f64();
+    drop(workers);
+    let branch = format!("loopd/{id}");
+    let files = git_out(&remote, &["ls-tree", "-r", "--name-only", &branch]);
+    let shared = git_out(&remote, &["show", &format!("{branch}:shared.txt")]);
+    check(tasks, &files, &shared);
+    secs
+}
+
 fn main() {
     let tasks = env_num("LOOPD_BENCH_TASKS", 8);
     let parallel = env_num("LOOPD_BENCH_PARALLEL", 4);
@@ -170,4 +248,19 @@ fn main() {
         many / one,
         median(&mut merge)
     );
+    #[cfg(feature = "temporal")]
+    if let Some(temporal) = common::temporal::start() {
+        let (mut one, mut many) = (Vec::new(), Vec::new());
+        for _ in 0..rounds {
+            one.push(on_temporal(&temporal, tasks, 1, task_secs));
+            many.push(on_temporal(&temporal, tasks, parallel, task_secs));
+        }
+        let (one, many) = (median(&mut one), median(&mut many));
+        println!("  on Temporal, a git remote, 3 workers taking one action at a time each:");
+        println!("  parallel = 1: {one:.2} s from create to the loop's end");
+        println!(
+            "  parallel = {parallel}: {many:.2} s ({:.2}x sequential)",
+            many / one
+        );
+    }
 }

@@ -373,7 +373,7 @@ pub fn create(p: &Project, config: &TemporalConfig, args: &CreateArgs, json: boo
             "--worktree is for loops in the file store; a loop on Temporal runs in its root",
         ));
     }
-    refuse_parallel(&args.limits)?;
+    refuse_parallel(&args.limits, args.remote.is_some())?;
     if !args.race.is_empty() {
         return Err(usage(
             "--race is for loops on this machine; a loop on Temporal develops each task with one \
@@ -393,6 +393,8 @@ pub fn create(p: &Project, config: &TemporalConfig, args: &CreateArgs, json: boo
         .map(|(i, text)| ListedTask {
             id: loopd_core::state::task_id(i as u64 + 1),
             description: text.clone(),
+            // loopd's tasks say what they need: these, nothing.
+            after: Some(Vec::new()),
             ..ListedTask::default()
         })
         .collect();
@@ -627,23 +629,22 @@ pub fn change(config: &TemporalConfig, id: &str, change: Change, json: bool) -> 
 /// The new limits `loopd set` gives, checked as for a loop in the file store.
 pub fn set_limits(limits: &Limits) -> Result<Change> {
     limits.check()?;
-    refuse_parallel(limits)?;
     Ok(Change::Set(SetLimits {
         max_iterations: limits.max_iterations,
         max_errors: limits.max_errors,
         max_cost_usd: limits.max_cost_usd,
         max_tokens: limits.max_tokens,
-        parallel: None,
+        parallel: limits.parallel,
     }))
 }
 
-/// `parallel` over 1 is for loops in the file store for now: a loop on Temporal develops its
-/// tasks one at a time.
-fn refuse_parallel(limits: &Limits) -> Result<()> {
+/// `parallel` over 1 on Temporal is for a loop on a git remote (`--remote`), whose tasks' work
+/// trees travel through it.
+fn refuse_parallel(limits: &Limits, remote: bool) -> Result<()> {
     match limits.parallel {
-        Some(n) if n > 1 => Err(usage(format!(
-            "--parallel {n} is for loops on this machine; a loop on Temporal develops its tasks \
-             one at a time"
+        Some(n) if n > 1 && !remote => Err(usage(format!(
+            "--parallel {n} on Temporal needs --remote: each task developed at once travels \
+             through the loop's git remote"
         ))),
         _ => Ok(()),
     }

@@ -641,3 +641,112 @@ fn a_bad_remote_or_uncommitted_project_files_are_refused_in_one_line_with_exit_2
         stderr(&out)
     );
 }
+
+#[test]
+fn tasks_developed_at_once_run_on_several_workers_and_are_merged_on_the_remote() {
+    let Some(mut fleet) = Fleet::new() else {
+        return;
+    };
+    // One action at a time each: the tasks of a batch go to different workers.
+    for name in ["w0", "w1", "w2"] {
+        fleet.worker_configured(name, "[temporal]\nmax_actions = 1\n");
+    }
+    // Each develop waits for the other task's to be there at once (at most 20 s), and says how
+    // many it met.
+    fleet.step(
+        r#"if [ "$LOOPD_ACTION" = develop ] && [ ! -e "$MARKS/met-$LOOPD_TASK_ID" ]; then
+  mkdir -p "$MARKS/meet"; : > "$MARKS/meet/$LOOPD_TASK_ID"
+  i=0; while [ "$(ls "$MARKS/meet" | wc -l)" -lt 2 ] && [ $i -lt 1000 ]; do sleep 0.02; i=$((i+1)); done
+  ls "$MARKS/meet" | wc -l | tr -d ' ' > "$MARKS/met-$LOOPD_TASK_ID"
+fi"#,
+    );
+    let id = fleet.create(&[
+        "--title",
+        "at once",
+        "--parallel",
+        "2",
+        "--task",
+        "first",
+        "--task",
+        "second",
+    ]);
+    fleet.wait_completed(std::slice::from_ref(&id));
+    for task in ["task-001", "task-002"] {
+        let met = std::fs::read_to_string(fleet.mark(&format!("met-{task}"))).unwrap();
+        assert_eq!(met.trim(), "2", "{task} ran alone");
+    }
+    // Both appended to work.txt at the same place: the first was merged, the second went back to
+    // its agent and was developed again on the merged tree. Neither side was dropped.
+    let branch = format!("loopd/{id}");
+    let work = git(&fleet.remote, &["show", &format!("{branch}:work.txt")]);
+    assert_eq!(work, "task-001\ntask-002");
+    let refs = git(
+        &fleet.remote,
+        &[
+            "for-each-ref",
+            "--format=%(refname:lstrip=3)",
+            &format!("refs/loopd/{id}/"),
+        ],
+    );
+    assert!(refs.lines().any(|r| r.ends_with("-merge")), "{refs}");
+    let state = fleet.state(&id);
+    let history = state["skill_state"]["action_history"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    assert!(
+        history
+            .iter()
+            .any(|h| h["outcome"] == "merge_conflict" && h["task_id"] == "task-002"),
+        "{history:?}"
+    );
+    assert_eq!(state["skill_state"]["outcome"], "passed", "{state}");
+}
+
+#[test]
+fn a_stop_ends_every_attempt_of_a_batch_on_temporal() {
+    let Some(mut fleet) = Fleet::new() else {
+        return;
+    };
+    for name in ["w0", "w1"] {
+        fleet.worker_configured(name, "[temporal]\nmax_actions = 1\n");
+    }
+    // Each develop writes its pid and hangs.
+    fleet.step(
+        "if [ \"$LOOPD_ACTION\" = develop ]; then \
+           echo $$ > \"$MARKS/$LOOPD_TASK_ID.pid\"; sleep 300; \
+         fi\n",
+    );
+    let id = fleet.create(&[
+        "--title",
+        "stopped",
+        "--parallel",
+        "2",
+        "--task",
+        "first",
+        "--task",
+        "second",
+    ]);
+    wait_until("both develops to run", FLEET_DEADLINE, || {
+        ["task-001", "task-002"]
+            .iter()
+            .all(|t| fleet.mark(&format!("{t}.pid")).exists())
+    });
+    let pids = ["task-001", "task-002"].map(|t| read_pid(&fleet.mark(&format!("{t}.pid"))));
+    // On two workers at once.
+    assert_ne!(fleet.worker_of(pids[0]), fleet.worker_of(pids[1]));
+    let out = fleet.temporal.command(&fleet.p, &["stop", &id]);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    wait_until("every attempt of the batch to end", FLEET_DEADLINE, || {
+        pids.iter().all(|&pid| !alive(pid))
+    });
+    let state = fleet.state(&id);
+    assert_eq!(state["status"], "failed", "{state}");
+    let interrupted = state["skill_state"]["action_history"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|h| h["outcome"] == "interrupted")
+        .count();
+    assert_eq!(interrupted, 2, "{state}");
+}

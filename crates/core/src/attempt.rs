@@ -380,6 +380,53 @@ pub fn finish(
     end
 }
 
+/// The outcome a history entry gives a task's result that could not be merged into the loop's
+/// tree (tasks developed at once).
+pub const MERGE_CONFLICT: &str = "merge_conflict";
+
+/// A task's result, developed at once with others, could not be merged into the loop's tree:
+/// the history says so (outcome [`MERGE_CONFLICT`]), and the task goes back to its agent with
+/// `why` in its next prompt, or fails once its merges used the `retries` of an action. Returns
+/// what is said of it, and whether it failed.
+pub fn merge_failed(
+    workflow: &dyn Workflow,
+    state: &mut LoopState,
+    dispatch: &Dispatch,
+    iteration: u64,
+    why: &str,
+    retries: u32,
+    now: &str,
+) -> (String, bool) {
+    let task = dispatch.task_id.clone().unwrap_or_default();
+    let before = state.skill_state.as_ref().map_or(0, |s| {
+        s.action_history
+            .iter()
+            .filter(|h| h.outcome == MERGE_CONFLICT && h.task_id.as_deref() == Some(&task))
+            .count()
+    });
+    let failed = before >= retries as usize;
+    crate::workflow::record_attempt(
+        state,
+        HistoryEntry {
+            action: dispatch.action.clone(),
+            iteration,
+            attempt: 1,
+            task_id: dispatch.task_id.clone(),
+            started_at: now.to_owned(),
+            finished_at: Some(now.to_owned()),
+            outcome: MERGE_CONFLICT.into(),
+            error: Some(why.to_owned()),
+            ..HistoryEntry::default()
+        },
+    );
+    let said = match failed {
+        true => format!("could not be merged after {} tries: {why}", before + 1),
+        false => why.to_owned(),
+    };
+    workflow.merge_failed(state, &task, &said, failed);
+    (said, failed)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -44,6 +44,29 @@ pub struct AttemptInput {
     /// first), when its work tree comes from one.
     #[serde(default)]
     pub git: Option<(GitSource, String)>,
+    /// Its lane, when it is one of the tasks its loop develops at once: it runs in a work tree
+    /// of its own, and its checkpoint is pushed as a ref only, for the batch's merge.
+    #[serde(default)]
+    pub lane: Option<u32>,
+}
+
+/// A batch's tasks to merge into its loop's tree, on a worker.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct MergeInput {
+    pub loop_id: String,
+    /// The loop's remote, and the batch's base: the checkpoint every task started from.
+    pub git: (GitSource, String),
+    /// Each task's checkpoint, in task order: `(task id, merge's name, checkpoint commit)`.
+    pub tasks: Vec<(String, String, String)>,
+}
+
+/// How a batch's merge went.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct MergeReport {
+    /// The tasks merged, in order, each with its merge's checkpoint.
+    pub merged: Vec<(String, Checkpoint)>,
+    /// The tasks that could not be, with why and the files in conflict.
+    pub conflicts: Vec<(String, String, Vec<String>)>,
 }
 
 /// What a running attempt tells Temporal with each heartbeat (`loopd status --temporal` shows
@@ -116,6 +139,75 @@ impl LoopActivities {
             false => Ok(report),
         }
     }
+
+    /// Merges the checkpoints of a batch's tasks into the loop's tree, in task order, with git's
+    /// three-way merge from the batch's base, and pushes the merges (each a checkpoint, the last
+    /// the loop's branch) at once.
+    #[activity]
+    pub async fn merge(
+        self: Arc<Self>,
+        ctx: ActivityContext,
+        input: MergeInput,
+    ) -> Result<MergeReport, ActivityError> {
+        Ok(run_merge(&ctx, &self, input).await?)
+    }
+}
+
+async fn run_merge(
+    ctx: &ActivityContext,
+    worker: &LoopActivities,
+    input: MergeInput,
+) -> anyhow::Result<MergeReport> {
+    let MergeInput {
+        loop_id: id,
+        git: (source, base),
+        tasks,
+    } = input;
+    let cache = worker
+        .cache
+        .as_ref()
+        .context("this worker keeps no work trees")?;
+    let waiting = Progress {
+        action: "merge".into(),
+        ..Progress::default()
+    };
+    let tree = beating(ctx, &waiting, cache.check_out(&source, &id, None, &base))
+        .await
+        .context("cancelled")??;
+    let (path, base_at) = (tree.path.clone(), base.clone());
+    let (report, merges) = tokio::task::spawn_blocking(move || -> anyhow::Result<_> {
+        // loopd's own index for the merges, out of the tree (the merges check nothing out).
+        let index = std::env::temp_dir().join(format!("loopd-merge-{}.index", std::process::id()));
+        let repo = loopd_exec::checkpoint::Repo::open(&path, &path.join(".loop"), index, &id)
+            .context("the work tree is not in a git repository")?;
+        let mut report = MergeReport::default();
+        let mut merges = Vec::new();
+        let mut ours = base_at.clone();
+        for (task, name, theirs) in tasks {
+            match repo.merge(&name, &base_at, &ours, &theirs)? {
+                loopd_exec::checkpoint::Merge::Clean(checkpoint) => {
+                    ours = checkpoint.commit.clone();
+                    merges.push(checkpoint.clone());
+                    report.merged.push((task, checkpoint));
+                }
+                loopd_exec::checkpoint::Merge::Conflict(files) => {
+                    let why = format!(
+                        "{} changed by the tasks merged before it too, in ways git cannot put \
+                         together",
+                        files.join(", ")
+                    );
+                    report.conflicts.push((task, why, files));
+                }
+            }
+        }
+        Ok((report, merges))
+    })
+    .await??;
+    match beating(ctx, &waiting, tree.push_merges(&source, &merges)).await {
+        None => anyhow::bail!("cancelled"),
+        Some(pushed) => pushed?,
+    }
+    Ok(report)
 }
 
 async fn run_attempt(
@@ -131,6 +223,7 @@ async fn run_attempt(
         attempt,
         executor,
         git,
+        lane,
     } = input;
     let waiting = Progress {
         action: dispatch.action.clone(),
@@ -147,7 +240,7 @@ async fn run_attempt(
         (None, _) => None,
         (Some(_), None) => anyhow::bail!("this worker keeps no work trees"),
         (Some((source, commit)), Some(cache)) => {
-            match beating(ctx, &waiting, cache.check_out(source, id, commit)).await {
+            match beating(ctx, &waiting, cache.check_out(source, id, lane, commit)).await {
                 None => return Ok(AttemptReport::interrupted()),
                 Some(Err(e)) => return Ok(AttemptReport::git_failed(id, &e)),
                 Some(Ok(tree)) => Some(tree),
@@ -311,15 +404,28 @@ async fn run_attempt(
                 }
                 Some(Ok(checkpoint)) => checkpoint,
             };
-            let notes = match tree.record_notes(&notes).await {
-                Ok(notes) => notes,
-                Err(e) => return Ok(AttemptReport::git_failed(id, &e)),
+            // A task developed at once with others: its checkpoint goes to the batch's merge,
+            // and its tree is no loop's to keep.
+            let pushed = match lane {
+                Some(_) => None,
+                None => match tree.record_notes(&notes).await {
+                    Ok(notes) => Some(notes),
+                    Err(e) => return Ok(AttemptReport::git_failed(id, &e)),
+                },
             };
-            let pushed = tree.push(source, &checkpoint, notes.as_deref());
+            let pushed = async {
+                match &pushed {
+                    None => tree.push_checkpoint(source, &checkpoint).await,
+                    Some(notes) => tree.push(source, &checkpoint, notes.as_deref()).await,
+                }
+            };
             match beating(ctx, &waiting, pushed).await {
                 None => return Ok(AttemptReport::interrupted()),
                 Some(Err(e)) => return Ok(AttemptReport::git_failed(id, &e)),
                 Some(Ok(())) => report.checkpoint = Some(checkpoint),
+            }
+            if lane.is_some() {
+                return Ok(report);
             }
         }
         report.holder = worker.holder.clone();

@@ -82,9 +82,20 @@ impl LoopInput {
                     state.max_tokens = Some(n);
                     put("max_tokens", json!(n));
                 }
+                if let Some(n) = set.parallel {
+                    if n > 1 && self.git.is_none() {
+                        return Err(
+                            "parallel over 1 needs a loop on a git remote (`loopd create \
+                                    --remote`): each task travels through it"
+                                .into(),
+                        );
+                    }
+                    state.parallel = Some(n);
+                    put("parallel", json!(n));
+                }
                 if said.is_empty() {
                     return Err("nothing to set: give --max-iterations, --max-errors, \
-                                --max-cost-usd or --max-tokens"
+                                --max-cost-usd, --max-tokens or --parallel"
                         .into());
                 }
                 json!({ "loop_id": id, "set": said })

@@ -15,7 +15,7 @@ use temporalio_sdk::{
     WorkflowContextView, WorkflowResult,
 };
 
-use crate::activity::{AttemptInput, AttemptReport, LoopActivities};
+use crate::activity::{AttemptInput, AttemptReport, LoopActivities, MergeInput, MergeReport};
 use crate::change::Change;
 use crate::visibility;
 use crate::{Holder, LoopInput};
@@ -121,7 +121,13 @@ impl LoopWorkflow {
                     })
                     .await?;
                 }
-                Decision::Run(dispatch) => run_action(ctx, wf, dispatch).await?,
+                Decision::Run(dispatch) => {
+                    let batch = ctx.state(|s| batch_of(wf, &s.input, &dispatch));
+                    match batch.is_empty() {
+                        true => run_action(ctx, wf, dispatch).await?,
+                        false => run_batch(ctx, wf, batch).await?,
+                    }
+                }
             }
         }
     }
@@ -251,6 +257,7 @@ async fn run_action(
             git: git
                 .as_ref()
                 .map(|g| (g.clone(), head.unwrap_or_else(|| g.base.clone()))),
+            lane: None,
         };
         let report = {
             let activity = attempt(ctx, input, holder, attempts.attempt > 1);
@@ -334,6 +341,304 @@ async fn run_action(
             return Ok(());
         }
     }
+}
+
+/// The tasks to develop at once with `first`, when the loop's `parallel` allows more than one,
+/// its work tree comes from a git remote (each task's travels through it) and more than one is
+/// ready; else none.
+fn batch_of(wf: &'static dyn Workflow, input: &LoopInput, first: &Dispatch) -> Vec<Dispatch> {
+    let state = &input.state;
+    let parallel = state.parallel_or(1);
+    if parallel < 2 || input.git.is_none() || state.mode() != loopd_core::state::Mode::Auto {
+        return Vec::new();
+    }
+    let left = state
+        .max_iterations_or(input.limits.max_iterations)
+        .saturating_sub(state.current_iteration);
+    let max = usize::try_from(parallel.min(left)).unwrap_or(usize::MAX);
+    let batch = wf.batch(state, first, max);
+    if batch.len() < 2 { Vec::new() } else { batch }
+}
+
+/// One task of a batch and how it stands.
+struct Lane {
+    dispatch: Dispatch,
+    iteration: u64,
+    attempts: Attempts,
+    /// How its attempts ended, once they did.
+    end: Option<AfterAttempt>,
+    /// The pause before its next attempt, when it wants one.
+    pause: Duration,
+    /// Its last attempt's checkpoint, pushed as a ref for the merge.
+    checkpoint: Option<loopd_core::state::Checkpoint>,
+    /// The executor that ran its last attempt.
+    ran_by: String,
+}
+
+/// Tasks developed at once, as the file driver develops them (see its `batch`): each attempt an
+/// activity in a work tree of its own at the loop's last checkpoint, on whichever workers take
+/// them, all at once; failed ones tried again as the action's retries allow; then a worker
+/// merges their checkpoints into the loop's tree in task order and pushes the merges; then
+/// each task's result is applied, in task order. A pause or stop ends every attempt.
+async fn run_batch(
+    ctx: &mut WorkflowContext<LoopWorkflow>,
+    wf: &'static dyn Workflow,
+    batch: Vec<Dispatch>,
+) -> WorkflowResult<()> {
+    let at = format_ts(now(ctx));
+    ctx.state_mut(|s| {
+        for dispatch in &batch {
+            attempt::begin(wf, &mut s.input.state, dispatch, &at);
+        }
+    });
+    let (root, executor, retry, git, head, first) = ctx.state(|s| {
+        let input = &s.input;
+        (
+            input.root.clone(),
+            input.executor.clone(),
+            input.retry,
+            input.git.clone(),
+            input.head.clone(),
+            input.state.current_iteration + 1,
+        )
+    });
+    let Some(git) = git else {
+        return Ok(());
+    };
+    let base = head.unwrap_or_else(|| git.base.clone());
+    let mut lanes: Vec<Lane> = (first..)
+        .zip(batch)
+        .map(|(iteration, dispatch)| Lane {
+            dispatch,
+            iteration,
+            attempts: Attempts::new(retry),
+            end: None,
+            pause: Duration::ZERO,
+            checkpoint: None,
+            ran_by: String::new(),
+        })
+        .collect();
+    loop {
+        let state = ctx.state(|s| s.input.state.clone());
+        let started_at = format_ts(now(ctx));
+        let wanting: Vec<usize> = (0..lanes.len())
+            .filter(|&i| lanes[i].end.is_none())
+            .collect();
+        let inputs: Vec<AttemptInput> = wanting
+            .iter()
+            .map(|&i| AttemptInput {
+                root: root.clone(),
+                state: state.clone(),
+                dispatch: lanes[i].dispatch.clone(),
+                iteration: lanes[i].iteration,
+                attempt: lanes[i].attempts.attempt,
+                executor: executor.clone(),
+                git: Some((git.clone(), base.clone())),
+                lane: u32::try_from(i + 1).ok(),
+            })
+            .collect();
+        let reports = {
+            let all = futures::future::join_all(inputs.into_iter().map(|input| {
+                let retry = input.attempt > 1;
+                attempt(ctx, input, None, retry)
+            }));
+            let controlled = ctx.wait_condition(|s| s.input.state.status != Status::Running);
+            futures::pin_mut!(all);
+            futures::pin_mut!(controlled);
+            match futures::future::select(all, controlled).await {
+                futures::future::Either::Left((reports, _)) => {
+                    reports.into_iter().map(Some).collect()
+                }
+                // Every executor is ended by its activity's cancellation.
+                futures::future::Either::Right(_) => vec![None; wanting.len()],
+            }
+        };
+        let finished_at = format_ts(now(ctx));
+        for (&i, report) in wanting.iter().zip(reports) {
+            let lane = &mut lanes[i];
+            let (verdict, spent, ran_by, checkpoint) = match report {
+                Some(Ok(report)) => (
+                    attempt::checked(wf, &lane.dispatch.action, report.verdict),
+                    report.spent,
+                    report.executor,
+                    report.checkpoint,
+                ),
+                Some(Err(message)) => (Verdict::Blocked { message }, None, String::new(), None),
+                None => (Verdict::Interrupted, None, String::new(), None),
+            };
+            lane.checkpoint.clone_from(&checkpoint);
+            lane.ran_by = ran_by;
+            ctx.state_mut(|s| {
+                attempt::record(
+                    &mut s.input.state,
+                    attempt::Attempted {
+                        dispatch: &lane.dispatch,
+                        iteration: lane.iteration,
+                        attempt: lane.attempts.attempt,
+                        started_at: &started_at,
+                        finished_at: &finished_at,
+                        spent: spent.as_ref().map(|(u, c)| (u, *c)),
+                        checkpoint,
+                    },
+                    &verdict,
+                )
+            });
+            match lane.attempts.next(verdict, now(ctx)) {
+                AfterAttempt::Retry { pause } | AfterAttempt::WaitRateLimit { wait: pause, .. } => {
+                    lane.pause = pause;
+                }
+                after => lane.end = Some(after),
+            }
+        }
+        let interrupted = lanes
+            .iter()
+            .any(|l| matches!(l.end, Some(AfterAttempt::Interrupted)));
+        if interrupted || ctx.state(|s| s.input.state.status != Status::Running) {
+            return Ok(());
+        }
+        let pause = lanes
+            .iter()
+            .filter(|l| l.end.is_none())
+            .map(|l| l.pause)
+            .max();
+        let Some(pause) = pause else {
+            break;
+        };
+        sleep_unless_controlled(ctx, pause).await;
+        if ctx.state(|s| s.input.state.status != Status::Running) {
+            return Ok(());
+        }
+    }
+    merge_batch(ctx, wf, lanes, git, base).await
+}
+
+/// A batch's successes merged by a worker, then every task's result applied in task order.
+async fn merge_batch(
+    ctx: &mut WorkflowContext<LoopWorkflow>,
+    wf: &'static dyn Workflow,
+    lanes: Vec<Lane>,
+    git: crate::GitSource,
+    base: String,
+) -> WorkflowResult<()> {
+    let loop_id = ctx.state(|s| s.input.state.loop_id.clone());
+    let tasks: Vec<(String, String, String)> = lanes
+        .iter()
+        .filter(|l| matches!(l.end, Some(AfterAttempt::Finish(Finish::Success(_)))))
+        .filter_map(|l| {
+            let task = l.dispatch.task_id.clone()?;
+            let commit = l.checkpoint.as_ref()?.commit.clone();
+            Some((task, format!("{}-merge", l.iteration), commit))
+        })
+        .collect();
+    let report = match tasks.is_empty() {
+        true => MergeReport::default(),
+        false => {
+            let input = MergeInput {
+                loop_id,
+                git: (git, base),
+                tasks: tasks.clone(),
+            };
+            let options = ActivityOptions::with_start_to_close_timeout(ATTEMPT_LIMIT)
+                .heartbeat_timeout(HEARTBEAT_TIMEOUT)
+                .retry_policy(
+                    temporalio_common::RetryPolicy::builder()
+                        .maximum_attempts(ACTIVITY_TRIES)
+                        .build(),
+                )
+                .build();
+            match ctx
+                .execute_activity(LoopActivities::merge, input, options)
+                .await
+            {
+                Ok(report) => report,
+                // Nothing merged: each task is to be developed again.
+                Err(e) => MergeReport {
+                    merged: Vec::new(),
+                    conflicts: tasks
+                        .into_iter()
+                        .map(|(task, _, _)| {
+                            (
+                                task,
+                                format!("git could not merge it: {}", why(&e)),
+                                Vec::new(),
+                            )
+                        })
+                        .collect(),
+                },
+            }
+        }
+    };
+    if let Some((_, last)) = report.merged.last() {
+        let head = last.commit.clone();
+        ctx.state_mut(|s| {
+            s.input.head = Some(head);
+            // The merge was made on no loop's tree: the next attempt goes to any worker.
+            s.input.holder = None;
+        });
+    }
+    let mut held = None;
+    for lane in lanes {
+        let task = lane.dispatch.task_id.clone().unwrap_or_default();
+        match lane.end {
+            Some(AfterAttempt::Finish(finish @ Finish::Success(_))) => {
+                if let Some((_, merge)) = report.merged.iter().find(|(t, _)| *t == task) {
+                    let merge = merge.clone();
+                    ctx.state_mut(|s| {
+                        loopd_core::no_progress::touched(&mut s.input.state, Some(&merge));
+                    });
+                    finish_action(ctx, wf, &lane.dispatch, finish, None);
+                } else {
+                    let why = report
+                        .conflicts
+                        .iter()
+                        .find(|(t, _, _)| *t == task)
+                        .map_or_else(
+                            || "its work tree was not recorded".to_owned(),
+                            |(_, why, _)| why.clone(),
+                        );
+                    let at = format_ts(now(ctx));
+                    ctx.state_mut(|s| {
+                        let retries = s.input.retry.retries;
+                        attempt::merge_failed(
+                            wf,
+                            &mut s.input.state,
+                            &lane.dispatch,
+                            lane.iteration,
+                            &why,
+                            retries,
+                            &at,
+                        );
+                    });
+                }
+            }
+            Some(AfterAttempt::Finish(failed)) => {
+                finish_action(ctx, wf, &lane.dispatch, failed, None)
+            }
+            Some(AfterAttempt::Block(reason)) => {
+                held.get_or_insert((lane.dispatch, lane.ran_by, Err(reason)));
+            }
+            Some(AfterAttempt::Ask(question)) => {
+                held.get_or_insert((lane.dispatch, lane.ran_by, Ok(question)));
+            }
+            _ => {}
+        }
+        if ctx.state(|s| s.input.state.status != Status::Running) {
+            return Ok(());
+        }
+    }
+    let at = format_ts(now(ctx));
+    match held {
+        Some((dispatch, ran_by, Err(reason))) => ctx.state_mut(|s| {
+            let state = &mut s.input.state;
+            attempt::block(state, &dispatch, &ran_by, reason, &at);
+            state.status = Status::Paused;
+        }),
+        Some((dispatch, _, Ok(question))) => {
+            ctx.state_mut(|s| attempt::ask(wf, &mut s.input.state, &dispatch, question, &at));
+        }
+        None => {}
+    }
+    Ok(())
 }
 
 /// One attempt as an activity: first on the task queue of the worker that keeps the loop's work

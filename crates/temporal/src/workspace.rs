@@ -147,29 +147,35 @@ impl Cache {
         self.dir.join("clones").join(key)
     }
 
-    /// Loop `id`'s work tree, checked out at `commit` (fetched from the remote first): kept by
-    /// this worker's sweep until the returned [`Tree`] is dropped.
+    /// Loop `id`'s work tree, or the tree of its lane `lane` (one of the tasks it develops at
+    /// once), checked out at `commit` (fetched from the remote first): kept by this worker's sweep
+    /// until the returned [`Tree`] is dropped.
     pub async fn check_out(
         self: &Arc<Self>,
         source: &GitSource,
         id: &str,
+        lane: Option<u32>,
         commit: &str,
     ) -> Result<Tree> {
         anyhow::ensure!(loopd_core::state::is_loop_id(id), "not a loop id: {id:?}");
         let clone = self.clone_dir(&source.remote);
-        let path = self.dir.join("trees").join(id);
+        let name = match lane {
+            Some(lane) => format!("{id}.lane-{lane}"),
+            None => id.to_owned(),
+        };
         let mut tree = Tree {
             cache: self.clone(),
-            path,
+            path: self.dir.join("trees").join(&name),
             repo: clone,
             id: id.to_owned(),
+            name,
             seen: None,
         };
         self.trees
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .busy
-            .insert(id.to_owned());
+            .insert(tree.name.clone());
         let one = self.one_at_a_time(&tree.repo);
         let placed = {
             let _one = one.lock().await;
@@ -247,9 +253,9 @@ impl Cache {
         removed
     }
 
-    /// Forgets loop `id`'s work tree and the clone it came from, which an attempt found broken
-    /// (a corrupt object, a full disk): the next attempt here clones again.
-    async fn forget(&self, clone: &Path, id: &str) {
+    /// Forgets the work tree `name` of loop `id` and the clone it came from, which an attempt
+    /// found broken (a corrupt object, a full disk): the next attempt here clones again.
+    async fn forget(&self, clone: &Path, id: &str, name: &str) {
         let one = self.one_at_a_time(clone);
         let _one = one.lock().await;
         tracing::warn!(
@@ -257,7 +263,7 @@ impl Cache {
              attempt here clones again",
             clone.display()
         );
-        for dir in [self.dir.join("trees").join(id), clone.to_owned()] {
+        for dir in [self.dir.join("trees").join(name), clone.to_owned()] {
             if let Err(e) = std::fs::remove_dir_all(&dir)
                 && e.kind() != std::io::ErrorKind::NotFound
             {
@@ -274,6 +280,8 @@ pub struct Tree {
     /// The clone the work tree belongs to.
     repo: PathBuf,
     id: String,
+    /// Its directory's name in the cache's `trees`: the loop's id, or its lane's.
+    name: String,
     /// The remote's branch of the loop when it was fetched: the lease of the push.
     seen: Option<String>,
 }
@@ -365,25 +373,65 @@ impl Tree {
         notes: Option<&str>,
     ) -> Result<()> {
         let branch = branch(&self.id);
-        let lease = format!(
-            "--force-with-lease={branch}:{}",
-            self.seen.as_deref().unwrap_or("")
-        );
         let commit = &checkpoint.commit;
+        let mut refspecs = vec![
+            format!("{commit}:{branch}"),
+            format!("+{commit}:refs/loopd/{}/{}", self.id, checkpoint.name),
+        ];
+        if let Some(notes) = notes {
+            refspecs.push(format!("+{notes}:{}", notes_ref(&self.id, commit)));
+        }
+        self.push_refs(source, Some(&branch), &refspecs).await
+    }
+
+    /// Pushes `checkpoint`, of a task developed at once with others, as the loop's checkpoint
+    /// ref only: the loop's branch moves when the batch is merged ([`Tree::push_merges`]).
+    pub async fn push_checkpoint(&self, source: &GitSource, checkpoint: &Checkpoint) -> Result<()> {
+        let refspec = format!(
+            "+{}:refs/loopd/{}/{}",
+            checkpoint.commit, self.id, checkpoint.name
+        );
+        self.push_refs(source, None, &[refspec]).await
+    }
+
+    /// Pushes the merges of a batch, each as a checkpoint ref, and the last as the loop's branch,
+    /// at once; refused (with the remote's reason) if the branch moved since it was fetched.
+    pub async fn push_merges(&self, source: &GitSource, merges: &[Checkpoint]) -> Result<()> {
+        let Some(last) = merges.last() else {
+            return Ok(());
+        };
+        let mut refspecs = vec![format!("{}:{}", last.commit, branch(&self.id))];
+        for merge in merges {
+            refspecs.push(format!(
+                "+{}:refs/loopd/{}/{}",
+                merge.commit, self.id, merge.name
+            ));
+        }
+        self.push_refs(source, Some(&branch(&self.id)), &refspecs)
+            .await
+    }
+
+    /// Pushes `refspecs` at once, with a lease on `leased` (a branch) at its fetched value.
+    async fn push_refs(
+        &self,
+        source: &GitSource,
+        leased: Option<&str>,
+        refspecs: &[String],
+    ) -> Result<()> {
         let mut args = vec![
             "push".to_owned(),
             "--atomic".to_owned(),
             "--porcelain".to_owned(),
             "--quiet".to_owned(),
-            lease,
-            "--end-of-options".to_owned(),
-            source.remote.clone(),
-            format!("{commit}:{branch}"),
-            format!("+{commit}:refs/loopd/{}/{}", self.id, checkpoint.name),
         ];
-        if let Some(notes) = notes {
-            args.push(format!("+{notes}:{}", notes_ref(&self.id, commit)));
+        if let Some(branch) = leased {
+            args.push(format!(
+                "--force-with-lease={branch}:{}",
+                self.seen.as_deref().unwrap_or("")
+            ));
         }
+        args.extend(["--end-of-options".to_owned(), source.remote.clone()]);
+        args.extend(refspecs.iter().cloned());
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         let started = std::time::Instant::now();
         let pushed = git(&self.path, &args).await;
@@ -466,7 +514,7 @@ impl Tree {
     /// Gives up this work tree and its clone after a failure of git itself: the next attempt
     /// on this worker starts from a fresh clone.
     pub async fn forget(self) {
-        self.cache.forget(&self.repo, &self.id).await;
+        self.cache.forget(&self.repo, &self.id, &self.name).await;
     }
 }
 
@@ -477,8 +525,8 @@ impl Drop for Tree {
             .trees
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
-        trees.busy.remove(&self.id);
-        trees.used.insert(self.id.clone(), Instant::now());
+        trees.busy.remove(&self.name);
+        trees.used.insert(self.name.clone(), Instant::now());
     }
 }
 

@@ -851,51 +851,27 @@ impl LoopRun<'_> {
         why: String,
         files: Vec<String>,
     ) -> Result<LoopState> {
-        let task = dispatch.task_id.clone().unwrap_or_default();
-        let skill = state.skill();
-        let before = skill
-            .action_history
-            .iter()
-            .filter(|h| h.outcome == MERGE_CONFLICT && h.task_id.as_deref() == Some(&task))
-            .count();
-        let fail = before >= self.engine.config.action_retries as usize;
-        let now = now_rfc3339();
-        workflow::record_attempt(
+        let (said, failed) = attempt_rules::merge_failed(
+            self.engine.workflow,
             &mut state,
-            HistoryEntry {
-                action: dispatch.action.clone(),
-                iteration,
-                attempt: 1,
-                task_id: dispatch.task_id.clone(),
-                started_at: now.clone(),
-                finished_at: Some(now),
-                outcome: MERGE_CONFLICT.into(),
-                error: Some(why.clone()),
-                ..HistoryEntry::default()
-            },
+            dispatch,
+            iteration,
+            &why,
+            self.engine.config.action_retries,
+            &now_rfc3339(),
         );
-        let said = match fail {
-            true => format!("could not be merged after {} tries: {why}", before + 1),
-            false => why.clone(),
-        };
-        self.engine
-            .workflow
-            .merge_failed(&mut state, &task, &said, fail);
         let state = self.commit(&state, None, None, true)?;
         self.events.emit(
             Event::new(name::MERGE_CONFLICT)
                 .with("iteration", iteration)
                 .with("task_id", dispatch.task_id.clone())
                 .with("files", files)
-                .with("failed", fail)
+                .with("failed", failed)
                 .with("error", said),
         );
         Ok(state)
     }
 }
-
-/// The outcome a history entry gives a result that could not be merged.
-const MERGE_CONFLICT: &str = "merge_conflict";
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
