@@ -12,8 +12,8 @@
 //! `shared.txt` must hold both conflicting tasks' lines.
 //!
 //! With `--features temporal` and the Temporal server installed, the same loop runs on Temporal
-//! too, its work tree on a git remote (a bare repository beside it), over 3 workers that take
-//! one action at a time each: the time from `loopd create` to the loop's end.
+//! too, its work tree on a git remote (a bare repository beside it), over 3 workers (each taking
+//! up to 4 actions at once, as by default): the time from `loopd create` to the loop's end.
 //!
 //! Run: `cargo bench --bench parallel [--features temporal]`. Environment:
 //!   LOOPD_BENCH_TASKS      tasks of the loop (default 8)
@@ -59,14 +59,16 @@ fn ts(event: &serde_json::Value) -> Option<chrono::DateTime<chrono::FixedOffset>
     chrono::DateTime::parse_from_rfc3339(event["ts"].as_str()?).ok()
 }
 
-/// A git project whose agent takes `task_secs` per develop.
-fn project(task_secs: usize) -> Project {
+/// A git project whose agent takes `task_secs` per develop; its state dir ignored, or, for a loop
+/// on a remote, committed (its workers take the project's config from there).
+fn project(task_secs: usize, state_committed: bool) -> Project {
     let mut config = config(&["sh", "bin/agent.sh"], "stdin", "json", None);
     config.push_str(&format!(
         "\n[executors.agent.env]\nLOOPD_BENCH_TASK_SECS = \"{task_secs}\"\n"
     ));
     let p = Project::new(&config, Some(AGENT));
-    std::fs::write(p.root.join(".gitignore"), ".loop/\n").unwrap();
+    let ignored = if state_committed { "" } else { ".loop/\n" };
+    std::fs::write(p.root.join(".gitignore"), ignored).unwrap();
     std::fs::write(p.root.join("shared.txt"), "base\n").unwrap();
     git(&p.root, &["init", "--quiet", "--initial-branch=main"]);
     git(&p.root, &["add", "."]);
@@ -131,7 +133,7 @@ fn git_out(dir: &Path, args: &[&str]) -> String {
 
 /// One loop on the file driver (`loopd run`).
 fn round(tasks: usize, parallel: usize, task_secs: usize) -> Round {
-    let p = project(task_secs);
+    let p = project(task_secs, false);
     let id = create(&p, &[], tasks, parallel);
     let started = Instant::now();
     let out = p.loopd().args(["run", &id]).output().expect("loopd run");
@@ -189,20 +191,13 @@ fn on_temporal(
     parallel: usize,
     task_secs: usize,
 ) -> f64 {
-    let p = project(task_secs);
+    let p = project(task_secs, true);
     let place = tempfile::tempdir_in(temporal.dir.path()).expect("tempdir");
     git(place.path(), &["init", "--quiet", "--bare", "remote.git"]);
     let remote = place.path().join("remote.git");
-    std::fs::write(
-        place.path().join("worker.toml"),
-        "[temporal]\nmax_actions = 1\n",
-    )
-    .unwrap();
     let workers =
         common::temporal::Workers::start_with(&p, &temporal.server.address, 3, |cmd, name| {
-            cmd.arg("--cache")
-                .arg(place.path().join(name))
-                .env("LOOPD_CONFIG", place.path().join("worker.toml"));
+            cmd.arg("--cache").arg(place.path().join(name));
         });
     let started = Instant::now();
     let remote_arg = remote.to_str().expect("a UTF-8 path");
@@ -256,7 +251,7 @@ fn main() {
             many.push(on_temporal(&temporal, tasks, parallel, task_secs));
         }
         let (one, many) = (median(&mut one), median(&mut many));
-        println!("  on Temporal, a git remote, 3 workers taking one action at a time each:");
+        println!("  on Temporal, a git remote, 3 workers:");
         println!("  parallel = 1: {one:.2} s from create to the loop's end");
         println!(
             "  parallel = {parallel}: {many:.2} s ({:.2}x sequential)",

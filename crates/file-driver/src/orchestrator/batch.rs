@@ -17,12 +17,14 @@
 //! before that (a stop, a crash) leaves the tasks to be developed again, never half merged. The
 //! lanes' work trees are removed when the batch ends, and by the next daemon's start after a
 //! crash.
+//!
+//! A race is a batch of one task: a lane per racing executor, the same rounds, then the check
+//! action in each lane that succeeded (a round of its own), and only the best lane merged; the
+//! others stay as checkpoints.
 
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use futures_util::future::join_all;
-use std::sync::Arc;
-
 use loopd_core::attempt::{AfterAttempt, Attempts, RetryPolicy};
 use loopd_exec::checkpoint::Merge;
 use loopd_exec::metrics::metrics;
