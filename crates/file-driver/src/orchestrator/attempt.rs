@@ -50,6 +50,16 @@ impl Done<'_> {
         }
     }
 
+    /// The event of an agent's own retry of a request during the attempt.
+    pub(super) fn retrying(&self, retry: loopd_exec::agent::Retry) -> Event {
+        self.event(name::AGENT_RETRYING)
+            .with("retry", retry.attempt)
+            .with("max_retries", retry.max_retries)
+            .with("status", retry.status)
+            .with("delay_ms", retry.delay_ms)
+            .with("error", retry.error)
+    }
+
     /// The record of the attempt in flight, once `spawned`; `log`: its log's name.
     pub(super) fn in_flight(&self, spawned: loopd_exec::Spawned, log: Option<String>) -> InFlight {
         InFlight {
@@ -356,14 +366,7 @@ impl LoopRun<'_> {
         let events = &mut self.events;
         let mut told = |told: loopd_exec::agent::Told| {
             if let loopd_exec::agent::Told::Retry(retry) = told {
-                events.emit(
-                    done.event(name::AGENT_RETRYING)
-                        .with("retry", retry.attempt)
-                        .with("max_retries", retry.max_retries)
-                        .with("status", retry.status)
-                        .with("delay_ms", retry.delay_ms)
-                        .with("error", retry.error),
-                );
+                events.emit(done.retrying(retry));
             }
         };
         let run = running.supervise(cancel.clone(), &mut told);

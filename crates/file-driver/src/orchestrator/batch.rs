@@ -670,14 +670,7 @@ impl LoopRun<'_> {
         for ((s, run), told) in spawned.into_iter().zip(runs).zip(heard) {
             let done = entries[s.entry].done(&s.started_at);
             for retry in told {
-                self.events.emit(
-                    done.event(name::AGENT_RETRYING)
-                        .with("retry", retry.attempt)
-                        .with("max_retries", retry.max_retries)
-                        .with("status", retry.status)
-                        .with("delay_ms", retry.delay_ms)
-                        .with("error", retry.error),
-                );
+                self.events.emit(done.retrying(retry));
             }
             let attempted = match run {
                 Ok(mut run) => {
