@@ -752,8 +752,11 @@ pub struct ListedTask {
     pub order: Option<Value>,
     /// The tasks it needs done first (`loopd task add --after`); `None` when its writer cannot
     /// say (CCW's tasks), and then it keeps its place in the order.
+    #[serde(default)]
     pub after: Option<Vec<String>>,
-    /// The executors that each try it (`loopd task add --race`); empty: the loop's.
+    /// The executors that each try it (`loopd task add --race`); empty: the loop's. (Absent from
+    /// the inputs of loops on Temporal made before it.)
+    #[serde(default)]
     pub race: Vec<String>,
 }
 

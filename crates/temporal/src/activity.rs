@@ -175,9 +175,10 @@ async fn run_merge(
         .await
         .context("cancelled")??;
     let (path, base_at) = (tree.path.clone(), base.clone());
+    // An index of loopd's own, in the worker's private cache: the merges read and write none
+    // (nothing is checked out), so it is never made.
+    let index = cache.dir().join(format!("{id}.merge.index"));
     let (report, merges) = tokio::task::spawn_blocking(move || -> anyhow::Result<_> {
-        // loopd's own index for the merges, out of the tree (the merges check nothing out).
-        let index = std::env::temp_dir().join(format!("loopd-merge-{}.index", std::process::id()));
         let repo = loopd_exec::checkpoint::Repo::open(&path, &path.join(".loop"), index, &id)
             .context("the work tree is not in a git repository")?;
         let mut report = MergeReport::default();
