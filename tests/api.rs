@@ -216,6 +216,23 @@ fn every_route_works_over_the_unix_socket() {
         (201, Some("task-002")),
         "{added}"
     );
+    // A task may say which it needs done first: a task of the loop.
+    let tasks = format!("/v1/loops/{id}/tasks");
+    let (status, refused) = call(
+        &to,
+        "POST",
+        &tasks,
+        Some(json!({ "text": "third", "after": ["task-009"] })),
+    );
+    assert_eq!(status, 400, "{refused}");
+    assert!(refused.to_string().contains("no such task"), "{refused}");
+    let (status, added) = call(
+        &to,
+        "POST",
+        &tasks,
+        Some(json!({ "text": "third", "after": ["task-002"] })),
+    );
+    assert_eq!((status, added["task_id"].as_str()), (201, Some("task-003")));
     hit("/v1/loops/{id}/tasks");
 
     let (status, set) = call(

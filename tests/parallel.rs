@@ -192,7 +192,7 @@ fn a_task_waits_for_the_tasks_it_needs() {
         "--title",
         "needs",
         "--parallel",
-        "3",
+        "2",
         "--task",
         "meet 2",
         "--task",
@@ -207,6 +207,9 @@ fn a_task_waits_for_the_tasks_it_needs() {
         "task-001",
     ]);
     assert_eq!(code(&out), 0, "{}", stderr(&out));
+    let set = p.output(&["set", &id, "--parallel", "3"]);
+    assert_eq!(code(&set), 0, "{}", stderr(&set));
+    assert_eq!(p.state(&id)["parallel"], 3);
     let bad = p.output(&["task", "add", &id, "x", "--after", "task-009"]);
     assert_eq!(code(&bad), 2);
     assert!(stderr(&bad).contains("no such task"), "{}", stderr(&bad));

@@ -363,6 +363,14 @@ pub enum Merge {
     Conflict(Vec<String>),
 }
 
+/// Why a task's checkpoint could not be merged, as its next prompt says: `files` in conflict.
+pub fn conflict_reason(files: &[String]) -> String {
+    format!(
+        "{} changed by the tasks merged before it too, in ways git cannot put together",
+        files.join(", ")
+    )
+}
+
 /// The most entries [`files_fingerprint`] looks at: a larger tree is not fingerprinted.
 const FINGERPRINT_MAX_ENTRIES: usize = 100_000;
 

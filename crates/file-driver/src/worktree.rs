@@ -102,22 +102,9 @@ pub fn check_race(p: &Project, race: &[String]) -> Result<()> {
     if race.is_empty() {
         return Ok(());
     }
-    if race.len() < 2 {
-        return Err(usage("--race needs at least two executors (repeat it)"));
-    }
-    for name in race {
-        p.config
-            .executor_named(name)
-            .map_err(|why| usage(format!("--race: {why}")))?;
-        if !name
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
-        {
-            return Err(usage(format!(
-                "--race: executor name {name:?} can only race with letters, digits, - and _"
-            )));
-        }
-    }
+    p.config
+        .check_race(race)
+        .map_err(|why| usage(format!("--race: {why} (repeat --race for each)")))?;
     check_parallel(p, Some(2)).map_err(|_| {
         usage(format!(
             "--race needs a git repository with checkpoints (each executor tries the task in a \

@@ -613,16 +613,8 @@ impl Config {
             return Err(("temporal.max_actions".into(), "must be at least 1".into()));
         }
         positive("temporal.tree_grace", self.temporal.tree_grace)?;
-        if self.race.len() == 1 {
-            return Err((
-                "race".into(),
-                "needs at least two executors, or none".into(),
-            ));
-        }
-        for name in &self.race {
-            self.executor_named(name)
-                .map_err(|why| ("race".to_owned(), why))?;
-        }
+        self.check_race(&self.race)
+            .map_err(|why| ("race".to_owned(), why))?;
         if self.parallel == 0 {
             return Err(("parallel".into(), "must be at least 1".into()));
         }
@@ -796,6 +788,26 @@ impl Config {
                 then: self.on_no_progress,
             },
         }
+    }
+
+    /// Why executors `race` cannot race on a task, if they cannot: fewer than two (none is no
+    /// race), one not configured, or a name git cannot take into a checkpoint's ref.
+    pub fn check_race(&self, race: &[String]) -> Result<(), String> {
+        if race.len() == 1 {
+            return Err("a race needs at least two executors, or none".into());
+        }
+        for name in race {
+            self.executor_named(name)?;
+            if !name
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+            {
+                return Err(format!(
+                    "executor name {name:?} can only race with letters, digits, - and _"
+                ));
+            }
+        }
+        Ok(())
     }
 
     /// The executor called `name`, or why there is none.

@@ -192,11 +192,7 @@ async fn run_merge(
                     report.merged.push((task, checkpoint));
                 }
                 loopd_exec::checkpoint::Merge::Conflict(files) => {
-                    let why = format!(
-                        "{} changed by the tasks merged before it too, in ways git cannot put \
-                         together",
-                        files.join(", ")
-                    );
+                    let why = loopd_exec::checkpoint::conflict_reason(&files);
                     report.conflicts.push((task, why, files));
                 }
             }

@@ -169,4 +169,22 @@ mod tests {
         input.change(&Change::Set(set), "T").unwrap();
         assert_eq!(input.state.max_iterations, Some(20));
     }
+
+    #[test]
+    fn tasks_at_once_need_a_loop_on_a_git_remote() {
+        let mut input = input(Status::Running);
+        let parallel = |n| {
+            Change::Set(SetLimits {
+                parallel: Some(n),
+                ..SetLimits::default()
+            })
+        };
+        let refused = input.change(&parallel(2), "T").unwrap_err();
+        assert!(refused.contains("git remote"), "{refused}");
+        input.change(&parallel(1), "T").unwrap();
+        assert_eq!(input.state.parallel, Some(1));
+        input.git = Some(crate::GitSource::default());
+        input.change(&parallel(3), "T").unwrap();
+        assert_eq!(input.state.parallel, Some(3));
+    }
 }

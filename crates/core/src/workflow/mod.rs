@@ -302,8 +302,14 @@ pub trait Workflow: Send + Sync {
     fn batch(&self, _state: &LoopState, _first: &Dispatch, _max: usize) -> Vec<Dispatch> {
         Vec::new()
     }
-    /// The executors that each try `dispatch`'s task, when it names them; empty: none do.
-    fn racers(&self, _state: &LoopState, _dispatch: &Dispatch) -> Vec<String> {
+    /// The executors that each try `dispatch`'s task: the task's own, else `loop_race` (the
+    /// loop's or the config's) where the workflow races its tasks; empty: none do.
+    fn racers(
+        &self,
+        _state: &LoopState,
+        _dispatch: &Dispatch,
+        _loop_race: &[String],
+    ) -> Vec<String> {
         Vec::new()
     }
     /// The action that checks a tree (a race's entries are compared by its pass rate), if the

@@ -146,7 +146,7 @@ impl LoopRun<'_> {
         let wf = self.engine.workflow;
         let mut batch = wf.batch(state, first, max);
         // A task its own executors race runs as a race of its own, when it comes first.
-        batch.retain(|d| d == first || wf.racers(state, d).is_empty());
+        batch.retain(|d| d == first || wf.racers(state, d, &[]).is_empty());
         if batch.len() < 2 { Vec::new() } else { batch }
     }
 
@@ -203,13 +203,8 @@ impl LoopRun<'_> {
         if state.mode() != loopd_core::state::Mode::Auto {
             return Vec::new();
         }
-        let mut racers = engine.workflow.racers(state, dispatch);
-        if racers.is_empty() && dispatch.task_id.is_some() {
-            racers = state
-                .race
-                .clone()
-                .unwrap_or_else(|| engine.config.race.clone());
-        }
+        let loop_race = state.race.as_deref().unwrap_or(&engine.config.race);
+        let racers = engine.workflow.racers(state, dispatch, loop_race);
         if racers.len() < 2 {
             return Vec::new();
         }
@@ -825,13 +820,7 @@ impl LoopRun<'_> {
                 );
                 Ok(checkpoint)
             }
-            Ok(Merge::Conflict(files)) => Err((
-                format!(
-                    "{} changed by the tasks merged before it too, in ways git cannot put together",
-                    files.join(", ")
-                ),
-                files,
-            )),
+            Ok(Merge::Conflict(files)) => Err((checkpoint::conflict_reason(&files), files)),
             Err(e) => Err((format!("git could not merge it: {e:#}"), Vec::new())),
         }
     }

@@ -235,7 +235,7 @@ impl Workflow for CcwLoop {
         if first_in { ready } else { Vec::new() }
     }
 
-    fn racers(&self, state: &LoopState, dispatch: &Dispatch) -> Vec<String> {
+    fn racers(&self, state: &LoopState, dispatch: &Dispatch, loop_race: &[String]) -> Vec<String> {
         let (Some(skill), Some(id)) = (state.skill_state.as_ref(), &dispatch.task_id) else {
             return Vec::new();
         };
@@ -243,10 +243,10 @@ impl Workflow for CcwLoop {
             return Vec::new();
         }
         let ccw: CcwState = skill.part();
-        ccw.develop
-            .task(id)
-            .map(|t| t.race.clone())
-            .unwrap_or_default()
+        match ccw.develop.task(id).map(|t| &t.race) {
+            Some(own) if !own.is_empty() => own.clone(),
+            _ => loop_race.to_vec(),
+        }
     }
 
     fn check_action(&self) -> Option<&'static str> {
