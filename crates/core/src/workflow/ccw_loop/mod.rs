@@ -242,10 +242,18 @@ impl Workflow for CcwLoop {
         if dispatch.action != "develop" {
             return Vec::new();
         }
-        let ccw: CcwState = skill.part();
-        match ccw.develop.task(id).map(|t| &t.race) {
-            Some(own) if !own.is_empty() => own.clone(),
-            _ => loop_race.to_vec(),
+        // Looked up in place: asked before every develop, it parses no task but this one's race.
+        let own = skill
+            .part
+            .get("develop")
+            .and_then(|d| d.get("tasks"))
+            .and_then(Value::as_array)
+            .and_then(|tasks| tasks.iter().find(|t| t["id"].as_str() == Some(id.as_str())))
+            .and_then(|task| serde_json::from_value::<Vec<String>>(task.get("race")?.clone()).ok())
+            .unwrap_or_default();
+        match own.is_empty() {
+            true => loop_race.to_vec(),
+            false => own,
         }
     }
 
