@@ -215,7 +215,14 @@ fn lose_no_update(service: bool) {
     }
     let id = p.create(&args);
     let (child, service) = match service {
-        false => (Some(p.spawn_run(&id, &[])), None),
+        false => {
+            let child = p.spawn_run(&id, &[]);
+            // Driven by this daemon before the first resume, which would start one of its own.
+            wait_for("the daemon to drive the loop", || {
+                p.event_names(&id).iter().any(|e| e == "loop_started")
+            });
+            (Some(child), None)
+        }
         true => {
             let service = p.serve(&["--root", p.root.to_str().unwrap()]);
             let out = p.output(&["start", &id]);
@@ -303,14 +310,17 @@ fn a_stale_copy_put_back_between_daemons_develops_no_task_twice() {
     assert_eq!(code(&p.run(&id, &[])), 0);
     let all = ["task-001", "task-002", "task-003"];
     assert_eq!(p.developed(&id), all);
-    let put_back = |note: &str| {
+    let put_back_at = |note: &str, dated: bool| {
         std::fs::copy(p.root.join("stale.json"), p.state_path(&id)).unwrap();
         // As the dashboard writes it: its own edit, and the time of its write.
         edit_raw(&p, &id, |v| {
             v["notes"] = json!(note);
-            v["updated_at"] = json!(chrono::Utc::now().to_rfc3339());
+            if dated {
+                v["updated_at"] = json!(chrono::Utc::now().to_rfc3339());
+            }
         });
     };
+    let put_back = |note: &str| put_back_at(note, true);
     let said = "another writer put back a copy it had read before";
 
     // Found by the next daemon.
@@ -334,6 +344,32 @@ fn a_stale_copy_put_back_between_daemons_develops_no_task_twice() {
         (&state["notes"], &state["max_iterations"]),
         (&json!("and again"), &json!(12))
     );
+
+    // By a writer that leaves `updated_at` as it read it: the copy looks older than the backup,
+    // as a file whose last writes never reached the disk would, but the machine has not
+    // stopped since the backup was written. The edit stays.
+    put_back_at("undated", false);
+    let out = p.run(&id, &[]);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    assert!(stderr(&out).contains(said), "{}", stderr(&out));
+    assert!(
+        !stderr(&out).contains("machine stopped"),
+        "{}",
+        stderr(&out)
+    );
+    assert_eq!(p.developed(&id), all, "no task again");
+    assert_eq!(p.state(&id)["notes"], "undated");
+}
+
+/// Makes `path` look written before the machine last started (its modification time an hour
+/// before the boot): as a file is after a power loss.
+fn written_before_boot(path: &std::path::Path) {
+    let uptime = std::fs::read_to_string("/proc/uptime").unwrap();
+    let up: f64 = uptime.split_whitespace().next().unwrap().parse().unwrap();
+    let before =
+        std::time::SystemTime::now() - Duration::from_secs_f64(up) - Duration::from_secs(3600);
+    let file = std::fs::OpenOptions::new().write(true).open(path).unwrap();
+    file.set_modified(before).unwrap();
 }
 
 /// A loop that stopped at its iteration limit with two of its three tasks done.
@@ -728,6 +764,7 @@ fn a_state_file_older_than_its_backup_after_a_power_loss_is_replaced_by_it() {
     // The machine stopped before the last versions of the state file reached the disk: the
     // file is as it was created, but the backup was fdatasynced at every durable write.
     std::fs::write(p.state_path(&id), created.to_string()).unwrap();
+    written_before_boot(&p.root.join(format!(".loop/{id}.json.bak")));
     let out = p.run(&id, &[]);
     let err = stderr(&out);
     assert_eq!(code(&out), 3, "{err}");

@@ -45,7 +45,21 @@ impl LoopRun<'_> {
             ));
         }
         let id = self.id;
-        let loaded = self.survive(|store| store.load_shared(id))?;
+        // The loop's progress as its last durable write left it, should another writer have put
+        // back an older copy (even just now: a writer that takes no lock may undo a repair of
+        // the file at once).
+        let (loaded, repaired) = self.survive(|store| store.load_own(id))?;
+        if let Some(reason) = &repaired {
+            let (file, backup) = (self.store().state_path(id), self.store().backup_path(id));
+            self.events.emit(Event::new(name::WARNING).with(
+                "message",
+                format!(
+                    "{}: {reason}; they were taken from {}",
+                    file.display(),
+                    backup.display()
+                ),
+            ));
+        }
         let mut state = LoopState::clone(&loaded);
         // A state a controller wrote may lack the workflow's fields (the CCW dashboard writes
         // none): they are written now, so that the daemon's copy is never ahead of the file's
@@ -53,7 +67,7 @@ impl LoopRun<'_> {
         self.engine.workflow.init_part(state.skill());
         // Remembered, so that `loopd resume` restarts the loop with the same executor.
         state.skill().executor = self.engine.executor_override.clone();
-        let unchanged = state.skill_state == loaded.skill_state;
+        let unchanged = repaired.is_none() && state.skill_state == loaded.skill_state;
         self.ours = Some(loaded);
         if !unchanged {
             state = self.commit(&state, None, None, false)?;

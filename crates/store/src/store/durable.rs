@@ -4,6 +4,9 @@
 
 use super::*;
 
+use std::borrow::Cow;
+use std::time::SystemTime;
+
 /// The process's backup threads, one per filesystem its stores are on (a service drives many
 /// loops, and a slow or full disk must hold up no loop of another), each started on first use:
 /// it records the backups it is handed, in order.
@@ -21,7 +24,7 @@ pub(super) fn backup_thread(dev: u64) -> Option<mpsc::Sender<BackupJob>> {
         .name("loopd-backup".into())
         .spawn(move || {
             for job in queue {
-                job.store.record_backup(&job.id, &job.bytes);
+                job.store.record_backup(&job.id, &job.bytes, job.progress);
                 let _ = job.done.send(());
             }
         });
@@ -43,6 +46,8 @@ pub(super) struct BackupJob {
     store: Store,
     id: String,
     bytes: Vec<u8>,
+    /// How far the loop had come in it (see [`backup::Recorded::Behind`]).
+    progress: u64,
     done: mpsc::SyncSender<()>,
 }
 
@@ -64,6 +69,30 @@ pub(super) fn fields_older(state: &LoopState, backed: &LoopState) -> bool {
         (Some(now), Some(then)) => state.created_at == backed.created_at && now.seq < then.seq,
         _ => false,
     }
+}
+
+/// Why loopd's fields of `current` were taken from `backed`, a later durable write.
+fn put_back_older(current: &LoopState, backed: &LoopState) -> String {
+    let seq = |s: &LoopState| s.skill_state.as_ref().map_or(0, |k| k.seq);
+    format!(
+        "its loopd fields were older than its last durable write ({} actions finished, not {}): \
+         another writer put back a copy it had read before",
+        seq(current),
+        seq(backed)
+    )
+}
+
+/// Whether the machine started after `written` (by the boot time the kernel keeps, suspends
+/// included): a file written before may have lost writes that never reached the disk; one
+/// written since has lost none. `true` when that cannot be told.
+fn started_since(written: SystemTime) -> bool {
+    let Ok(up) = nix::time::clock_gettime(nix::time::ClockId::CLOCK_BOOTTIME) else {
+        return true;
+    };
+    let up = Duration::from(up);
+    SystemTime::now()
+        .checked_sub(up)
+        .is_none_or(|booted| written < booted)
 }
 
 fn older_time(state: &LoopState, backed: &LoopState) -> bool {
@@ -111,9 +140,9 @@ impl Store {
         pending.is_empty()
     }
 
-    /// Hands the version `bytes` of loop `id` to the backup thread, if durability is deferred
-    /// and that thread runs; whether it did.
-    pub(super) fn defer_backup(&self, id: &str, bytes: &[u8]) -> bool {
+    /// Hands the version `bytes` of loop `id`, that far (`progress`, see [`Store::record_version`]),
+    /// to the backup thread, if durability is deferred and that thread runs; whether it did.
+    pub(super) fn defer_backup(&self, id: &str, bytes: &[u8], progress: u64) -> bool {
         let Some(deferred) = self.deferred.get() else {
             return false;
         };
@@ -125,6 +154,7 @@ impl Store {
             store: self.clone(),
             id: id.to_owned(),
             bytes: bytes.to_vec(),
+            progress,
             done,
         };
         let sent = jobs.send(job).is_ok();
@@ -137,17 +167,58 @@ impl Store {
     /// Records `bytes` in the backup of loop `id`, on the backup thread: if that fails, the
     /// state file is fsynced instead, under the loop's lock (so after the write that handed
     /// `bytes` over has put them in place).
-    pub(super) fn record_backup(&self, id: &str, bytes: &[u8]) {
+    pub(super) fn record_backup(&self, id: &str, bytes: &[u8], progress: u64) {
         let Ok(dir) = self.state_dir(false) else {
             return;
         };
-        match backup::record(&dir, &backup_name(id), bytes) {
+        match self.record_version(&dir, id, bytes, progress) {
             Ok(()) => self.backup_recorded(id),
             Err(e) => {
                 let _lock = self.lock(id);
                 self.sync_without_backup(&dir, id, &e);
             }
         }
+    }
+
+    /// Records the version `bytes` of loop `id` in its backup (see [`backup`]); `progress` is its
+    /// count of finished actions (0: not known). Where the newest record is further on (the
+    /// daemon's record of later progress got there first, and this version was made on a copy
+    /// another program put back), this version is recorded with that record's loopd fields: the
+    /// backup's progress never goes back.
+    pub(super) fn record_version(
+        &self,
+        dir: &Dir,
+        id: &str,
+        bytes: &[u8],
+        progress: u64,
+    ) -> io::Result<()> {
+        let name = backup_name(id);
+        let path = self.state_path(id);
+        let mut version = Cow::Borrowed(bytes);
+        let mut progress = progress;
+        for _ in 0..WRITE_RACE_RETRIES {
+            let newer = match backup::record(dir, &name, &version, progress)? {
+                backup::Recorded::Done => return Ok(()),
+                backup::Recorded::Behind(newer) => newer,
+            };
+            let (Ok(mine), Ok(newer)) =
+                (Loaded::parse(&path, &version), Loaded::parse(&path, &newer))
+            else {
+                break;
+            };
+            if !fields_older(&mine.state, &newer.state) {
+                break; // another loop's, made before this one under its id
+            }
+            let Ok(fields) = write::daemon_fields(&newer.state) else {
+                break;
+            };
+            let mut raw = mine.raw;
+            raw.extend(fields);
+            version =
+                Cow::Owned(write::to_pretty(&path, &Value::Object(raw)).map_err(io::Error::other)?);
+            progress = newer.state.skill_state.as_ref().map_or(0, |k| k.seq);
+        }
+        backup::record(dir, &name, &version, 0).map(drop)
     }
 
     /// A backup of `id` was written: if it could not be before, that is said.
@@ -171,8 +242,8 @@ impl Store {
     }
 
     /// Repairs a state file that is missing, does not load, or is older than its backup (the
-    /// machine stopped before the file reached the disk): from its backup if the backup loads,
-    /// else by rebuilding `skill_state` from the progress files (the seed's "State Recovery") when
+    /// machine stopped, since the backup was written, before the file reached the disk): from
+    /// its backup if the backup loads, else by rebuilding `skill_state` from the progress files (the seed's "State Recovery") when
     /// the rest of the file is sound. Returns why the file was refused and where it came back
     /// from, or `None` if it was fine; an error, touching nothing, if it cannot be repaired.
     pub fn restore(&self, id: &str) -> Result<Option<(String, String)>, StoreError> {
@@ -193,7 +264,11 @@ impl Store {
                 let Ok((bytes, backed)) = from_backup() else {
                     return Ok(None);
                 };
-                if is_older(&now.state, &backed.state) {
+                // Older than the backup, after the machine stopped: the last writes never
+                // reached the disk. Without a stop since the backup was written, another writer
+                // put back a copy it had read before: its edits are kept, and loopd's own fields
+                // repaired below.
+                if is_older(&now.state, &backed.state) && self.stopped_since_backup(&dir, id) {
                     return self.restore_older(&dir, id, &bytes, &backed.state);
                 }
                 if fields_older(&now.state, &backed.state) {
@@ -240,6 +315,18 @@ impl Store {
         Some((backed.state, fields))
     }
 
+    /// Whether the machine may have stopped since the backup of `id` was last written.
+    fn stopped_since_backup(&self, dir: &Dir, id: &str) -> bool {
+        let written = dir.stat(&backup_name(id)).ok().flatten().map(|stat| {
+            let since_epoch = Duration::new(
+                u64::try_from(stat.st_mtime).unwrap_or(0),
+                u32::try_from(stat.st_mtime_nsec).unwrap_or(0),
+            );
+            SystemTime::UNIX_EPOCH + since_epoch
+        });
+        written.is_none_or(started_since)
+    }
+
     /// [`Store::restore`] of a state file older than its backup (`bytes`, of `backed`): the
     /// backup in its place, if it is still older under the lock.
     fn restore_older(
@@ -275,7 +362,6 @@ impl Store {
         durable: bool,
         mut change: impl FnMut(&mut Map<String, Value>, &LoopState),
     ) -> Result<(Arc<LoopState>, Option<String>), StoreError> {
-        let seq = |s: &LoopState| s.skill_state.as_ref().map_or(0, |k| k.seq);
         let backed = self.backed(dir, id);
         let mut repaired = None;
         let state = self.update_locked(dir, id, durable, |raw, current| {
@@ -283,17 +369,33 @@ impl Store {
             if let Some((backed, fields)) = &backed
                 && fields_older(current, backed)
             {
-                repaired = Some(format!(
-                    "its loopd fields were older than its last durable write ({} actions \
-                     finished, not {}): another writer put back a copy it had read before",
-                    seq(current),
-                    seq(backed)
-                ));
+                repaired = Some(put_back_older(current, backed));
                 raw.extend(fields.clone());
             }
             change(raw, current);
         })?;
         Ok((state, repaired))
+    }
+
+    /// The state of `id` for a daemon about to drive it: loopd's own fields taken from the
+    /// backup where the file's are older ([`fields_older`]), and why. Read apart from any
+    /// repair of the file, which a writer that takes no lock may undo at once: the daemon
+    /// starts from its last durable progress whatever the file says, and its next write puts
+    /// it back.
+    pub fn load_own(&self, id: &str) -> Result<(Arc<LoopState>, Option<String>), StoreError> {
+        let state = self.load_shared(id)?;
+        let backed = self
+            .existing_dir()?
+            .and_then(|dir| self.backed(&dir, id))
+            .filter(|(backed, _)| fields_older(&state, backed));
+        let Some((backed, _)) = backed else {
+            return Ok((state, None));
+        };
+        let why = put_back_older(&state, &backed);
+        let mut own = LoopState::clone(&state);
+        own.current_iteration = backed.current_iteration;
+        own.skill_state = backed.skill_state;
+        Ok((Arc::new(own), Some(why)))
     }
 
     /// Puts back the last version this store read or wrote in place of a state file that is

@@ -687,6 +687,74 @@ mod tests {
         assert_eq!(temp_files(dir.path()), Vec::<String>::new());
     }
 
+    /// A command's durable write made on a copy another program put back (its loop at 1
+    /// finished action), recorded after the daemon's record of 2 finished actions got there
+    /// first (the daemon defers its backups): the command's change is recorded, the daemon's
+    /// progress stays the backup's, and a daemon that starts takes it from there.
+    #[test]
+    fn a_backup_record_behind_the_newest_keeps_its_progress() {
+        let (dir, store) = running_loop();
+        let at = |seq: u64, status: &str| {
+            let mut v: Value =
+                serde_json::from_slice(&fs::read(store.state_path("l1")).unwrap()).unwrap();
+            v["skill_state"] = serde_json::json!({"seq": seq, "current_action": null});
+            v["status"] = status.into();
+            to_pretty(&store.state_path("l1"), &v).unwrap()
+        };
+        let (daemon, command) = (at(2, "running"), at(1, "paused"));
+        let d = Dir::open(dir.path()).unwrap();
+        store.record_version(&d, "l1", &daemon, 2).unwrap();
+        store.record_version(&d, "l1", &command, 1).unwrap();
+        let (backed, _) = store.backed(&d, "l1").unwrap();
+        assert_eq!(backed.status, Status::Paused, "the command's change");
+        assert_eq!(
+            backed.skill_state.as_ref().unwrap().seq,
+            2,
+            "the daemon's progress"
+        );
+        fs::write(store.state_path("l1"), &command).unwrap();
+        let (own, why) = store.load_own("l1").unwrap();
+        assert_eq!(own.skill_state.as_ref().unwrap().seq, 2);
+        assert!(why.unwrap().contains("1 actions finished, not 2"));
+    }
+
+    /// A lockless writer reads the paused loop, a resume is written, the writer opens the state
+    /// file, and another write replaces that version before the writer's copy lands in it: the
+    /// copy holds the status it read, not the one of the version it went into. Its edit is what
+    /// it changed from what it read (found by the `updated_at` it kept), its notes: the pause its
+    /// stale copy would bring back is no edit of its (a status that came back after a final
+    /// resume in `loopd_writers_and_a_ccw_style_writer_lose_no_update`).
+    #[test]
+    fn a_late_write_read_before_the_version_it_went_into_merges_its_own_edit_alone() {
+        let (dir, store) = running_loop();
+        let path = store.state_path("l1");
+        // Each write in a millisecond of its own: `updated_at` tells the versions apart.
+        let write = |key: &str, value: Value| {
+            let before = now_rfc3339();
+            while now_rfc3339() == before {
+                std::hint::spin_loop();
+            }
+            store
+                .update("l1", true, |raw, _| {
+                    raw.insert(key.into(), value.clone());
+                })
+                .unwrap();
+        };
+        write("status", "paused".into());
+        let theirs: Value = serde_json::from_slice(&fs::read(&path).unwrap()).unwrap();
+        write("status", "running".into());
+        let late = fs::OpenOptions::new().write(true).open(&path).unwrap();
+        write("current_iteration", 3.into());
+        write_late(theirs, late);
+        assert_eq!(store.settle("l1").unwrap(), 1);
+        let on_disk: Value = serde_json::from_slice(&fs::read(&path).unwrap()).unwrap();
+        assert_eq!(on_disk["notes"], "late");
+        assert_eq!(on_disk["status"], "running", "the resume is not undone");
+        assert_eq!(on_disk["current_iteration"], 3);
+        store.close();
+        assert_eq!(temp_files(dir.path()), Vec::<String>::new());
+    }
+
     /// A lockless writer's two edits in a row both land in replaced versions (it opened the
     /// state file just before each of two writes replaced it), and the second write was made
     /// without the first edit: another process made it, or the first late write was not yet

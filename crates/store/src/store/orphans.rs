@@ -47,6 +47,30 @@ pub(super) struct Kept {
     pub(super) reusing: Vec<(String, Instant)>,
     /// The last edits late writes made, merged here, of each loop, oldest first (see [`Merged`]).
     pub(super) merged: Vec<Merged>,
+    /// The versions loopd's writers put in place lately (this process's, and those handed over),
+    /// of each loop, oldest first (see [`Placed`]).
+    pub(super) placed: Vec<Placed>,
+}
+
+/// How many versions put in place are remembered of one loop (see [`Placed`]), and for how
+/// long at most: longer than a replaced version waits for its merge ([`ORPHAN_LIFE`]), and no
+/// more than the orphans themselves keep of a busy service's loops.
+const MAX_PLACED: usize = 16;
+const PLACED_LIFE: Duration = Duration::from_secs(1);
+
+/// A version of a loop that one of loopd's writers put in place: the version a late write was
+/// read from, when it is not the one it went into. A lockless writer reads the file, then
+/// opens it to write: if versions were put in place meanwhile, it writes into a later one than
+/// it read, and what it wrote differs from that one by its edit and by every change made in
+/// between (a pause, then a resume, which its stale copy would undo). Its edit is what it
+/// changed from the version it read: the one whose `updated_at` (set by every write of loopd's,
+/// and kept by such a writer) its own holds.
+#[derive(Debug, Clone)]
+pub(super) struct Placed {
+    id: String,
+    /// When it was put in place (the version before it replaced).
+    at: SystemTime,
+    bytes: Arc<Vec<u8>>,
 }
 
 /// How many merged edits of one loop are remembered (see [`Merged`]).
@@ -88,7 +112,7 @@ pub(super) struct Orphan {
     pub(super) base: Vec<u8>,
     /// What replaced it: a key the state file no longer holds as written there was changed by
     /// someone since, and is theirs to keep.
-    pub(super) written: Vec<u8>,
+    pub(super) written: Arc<Vec<u8>>,
     pub(super) since: Instant,
     /// When it was replaced, by the clock of every process (`None`: not known, handed over by an
     /// older loopd): orders late writes into versions replaced by different processes.
@@ -112,6 +136,22 @@ impl Drop for OrphanWatch {
                 kept.watched.remove(&self.id);
             }
         }
+    }
+}
+
+impl Kept {
+    /// Remembers a version put in place (see [`Placed`]), forgetting the oldest past the bounds.
+    fn place(&mut self, version: Placed) {
+        let now = SystemTime::now();
+        self.placed
+            .retain(|p| now.duration_since(p.at).is_ok_and(|age| age < PLACED_LIFE));
+        let of_id = self.placed.iter().filter(|p| p.id == version.id).count();
+        if of_id >= MAX_PLACED
+            && let Some(oldest) = self.placed.iter().position(|p| p.id == version.id)
+        {
+            self.placed.remove(oldest);
+        }
+        self.placed.push(version);
     }
 }
 
@@ -198,6 +238,14 @@ impl Store {
             }
             None => false,
         };
+        let written = Arc::new(written);
+        if let Some(at) = replaced {
+            kept.place(Placed {
+                id: id.to_owned(),
+                at,
+                bytes: written.clone(),
+            });
+        }
         kept.orphans.push(Orphan {
             id: id.to_owned(),
             name,
@@ -425,7 +473,7 @@ impl Store {
     /// [`Store::hand_over`]): kept and settled as this process's own. Returns whether there was
     /// a note to take (another watch of this process may have taken it first).
     pub fn adopt(&self, name: &str) -> bool {
-        let Some((id, orphan)) = handed_over(name) else {
+        let Some((id, _)) = handed_over(name) else {
             return false;
         };
         if validate_id(id).is_err() {
@@ -435,6 +483,14 @@ impl Store {
             return false;
         };
         let Ok(_lock) = self.lock(id) else {
+            return false;
+        };
+        self.adopt_locked(&dir, name)
+    }
+
+    /// [`Store::adopt`] with the loop's lock held.
+    fn adopt_locked(&self, dir: &Dir, name: &str) -> bool {
+        let Some((id, orphan)) = handed_over(name) else {
             return false;
         };
         let Ok(bytes) = dir.read(name, 2 * MAX_STATE_SIZE + 4096) else {
@@ -619,6 +675,12 @@ impl Store {
                 });
             }
         }
+        if late.is_empty() {
+            return 0;
+        }
+        // The versions other writers put in place since, and handed over: known before the
+        // merge (see [`Placed`]).
+        self.adopt_all(dir, id);
         let mut merged = 0;
         for (base, theirs, written, replaced) in late {
             let object = |bytes: &[u8]| match serde_json::from_slice::<Value>(bytes) {
@@ -626,7 +688,8 @@ impl Store {
                 _ => Map::new(),
             };
             let (base, written) = (object(&base), object(&written));
-            let changed = changed_keys(&base, &theirs);
+            let read = self.read_from(id, base, &theirs);
+            let changed = changed_keys(&read, &theirs);
             if changed.is_empty() {
                 continue;
             }
@@ -641,7 +704,9 @@ impl Store {
                 path.display()
             );
             let mut edits = Vec::new();
-            let result = self.update_locked(dir, id, true, |raw, _| {
+            // A durable write like any other of loopd's: one made on a copy another writer put
+            // back must not make that copy's loopd fields the backup's.
+            let result = self.update_repaired(dir, id, true, |raw, _| {
                 edits.clear();
                 for key in &changed {
                     let unchanged = self.as_if_merged(id, replaced, key, written.get(key));
@@ -669,6 +734,44 @@ impl Store {
             }
         }
         merged
+    }
+
+    /// The version of `id` a late write holding `theirs` was read from: `base`, the one it went
+    /// into, unless it holds another `updated_at`, that of a version put in place before (see
+    /// [`Placed`]).
+    fn read_from(
+        &self,
+        id: &str,
+        base: Map<String, Value>,
+        theirs: &Map<String, Value>,
+    ) -> Map<String, Value> {
+        let stamp = theirs.get("updated_at");
+        if stamp.is_none() || base.get("updated_at") == stamp {
+            return base;
+        }
+        let placed: Vec<Arc<Vec<u8>>> = lock(&self.orphans)
+            .placed
+            .iter()
+            .rev()
+            .filter(|p| p.id == id)
+            .map(|p| p.bytes.clone())
+            .collect();
+        placed
+            .iter()
+            .filter_map(|bytes| serde_json::from_slice::<Map<String, Value>>(bytes).ok())
+            .find(|version| version.get("updated_at") == stamp)
+            .unwrap_or(base)
+    }
+
+    /// Takes over every version of `id` handed over and not yet taken (see [`Store::adopt`]).
+    /// Called with the loop's lock held.
+    fn adopt_all(&self, dir: &Dir, id: &str) {
+        let notes = format!(".{}.", state_name(id));
+        for name in dir.entries().unwrap_or_default() {
+            if name.starts_with(&notes) && name.ends_with(HANDOVER_SUFFIX) {
+                self.adopt_locked(dir, &name);
+            }
+        }
     }
 
     /// What the version that replaced a version at `replaced` holds under `key` (`written`), as
@@ -737,14 +840,9 @@ impl Store {
     /// it. Returns how many were removed.
     pub fn sweep_temp_files(&self, id: &str) -> Result<usize, StoreError> {
         let dir = self.state_dir(false)?;
-        // Versions another writer handed over, and nobody took: this process's now.
-        let notes = format!(".{}.", state_name(id));
-        for name in dir.entries().unwrap_or_default() {
-            if name.starts_with(&notes) && name.ends_with(HANDOVER_SUFFIX) {
-                self.adopt(&name);
-            }
-        }
         let _lock = self.lock(id)?;
+        // Versions another writer handed over, and nobody took: this process's now.
+        self.adopt_all(&dir, id);
         self.settle_locked(&dir, id, false);
         let prefix = format!(".{}.", state_name(id));
         let kept: Vec<String> = {

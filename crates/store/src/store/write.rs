@@ -48,6 +48,12 @@ pub fn keep_unknown(theirs: &Value, ours: &mut Value) {
     }
 }
 
+/// A version's count of finished actions (`skill_state.seq`; 0 without one): how far the loop
+/// had come in it.
+fn progress_of(version: &Value) -> u64 {
+    version["skill_state"]["seq"].as_u64().unwrap_or(0)
+}
+
 pub(super) fn to_pretty(path: &Path, value: &Value) -> Result<Vec<u8>, StoreError> {
     let mut bytes = serde_json::to_vec_pretty(value).map_err(|e| StoreError::Corrupt {
         path: path.to_owned(),
@@ -179,7 +185,19 @@ impl Store {
         let dir = self.existing_dir()?.ok_or_else(|| self.not_found(id))?;
         let _lock = self.lock(id)?;
         self.settle_locked(&dir, id, false);
-        let (state, repaired) = self.update_repairing(&dir, id, durable, change)?;
+        self.update_repaired(&dir, id, durable, change)
+    }
+
+    /// [`Store::update_repairing`], saying in the log when loopd's fields were repaired. Called
+    /// with the loop's lock held.
+    pub(super) fn update_repaired(
+        &self,
+        dir: &Dir,
+        id: &str,
+        durable: bool,
+        change: impl FnMut(&mut Map<String, Value>, &LoopState),
+    ) -> Result<Arc<LoopState>, StoreError> {
+        let (state, repaired) = self.update_repairing(dir, id, durable, change)?;
         if let Some(reason) = repaired {
             tracing::warn!(
                 "{}: {reason}; they were taken from {}",
@@ -213,13 +231,14 @@ impl Store {
             raw.insert("updated_at".into(), Value::String(now_rfc3339()));
             let value = Value::Object(raw);
             let bytes = to_pretty(&path, &value)?;
+            let progress = progress_of(&value);
             // A deferred backup's fdatasync overlaps the parse and the exchange. (A round that
             // starts over records its own version after this one; a write that fails records
             // the version in place again.)
-            let deferred = durable && self.defer_backup(id, &bytes);
+            let deferred = durable && self.defer_backup(id, &bytes, progress);
             let not_written = |e: StoreError| {
                 if deferred {
-                    self.defer_backup(id, &in_place);
+                    self.defer_backup(id, &in_place, 0);
                 }
                 e
             };
@@ -280,7 +299,7 @@ impl Store {
                 Swapped::Renamed => {}
             }
             if durable && !deferred {
-                match backup::record(dir, &backup_name(id), &bytes) {
+                match self.record_version(dir, id, &bytes, progress) {
                     Ok(()) => self.backup_recorded(id),
                     Err(e) => self.sync_without_backup(dir, id, &e),
                 }
