@@ -117,6 +117,25 @@ pub fn newest(dir: &Dir, name: &str, cap: u64) -> io::Result<Option<Vec<u8>>> {
         .map(|(_, bytes)| bytes))
 }
 
+/// How far the loop had come in the newest record of backup `name` of `dir`, as its header says
+/// (the record's bytes not checked); `None` without a backup of two slots, 0 where not said.
+pub fn newest_progress(dir: &Dir, name: &str) -> io::Result<Option<u64>> {
+    let file = dir.open_read(name)?;
+    let Some(size) = slot_size(file.metadata()?.len()) else {
+        return Ok(None);
+    };
+    let header_of = |slot: u64| {
+        let mut h = [0u8; HEADER];
+        file.read_exact_at(&mut h, slot * size).ok()?;
+        parse_header(&h).map(|(seq, _)| (seq, progress_of(&h)))
+    };
+    Ok([header_of(0), header_of(1)]
+        .into_iter()
+        .flatten()
+        .max_by_key(|(seq, _)| *seq)
+        .map(|(_, progress)| progress))
+}
+
 /// Records `bytes`, a version that far (`progress`), as the newest version in backup `name` of
 /// `dir`, durably (fdatasync), unless the newest record says it is further on (`progress` 0
 /// records whatever the newest says). A file that is not a backup, or whose slots are too

@@ -362,11 +362,19 @@ impl Store {
         durable: bool,
         mut change: impl FnMut(&mut Map<String, Value>, &LoopState),
     ) -> Result<(Arc<LoopState>, Option<String>), StoreError> {
-        let backed = self.backed(dir, id);
+        // Read whole only when its header does not tell that the file is as far on (a file whose
+        // progress is at least the newest record's is no older copy).
+        let progress = backup::newest_progress(dir, &backup_name(id))
+            .ok()
+            .flatten();
+        let mut backed = None;
         let mut repaired = None;
         let state = self.update_locked(dir, id, durable, |raw, current| {
             repaired = None;
-            if let Some((backed, fields)) = &backed
+            let seq = current.skill_state.as_ref().map_or(0, |k| k.seq);
+            let as_far = progress.is_some_and(|p| p > 0 && seq >= p);
+            if !as_far
+                && let Some((backed, fields)) = backed.get_or_insert_with(|| self.backed(dir, id))
                 && fields_older(current, backed)
             {
                 repaired = Some(put_back_older(current, backed));
