@@ -305,6 +305,7 @@ mod tests {
             record(&d, "s.bak", b"{\"n\": 5}", 5).unwrap(),
             Recorded::Done
         );
+        assert_eq!(newest_progress(&d, "s.bak").unwrap(), Some(5));
         assert_eq!(
             record(&d, "s.bak", b"{\"n\": 3}", 3).unwrap(),
             Recorded::Behind(b"{\"n\": 5}".to_vec())
@@ -322,6 +323,7 @@ mod tests {
             record(&d, "s.bak", b"{\"n\": 7}", 0).unwrap(),
             Recorded::Done
         );
+        assert_eq!(newest_progress(&d, "s.bak").unwrap(), Some(0), "not said");
         assert_eq!(
             newest(&d, "s.bak", 1 << 20).unwrap().unwrap(),
             b"{\"n\": 7}"
