@@ -200,6 +200,55 @@ fn a_bad_sandbox_setting_is_one_line() {
     }
 }
 
+/// Each attempt's private TMPDIR starts empty, whatever the one before left in it, and an empty
+/// one is kept for the next attempt (`spare.tmp`) rather than made anew; a link an agent plants
+/// in the spare's place leads nowhere: the next attempt gets a directory of its own.
+#[test]
+fn each_attempt_gets_an_empty_tmpdir_of_its_own() {
+    if !sandboxed_here() {
+        return;
+    }
+    let outside = tempfile::tempdir().unwrap();
+    let out = outside.path().canonicalize().unwrap();
+    let p = Project::new(&agent(&[(
+        "develop",
+        &format!(
+            r#"ls -A "$TMPDIR" > "tmp-$LOOPD_TASK_ID.txt"; [ -d "$TMPDIR" ] && [ ! -L "$TMPDIR" ] || echo link >> "tmp-$LOOPD_TASK_ID.txt"
+case "$LOOPD_TASK_ID" in
+  task-001) echo secret > "$TMPDIR/left" ;;
+  task-002) ln -s {out} "$(dirname "$TMPDIR")/spare.tmp" ;;
+  task-003) echo x > "$TMPDIR/mine" ;;
+esac"#,
+            out = out.display()
+        ),
+    )]));
+    let id = p.create(&[
+        "--title", "tmp", "--task", "a", "--task", "b", "--task", "c",
+    ]);
+    let run = p.run(&id, &[]);
+    assert_eq!(code(&run), 0, "{}", stderr(&run));
+    for task in ["task-001", "task-002", "task-003"] {
+        let listing = std::fs::read_to_string(p.root.join(format!("tmp-{task}.txt"))).unwrap();
+        assert_eq!(listing, "", "{task}'s TMPDIR");
+    }
+    assert_eq!(
+        std::fs::read_dir(&out).unwrap().count(),
+        0,
+        "nothing outside"
+    );
+    let actions = p.root.join(format!(".loop/{id}.progress/actions"));
+    let spare = actions.join("spare.tmp");
+    let meta = std::fs::symlink_metadata(&spare).unwrap();
+    assert!(meta.is_dir(), "the spare is a directory: {meta:?}");
+    assert_eq!(std::fs::read_dir(&spare).unwrap().count(), 0);
+    let others: Vec<String> = std::fs::read_dir(&actions)
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .filter(|n| n.ends_with(".tmp") && !n.starts_with('.') && n != "spare.tmp")
+        .collect();
+    assert_eq!(others, Vec::<String>::new(), "no attempt's TMPDIR left");
+}
+
 /// `sandbox = "off"`: an action runs as before, with none of the sandbox (no private TMPDIR).
 #[test]
 fn with_the_sandbox_off_an_action_runs_as_before() {

@@ -245,10 +245,51 @@ struct SubprocessAttempt {
     /// The marker its processes inherit: how those reparented to this process are told apart
     /// from other attempts'.
     marker: String,
-    /// Its private temporary directory (sandboxed), removed at its end.
-    tmp: Option<PathBuf>,
+    /// Its private temporary directory (sandboxed), put away at its end (see [`TempDir`]).
+    tmp: Option<TempDir>,
     /// What loopd's proxy refused it (a network of hosts).
     refusals: Option<sandbox::network::Refusals>,
+}
+
+/// A sandboxed attempt's private temporary directory, `{stem}.tmp` in its files' directory. One
+/// left empty is kept, as [`TempDir::SPARE`], for the next attempt to take rather than make a
+/// directory anew: on a filesystem that has freed many inodes lately (ext4 looks past each
+/// before it reuses one) a `mkdir` per attempt cost more than the rest of the spawn.
+struct TempDir {
+    dir: loopd_fs::Dir,
+    name: String,
+    path: PathBuf,
+}
+
+impl TempDir {
+    const SPARE: &str = "spare.tmp";
+
+    /// Makes `name` in `dir`, of the spare if there is one.
+    fn take(dir: &loopd_fs::Dir, name: &str) -> io::Result<()> {
+        let spare = dir.rename_new(Self::SPARE, name).is_ok();
+        match dir.subdir(name, true) {
+            // Something else in the spare's place (the attempt that left it may have made it
+            // a link): removed, and a directory made.
+            Err(_) if spare => {
+                let _ = std::fs::remove_dir_all(dir.join(name));
+                dir.subdir(name, true).map(drop)
+            }
+            opened => opened.map(drop),
+        }
+    }
+
+    /// At the attempt's end, when none of its processes is left: kept as the spare if it is an
+    /// empty directory (and no other is), else removed with what is in it.
+    fn put_away(&self) {
+        let empty = self
+            .dir
+            .subdir(&self.name, false)
+            .and_then(|tmp| tmp.entries())
+            .is_ok_and(|entries| entries.is_empty());
+        if !(empty && self.dir.rename_new(&self.name, Self::SPARE).is_ok()) {
+            let _ = std::fs::remove_dir_all(&self.path);
+        }
+    }
 }
 
 /// What an attempt's output goes to: the log, the tails, the agent's stream.
@@ -391,7 +432,7 @@ impl SubprocessAttempt {
             enter_on_spawn(&mut command, sandboxed);
         }
         if let Some((name, path)) = &tmp {
-            spec.dir.subdir(name, true)?;
+            TempDir::take(&spec.dir, name)?;
             command.env("TMPDIR", path);
         }
         let mut child = spawn_marked(&mut command, &spec.marker).map_err(|e| {
@@ -427,7 +468,11 @@ impl SubprocessAttempt {
                 budget: spec.budget,
             },
             marker: spec.marker,
-            tmp: tmp.map(|(_, path)| path),
+            tmp: tmp.map(|(name, path)| TempDir {
+                dir: spec.dir.clone(),
+                name,
+                path,
+            }),
             refusals,
         })
     }
@@ -526,7 +571,7 @@ impl SubprocessAttempt {
         drain(&mut stderr, &mut buf, |bytes| out.stderr(bytes)).await;
         out.log.finish();
         if let Some(tmp) = &self.tmp {
-            let _ = std::fs::remove_dir_all(tmp);
+            tmp.put_away();
         }
         if let Some(stream) = &mut out.agent {
             stream.finish(&out.stdout_tail.buf, &out.output_tail.buf);
