@@ -245,23 +245,23 @@ struct SubprocessAttempt {
     /// The marker its processes inherit: how those reparented to this process are told apart
     /// from other attempts'.
     marker: String,
-    /// Its private temporary directory (sandboxed), put away at its end (see [`TempDir`]).
-    tmp: Option<TempDir>,
+    /// Its private temporary directory (sandboxed), put away at its end (see [`PrivateTmp`]).
+    tmp: Option<PrivateTmp>,
     /// What loopd's proxy refused it (a network of hosts).
     refusals: Option<sandbox::network::Refusals>,
 }
 
 /// A sandboxed attempt's private temporary directory, `{stem}.tmp` in its files' directory. One
-/// left empty is kept, as [`TempDir::SPARE`], for the next attempt to take rather than make a
+/// left empty is kept, as [`PrivateTmp::SPARE`], for the next attempt to take rather than make a
 /// directory anew: on a filesystem that has freed many inodes lately (ext4 looks past each
 /// before it reuses one) a `mkdir` per attempt cost more than the rest of the spawn.
-struct TempDir {
+struct PrivateTmp {
     dir: loopd_fs::Dir,
     name: String,
     path: PathBuf,
 }
 
-impl TempDir {
+impl PrivateTmp {
     const SPARE: &str = "spare.tmp";
 
     /// Makes `name` in `dir`, of the spare if there is one.
@@ -432,7 +432,7 @@ impl SubprocessAttempt {
             enter_on_spawn(&mut command, sandboxed);
         }
         if let Some((name, path)) = &tmp {
-            TempDir::take(&spec.dir, name)?;
+            PrivateTmp::take(&spec.dir, name)?;
             command.env("TMPDIR", path);
         }
         let mut child = spawn_marked(&mut command, &spec.marker).map_err(|e| {
@@ -468,7 +468,7 @@ impl SubprocessAttempt {
                 budget: spec.budget,
             },
             marker: spec.marker,
-            tmp: tmp.map(|(name, path)| TempDir {
+            tmp: tmp.map(|(name, path)| PrivateTmp {
                 dir: spec.dir.clone(),
                 name,
                 path,
