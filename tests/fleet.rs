@@ -750,3 +750,54 @@ fn a_stop_ends_every_attempt_of_a_batch_on_temporal() {
         .count();
     assert_eq!(interrupted, 2, "{state}");
 }
+
+#[test]
+fn a_worker_killed_mid_batch_loses_only_its_attempt_and_the_batch_is_merged_on_the_others() {
+    let Some(mut fleet) = Fleet::new() else {
+        return;
+    };
+    for name in ["w0", "w1", "w2"] {
+        fleet.worker_configured(name, "[temporal]\nmax_actions = 1\n");
+    }
+    // The second task's first develop hangs (a child too) once the first task's is under way:
+    // its worker dies with both in flight.
+    fleet.step(
+        r#"if [ "$LOOPD_ACTION" = develop ] && [ "$LOOPD_TASK_ID" = task-001 ]; then : > "$MARKS/first-ran"; fi
+if [ "$LOOPD_TASK_ID" = task-002 ] && [ ! -f "$MARKS/once" ]; then
+  touch "$MARKS/once"; echo partial >> work.txt
+  sleep 300 & echo $! > "$MARKS/child.pid"; echo $$ > "$MARKS/develop.pid"; wait
+fi"#,
+    );
+    let id = fleet.create(&[
+        "--title",
+        "a worker dies mid-batch",
+        "--parallel",
+        "2",
+        "--task",
+        "first",
+        "--task",
+        "second",
+    ]);
+    wait_until("the second task's develop to hang", FLEET_DEADLINE, || {
+        fleet.mark("develop.pid").exists()
+    });
+    let (executor, child) = (
+        read_pid(&fleet.mark("develop.pid")),
+        read_pid(&fleet.mark("child.pid")),
+    );
+    fleet.temporal.kill_worker(fleet.worker_of(executor));
+    wait_until(
+        "the dead worker's executor and its child to be gone",
+        FLEET_DEADLINE,
+        || !alive(executor) && !alive(child),
+    );
+    fleet.wait_completed(std::slice::from_ref(&id));
+    assert!(fleet.mark("first-ran").exists());
+    // Each task's change once on the remote, the half-made one of the dead attempt nowhere.
+    let work = git(&fleet.remote, &["show", &format!("loopd/{id}:work.txt")]);
+    let mut lines: Vec<&str> = work.lines().collect();
+    lines.sort_unstable();
+    assert_eq!(lines, ["task-001", "task-002"], "{work}");
+    let state = fleet.state(&id);
+    assert_eq!(state["skill_state"]["outcome"], "passed", "{state}");
+}
