@@ -5,6 +5,7 @@
 
 use super::*;
 
+use std::collections::VecDeque;
 use std::time::SystemTime;
 
 /// How long a replaced version is kept for a late write into it by a writer that takes no lock
@@ -48,15 +49,14 @@ pub(super) struct Kept {
     /// The last edits late writes made, merged here, of each loop, oldest first (see [`Merged`]).
     pub(super) merged: Vec<Merged>,
     /// The versions loopd's writers put in place lately (this process's, and those handed over),
-    /// of each loop, oldest first (see [`Placed`]).
-    pub(super) placed: Vec<Placed>,
+    /// of every loop, oldest first (see [`Placed`]).
+    pub(super) placed: VecDeque<Placed>,
 }
 
-/// How many versions put in place are remembered of one loop (see [`Placed`]), and for how
-/// long at most: longer than a replaced version waits for its merge ([`ORPHAN_LIFE`]), and no
-/// more than the orphans themselves keep of a busy service's loops.
-const MAX_PLACED: usize = 16;
+/// How long a version put in place is remembered (see [`Placed`]): longer than a replaced
+/// version waits for its merge ([`ORPHAN_LIFE`]); and how many are, of all loops at most.
 const PLACED_LIFE: Duration = Duration::from_secs(1);
+const MAX_PLACED: usize = 1024;
 
 /// A version of a loop that one of loopd's writers put in place: the version a late write was
 /// read from, when it is not the one it went into. A lockless writer reads the file, then
@@ -140,18 +140,19 @@ impl Drop for OrphanWatch {
 }
 
 impl Kept {
-    /// Remembers a version put in place (see [`Placed`]), forgetting the oldest past the bounds.
+    /// Remembers a version put in place (see [`Placed`]), forgetting the oldest past the bounds:
+    /// a look at the front of the list, not at every loop's versions, at every write.
     fn place(&mut self, version: Placed) {
         let now = SystemTime::now();
-        self.placed
-            .retain(|p| now.duration_since(p.at).is_ok_and(|age| age < PLACED_LIFE));
-        let of_id = self.placed.iter().filter(|p| p.id == version.id).count();
-        if of_id >= MAX_PLACED
-            && let Some(oldest) = self.placed.iter().position(|p| p.id == version.id)
+        let expired = |p: &Placed| now.duration_since(p.at).is_ok_and(|age| age >= PLACED_LIFE);
+        while self
+            .placed
+            .front()
+            .is_some_and(|p| expired(p) || self.placed.len() >= MAX_PLACED)
         {
-            self.placed.remove(oldest);
+            self.placed.pop_front();
         }
-        self.placed.push(version);
+        self.placed.push_back(version);
     }
 }
 
