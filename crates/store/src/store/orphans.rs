@@ -54,9 +54,11 @@ pub(super) struct Kept {
 }
 
 /// How long a version put in place is remembered (see [`Placed`]): longer than a replaced
-/// version waits for its merge ([`ORPHAN_LIFE`]); and how many are, of all loops at most.
+/// version waits for its merge ([`ORPHAN_LIFE`]); and how many are, of all loops at most (a
+/// lockless writer reads a version a few writes before the one it goes into; a loop that writes
+/// hundreds of versions a second must not keep them all).
 const PLACED_LIFE: Duration = Duration::from_secs(1);
-const MAX_PLACED: usize = 1024;
+const MAX_PLACED: usize = 32;
 
 /// A version of a loop that one of loopd's writers put in place: the version a late write was
 /// read from, when it is not the one it went into. A lockless writer reads the file, then
