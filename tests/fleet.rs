@@ -125,6 +125,28 @@ impl Fleet {
             .create(&self.p, &[&["--remote", remote.as_str()], args].concat())
     }
 
+    /// Starts workers `names` of one action at a time each: the tasks of a batch go to
+    /// different workers.
+    fn single_action_workers(&mut self, names: &[&str]) {
+        for name in names {
+            self.worker_configured(name, "[temporal]\nmax_actions = 1\n");
+        }
+    }
+
+    /// A loop on the remote whose two tasks (`first`, `second`) are developed at once.
+    fn create_two_at_once(&self, title: &str) -> String {
+        self.create(&[
+            "--title",
+            title,
+            "--parallel",
+            "2",
+            "--task",
+            "first",
+            "--task",
+            "second",
+        ])
+    }
+
     /// The loops on Temporal as `loopd list --temporal --json` lists them.
     fn list(&self) -> Vec<Value> {
         let out = self.temporal.command(&self.p, &["--json", "list"]);
@@ -535,7 +557,7 @@ fn a_worker_runs_at_most_its_max_actions_at_once_and_the_rest_wait() {
            sleep 0.2; rmdir \"$MARKS/running\" 2>/dev/null; \
          fi\n",
     );
-    fleet.worker_configured("w0", "[temporal]\nmax_actions = 1\n");
+    fleet.single_action_workers(&["w0"]);
     let ids: Vec<String> = (0..4)
         .map(|i| fleet.create(&["--title", &format!("loop {i}")]))
         .collect();
@@ -647,10 +669,7 @@ fn tasks_developed_at_once_run_on_several_workers_and_are_merged_on_the_remote()
     let Some(mut fleet) = Fleet::new() else {
         return;
     };
-    // One action at a time each: the tasks of a batch go to different workers.
-    for name in ["w0", "w1", "w2"] {
-        fleet.worker_configured(name, "[temporal]\nmax_actions = 1\n");
-    }
+    fleet.single_action_workers(&["w0", "w1", "w2"]);
     // Each develop waits for the other task's to be there at once (at most 20 s), and says how
     // many it met.
     fleet.step(
@@ -660,16 +679,7 @@ fn tasks_developed_at_once_run_on_several_workers_and_are_merged_on_the_remote()
   ls "$MARKS/meet" | wc -l | tr -d ' ' > "$MARKS/met-$LOOPD_TASK_ID"
 fi"#,
     );
-    let id = fleet.create(&[
-        "--title",
-        "at once",
-        "--parallel",
-        "2",
-        "--task",
-        "first",
-        "--task",
-        "second",
-    ]);
+    let id = fleet.create_two_at_once("at once");
     fleet.wait_completed(std::slice::from_ref(&id));
     for task in ["task-001", "task-002"] {
         let met = std::fs::read_to_string(fleet.mark(&format!("met-{task}"))).unwrap();
@@ -708,25 +718,14 @@ fn a_stop_ends_every_attempt_of_a_batch_on_temporal() {
     let Some(mut fleet) = Fleet::new() else {
         return;
     };
-    for name in ["w0", "w1"] {
-        fleet.worker_configured(name, "[temporal]\nmax_actions = 1\n");
-    }
+    fleet.single_action_workers(&["w0", "w1"]);
     // Each develop writes its pid and hangs.
     fleet.step(
         "if [ \"$LOOPD_ACTION\" = develop ]; then \
            echo $$ > \"$MARKS/$LOOPD_TASK_ID.pid\"; sleep 300; \
          fi\n",
     );
-    let id = fleet.create(&[
-        "--title",
-        "stopped",
-        "--parallel",
-        "2",
-        "--task",
-        "first",
-        "--task",
-        "second",
-    ]);
+    let id = fleet.create_two_at_once("stopped");
     wait_until("both develops to run", FLEET_DEADLINE, || {
         ["task-001", "task-002"]
             .iter()
@@ -756,9 +755,7 @@ fn a_worker_killed_mid_batch_loses_only_its_attempt_and_the_batch_is_merged_on_t
     let Some(mut fleet) = Fleet::new() else {
         return;
     };
-    for name in ["w0", "w1", "w2"] {
-        fleet.worker_configured(name, "[temporal]\nmax_actions = 1\n");
-    }
+    fleet.single_action_workers(&["w0", "w1", "w2"]);
     // The second task's first develop hangs (a child too) once the first task's is under way:
     // its worker dies with both in flight.
     fleet.step(
@@ -768,16 +765,7 @@ if [ "$LOOPD_TASK_ID" = task-002 ] && [ ! -f "$MARKS/once" ]; then
   sleep 300 & echo $! > "$MARKS/child.pid"; echo $$ > "$MARKS/develop.pid"; wait
 fi"#,
     );
-    let id = fleet.create(&[
-        "--title",
-        "a worker dies mid-batch",
-        "--parallel",
-        "2",
-        "--task",
-        "first",
-        "--task",
-        "second",
-    ]);
+    let id = fleet.create_two_at_once("a worker dies mid-batch");
     wait_until("the second task's develop to hang", FLEET_DEADLINE, || {
         fleet.mark("develop.pid").exists()
     });
