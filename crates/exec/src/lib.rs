@@ -27,6 +27,7 @@ pub mod procs;
 pub mod result;
 pub mod sandbox;
 mod settings;
+pub mod spawn;
 
 pub use settings::{Format, PromptMode, Supervision};
 
@@ -34,11 +35,10 @@ use std::ffi::OsString;
 use std::fs::File;
 use std::io::{self, Write};
 use std::path::{Path, PathBuf};
-use std::process::{ExitStatus, Stdio};
+use std::process::ExitStatus;
 use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
-use tokio::process::Command;
 use tokio_util::sync::CancellationToken;
 
 use loopd_fs::Dir;
@@ -237,7 +237,7 @@ impl Executor for Subprocess {
 
 /// A subprocess attempt: its child, its log, and what is read from it.
 struct SubprocessAttempt {
-    child: tokio::process::Child,
+    child: spawn::Child,
     spawned: Spawned,
     started: Instant,
     supervision: Supervision,
@@ -354,24 +354,20 @@ impl SubprocessAttempt {
         let Some((program, args)) = spec.argv.split_first() else {
             return Err(io::Error::new(io::ErrorKind::InvalidInput, "empty command"));
         };
-        let mut command = Command::new(program);
+        let mut command = spawn::Command::new(program);
         command
             .args(args)
             .current_dir(&spec.cwd)
-            .envs(spec.env.iter().map(|(k, v)| (k, v)))
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .process_group(0)
-            .kill_on_drop(true);
+            .envs(spec.env.iter().map(|(k, v)| (k, v)));
         match spec.prompt_mode {
-            PromptMode::Stdin => command.stdin(Stdio::piped()),
-            PromptMode::Arg => command.arg(&spec.prompt).stdin(Stdio::null()),
+            PromptMode::Stdin => command.stdin(spawn::Stdin::Piped),
+            PromptMode::Arg => command.arg(&spec.prompt),
             PromptMode::File => {
                 let name = format!("{}.prompt.md", spec.stem);
                 spec.dir
                     .create(&name)
                     .and_then(|mut f| f.write_all(spec.prompt.as_bytes()))?;
-                command.arg(spec.dir.join(&name)).stdin(Stdio::null())
+                command.arg(spec.dir.join(&name))
             }
         };
         let log_name = format!("{}.log", spec.stem);
@@ -429,7 +425,7 @@ impl SubprocessAttempt {
                 command.envs(proxy);
             }
             refusals = sandboxed.refusals();
-            enter_on_spawn(&mut command, sandboxed);
+            command.sandbox(sandboxed);
         }
         if let Some((name, path)) = &tmp {
             PrivateTmp::take(&spec.dir, name)?;
@@ -441,7 +437,7 @@ impl SubprocessAttempt {
             }
             io::Error::new(e.kind(), format!("cannot start {program:?}: {e}"))
         })?;
-        let pid = child.id().unwrap_or(0);
+        let pid = child.id();
         let spawned = Spawned {
             pid,
             pgid: pid,
@@ -546,8 +542,8 @@ impl SubprocessAttempt {
         mut self: Box<Self>,
         mut status: Option<ExitStatus>,
         cut: Option<Cut>,
-        mut stdout: Option<tokio::process::ChildStdout>,
-        mut stderr: Option<tokio::process::ChildStderr>,
+        mut stdout: Option<tokio::net::unix::pipe::Receiver>,
+        mut stderr: Option<tokio::net::unix::pipe::Receiver>,
     ) -> io::Result<Run> {
         let spawned = self.spawned;
         let killed =
@@ -596,26 +592,16 @@ impl SubprocessAttempt {
 /// and this process does not. Spawns are serialized so no other child inherits it, and the new
 /// executor is counted among the attempts in flight before anyone may reap a zombie (see
 /// [`procs::spawning`]).
-fn spawn_marked(command: &mut Command, name: &str) -> io::Result<tokio::process::Child> {
+fn spawn_marked(command: &mut spawn::Command, name: &str) -> io::Result<spawn::Child> {
     let _one_at_a_time = procs::spawning();
     let marker = nix::sys::memfd::memfd_create(name, nix::sys::memfd::MFdFlags::empty())
         .map_err(io::Error::from)?;
     let child = command.spawn();
     drop(marker);
-    if let Some(pid) = child.as_ref().ok().and_then(tokio::process::Child::id) {
-        procs::attempt_started(pid);
+    if let Ok(child) = &child {
+        procs::attempt_started(child.id());
     }
     child
-}
-
-/// Makes the child of `command` enter `sandbox` between fork and exec.
-#[allow(unsafe_code)]
-fn enter_on_spawn(command: &mut Command, mut sandbox: sandbox::Prepared) {
-    // SAFETY: `enter` makes system calls only: it allocates nothing and takes no lock, as a
-    // child of a process with other threads must.
-    unsafe {
-        command.pre_exec(move || sandbox.enter());
-    }
 }
 
 /// Sleeps until `t`, or forever without one (so `select!` ignores it).

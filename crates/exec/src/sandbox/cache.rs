@@ -40,7 +40,7 @@ pub(super) struct Key {
 /// A sandbox made once, joined by each attempt.
 pub(super) struct Built {
     stamp: Stamp,
-    ruleset: RulesetCreated,
+    pub(super) ruleset: RulesetCreated,
     /// The user and mount namespaces, with the view made in them.
     pub(super) user: OwnedFd,
     pub(super) mount: OwnedFd,
@@ -51,13 +51,6 @@ pub(super) struct Built {
     pub(super) refusals: Option<super::network::Refusals>,
     pub(super) protected: Vec<PathBuf>,
     pub(super) covered: Vec<PathBuf>,
-}
-
-impl Built {
-    /// The ruleset, for one attempt to enter.
-    pub(super) fn ruleset(&self) -> io::Result<RulesetCreated> {
-        self.ruleset.try_clone()
-    }
 }
 
 /// What a sandbox was made from.

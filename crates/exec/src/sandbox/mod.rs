@@ -6,9 +6,9 @@
 //!
 //! Theory of operation: a Landlock ruleset (no privileges needed) is built in loopd, before the
 //! spawn, from paths it opens itself ([`Policy::prepare`]), with the attempt's view of the file
-//! system ([`view`]); the child makes a user and mount namespace of its own, makes the view in it,
-//! and enters the ruleset, between fork and exec, with system calls that allocate nothing
-//! ([`Prepared::enter`]). Landlock domains are inherited and cannot be left: a grandchild in a new
+//! system ([`view`]), made once in a user and mount namespace of a helper's and kept ([`cache`]);
+//! the attempt's child joins them and enters the ruleset, between its clone and its exec, with
+//! system calls that allocate nothing ([`Prepared::enter`], [`crate::spawn`]). Landlock domains are inherited and cannot be left: a grandchild in a new
 //! session, or a program that drops every variable, is held as its parent is; and a process in one
 //! may not change mounts, so the view holds too. Landlock grants, it does not deny: what is hidden
 //! is every path but the hidden ones, so the directories on the way to a hidden path are granted
@@ -29,6 +29,7 @@ use std::io;
 use std::os::unix::fs::DirBuilderExt as _;
 use std::path::{Path, PathBuf};
 
+use crate::spawn::Failure;
 use landlock::{
     ABI, AccessFs, AccessNet, BitFlags, CompatLevel, Compatible, NetPort, PathBeneath, PathFd,
     Ruleset, RulesetAttr, RulesetCreated, RulesetCreatedAttr, RulesetStatus, Scope,
@@ -265,7 +266,6 @@ pub struct Prepared {
     /// The namespaces (with the view made in them) and the ruleset, kept for the place's next
     /// attempts.
     built: std::sync::Arc<cache::Built>,
-    ruleset: Option<RulesetCreated>,
     /// Whether it has a network namespace of its own (no network).
     own_network: bool,
     /// The mount namespace loopd is in (`st_dev`, `st_ino` of `/proc/self/ns/mnt`).
@@ -370,7 +370,6 @@ impl Policy {
         let cwd = CString::new(place.tree.as_os_str().as_encoded_bytes())
             .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
         Ok(Some(Prepared {
-            ruleset: Some(built.ruleset()?),
             built,
             own_network: self.network == Network::None,
             parent_mount_ns: mount_namespace()?,
@@ -525,33 +524,52 @@ fn split_into(
 }
 
 impl Prepared {
-    /// Enters the sandbox: called in the child between fork and exec, where only system calls
-    /// that allocate nothing may be made. It joins the user and mount namespaces made for its
-    /// place (the view made in them; never the namespace loopd is in), makes a network
-    /// namespace of its own if it has no network, and enters the ruleset (which forbids any
-    /// change of mounts from then on).
-    pub fn enter(&mut self) -> io::Result<()> {
+    /// Enters the sandbox: called in the child between its clone and its exec, where only system
+    /// calls may be made (see [`crate::spawn`]: nothing allocated, no memory of loopd's
+    /// written). It joins the user and mount namespaces made for its place (the view made in
+    /// them; never the namespace loopd is in), makes a network namespace of its own if it has no
+    /// network, and enters the ruleset (which forbids any change of mounts from then on).
+    #[allow(unsafe_code)]
+    pub(crate) fn enter(&self) -> Result<(), Failure> {
         use nix::sched::{CloneFlags, setns, unshare};
-        setns(&self.built.user, CloneFlags::CLONE_NEWUSER)?;
-        setns(&self.built.mount, CloneFlags::CLONE_NEWNS)?;
+        let os = |step| {
+            move |errno| Failure {
+                step,
+                errno: Some(errno),
+            }
+        };
+        setns(&self.built.user, CloneFlags::CLONE_NEWUSER)
+            .map_err(os("joining the sandbox's user namespace"))?;
+        setns(&self.built.mount, CloneFlags::CLONE_NEWNS)
+            .map_err(os("joining the sandbox's mount namespace"))?;
         if let Some(net) = &self.built.net {
-            setns(net, CloneFlags::CLONE_NEWNET)?;
+            setns(net, CloneFlags::CLONE_NEWNET)
+                .map_err(os("joining the sandbox's network namespace"))?;
         }
-        if mount_namespace()? == self.parent_mount_ns {
-            return Err(io::Error::other("no mount namespace of its own"));
+        let own_mount = mount_namespace().map_err(os("reading the mount namespace"))?;
+        if own_mount == self.parent_mount_ns {
+            return Err(Failure {
+                step: "no mount namespace of its own",
+                errno: None,
+            });
         }
         if self.own_network {
-            unshare(CloneFlags::CLONE_NEWNET)?;
+            unshare(CloneFlags::CLONE_NEWNET).map_err(os("making a network namespace"))?;
         }
         // Joining a mount namespace takes the working directory to its root.
-        nix::unistd::chdir(self.cwd.as_c_str())?;
-        if let Some(ruleset) = self.ruleset.take() {
-            let status = ruleset.restrict_self().map_err(io::Error::other)?;
-            if status.ruleset != RulesetStatus::FullyEnforced {
-                return Err(io::Error::other("the sandbox could not be enforced"));
-            }
+        nix::unistd::chdir(self.cwd.as_c_str()).map_err(os("chdir in the sandbox"))?;
+        // SAFETY: a bitwise copy of the place's ruleset, consumed here. It owns no memory, only
+        // a descriptor, which in this child is the child's copy (the clone shares memory, not
+        // descriptors): closing it leaves loopd's open.
+        let ruleset = unsafe { std::ptr::read(&self.built.ruleset) };
+        match ruleset.restrict_self() {
+            Ok(status) if status.ruleset == RulesetStatus::FullyEnforced => Ok(()),
+            Ok(_) => Err(Failure {
+                step: "the sandbox could not be enforced",
+                errno: None,
+            }),
+            Err(_) => Err(Failure::os("entering the Landlock ruleset")),
         }
-        Ok(())
     }
 
     /// What the attempt's view holds read-only (git's control files, the state directory) and
@@ -563,7 +581,7 @@ impl Prepared {
 
 /// The mount namespace this process is in: `st_dev` and `st_ino` of `/proc/self/ns/mnt` (a
 /// `stat`, which allocates nothing).
-fn mount_namespace() -> io::Result<(u64, u64)> {
+fn mount_namespace() -> nix::Result<(u64, u64)> {
     let ns = nix::sys::stat::stat(c"/proc/self/ns/mnt")?;
     Ok((ns.st_dev, ns.st_ino))
 }

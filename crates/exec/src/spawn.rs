@@ -1,0 +1,626 @@
+//! Starting an attempt's process without copying loopd's address space.
+//!
+//! Theory of operation: `fork` copies the page tables of the whole process, and each of its
+//! threads then faults on every page it writes until the child has exec'd: under `loopd serve`, a
+//! process of tens of MiB and a score of threads, that was a third of its CPU per action.
+//! `posix_spawn`, which std uses when it can, starts the child with `CLONE_VM | CLONE_VFORK`
+//! instead: the child runs on a stack of its own in the parent's memory while the calling thread
+//! waits, until it has exec'd. std can do that only when no `pre_exec` hook runs, and a sandboxed
+//! attempt enters its sandbox between the clone and the exec. This module does what
+//! `posix_spawn` does, with that step in between.
+//!
+//! The rules of the child, which shares every page with its parent: all it needs (the argument
+//! and environment arrays, each path the search of `PATH` may try, its descriptors) is made
+//! before the clone; it makes system calls only, allocates nothing, takes no lock, and writes no
+//! memory but its own stack and the [`Failure`] it reports. Signals are blocked across the clone
+//! and every handler is reset in the child before it unblocks them, so no handler of loopd's runs
+//! in it. The child is started in a process group of its own, with a pidfd (`CLONE_PIDFD`) that
+//! [`Child::wait`] waits on without a thread. A child that cannot start reports why and exits;
+//! [`Command::spawn`] then reaps it and returns the error.
+
+#![allow(unsafe_code)]
+
+use std::cell::Cell;
+use std::collections::BTreeMap;
+use std::ffi::{CString, OsStr, OsString, c_char, c_int, c_void};
+use std::fmt;
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::process::ExitStatusExt;
+use std::path::{Path, PathBuf};
+use std::process::ExitStatus;
+
+use nix::errno::Errno;
+use nix::libc;
+use tokio::io::unix::AsyncFd;
+use tokio::net::unix::pipe;
+
+use crate::sandbox;
+
+/// The child's stack: what it runs (a few system calls, the sandbox's entry) needs a few KiB.
+const STACK: usize = 256 * 1024;
+
+/// The page below the child's stack, where it would overflow into: a fault, not a write into
+/// loopd's memory.
+const GUARD: usize = 4096;
+
+/// What the child's stdin is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Stdin {
+    /// A pipe, [`Child::stdin`].
+    Piped,
+    /// `/dev/null`.
+    Null,
+}
+
+/// A process to start: its stdout and stderr are pipes, it leads a process group of its own.
+pub struct Command {
+    program: OsString,
+    args: Vec<OsString>,
+    env: BTreeMap<OsString, OsString>,
+    cwd: PathBuf,
+    stdin: Stdin,
+    sandbox: Option<sandbox::Prepared>,
+}
+
+impl Command {
+    /// `program` (searched in the child's `PATH` unless it has a `/`), with loopd's environment,
+    /// in loopd's working directory.
+    pub fn new(program: impl AsRef<OsStr>) -> Command {
+        Command {
+            program: program.as_ref().to_owned(),
+            args: Vec::new(),
+            env: std::env::vars_os().collect(),
+            cwd: PathBuf::from("."),
+            stdin: Stdin::Null,
+            sandbox: None,
+        }
+    }
+
+    pub fn arg(&mut self, arg: impl AsRef<OsStr>) -> &mut Command {
+        self.args.push(arg.as_ref().to_owned());
+        self
+    }
+
+    pub fn args<I: IntoIterator<Item = S>, S: AsRef<OsStr>>(&mut self, args: I) -> &mut Command {
+        self.args
+            .extend(args.into_iter().map(|a| a.as_ref().to_owned()));
+        self
+    }
+
+    pub fn env(&mut self, name: impl AsRef<OsStr>, value: impl AsRef<OsStr>) -> &mut Command {
+        self.env
+            .insert(name.as_ref().to_owned(), value.as_ref().to_owned());
+        self
+    }
+
+    pub fn envs<I, K, V>(&mut self, vars: I) -> &mut Command
+    where
+        I: IntoIterator<Item = (K, V)>,
+        K: AsRef<OsStr>,
+        V: AsRef<OsStr>,
+    {
+        for (name, value) in vars {
+            self.env(name, value);
+        }
+        self
+    }
+
+    pub fn env_remove(&mut self, name: impl AsRef<OsStr>) -> &mut Command {
+        self.env.remove(name.as_ref());
+        self
+    }
+
+    pub fn current_dir(&mut self, dir: impl AsRef<Path>) -> &mut Command {
+        self.cwd = dir.as_ref().to_owned();
+        self
+    }
+
+    pub fn stdin(&mut self, stdin: Stdin) -> &mut Command {
+        self.stdin = stdin;
+        self
+    }
+
+    /// The sandbox the child enters before it execs (see [`sandbox::Prepared::enter`]).
+    pub fn sandbox(&mut self, sandbox: sandbox::Prepared) -> &mut Command {
+        self.sandbox = Some(sandbox);
+        self
+    }
+
+    /// Starts the process. Descriptors of loopd's that are not close-on-exec are inherited, as
+    /// with any spawn (the attempt's marker is one such).
+    pub fn spawn(&mut self) -> io::Result<Child> {
+        let program = c_string(self.program.as_bytes())?;
+        let paths = self.search_paths(&program)?;
+        let argv = std::iter::once(Ok(program))
+            .chain(self.args.iter().map(|a| c_string(a.as_bytes())))
+            .collect::<io::Result<Vec<_>>>()?;
+        let envp = self
+            .env
+            .iter()
+            .map(|(k, v)| c_string(&[k.as_bytes(), b"=", v.as_bytes()].concat()))
+            .collect::<io::Result<Vec<_>>>()?;
+        let cwd = c_string(self.cwd.as_os_str().as_bytes())?;
+
+        let (stdin_child, stdin_parent) = match self.stdin {
+            Stdin::Piped => {
+                let (read, write) = pipe_above_stdio()?;
+                (read, Some(write))
+            }
+            Stdin::Null => (above_stdio(std::fs::File::open("/dev/null")?.into())?, None),
+        };
+        let (stdout_parent, stdout_child) = pipe_above_stdio()?;
+        let (stderr_parent, stderr_child) = pipe_above_stdio()?;
+
+        let ctx = Ctx {
+            paths: null_terminated(&paths),
+            argv: null_terminated(&argv),
+            envp: null_terminated(&envp),
+            cwd: &cwd,
+            stdio: [
+                stdin_child.as_raw_fd(),
+                stdout_child.as_raw_fd(),
+                stderr_child.as_raw_fd(),
+            ],
+            sandbox: self.sandbox.as_ref(),
+            failure: Cell::new(None),
+        };
+        let (pid, pidfd) = clone_vfork(&ctx)?;
+        drop((stdin_child, stdout_child, stderr_child));
+        if let Some(failure) = ctx.failure.get() {
+            // It has exited (the parent runs again once the child has exec'd or exited).
+            let mut status = 0;
+            // SAFETY: waits for this process's own child, which nothing else reaps.
+            unsafe { libc::waitpid(pid, &mut status, 0) };
+            return Err(failure.into());
+        }
+        // SAFETY: the pidfd is owned, open, and given to the `AsyncFd` for its whole life.
+        let pidfd =
+            unsafe { AsyncFd::register_with_interest(pidfd, tokio::io::Interest::READABLE) }
+                .map_err(io::Error::from)?;
+        Ok(Child {
+            pid: pid as u32,
+            pidfd: Some(pidfd),
+            stdin: stdin_parent.map(pipe::Sender::from_owned_fd).transpose()?,
+            stdout: Some(pipe::Receiver::from_owned_fd(stdout_parent)?),
+            stderr: Some(pipe::Receiver::from_owned_fd(stderr_parent)?),
+            status: None,
+        })
+    }
+
+    /// The paths the child tries to exec, in order: `program` itself if it names a path, else
+    /// it in each directory of the child's `PATH` (as `execvp` searches).
+    fn search_paths(&self, program: &CString) -> io::Result<Vec<CString>> {
+        let bytes = program.as_bytes();
+        if bytes.contains(&b'/') {
+            return Ok(vec![program.clone()]);
+        }
+        let path = self
+            .env
+            .get(OsStr::new("PATH"))
+            .map_or(&b"/usr/local/bin:/usr/bin:/bin"[..], |p| p.as_bytes());
+        path.split(|b| *b == b':')
+            .map(|dir| {
+                let dir = if dir.is_empty() { &b"."[..] } else { dir };
+                c_string(&[dir, b"/", bytes].concat())
+            })
+            .collect()
+    }
+}
+
+fn c_string(bytes: &[u8]) -> io::Result<CString> {
+    CString::new(bytes).map_err(|_| {
+        io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "an argument or variable with a NUL byte",
+        )
+    })
+}
+
+/// The pointers of `strings`, then a null pointer, as `execve` takes them.
+fn null_terminated(strings: &[CString]) -> Vec<*const c_char> {
+    strings
+        .iter()
+        .map(|s| s.as_ptr())
+        .chain(std::iter::once(std::ptr::null()))
+        .collect()
+}
+
+/// A close-on-exec pipe `(read, write)`, both ends numbered 3 or more.
+fn pipe_above_stdio() -> io::Result<(OwnedFd, OwnedFd)> {
+    let (read, write) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)?;
+    Ok((above_stdio(read)?, above_stdio(write)?))
+}
+
+/// `fd`, renumbered to 3 or more if it took the place of a standard stream loopd runs without:
+/// the child's `dup2` onto 0, 1 and 2 then never overwrites another of its sources.
+fn above_stdio(fd: OwnedFd) -> io::Result<OwnedFd> {
+    if fd.as_raw_fd() > 2 {
+        return Ok(fd);
+    }
+    let moved = nix::fcntl::fcntl(&fd, nix::fcntl::FcntlArg::F_DUPFD_CLOEXEC(3))?;
+    // SAFETY: `fcntl` returned a new descriptor, owned by nothing else.
+    Ok(unsafe { OwnedFd::from_raw_fd(moved) })
+}
+
+/// Why a child could not start: the step, and the error of its system call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Failure {
+    pub step: &'static str,
+    pub errno: Option<Errno>,
+}
+
+impl fmt::Display for Failure {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.errno {
+            Some(errno) => write!(f, "{}: {}", self.step, io::Error::from(errno)),
+            None => f.write_str(self.step),
+        }
+    }
+}
+
+impl From<Failure> for io::Error {
+    fn from(failure: Failure) -> io::Error {
+        match failure.errno {
+            // The exec's own error, as std reports it.
+            Some(errno) if failure.step == EXEC => io::Error::from(errno),
+            Some(errno) => io::Error::new(io::Error::from(errno).kind(), failure.to_string()),
+            None => io::Error::other(failure.to_string()),
+        }
+    }
+}
+
+impl Failure {
+    /// The failure of a system call that set `errno`.
+    pub fn os(step: &'static str) -> Failure {
+        Failure {
+            step,
+            errno: Some(Errno::last()),
+        }
+    }
+}
+
+const EXEC: &str = "exec";
+
+/// What the child reads, and the one place it writes.
+struct Ctx<'a> {
+    paths: Vec<*const c_char>,
+    argv: Vec<*const c_char>,
+    envp: Vec<*const c_char>,
+    cwd: &'a CString,
+    stdio: [RawFd; 3],
+    sandbox: Option<&'a sandbox::Prepared>,
+    failure: Cell<Option<Failure>>,
+}
+
+/// Clones the child, which runs [`child_main`] on `ctx`; returns once it has exec'd or exited,
+/// with its pid and pidfd.
+fn clone_vfork(ctx: &Ctx<'_>) -> io::Result<(libc::pid_t, OwnedFd)> {
+    let stack = Stack::map()?;
+    let flags = libc::CLONE_VM | libc::CLONE_VFORK | libc::CLONE_PIDFD | libc::SIGCHLD;
+    let mut pidfd: c_int = -1;
+    let all = nix::sys::signal::SigSet::all();
+    let mut old = nix::sys::signal::SigSet::empty();
+    nix::sys::signal::pthread_sigmask(
+        nix::sys::signal::SigmaskHow::SIG_SETMASK,
+        Some(&all),
+        Some(&mut old),
+    )?;
+    // SAFETY: the child runs `child_main` on a stack of its own that outlives it (the parent
+    // waits, `CLONE_VFORK`, until it has exec'd or exited), and reads `ctx` only, which outlives
+    // it likewise; `CLONE_PIDFD` writes the pidfd to `pidfd`.
+    let pid = unsafe {
+        libc::clone(
+            child_main,
+            stack.top(),
+            flags,
+            ctx as *const Ctx<'_> as *mut c_void,
+            &mut pidfd as *mut c_int,
+        )
+    };
+    let cloned = if pid < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(pid)
+    };
+    nix::sys::signal::pthread_sigmask(nix::sys::signal::SigmaskHow::SIG_SETMASK, Some(&old), None)?;
+    drop(stack);
+    let pid = cloned?;
+    // SAFETY: the kernel gave this process the pidfd, owned by nothing else.
+    Ok((pid, unsafe { OwnedFd::from_raw_fd(pidfd) }))
+}
+
+/// The child's stack: pages of its own, mapped as it touches them, above a guard page.
+struct Stack(*mut c_void);
+
+impl Stack {
+    fn map() -> io::Result<Stack> {
+        // SAFETY: a new private mapping, which nothing else refers to.
+        unsafe {
+            let base = libc::mmap(
+                std::ptr::null_mut(),
+                GUARD + STACK,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_STACK | libc::MAP_NORESERVE,
+                -1,
+                0,
+            );
+            if base == libc::MAP_FAILED {
+                return Err(io::Error::last_os_error());
+            }
+            let stack = Stack(base);
+            if libc::mprotect(base, GUARD, libc::PROT_NONE) != 0 {
+                return Err(io::Error::last_os_error());
+            }
+            Ok(stack)
+        }
+    }
+
+    /// Where the stack starts: its end (it grows down), which a page boundary aligns as the ABI
+    /// asks.
+    fn top(&self) -> *mut c_void {
+        self.0.wrapping_byte_add(GUARD + STACK)
+    }
+}
+
+impl Drop for Stack {
+    fn drop(&mut self) {
+        // SAFETY: unmaps the mapping `map` made, which no child runs on any more.
+        unsafe { libc::munmap(self.0, GUARD + STACK) };
+    }
+}
+
+/// The child: from the clone to the exec, system calls only (see the module's rules).
+extern "C" fn child_main(arg: *mut c_void) -> c_int {
+    // SAFETY: `arg` is the `Ctx` the parent passed, alive while it waits.
+    let ctx = unsafe { &*(arg as *const Ctx<'_>) };
+    let failure = prepare_and_exec(ctx);
+    ctx.failure.set(Some(failure));
+    // SAFETY: ends the child without running anything of the parent's (no atexit, no flush).
+    unsafe { libc::_exit(127) }
+}
+
+/// Returns only if the child could not start, with why.
+fn prepare_and_exec(ctx: &Ctx<'_>) -> Failure {
+    // SAFETY (the whole function): system calls on descriptors, strings and arrays the parent
+    // made for the child.
+    unsafe {
+        // No handler of loopd's may run in the child: each one installed is reset, and SIGPIPE,
+        // which Rust programs ignore, is given back its default as std does for its children.
+        for signal in 1..libc::SIGRTMAX() + 1 {
+            let mut action: libc::sigaction = std::mem::zeroed();
+            if libc::sigaction(signal, std::ptr::null(), &mut action) != 0 {
+                continue;
+            }
+            let handled = !matches!(action.sa_sigaction, libc::SIG_DFL | libc::SIG_IGN);
+            if handled || signal == libc::SIGPIPE {
+                let mut default: libc::sigaction = std::mem::zeroed();
+                default.sa_sigaction = libc::SIG_DFL;
+                libc::sigaction(signal, &default, std::ptr::null_mut());
+            }
+        }
+        for (target, fd) in ctx.stdio.iter().enumerate() {
+            if libc::dup2(*fd, target as c_int) < 0 {
+                return Failure::os("dup2");
+            }
+        }
+        if libc::setpgid(0, 0) != 0 {
+            return Failure::os("setpgid");
+        }
+        if libc::chdir(ctx.cwd.as_ptr()) != 0 {
+            return Failure::os("chdir");
+        }
+        if let Some(sandbox) = ctx.sandbox
+            && let Err(failure) = sandbox.enter()
+        {
+            return failure;
+        }
+        let mut none: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut none);
+        libc::pthread_sigmask(libc::SIG_SETMASK, &none, std::ptr::null_mut());
+        // As `execvp`: a path that is not there, or not a file one may run, lets the search go
+        // on; the first such denial is what is reported if no path runs.
+        let mut failure = Failure {
+            step: EXEC,
+            errno: Some(Errno::ENOENT),
+        };
+        let mut denied = false;
+        for path in ctx.paths.iter().take_while(|p| !p.is_null()) {
+            libc::execve(*path, ctx.argv.as_ptr(), ctx.envp.as_ptr());
+            let errno = Errno::last();
+            match errno {
+                Errno::EACCES if !denied => {
+                    denied = true;
+                    failure.errno = Some(errno);
+                }
+                Errno::EACCES | Errno::ENOENT | Errno::ENOTDIR => {}
+                _ => {
+                    failure.errno = Some(errno);
+                    return failure;
+                }
+            }
+        }
+        failure
+    }
+}
+
+/// A started process: its pipes, and its pidfd to wait on. Dropped before it was reaped, it is
+/// killed (SIGKILL, its group left to its owner) and reaped when it has gone.
+pub struct Child {
+    pid: u32,
+    pidfd: Option<AsyncFd<OwnedFd>>,
+    pub stdin: Option<pipe::Sender>,
+    pub stdout: Option<pipe::Receiver>,
+    pub stderr: Option<pipe::Receiver>,
+    status: Option<ExitStatus>,
+}
+
+impl Child {
+    pub fn id(&self) -> u32 {
+        self.pid
+    }
+
+    /// Waits for the process to exit and reaps it. Cancel-safe: the status, once taken, is kept.
+    pub async fn wait(&mut self) -> io::Result<ExitStatus> {
+        loop {
+            if let Some(status) = self.status {
+                return Ok(status);
+            }
+            let Some(pidfd) = &self.pidfd else {
+                return Err(io::Error::other("the child's pidfd is gone"));
+            };
+            let mut ready = pidfd.readable().await?;
+            match reap(self.pid)? {
+                Some(status) => self.status = Some(status),
+                None => ready.clear_ready(),
+            }
+        }
+    }
+}
+
+/// Reaps `pid`, a child of this process, if it has exited.
+fn reap(pid: u32) -> io::Result<Option<ExitStatus>> {
+    let mut status = 0;
+    // SAFETY: waits, without blocking, for this process's own child.
+    match unsafe { libc::waitpid(pid as libc::pid_t, &mut status, libc::WNOHANG) } {
+        0 => Ok(None),
+        n if n < 0 => Err(io::Error::last_os_error()),
+        _ => Ok(Some(ExitStatus::from_raw(status))),
+    }
+}
+
+impl Drop for Child {
+    fn drop(&mut self) {
+        if self.status.is_some() || matches!(reap(self.pid), Ok(Some(_)) | Err(_)) {
+            return;
+        }
+        // Not reaped, so the pid is still this child's.
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(self.pid as i32),
+            nix::sys::signal::Signal::SIGKILL,
+        );
+        let (pid, pidfd) = (self.pid, self.pidfd.take());
+        if let (Ok(runtime), Some(pidfd)) = (tokio::runtime::Handle::try_current(), pidfd) {
+            runtime.spawn(async move {
+                let _ = pidfd.readable().await;
+                let _ = reap(pid);
+            });
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    async fn read_all(pipe: Option<pipe::Receiver>) -> String {
+        let mut text = String::new();
+        pipe.unwrap().read_to_string(&mut text).await.unwrap();
+        text
+    }
+
+    fn script(dir: &Path, name: &str, body: &str, mode: u32) -> PathBuf {
+        use std::os::unix::fs::PermissionsExt;
+        let path = dir.join(name);
+        std::fs::write(&path, format!("#!/bin/sh\n{body}\n")).unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode)).unwrap();
+        path
+    }
+
+    #[tokio::test]
+    async fn a_child_gets_its_arguments_environment_directory_and_pipes() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut child = Command::new("sh")
+            .args([
+                "-c",
+                "read line; echo \"$line $1 $GREETING $(pwd)\"; echo err >&2; exit 3",
+                "sh",
+                "arg",
+            ])
+            .env("GREETING", "hello")
+            .current_dir(dir.path())
+            .stdin(Stdin::Piped)
+            .spawn()
+            .unwrap();
+        let mut stdin = child.stdin.take().unwrap();
+        stdin.write_all(b"prompt\n").await.unwrap();
+        drop(stdin);
+        let (out, err) = (child.stdout.take(), child.stderr.take());
+        let (out, err) = tokio::join!(read_all(out), read_all(err));
+        let status = child.wait().await.unwrap();
+        let cwd = dir.path().canonicalize().unwrap();
+        assert_eq!(out, format!("prompt arg hello {}\n", cwd.display()));
+        assert_eq!(err, "err\n");
+        assert_eq!(status.code(), Some(3));
+    }
+
+    #[tokio::test]
+    async fn a_child_leads_its_group_with_no_signal_blocked_nor_sigpipe_ignored() {
+        // A handler of the parent's own, which must not be the child's.
+        let _handler =
+            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::user_defined1()).unwrap();
+        let mut child = Command::new("sh")
+            .args([
+                "-c",
+                "echo $$; ps -o pgid= -p $$; grep -E '^Sig(Blk|Ign):' /proc/self/status",
+            ])
+            .spawn()
+            .unwrap();
+        let out = read_all(child.stdout.take()).await;
+        assert!(child.wait().await.unwrap().success());
+        let lines: Vec<&str> = out.lines().map(str::trim).collect();
+        assert_eq!(lines[0], child.id().to_string(), "{out}");
+        assert_eq!(lines[1], lines[0], "its own process group: {out}");
+        let mask = |name: &str| {
+            let line = lines.iter().find(|l| l.starts_with(name)).unwrap();
+            u64::from_str_radix(line.split_whitespace().nth(1).unwrap(), 16).unwrap()
+        };
+        assert_eq!(mask("SigBlk:"), 0, "{out}");
+        assert_eq!(mask("SigIgn:") & (1 << (libc::SIGPIPE - 1)), 0, "{out}");
+    }
+
+    #[tokio::test]
+    async fn the_path_search_skips_what_cannot_run_and_a_missing_program_is_an_error() {
+        let (first, second) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        script(first.path(), "agent", "echo not runnable", 0o644);
+        script(second.path(), "agent", "echo ran", 0o755);
+        let path = format!("{}:{}", first.path().display(), second.path().display());
+        let mut child = Command::new("agent").env("PATH", &path).spawn().unwrap();
+        assert_eq!(read_all(child.stdout.take()).await, "ran\n");
+        assert!(child.wait().await.unwrap().success());
+
+        let only_denied = first.path().display().to_string();
+        let denied = Command::new("agent")
+            .env("PATH", only_denied)
+            .spawn()
+            .err()
+            .unwrap();
+        assert_eq!(denied.kind(), io::ErrorKind::PermissionDenied, "{denied}");
+        let missing = Command::new("no-such-agent")
+            .env("PATH", &path)
+            .spawn()
+            .err()
+            .unwrap();
+        assert_eq!(missing.kind(), io::ErrorKind::NotFound, "{missing}");
+        let bad_dir = Command::new("true")
+            .current_dir("/no/such/dir")
+            .spawn()
+            .err()
+            .unwrap();
+        assert!(bad_dir.to_string().starts_with("chdir: "), "{bad_dir}");
+    }
+
+    #[tokio::test]
+    async fn a_child_dropped_before_its_end_is_killed_and_reaped() {
+        let child = Command::new("sleep").arg("600").spawn().unwrap();
+        let pid = child.id();
+        drop(child);
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while Path::new(&format!("/proc/{pid}")).exists() {
+            assert!(std::time::Instant::now() < deadline, "{pid} still there");
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+    }
+}
