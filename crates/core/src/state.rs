@@ -344,11 +344,13 @@ pub trait WorkflowPart: Serialize + serde::de::DeserializeOwned + Default {
 impl SkillState {
     /// The workflow's own fields as its typed view; why they do not fit it, if they do not.
     pub fn try_part<P: WorkflowPart>(&self) -> Result<P, String> {
-        let mine: Map<String, Value> = P::KEYS
+        // Read where they are: a workflow's fields (its tasks, its notes) are read several
+        // times an action, and a copy of them cost as much as the reading.
+        let mine = P::KEYS
             .iter()
-            .filter_map(|k| Some(((*k).to_owned(), self.part.get(*k)?.clone())))
-            .collect();
-        serde_json::from_value(Value::Object(mine)).map_err(|e| e.to_string())
+            .filter_map(|k| Some((*k, self.part.get(*k)?)));
+        P::deserialize(serde::de::value::MapDeserializer::<_, serde_json::Error>::new(mine))
+            .map_err(|e| e.to_string())
     }
 
     /// The workflow's own fields as its typed view (its defaults, where they do not fit: a state
