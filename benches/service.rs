@@ -28,7 +28,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{Project, alive, config, env_num, tempdir};
+use common::{Project, alive, config, cpu_ticks, env_num, tempdir, tick_ms};
 
 /// Plans 20 tasks, then every action records its pid and takes 0.2 s; validation never passes,
 /// so the loop goes on (debug, develop...) until its iteration limit.
@@ -93,15 +93,6 @@ fn wait(what: &str, mut cond: impl FnMut() -> bool) {
         assert!(Instant::now() < deadline, "timed out waiting for {what}");
         std::thread::sleep(POLL);
     }
-}
-
-/// The service's own CPU time (utime + stime) in clock ticks.
-fn cpu_ticks(pid: u32) -> u64 {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).expect("stat");
-    let fields: Vec<&str> = stat[stat.rfind(')').expect("comm") + 2..]
-        .split_whitespace()
-        .collect();
-    fields[11].parse::<u64>().expect("utime") + fields[12].parse::<u64>().expect("stime")
 }
 
 fn status_kib(pid: u32, key: &str) -> u64 {
@@ -204,12 +195,7 @@ fn run_baseline(agent: &str, window: Duration) -> (f64, Project) {
     let (ticks1, actions1) = (cpu_ticks(pid), l.actions_finished());
     let _ = l.project.loopd().args(["stop", &l.id]).status();
     let _ = child.0.wait();
-    let tick_ms = 1000.0
-        / nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK)
-            .ok()
-            .flatten()
-            .unwrap_or(100) as f64;
-    let per_action = (ticks1 - ticks0) as f64 * tick_ms / (actions1 - actions0).max(1) as f64;
+    let per_action = (ticks1 - ticks0) as f64 * tick_ms() / (actions1 - actions0).max(1) as f64;
     (per_action, l.project)
 }
 
@@ -284,12 +270,7 @@ fn main() {
     let pss = pss_kib(pid);
     let threads = status_kib(pid, "Threads:");
     let actions = actions1 - actions0;
-    let tick_ms = 1000.0
-        / nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK)
-            .ok()
-            .flatten()
-            .unwrap_or(100) as f64;
-    let cpu_per_action = (ticks1 - ticks0) as f64 * tick_ms / actions as f64;
+    let cpu_per_action = (ticks1 - ticks0) as f64 * tick_ms() / actions as f64;
 
     // Pause and stop under load: from the raw write to the executor gone.
     let mut paused = Vec::new();

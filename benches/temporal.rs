@@ -6,7 +6,9 @@
 //!      worker in this process ([`loopd_temporal::reference`]): time per activity;
 //!   b) one loop of `STEPS` actions (an init that plans `STEPS - 3` tasks, a develop each, a
 //!      validate, a complete) on Temporal with one worker: time per action, from `create` to
-//!      the workflow's end; and the same loop on the file driver (`loopd run`);
+//!      the workflow's end, and the worker's CPU per action (its own; with its executors'); and
+//!      the same loop on the file driver (`loopd run`), with its CPU per action (`create` and
+//!      `run`, with their executors');
 //!   c) stop latency: a loop whose develop action is a shell that becomes `sleep 1000`; from the
 //!      spawn of `loopd --temporal ADDR stop ID` to the executor gone (p50, p99);
 //!   d) throughput: `LOOPS` loops of 5 actions each over 3 workers: actions per second;
@@ -25,7 +27,7 @@ use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use common::temporal::{Workers, finished};
-use common::{Project, alive, env_num, median, ms};
+use common::{Project, alive, cpu_ticks_with_children, env_num, median, ms, tick_ms};
 
 /// Plans `$TASKS` tasks at init; every action succeeds at once. Develop writes its pid to
 /// `develop.pid` and becomes `sleep 1000` when `hold` exists.
@@ -71,16 +73,29 @@ fn main() {
     let tasks = steps - 3;
     let p = project(tasks);
     let workers = Workers::start(&p, &server.address, 1);
+    let worker = workers.processes[0].0.id();
     let mut on_temporal = Vec::new();
+    let worker_cpu0 = cpu_ticks_with_children(worker);
     for _ in 0..3 {
         let started = Instant::now();
         let id = create(&p, &server.address);
         rt.block_on(finished(config, &id));
         on_temporal.push(ms(started.elapsed()) / steps as f64);
     }
+    let worker_cpu1 = cpu_ticks_with_children(worker);
     drop(workers);
+    let per_action = |ticks: u64| ticks as f64 * tick_ms() / (3 * steps) as f64;
+    let worker_own = per_action(worker_cpu1.0 - worker_cpu0.0);
+    let worker_tree = per_action(worker_cpu1.1 - worker_cpu0.1);
     let on_temporal = median(&mut on_temporal);
     let mut on_files = Vec::new();
+    let children = || {
+        let usage = nix::sys::resource::getrusage(nix::sys::resource::UsageWho::RUSAGE_CHILDREN)
+            .expect("getrusage");
+        let us = |t: nix::sys::time::TimeVal| t.tv_sec() as f64 * 1e3 + t.tv_usec() as f64 / 1e3;
+        us(usage.user_time()) + us(usage.system_time())
+    };
+    let files_cpu0 = children();
     for _ in 0..3 {
         let id = p.create(steps);
         let started = Instant::now();
@@ -92,11 +107,17 @@ fn main() {
         );
         on_files.push(ms(started.elapsed()) / steps as f64);
     }
+    // `create` runs a loopd too: its CPU is the file driver's from its start to its end.
+    let files_tree = (children() - files_cpu0) / (3 * steps) as f64;
     let on_files = median(&mut on_files);
     println!(
         "b) a loop of {steps} actions: {on_temporal:.1} ms per action on Temporal ({:.2}x the bare \
          workflow), {on_files:.1} ms on the file driver (median of 3)",
         on_temporal / bare
+    );
+    println!(
+        "b) CPU per action: the worker {worker_own:.2} ms, with its executors {worker_tree:.2} ms; \
+         `loopd create` and `loopd run` with theirs {files_tree:.2} ms"
     );
 
     // c) Stop latency.

@@ -225,3 +225,31 @@ pub fn git(dir: &std::path::Path, args: &[&str]) {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// The CPU time of process `pid` in clock ticks ([`tick_ms`]): its own (utime + stime), and with
+/// that of its children it has waited for (cutime + cstime).
+pub fn cpu_ticks_with_children(pid: u32) -> (u64, u64) {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).expect("stat");
+    let fields: Vec<u64> = stat[stat.rfind(')').expect("comm") + 2..]
+        .split_whitespace()
+        .skip(11)
+        .take(4)
+        .map(|f| f.parse().expect("a CPU time"))
+        .collect();
+    let own = fields[0] + fields[1];
+    (own, own + fields[2] + fields[3])
+}
+
+/// The CPU time of process `pid`, its own (utime + stime), in clock ticks.
+pub fn cpu_ticks(pid: u32) -> u64 {
+    cpu_ticks_with_children(pid).0
+}
+
+/// A clock tick, in ms.
+pub fn tick_ms() -> f64 {
+    1000.0
+        / nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK)
+            .ok()
+            .flatten()
+            .unwrap_or(100) as f64
+}
