@@ -266,6 +266,9 @@ struct Seen {
     state: Arc<LoopState>,
     /// Its control fields, once a watcher asked for them.
     control: std::sync::OnceLock<Option<Control>>,
+    /// The object it was written from, when this process wrote it: the next write on it takes
+    /// it rather than parse the bytes again (a daemon's every write is made on its last one).
+    object: Mutex<Option<Map<String, Value>>>,
 }
 
 /// The memory of the last versions ([`Store::last`]) of the state directory `path`, shared by
@@ -345,6 +348,15 @@ impl Store {
     }
 
     /// The parse of `bytes` if they are the last version seen of `id`.
+    /// The object the remembered version `bytes` was written from, taken (one write uses it).
+    fn take_object(&self, id: &str, bytes: &[u8]) -> Option<Map<String, Value>> {
+        let seen = lock(&self.last).get(id)?.clone();
+        if seen.bytes != bytes {
+            return None;
+        }
+        lock(&seen.object).take()
+    }
+
     fn remembered(&self, id: &str, bytes: &[u8]) -> Option<Arc<LoopState>> {
         if !self.memory {
             return None;
@@ -354,7 +366,15 @@ impl Store {
         (seen.bytes == bytes).then(|| seen.state.clone())
     }
 
-    fn remember(&self, id: &str, bytes: Vec<u8>, state: Arc<LoopState>) {
+    /// Remembers a version this process read or wrote: its bytes, its typed view, and the
+    /// object that made them when it wrote them.
+    fn remember(
+        &self,
+        id: &str,
+        bytes: Vec<u8>,
+        state: Arc<LoopState>,
+        object: Option<Map<String, Value>>,
+    ) {
         if !self.memory {
             return;
         }
@@ -362,6 +382,7 @@ impl Store {
             bytes,
             state,
             control: Default::default(),
+            object: Mutex::new(object),
         };
         lock(&self.last).insert(id.to_owned(), Arc::new(seen));
     }
@@ -476,7 +497,7 @@ impl Store {
             match parse_state(&path, &bytes) {
                 Ok(state) => {
                     let state = Arc::new(state);
-                    self.remember(id, bytes.clone(), state.clone());
+                    self.remember(id, bytes.clone(), state.clone(), None);
                     return Ok((bytes, state));
                 }
                 // Another program may be half-way through rewriting the file in place.

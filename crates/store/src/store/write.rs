@@ -218,15 +218,18 @@ impl Store {
         let path = self.state_path(id);
         let name = state_name(id);
         // What is in place now, and the version to make the change on (its bytes and typed
-        // view: the object to change is parsed anew from the bytes, which costs no more than a
-        // copy of a parse kept in memory, and a service keeps none per loop).
+        // view; its object, taken from this process's write of it, else parsed from the bytes).
         let (mut in_place, mut base) = self.read(id)?;
         let mut made_on = in_place.clone();
+        let mut object = self.take_object(id, &in_place);
         for round in 1.. {
-            let mut raw = parse_object(&made_on).map_err(|reason| StoreError::Corrupt {
-                path: path.clone(),
-                reason,
-            })?;
+            let mut raw = match object.take() {
+                Some(raw) => raw,
+                None => parse_object(&made_on).map_err(|reason| StoreError::Corrupt {
+                    path: path.clone(),
+                    reason,
+                })?,
+            };
             change(&mut raw, &base);
             raw.insert("updated_at".into(), Value::String(now_rfc3339()));
             let value = Value::Object(raw);
@@ -248,13 +251,15 @@ impl Store {
                     reason: e.to_string(),
                 })
             })?;
-            drop(value);
+            let Value::Object(written) = value else {
+                unreachable!("made as an object")
+            };
             let state = Arc::new(state);
             // The last round writes whatever happened, rather than fail the write.
             let expected = (round < WRITE_RACE_RETRIES).then_some(in_place.as_slice());
             // Known as this store's version before it is in place: a watcher that reads it
             // need not parse it again (see [`Store::read_control`]).
-            let remember = || self.remember(id, bytes.clone(), state.clone());
+            let remember = || self.remember(id, bytes.clone(), state.clone(), Some(written));
             let spare = self.take_spare(id);
             let replaced = swap_in(dir, &name, &bytes, expected, spare, remember)
                 .map_err(|e| not_written(io_err(&path)(e)))?;
