@@ -925,15 +925,14 @@ fn on_temporal(
             text,
             after,
             race,
-        }) => {
-            if !after.is_empty() || !race.is_empty() {
-                return Err(usage(
-                    "--after and --race are for loops on this machine; a loop on Temporal \
-                     develops its tasks one at a time, in order, by one executor",
-                ));
-            }
-            change(id, Change::Task(text.clone()))?
-        }
+        }) => change(
+            id,
+            Change::Task(loopd_core::control::NewTask {
+                text: text.clone(),
+                after: Some(after.clone()),
+                race: race.clone(),
+            }),
+        )?,
         Command::Set { id, limits } => change(id, temporal::set_limits(limits)?)?,
         _ => unreachable!("a command of a loop"),
     }))

@@ -714,6 +714,97 @@ fi"#,
 }
 
 #[test]
+fn tasks_added_on_temporal_say_what_they_need_and_only_what_they_need_waits() {
+    let Some(mut fleet) = Fleet::new() else {
+        return;
+    };
+    fleet.single_action_workers(&["w0", "w1"]);
+    // The first develop waits (at most 30 s) while the test adds tasks.
+    fleet.step(
+        r#"if [ "$LOOPD_ACTION" = develop ] && [ ! -e "$MARKS/held" ]; then
+  : > "$MARKS/held"
+  i=0; while [ ! -e "$MARKS/go" ] && [ $i -lt 1500 ]; do sleep 0.02; i=$((i+1)); done
+fi"#,
+    );
+    let id = fleet.create(&["--title", "needs", "--parallel", "2", "--task", "first"]);
+    wait_until("the first develop", FLEET_DEADLINE, || {
+        fleet.mark("held").exists()
+    });
+    let add = |args: &[&str]| {
+        let out = fleet
+            .temporal
+            .command(&fleet.p, &[&["task", "add", &id], args].concat());
+        assert_eq!(code(&out), 0, "task add {args:?}: {}", stderr(&out));
+        stdout(&out).trim().to_owned()
+    };
+    let first = "task-001";
+    let second = add(&["second"]);
+    let third = add(&["third", "--after", first]);
+    let fourth = add(&["fourth", "--after", &second]);
+    // What a loop on Temporal cannot do is refused in one line, and nothing is added.
+    for (args, said) in [
+        (
+            vec!["fifth", "--after", "task-099"],
+            "--after task-099: loop",
+        ),
+        (
+            vec!["fifth", "--race", "fake"],
+            "--race is for loops on this machine",
+        ),
+    ] {
+        let out = fleet
+            .temporal
+            .command(&fleet.p, &[&["task", "add", &id], &args[..]].concat());
+        assert_eq!(code(&out), 2, "{}", stderr(&out));
+        assert!(stderr(&out).contains(said), "{}", stderr(&out));
+    }
+    // The second (which needs nothing) and the third (which needs the first) wait for each
+    // other (at most 20 s) and say how many they met; the fourth says whether the second's
+    // change was in its tree when it started.
+    fleet.step(&format!(
+        r#"if [ "$LOOPD_ACTION" = develop ]; then case "$LOOPD_TASK_ID" in
+  {second}|{third}) if [ ! -e "$MARKS/met-$LOOPD_TASK_ID" ]; then
+    mkdir -p "$MARKS/meet"; : > "$MARKS/meet/$LOOPD_TASK_ID"
+    i=0; while [ "$(ls "$MARKS/meet" | wc -l)" -lt 2 ] && [ $i -lt 1000 ]; do sleep 0.02; i=$((i+1)); done
+    ls "$MARKS/meet" | wc -l | tr -d ' ' > "$MARKS/met-$LOOPD_TASK_ID"
+  fi ;;
+  {fourth}) [ -e "$MARKS/saw" ] || {{ grep -qx {second} work.txt && echo yes || echo no; }} > "$MARKS/saw" ;;
+esac; fi"#
+    ));
+    std::fs::write(fleet.mark("go"), "").expect("write go");
+    fleet.wait_completed(std::slice::from_ref(&id));
+    for task in [&second, &third] {
+        let met = std::fs::read_to_string(fleet.mark(&format!("met-{task}"))).unwrap();
+        assert_eq!(met.trim(), "2", "{task} ran alone");
+    }
+    let saw = std::fs::read_to_string(fleet.mark("saw")).unwrap();
+    assert_eq!(
+        saw.trim(),
+        "yes",
+        "the fourth started before the second was merged"
+    );
+    let state = fleet.state(&id);
+    let tasks = state["skill_state"]["develop"]["tasks"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    let needs = |task: &str| {
+        tasks
+            .iter()
+            .find(|t| t["id"] == task)
+            .map(|t| t["after"].clone())
+            .unwrap_or_default()
+    };
+    assert_eq!(needs(&second), serde_json::json!([]), "{tasks:?}");
+    assert_eq!(needs(&fourth), serde_json::json!([second]), "{tasks:?}");
+    assert!(
+        tasks.iter().all(|t| t["status"] == "completed"),
+        "{tasks:?}"
+    );
+    assert_eq!(tasks.len(), 4, "{tasks:?}");
+}
+
+#[test]
 fn a_stop_ends_every_attempt_of_a_batch_on_temporal() {
     let Some(mut fleet) = Fleet::new() else {
         return;

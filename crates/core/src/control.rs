@@ -145,6 +145,64 @@ impl Control {
     }
 }
 
+/// One more task, as `task add` asks for it: its text, the tasks it needs done first, the
+/// executors that each try it.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(from = "NewTaskAsSaid")]
+pub struct NewTask {
+    pub text: String,
+    /// The tasks it needs done first; `None` when a change does not say (its text alone, as
+    /// loopd said it before `--after`), which keeps the task list's order.
+    pub after: Option<Vec<String>>,
+    pub race: Vec<String>,
+}
+
+impl NewTask {
+    /// A task that needs no other, tried by the loop's executor.
+    pub fn text(text: impl Into<String>) -> NewTask {
+        NewTask {
+            text: text.into(),
+            after: Some(Vec::new()),
+            race: Vec::new(),
+        }
+    }
+}
+
+/// A [`NewTask`] as a change said it: its text alone (loops on Temporal keep such changes in
+/// their histories, which every later build replays), or whole.
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum NewTaskAsSaid {
+    Text(String),
+    Whole {
+        text: String,
+        after: Option<Vec<String>>,
+        #[serde(default)]
+        race: Vec<String>,
+    },
+}
+
+impl From<NewTaskAsSaid> for NewTask {
+    fn from(said: NewTaskAsSaid) -> NewTask {
+        match said {
+            NewTaskAsSaid::Text(text) => NewTask {
+                text,
+                after: None,
+                race: Vec::new(),
+            },
+            NewTaskAsSaid::Whole { text, after, race } => NewTask { text, after, race },
+        }
+    }
+}
+
+/// Checks that each task `after` names is one of loop `id`'s (`known`).
+pub fn check_after(id: &str, after: &[String], known: impl Fn(&str) -> bool) -> Result<(), String> {
+    match after.iter().find(|t| !known(t)) {
+        Some(unknown) => Err(format!("--after {unknown}: loop {id} has no such task")),
+        None => Ok(()),
+    }
+}
+
 /// One change, as a command asks for it.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub enum Change {
@@ -152,7 +210,7 @@ pub enum Change {
     /// The next action of an interactive loop.
     Next(String),
     /// One more task for the loop's task list.
-    Task(String),
+    Task(NewTask),
     /// The answer to the question an executor asked.
     Answer(String),
     Set(SetLimits),
@@ -164,7 +222,13 @@ impl std::fmt::Display for Change {
         match self {
             Change::Control(what) => f.write_str(what.verb()),
             Change::Next(action) => write!(f, "next: {action}"),
-            Change::Task(text) => write!(f, "task add: {text}"),
+            Change::Task(task) => {
+                write!(f, "task add: {}", task.text)?;
+                match task.after.as_deref() {
+                    Some([]) | None => Ok(()),
+                    Some(after) => write!(f, " (after {})", after.join(", ")),
+                }
+            }
             Change::Answer(text) => write!(f, "answer: {text}"),
             Change::Set(set) => {
                 let limits = [
@@ -301,6 +365,34 @@ fn check_text(what: &str, text: &str) -> Result<(), String> {
 mod tests {
     use super::*;
     use crate::state::SkillState;
+
+    #[test]
+    fn a_task_change_said_by_its_text_alone_keeps_the_lists_order_and_a_whole_one_says_its_needs() {
+        // As the histories of loops on Temporal keep it from before `--after`.
+        let old: Change = serde_json::from_str(r#"{"Task":"a third"}"#).unwrap();
+        let Change::Task(old) = old else {
+            panic!("a task change")
+        };
+        assert_eq!((old.text.as_str(), old.after), ("a third", None));
+        let new = Change::Task(NewTask {
+            text: "a fourth".into(),
+            after: Some(vec!["task-001".into(), "task-003".into()]),
+            race: Vec::new(),
+        });
+        let said = serde_json::to_string(&new).unwrap();
+        assert_eq!(serde_json::from_str::<Change>(&said).unwrap(), new);
+        assert_eq!(
+            new.to_string(),
+            "task add: a fourth (after task-001, task-003)"
+        );
+        assert_eq!(Change::Task(NewTask::text("x")).to_string(), "task add: x");
+        let known = |t: &str| t == "task-001";
+        assert_eq!(check_after("L", &["task-001".into()], known), Ok(()));
+        assert_eq!(
+            check_after("L", &["task-001".into(), "task-009".into()], known),
+            Err("--after task-009: loop L has no such task".into())
+        );
+    }
 
     fn limits() -> Limits {
         Limits {

@@ -122,12 +122,8 @@ pub fn add_task(
         .unwrap_or_default();
     if !after.is_empty() {
         let listed = p.store.read_tasks(id)?.tasks;
-        let known = |t: &String| taken.contains(t) || listed.iter().any(|l| &l.id == t);
-        if let Some(unknown) = after.iter().find(|t| !known(t)) {
-            return Err(usage(format!(
-                "--after {unknown}: loop {id} has no such task"
-            )));
-        }
+        let known = |t: &str| taken.iter().any(|k| k == t) || listed.iter().any(|l| l.id == t);
+        rules::check_after(id, after, known).map_err(usage)?;
     }
     let how = loopd_store::tasks::NewTasks { after, race };
     let task_id = p.store.add_tasks(id, &[text], &how, &taken)?.remove(0);

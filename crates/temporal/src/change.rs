@@ -31,8 +31,14 @@ impl LoopInput {
                 state.next_action = Some(action.clone());
                 json!({ "loop_id": id, "next_action": action })
             }
-            Change::Task(text) => {
-                let text = rules::check_task(state, &id, text)?;
+            Change::Task(new) => {
+                if !new.race.is_empty() {
+                    return Err(format!(
+                        "--race is for loops on this machine; loop {id} on Temporal develops \
+                         each task with one executor"
+                    ));
+                }
+                let text = rules::check_task(state, &id, &new.text)?;
                 // Numbered past every task the loop or its task list has had.
                 let wf = workflow_of(state);
                 let taken = state
@@ -40,6 +46,10 @@ impl LoopInput {
                     .as_ref()
                     .map(|s| wf.task_ids(s))
                     .unwrap_or_default();
+                let listed = |t: &str| self.tasks.iter().any(|l| l.id == t);
+                rules::check_after(&id, new.after.as_deref().unwrap_or_default(), |t| {
+                    taken.iter().any(|k| k == t) || listed(t)
+                })?;
                 let number = next_task_number(
                     taken
                         .iter()
@@ -49,6 +59,7 @@ impl LoopInput {
                 let task = ListedTask {
                     id: task_id(number),
                     description: text.to_owned(),
+                    after: new.after.clone(),
                     ..ListedTask::default()
                 };
                 let value = json!({ "loop_id": id, "task_id": task.id });
@@ -106,7 +117,7 @@ impl LoopInput {
 
 #[cfg(test)]
 mod tests {
-    use loopd_core::control::Control;
+    use loopd_core::control::{Control, NewTask};
     use loopd_core::state::{Mode, SkillState, Status};
 
     use super::*;
@@ -140,7 +151,9 @@ mod tests {
             id: task_id(2),
             ..ListedTask::default()
         });
-        let said = input.change(&Change::Task(" more ".into()), "T").unwrap();
+        let said = input
+            .change(&Change::Task(NewTask::text(" more ")), "T")
+            .unwrap();
         assert_eq!(said["task_id"], "task-003");
         assert_eq!(input.tasks[1].description, "more");
     }
