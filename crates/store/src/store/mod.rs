@@ -258,6 +258,10 @@ pub struct Store {
     memory: bool,
 }
 
+/// Up to how many loops remembered the object of a version is kept with it (see
+/// [`Store::remember`]).
+const OBJECTS_FOR_LOOPS: usize = 8;
+
 /// A version of a state file, and its typed view (shared with the daemon's copy of its fields:
 /// a service keeps one per loop, not several).
 #[derive(Debug)]
@@ -367,7 +371,9 @@ impl Store {
     }
 
     /// Remembers a version this process read or wrote: its bytes, its typed view, and the
-    /// object that made them when it wrote them.
+    /// object that made them when it wrote them, while it remembers few loops (an object takes
+    /// tens of KiB: a service of hundreds of loops would hold MiBs of them for no gain it could
+    /// measure).
     fn remember(
         &self,
         id: &str,
@@ -378,13 +384,15 @@ impl Store {
         if !self.memory {
             return;
         }
+        let mut last = lock(&self.last);
+        let object = object.filter(|_| last.len() <= OBJECTS_FOR_LOOPS);
         let seen = Seen {
             bytes,
             state,
             control: Default::default(),
             object: Mutex::new(object),
         };
-        lock(&self.last).insert(id.to_owned(), Arc::new(seen));
+        last.insert(id.to_owned(), Arc::new(seen));
     }
 
     /// The state directory's path, for people and other programs.
@@ -590,6 +598,59 @@ mod tests {
         };
         store.create(&state).unwrap();
         (dir, store)
+    }
+
+    /// A write made on the version this process wrote last starts from the object it was
+    /// written from (the same object its bytes parse to), and another program's edit of the file
+    /// in between is never lost to it; past a few loops, no object is kept.
+    #[test]
+    fn a_write_on_this_processs_last_version_starts_from_its_object_and_only_then() {
+        let (dir, store) = running_loop();
+        let set = |key: &str, value: Value| {
+            store
+                .update("l1", false, |raw, _| {
+                    raw.insert(key.into(), value.clone());
+                })
+                .unwrap();
+        };
+        set("current_iteration", 1.into());
+        let path = store.state_path("l1");
+        let bytes = fs::read(&path).unwrap();
+        let object = store
+            .take_object("l1", &bytes)
+            .expect("the object of its last write");
+        assert_eq!(
+            Value::Object(object),
+            serde_json::from_slice::<Value>(&bytes).unwrap()
+        );
+        assert!(
+            store.take_object("l1", &bytes).is_none(),
+            "one write takes it"
+        );
+        set("current_iteration", 2.into());
+        // Another program's edit: the next write parses the file it finds.
+        let mut edited: Value = serde_json::from_slice(&fs::read(&path).unwrap()).unwrap();
+        edited["their_field"] = "kept".into();
+        fs::write(&path, serde_json::to_vec_pretty(&edited).unwrap()).unwrap();
+        set("current_iteration", 3.into());
+        let written: Value = serde_json::from_slice(&fs::read(&path).unwrap()).unwrap();
+        assert_eq!(
+            (&written["their_field"], &written["current_iteration"]),
+            (&Value::from("kept"), &Value::from(3))
+        );
+        // A process that remembers many loops keeps no object.
+        for n in 2..=OBJECTS_FOR_LOOPS + 1 {
+            let state = LoopState {
+                loop_id: format!("l{n}"),
+                status: Status::Running,
+                ..LoopState::default()
+            };
+            store.create(&state).unwrap();
+            store.update(&state.loop_id, false, |_, _| {}).unwrap();
+        }
+        set("current_iteration", 4.into());
+        assert!(store.take_object("l1", &fs::read(&path).unwrap()).is_none());
+        drop(dir);
     }
 
     /// The temporary files of a directory.
