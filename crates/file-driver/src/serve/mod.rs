@@ -656,7 +656,9 @@ impl Supervisor {
             async move {
                 let me = format!("{} serve", std::process::id());
                 let taken = tokio::task::spawn_blocking(move || {
-                    let p = Project::open(Some(&root), config_flag.as_deref())?;
+                    let mut p = Project::open(Some(&root), config_flag.as_deref())?;
+                    // Hundreds of loops: no object of each one's last version is kept.
+                    p.store = p.store.clone().without_objects();
                     let state = p.load(&id)?;
                     // The executor it was started with, as `resume` remembers it.
                     let executor = state.skill_state.as_ref().and_then(|s| s.executor.clone());

@@ -256,11 +256,10 @@ pub struct Store {
     backup_failing: Arc<Mutex<std::collections::HashSet<String>>>,
     /// Whether reads are remembered in `last` (see [`Store::without_memory`]).
     memory: bool,
+    /// Whether the versions it writes are remembered with their objects (see
+    /// [`Store::without_objects`]).
+    objects: bool,
 }
-
-/// Up to how many loops remembered the object of a version is kept with it (see
-/// [`Store::remember`]).
-const OBJECTS_FOR_LOOPS: usize = 8;
 
 /// A version of a state file, and its typed view (shared with the daemon's copy of its fields:
 /// a service keeps one per loop, not several).
@@ -298,6 +297,7 @@ impl Store {
             deferred: Arc::default(),
             backup_failing: Arc::default(),
             memory: true,
+            objects: true,
         }
     }
 
@@ -351,6 +351,14 @@ impl Store {
         self
     }
 
+    /// This store, remembering the versions it writes without the objects they were written
+    /// from: for a process that drives many loops (the service), where an object of tens of KiB
+    /// a loop adds up to MiBs for no gain its bench could tell apart.
+    pub fn without_objects(mut self) -> Store {
+        self.objects = false;
+        self
+    }
+
     /// The parse of `bytes` if they are the last version seen of `id`.
     /// The object the remembered version `bytes` was written from, taken (one write uses it).
     fn take_object(&self, id: &str, bytes: &[u8]) -> Option<Map<String, Value>> {
@@ -371,9 +379,7 @@ impl Store {
     }
 
     /// Remembers a version this process read or wrote: its bytes, its typed view, and the
-    /// object that made them when it wrote them, while it remembers few loops (an object takes
-    /// tens of KiB: a service of hundreds of loops would hold MiBs of them for no gain it could
-    /// measure).
+    /// object that made them when it wrote them (unless [`Store::without_objects`]).
     fn remember(
         &self,
         id: &str,
@@ -384,15 +390,13 @@ impl Store {
         if !self.memory {
             return;
         }
-        let mut last = lock(&self.last);
-        let object = object.filter(|_| last.len() <= OBJECTS_FOR_LOOPS);
         let seen = Seen {
             bytes,
             state,
             control: Default::default(),
-            object: Mutex::new(object),
+            object: Mutex::new(object.filter(|_| self.objects)),
         };
-        last.insert(id.to_owned(), Arc::new(seen));
+        lock(&self.last).insert(id.to_owned(), Arc::new(seen));
     }
 
     /// The state directory's path, for people and other programs.
@@ -602,7 +606,7 @@ mod tests {
 
     /// A write made on the version this process wrote last starts from the object it was
     /// written from (the same object its bytes parse to), and another program's edit of the file
-    /// in between is never lost to it; past a few loops, no object is kept.
+    /// in between is never lost to it; a store without objects (the service's) keeps none.
     #[test]
     fn a_write_on_this_processs_last_version_starts_from_its_object_and_only_then() {
         let (dir, store) = running_loop();
@@ -638,18 +642,13 @@ mod tests {
             (&written["their_field"], &written["current_iteration"]),
             (&Value::from("kept"), &Value::from(3))
         );
-        // A process that remembers many loops keeps no object.
-        for n in 2..=OBJECTS_FOR_LOOPS + 1 {
-            let state = LoopState {
-                loop_id: format!("l{n}"),
-                status: Status::Running,
-                ..LoopState::default()
-            };
-            store.create(&state).unwrap();
-            store.update(&state.loop_id, false, |_, _| {}).unwrap();
-        }
-        set("current_iteration", 4.into());
-        assert!(store.take_object("l1", &fs::read(&path).unwrap()).is_none());
+        let service = Store::new(dir.path(), ".").without_objects();
+        service.update("l1", false, |_, _| {}).unwrap();
+        assert!(
+            service
+                .take_object("l1", &fs::read(&path).unwrap())
+                .is_none()
+        );
         drop(dir);
     }
 
