@@ -170,23 +170,25 @@ impl Command {
         drop((stdin_child, stdout_child, stderr_child));
         if let Some(failure) = ctx.failure.get() {
             // It has exited (the parent runs again once the child has exec'd or exited).
-            let mut status = 0;
-            // SAFETY: waits for this process's own child, which nothing else reaps.
-            unsafe { libc::waitpid(pid, &mut status, 0) };
+            end(pid);
             return Err(failure.into());
         }
-        // SAFETY: the pidfd is owned, open, and given to the `AsyncFd` for its whole life.
-        let pidfd =
-            unsafe { AsyncFd::register_with_interest(pidfd, tokio::io::Interest::READABLE) }
-                .map_err(io::Error::from)?;
-        Ok(Child {
-            pid: pid as u32,
-            pidfd: Some(pidfd),
-            stdin: stdin_parent.map(pipe::Sender::from_owned_fd).transpose()?,
-            stdout: Some(pipe::Receiver::from_owned_fd(stdout_parent)?),
-            stderr: Some(pipe::Receiver::from_owned_fd(stderr_parent)?),
-            status: None,
-        })
+        let child = (|| {
+            // SAFETY: the pidfd is owned, open, and given to the `AsyncFd` for its whole life.
+            let pidfd =
+                unsafe { AsyncFd::register_with_interest(pidfd, tokio::io::Interest::READABLE) }
+                    .map_err(io::Error::from)?;
+            io::Result::Ok(Child {
+                pid: pid as u32,
+                pidfd: Some(pidfd),
+                stdin: stdin_parent.map(pipe::Sender::from_owned_fd).transpose()?,
+                stdout: Some(pipe::Receiver::from_owned_fd(stdout_parent)?),
+                stderr: Some(pipe::Receiver::from_owned_fd(stderr_parent)?),
+                status: None,
+            })
+        })();
+        // A child whose pipes or pidfd could not be set up is not left running.
+        child.inspect_err(|_| end(pid))
     }
 
     /// The paths the child tries to exec, in order: `program` itself if it names a path, else
@@ -442,6 +444,16 @@ fn prepare_and_exec(ctx: &Ctx<'_>) -> Failure {
             }
         }
         failure
+    }
+}
+
+/// Kills `pid`, a child of this process nothing else reaps, and reaps it.
+fn end(pid: libc::pid_t) {
+    let mut status = 0;
+    // SAFETY: signals and waits for this process's own child, not reaped yet.
+    unsafe {
+        libc::kill(pid, libc::SIGKILL);
+        libc::waitpid(pid, &mut status, 0);
     }
 }
 
