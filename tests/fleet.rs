@@ -35,6 +35,14 @@ esac
 echo "$r" > "$LOOPD_RESULT_FILE"
 "#;
 
+/// A step's wait of a develop for another task's to run at the same time (at most 20 s), once per
+/// task: it then says in `$MARKS/met-TASK` how many it met (2 when they ran at once).
+const MEET: &str = r#"if [ ! -e "$MARKS/met-$LOOPD_TASK_ID" ]; then
+  mkdir -p "$MARKS/meet"; : > "$MARKS/meet/$LOOPD_TASK_ID"
+  i=0; while [ "$(ls "$MARKS/meet" | wc -l)" -lt 2 ] && [ $i -lt 1000 ]; do sleep 0.02; i=$((i+1)); done
+  ls "$MARKS/meet" | wc -l | tr -d ' ' > "$MARKS/met-$LOOPD_TASK_ID"
+fi"#;
+
 /// A project in a git repository whose remote is a bare repository of the test, workers in
 /// directories of their own, and a Temporal server.
 struct Fleet {
@@ -251,6 +259,14 @@ impl Fleet {
 
     fn mark(&self, name: &str) -> PathBuf {
         self.marks.join(name)
+    }
+
+    /// Checks that the develops of `tasks` ran at the same time (their [`MEET`] met 2).
+    fn assert_met(&self, tasks: &[&str]) {
+        for task in tasks {
+            let met = std::fs::read_to_string(self.mark(&format!("met-{task}"))).unwrap();
+            assert_eq!(met.trim(), "2", "{task} ran alone");
+        }
     }
 }
 
@@ -670,21 +686,13 @@ fn tasks_developed_at_once_run_on_several_workers_and_are_merged_on_the_remote()
         return;
     };
     fleet.single_action_workers(&["w0", "w1", "w2"]);
-    // Each develop waits for the other task's to be there at once (at most 20 s), and says how
-    // many it met.
-    fleet.step(
-        r#"if [ "$LOOPD_ACTION" = develop ] && [ ! -e "$MARKS/met-$LOOPD_TASK_ID" ]; then
-  mkdir -p "$MARKS/meet"; : > "$MARKS/meet/$LOOPD_TASK_ID"
-  i=0; while [ "$(ls "$MARKS/meet" | wc -l)" -lt 2 ] && [ $i -lt 1000 ]; do sleep 0.02; i=$((i+1)); done
-  ls "$MARKS/meet" | wc -l | tr -d ' ' > "$MARKS/met-$LOOPD_TASK_ID"
-fi"#,
-    );
+    // Each develop waits for the other task's to be there at once, and says how many it met.
+    fleet.step(&format!(
+        r#"if [ "$LOOPD_ACTION" = develop ]; then {MEET}; fi"#
+    ));
     let id = fleet.create_two_at_once("at once");
     fleet.wait_completed(std::slice::from_ref(&id));
-    for task in ["task-001", "task-002"] {
-        let met = std::fs::read_to_string(fleet.mark(&format!("met-{task}"))).unwrap();
-        assert_eq!(met.trim(), "2", "{task} ran alone");
-    }
+    fleet.assert_met(&["task-001", "task-002"]);
     // Both appended to work.txt at the same place: the first was merged, the second went back to
     // its agent and was developed again on the merged tree. Neither side was dropped.
     let branch = format!("loopd/{id}");
@@ -763,20 +771,13 @@ fi"#,
     // change was in its tree when it started.
     fleet.step(&format!(
         r#"if [ "$LOOPD_ACTION" = develop ]; then case "$LOOPD_TASK_ID" in
-  {second}|{third}) if [ ! -e "$MARKS/met-$LOOPD_TASK_ID" ]; then
-    mkdir -p "$MARKS/meet"; : > "$MARKS/meet/$LOOPD_TASK_ID"
-    i=0; while [ "$(ls "$MARKS/meet" | wc -l)" -lt 2 ] && [ $i -lt 1000 ]; do sleep 0.02; i=$((i+1)); done
-    ls "$MARKS/meet" | wc -l | tr -d ' ' > "$MARKS/met-$LOOPD_TASK_ID"
-  fi ;;
+  {second}|{third}) {MEET} ;;
   {fourth}) [ -e "$MARKS/saw" ] || {{ grep -qx {second} work.txt && echo yes || echo no; }} > "$MARKS/saw" ;;
 esac; fi"#
     ));
     std::fs::write(fleet.mark("go"), "").expect("write go");
     fleet.wait_completed(std::slice::from_ref(&id));
-    for task in [&second, &third] {
-        let met = std::fs::read_to_string(fleet.mark(&format!("met-{task}"))).unwrap();
-        assert_eq!(met.trim(), "2", "{task} ran alone");
-    }
+    fleet.assert_met(&[&second, &third]);
     let saw = std::fs::read_to_string(fleet.mark("saw")).unwrap();
     assert_eq!(
         saw.trim(),
