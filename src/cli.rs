@@ -927,11 +927,7 @@ fn on_temporal(
             race,
         }) => change(
             id,
-            Change::Task(loopd_core::control::NewTask {
-                text: text.clone(),
-                after: Some(after.clone()),
-                race: race.clone(),
-            }),
+            Change::Task(loopd_core::control::NewTask::new(text, after, race)),
         )?,
         Command::Set { id, limits } => change(id, temporal::set_limits(limits)?)?,
         _ => unreachable!("a command of a loop"),

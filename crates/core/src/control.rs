@@ -158,12 +158,13 @@ pub struct NewTask {
 }
 
 impl NewTask {
-    /// A task that needs no other, tried by the loop's executor.
-    pub fn text(text: impl Into<String>) -> NewTask {
+    /// A task as `task add` says it: needing the tasks `after` names (none: nothing), tried by
+    /// each executor of `race` (none: the loop's).
+    pub fn new(text: impl Into<String>, after: &[String], race: &[String]) -> NewTask {
         NewTask {
             text: text.into(),
-            after: Some(Vec::new()),
-            race: Vec::new(),
+            after: Some(after.to_vec()),
+            race: race.to_vec(),
         }
     }
 }
@@ -374,18 +375,21 @@ mod tests {
             panic!("a task change")
         };
         assert_eq!((old.text.as_str(), old.after), ("a third", None));
-        let new = Change::Task(NewTask {
-            text: "a fourth".into(),
-            after: Some(vec!["task-001".into(), "task-003".into()]),
-            race: Vec::new(),
-        });
+        let new = Change::Task(NewTask::new(
+            "a fourth",
+            &["task-001".into(), "task-003".into()],
+            &[],
+        ));
         let said = serde_json::to_string(&new).unwrap();
         assert_eq!(serde_json::from_str::<Change>(&said).unwrap(), new);
         assert_eq!(
             new.to_string(),
             "task add: a fourth (after task-001, task-003)"
         );
-        assert_eq!(Change::Task(NewTask::text("x")).to_string(), "task add: x");
+        assert_eq!(
+            Change::Task(NewTask::new("x", &[], &[])).to_string(),
+            "task add: x"
+        );
         let known = |t: &str| t == "task-001";
         assert_eq!(check_after("L", &["task-001".into()], known), Ok(()));
         assert_eq!(

@@ -576,7 +576,7 @@ mod tests {
         let mut child = Command::new("sh")
             .args([
                 "-c",
-                "echo $$; ps -o pgid= -p $$; grep -E '^Sig(Blk|Ign):' /proc/self/status",
+                "echo $$; cut -d' ' -f5 /proc/$$/stat; grep -E '^Sig(Blk|Ign):' /proc/self/status",
             ])
             .spawn()
             .unwrap();

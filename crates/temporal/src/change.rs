@@ -152,7 +152,7 @@ mod tests {
             ..ListedTask::default()
         });
         let said = input
-            .change(&Change::Task(NewTask::text(" more ")), "T")
+            .change(&Change::Task(NewTask::new(" more ", &[], &[])), "T")
             .unwrap();
         assert_eq!(said["task_id"], "task-003");
         assert_eq!(input.tasks[1].description, "more");

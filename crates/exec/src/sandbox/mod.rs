@@ -8,9 +8,10 @@
 //! spawn, from paths it opens itself ([`Policy::prepare`]), with the attempt's view of the file
 //! system ([`view`]), made once in a user and mount namespace of a helper's and kept ([`cache`]);
 //! the attempt's child joins them and enters the ruleset, between its clone and its exec, with
-//! system calls that allocate nothing ([`Prepared::enter`], [`crate::spawn`]). Landlock domains are inherited and cannot be left: a grandchild in a new
-//! session, or a program that drops every variable, is held as its parent is; and a process in one
-//! may not change mounts, so the view holds too. Landlock grants, it does not deny: what is hidden
+//! system calls that allocate nothing ([`Prepared::enter`], [`crate::spawn`]). Landlock domains
+//! are inherited and cannot be left: a grandchild in a new session, or a program that drops every
+//! variable, is held as its parent is; and a process in one may not change mounts, so the view
+//! holds too. Landlock grants, it does not deny: what is hidden
 //! is every path but the hidden ones, so the directories on the way to a hidden path are granted
 //! entry by entry ([`readable`]), and a hidden path declared readable is granted again. Its scopes
 //! (ABI 6) keep signals and abstract Unix sockets within the attempt; pathname sockets are refused

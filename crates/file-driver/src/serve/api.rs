@@ -878,11 +878,11 @@ async fn add_task(
     body: std::result::Result<Json<NewTask>, JsonRejection>,
 ) -> ApiResult<(StatusCode, Json<Value>)> {
     let (UrlPath(id), Query(place), Json(task)) = (id?, place?, body?);
-    let change = Change::Task(loopd_core::control::NewTask {
-        text: task.text.clone(),
-        after: Some(task.after.clone()),
-        race: task.race.clone(),
-    });
+    let change = Change::Task(loopd_core::control::NewTask::new(
+        &task.text,
+        &task.after,
+        &task.race,
+    ));
     let local = move |p: &Project, id: &str| {
         let value = crate::control::add_task(p, id, &task.text, &task.after, &task.race)?;
         Ok((StatusCode::CREATED, Json(value)))

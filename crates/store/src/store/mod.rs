@@ -359,7 +359,6 @@ impl Store {
         self
     }
 
-    /// The parse of `bytes` if they are the last version seen of `id`.
     /// The object the remembered version `bytes` was written from, taken (one write uses it).
     fn take_object(&self, id: &str, bytes: &[u8]) -> Option<Map<String, Value>> {
         let seen = lock(&self.last).get(id)?.clone();
@@ -369,6 +368,7 @@ impl Store {
         lock(&seen.object).take()
     }
 
+    /// The parse of `bytes` if they are the last version seen of `id`.
     fn remembered(&self, id: &str, bytes: &[u8]) -> Option<Arc<LoopState>> {
         if !self.memory {
             return None;
