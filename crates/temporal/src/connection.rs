@@ -146,6 +146,8 @@ impl Endpoint {
                 "onnection reset",
                 "connection closed",
                 "UnexpectedEof",
+                // hyper's word when the connection ended before the request could go out
+                "connection was not ready",
             ]
             .iter()
             .any(|n| has(n))
