@@ -137,13 +137,14 @@ impl Endpoint {
             next = e.source();
         }
         let at = &self.address;
-        let has = |needle: &str| chain.contains(needle);
+        let chain = chain.to_lowercase();
+        let has = |needle: &str| chain.contains(&needle.to_lowercase());
         let closed = || {
             [
                 "BrokenPipe",
                 "broken pipe",
                 "ConnectionReset",
-                "onnection reset",
+                "connection reset",
                 "connection closed",
                 "UnexpectedEof",
                 // hyper's word when the connection ended before the request could go out
@@ -375,5 +376,39 @@ mod tests {
         let endpoint = resolve(&keyed, ClientConfigProfile::default());
         assert_eq!(endpoint.api_key.as_deref(), Some("secret-key"));
         assert!(endpoint.tls());
+    }
+
+    #[test]
+    fn each_way_a_connection_is_hung_up_on_reads_as_closed() {
+        // What the SDK said when the server closed the connection in the handshake, on the
+        // first write, or between the handshake and the first call (a CI run's own words).
+        let forms = [
+            "transport error: Connection reset by peer (os error 104)",
+            "transport error: Broken pipe (os error 32)",
+            "`get_system_info` call error after connection: Status { code: Cancelled, message: \
+             \"operation was canceled\", source: Some(tonic::transport::Error(Transport, \
+             hyper::Error(Canceled, \"connection was not ready\"))) }",
+        ];
+        let tls = resolve(
+            &TemporalConfig {
+                tls: Some(true),
+                ..config("127.0.0.1:7233")
+            },
+            ClientConfigProfile::default(),
+        );
+        let plain = resolve(&config("127.0.0.1:7233"), ClientConfigProfile::default());
+        for form in forms {
+            let error = std::io::Error::other(form);
+            let said = tls.explain(&error).to_string();
+            assert!(
+                said.contains("asks for a client certificate"),
+                "{form}: {said}"
+            );
+            let said = plain.explain(&error).to_string();
+            assert!(
+                said.contains("if it speaks TLS, set tls = true"),
+                "{form}: {said}"
+            );
+        }
     }
 }
