@@ -925,10 +925,13 @@ fn on_temporal(
             text,
             after,
             race,
-        }) => change(
-            id,
-            Change::Task(loopd_core::control::NewTask::new(text, after, race)),
-        )?,
+        }) => {
+            loopd_file_driver::worktree::check_race_names(&project, race)?;
+            change(
+                id,
+                Change::Task(loopd_core::control::NewTask::new(text, after, race)),
+            )?
+        }
         Command::Set { id, limits } => change(id, temporal::set_limits(limits)?)?,
         _ => unreachable!("a command of a loop"),
     }))

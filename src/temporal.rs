@@ -374,12 +374,7 @@ pub fn create(p: &Project, config: &TemporalConfig, args: &CreateArgs, json: boo
         ));
     }
     refuse_parallel(&args.limits, args.remote.is_some())?;
-    if !args.race.is_empty() {
-        return Err(usage(
-            "--race is for loops on this machine; a loop on Temporal develops each task with one \
-             executor",
-        ));
-    }
+    check_race(p, &args.race, args.remote.is_some())?;
     let id = loopd_store::store::new_id();
     let state = loopd_file_driver::create::new_state(p, args, &id, None)?;
     let git = match &args.remote {
@@ -406,6 +401,11 @@ pub fn create(p: &Project, config: &TemporalConfig, args: &CreateArgs, json: boo
         state,
         tasks,
         executor: None,
+        // Each try of a race travels through the remote.
+        race: match git {
+            Some(_) => p.config.race.clone(),
+            None => Vec::new(),
+        },
         limits: p.config.limits(),
         retry: p.config.retry_policy(),
         history_limit: config.history_limit,
@@ -647,6 +647,20 @@ fn refuse_parallel(limits: &Limits, remote: bool) -> Result<()> {
              through the loop's git remote"
         ))),
         _ => Ok(()),
+    }
+}
+
+/// Refuses a race the loop's workers could not run: executors this project does not configure
+/// (as on this machine), or a loop without a git remote (each executor's try travels through
+/// it).
+pub fn check_race(p: &Project, race: &[String], remote: bool) -> Result<()> {
+    loopd_file_driver::worktree::check_race_names(p, race)?;
+    match race.is_empty() || remote {
+        true => Ok(()),
+        false => Err(usage(
+            "--race on Temporal needs --remote: each executor's try travels through the loop's \
+             git remote",
+        )),
     }
 }
 

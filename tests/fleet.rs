@@ -37,10 +37,11 @@ echo "$r" > "$LOOPD_RESULT_FILE"
 
 /// A step's wait of a develop for another task's to run at the same time (at most 20 s), once per
 /// task: it then says in `$MARKS/met-TASK` how many it met (2 when they ran at once).
-const MEET: &str = r#"if [ ! -e "$MARKS/met-$LOOPD_TASK_ID" ]; then
-  mkdir -p "$MARKS/meet"; : > "$MARKS/meet/$LOOPD_TASK_ID"
+/// `$WHO` names the one that waits, when it is not the task (a racing executor).
+const MEET: &str = r#"who=${WHO:-$LOOPD_TASK_ID}; if [ ! -e "$MARKS/met-$who" ]; then
+  mkdir -p "$MARKS/meet"; : > "$MARKS/meet/$who"
   i=0; while [ "$(ls "$MARKS/meet" | wc -l)" -lt 2 ] && [ $i -lt 1000 ]; do sleep 0.02; i=$((i+1)); done
-  ls "$MARKS/meet" | wc -l | tr -d ' ' > "$MARKS/met-$LOOPD_TASK_ID"
+  ls "$MARKS/meet" | wc -l | tr -d ' ' > "$MARKS/met-$who"
 fi"#;
 
 /// A project in a git repository whose remote is a bare repository of the test, workers in
@@ -63,7 +64,8 @@ impl Fleet {
     }
 
     /// [`Fleet::new`], with more settings of the loops' executor: `sandbox = "off"` where a
-    /// test's agent injects a fault into its worker (the sandbox would stop it there).
+    /// test's agent injects a fault into its worker (the sandbox would stop it there), or more
+    /// executors (`@MARKS@` in them is `$MARKS`).
     fn with_executor(settings: &str) -> Option<Fleet> {
         let bin = temporal_bin()?;
         let p = Project::new(AGENT);
@@ -71,6 +73,7 @@ impl Fleet {
         let places = tempfile::tempdir().expect("tempdir");
         let remote = places.path().join("remote.git");
         std::fs::create_dir_all(&marks).expect("mkdir marks");
+        let settings = settings.replace("@MARKS@", &marks.display().to_string());
         p.config(&format!(
             "retry_backoff = 0.01\naction_retries = 12\nexecutor = \"fake\"\nmax_errors = 20\n\
              [executor_defaults]\nkill_grace = 0.5\n\n\
@@ -757,7 +760,7 @@ fi"#,
         ),
         (
             vec!["fifth", "--race", "fake"],
-            "--race is for loops on this machine",
+            "a race needs at least two executors",
         ),
     ] {
         let out = fleet
@@ -803,6 +806,85 @@ esac; fi"#
         "{tasks:?}"
     );
     assert_eq!(tasks.len(), 4, "{tasks:?}");
+}
+
+#[test]
+fn a_race_on_temporal_runs_each_executor_on_its_own_worker_and_merges_the_best() {
+    // Executors `a` and `b` (the fleet's agent, told which it is): `a` makes a small change its
+    // check rates 40%, `b` a larger one rated 100%.
+    let racers = ["a", "b"]
+        .map(|n| {
+            format!(
+                "[executors.{n}]\ncommand = [\"sh\", \"bin/agent.sh\", \"{n}\"]\n\
+                 prompt = \"stdin\"\nformat = \"json\"\n\
+                 env = {{ MARKS = \"@MARKS@\" }}\nsandbox_writable = [\"@MARKS@\"]\n"
+            )
+        })
+        .concat();
+    let Some(mut fleet) = Fleet::with_executor(&racers) else {
+        return;
+    };
+    fleet.single_action_workers(&["w0", "w1"]);
+    // What a loop on Temporal cannot race is refused in one line.
+    for (args, said) in [
+        (
+            vec!["--task", "x", "--race", "a", "--race", "b"],
+            "--race on Temporal needs --remote",
+        ),
+        (vec!["--task", "x", "--race", "a"], "at least two executors"),
+        (vec!["--task", "x", "--race", "a", "--race", "nope"], "nope"),
+    ] {
+        let out = fleet
+            .temporal
+            .command(&fleet.p, &[&["create"], &args[..]].concat());
+        assert_eq!(code(&out), 2, "{args:?}: {}", stderr(&out));
+        assert!(stderr(&out).contains(said), "{args:?}: {}", stderr(&out));
+    }
+    fleet.step(&format!(
+        r#"case "$LOOPD_ACTION:$1" in
+  develop:a|develop:b) WHO=$1; {MEET}
+    if [ "$1" = a ]; then echo a > impl.txt; else printf 'b\nmore\n' > impl.txt; fi
+    echo "{{\"status\":\"success\",\"summary\":\"$1 did it\"}}" > "$LOOPD_RESULT_FILE"; exit 0 ;;
+  validate:*) if grep -q b impl.txt 2>/dev/null; then r=100; p=true; else r=40; p=false; fi
+    echo "{{\"status\":\"success\",\"state_updates\":{{\"passed\":$p,\"pass_rate\":$r}}}}" > "$LOOPD_RESULT_FILE"; exit 0 ;;
+esac"#
+    ));
+    let id = fleet.create(&[
+        "--title", "race", "--task", "race me", "--race", "a", "--race", "b",
+    ]);
+    fleet.wait_completed(std::slice::from_ref(&id));
+    fleet.assert_met(&["a", "b"]);
+
+    // The winner is merged; the other's work stays on the remote as a checkpoint of its own.
+    let branch = format!("loopd/{id}");
+    let show = |what: &str| git(&fleet.remote, &["show", what]);
+    assert_eq!(show(&format!("{branch}:impl.txt")), "b\nmore");
+    assert_eq!(show(&format!("refs/loopd/{id}/1-develop-a:impl.txt")), "a");
+    assert_eq!(
+        show(&format!("refs/loopd/{id}/1-develop-b:impl.txt")),
+        "b\nmore"
+    );
+    let state = fleet.state(&id);
+    let history = state["skill_state"]["action_history"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    let ran = |action: &str| {
+        history
+            .iter()
+            .filter(|h| h["action"] == action && h["iteration"] == 1)
+            .count()
+    };
+    // Two tries of the task, and the check of each tree.
+    assert_eq!((ran("develop"), ran("validate")), (2, 2), "{history:?}");
+    let tasks = state["skill_state"]["develop"]["tasks"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    assert_eq!(tasks.len(), 1, "{tasks:?}");
+    assert_eq!(tasks[0]["status"], "completed", "{tasks:?}");
+    assert_eq!(state["race"], serde_json::json!(["a", "b"]), "{state}");
+    assert_eq!(state["skill_state"]["outcome"], "passed", "{state}");
 }
 
 #[test]

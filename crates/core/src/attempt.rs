@@ -380,6 +380,53 @@ pub fn finish(
     end
 }
 
+/// The pass rate a check action's result gives a tree, as the workflow reads it once applied to
+/// a copy of `state` (a race's check changes nothing of the loop's); none for a check that did
+/// not succeed.
+pub fn pass_rate_of(
+    workflow: &dyn Workflow,
+    state: &LoopState,
+    check: &Dispatch,
+    finish: &Finish,
+    now: &str,
+) -> Option<f64> {
+    if !matches!(finish, Finish::Success(_)) {
+        return None;
+    }
+    let mut scratch = state.clone();
+    let inputs = Inputs {
+        now: now.to_owned(),
+        ..Inputs::default()
+    };
+    self::finish(workflow, &mut scratch, check, finish, &inputs);
+    workflow.pass_rate(&scratch, &check.action)
+}
+
+/// One executor's try in a race of executors on a task, as the choice sees it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Entrant {
+    pub succeeded: bool,
+    /// What the check gave its tree, when one ran.
+    pub pass_rate: Option<f64>,
+    /// The size of its change (lines inserted and deleted).
+    pub change: u64,
+}
+
+/// The winner of a race: of the entrants that succeeded, the highest pass rate, then the smaller
+/// change, then the first; none when none succeeded.
+pub fn race_winner(entrants: &[Entrant]) -> Option<usize> {
+    (0..entrants.len())
+        .filter(|&i| entrants[i].succeeded)
+        .max_by(|&a, &b| {
+            let (ea, eb) = (&entrants[a], &entrants[b]);
+            let rate = |e: &Entrant| e.pass_rate.unwrap_or(-1.0);
+            rate(ea)
+                .total_cmp(&rate(eb))
+                .then(eb.change.cmp(&ea.change))
+                .then(b.cmp(&a))
+        })
+}
+
 /// The outcome a history entry gives a task's result that could not be merged into the loop's
 /// tree (tasks developed at once).
 pub const MERGE_CONFLICT: &str = "merge_conflict";
@@ -640,5 +687,25 @@ mod tests {
         let answered = begin(&CcwLoop, &mut state, &dispatch, now);
         assert_eq!(answered, Some(("which db?".into(), "sqlite".into())));
         assert_eq!(state.skill().blocked, None);
+    }
+
+    #[test]
+    fn a_race_is_won_by_the_best_pass_rate_then_the_smaller_change_then_the_first() {
+        let e = |succeeded, pass_rate, change| Entrant {
+            succeeded,
+            pass_rate,
+            change,
+        };
+        assert_eq!(race_winner(&[]), None);
+        assert_eq!(race_winner(&[e(false, Some(100.0), 1)]), None);
+        let rated = [e(true, Some(40.0), 1), e(true, Some(100.0), 9)];
+        assert_eq!(race_winner(&rated), Some(1));
+        let tied = [e(true, Some(80.0), 9), e(true, Some(80.0), 2)];
+        assert_eq!(race_winner(&tied), Some(1));
+        let same = [e(true, None, 3), e(true, None, 3)];
+        assert_eq!(race_winner(&same), Some(0));
+        // A failed entrant's rate does not count; an unchecked success beats no success.
+        let failed = [e(false, Some(100.0), 1), e(true, None, 50)];
+        assert_eq!(race_winner(&failed), Some(1));
     }
 }

@@ -204,6 +204,14 @@ pub fn check_after(id: &str, after: &[String], known: impl Fn(&str) -> bool) -> 
     }
 }
 
+/// Checks that a race has at least two executors, or none.
+pub fn check_race_size(race: &[String]) -> Result<(), String> {
+    match race.len() {
+        1 => Err("a race needs at least two executors, or none".into()),
+        _ => Ok(()),
+    }
+}
+
 /// One change, as a command asks for it.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub enum Change {

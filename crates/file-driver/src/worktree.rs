@@ -102,9 +102,7 @@ pub fn check_race(p: &Project, race: &[String]) -> Result<()> {
     if race.is_empty() {
         return Ok(());
     }
-    p.config
-        .check_race(race)
-        .map_err(|why| usage(format!("--race: {why} (repeat --race for each)")))?;
+    check_race_names(p, race)?;
     check_parallel(p, Some(2)).map_err(|_| {
         usage(format!(
             "--race needs a git repository with checkpoints (each executor tries the task in a \
@@ -112,6 +110,14 @@ pub fn check_race(p: &Project, race: &[String]) -> Result<()> {
             p.root.display()
         ))
     })
+}
+
+/// Refuses a race of fewer than two executors, or of one the project does not configure or
+/// whose name git cannot take into a ref.
+pub fn check_race_names(p: &Project, race: &[String]) -> Result<()> {
+    p.config
+        .check_race(race)
+        .map_err(|why| usage(format!("--race: {why} (repeat --race for each)")))
 }
 
 /// Removes a worktree and its branch, for a loop whose creation failed after it was made.

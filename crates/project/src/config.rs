@@ -793,9 +793,7 @@ impl Config {
     /// Why executors `race` cannot race on a task, if they cannot: fewer than two (none is no
     /// race), one not configured, or a name git cannot take into a checkpoint's ref.
     pub fn check_race(&self, race: &[String]) -> Result<(), String> {
-        if race.len() == 1 {
-            return Err("a race needs at least two executors, or none".into());
-        }
+        loopd_core::control::check_race_size(race)?;
         for name in race {
             self.executor_named(name)?;
             if !name

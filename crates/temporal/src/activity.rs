@@ -48,6 +48,10 @@ pub struct AttemptInput {
     /// of its own, and its checkpoint is pushed as a ref only, for the batch's merge.
     #[serde(default)]
     pub lane: Option<u32>,
+    /// What tells its checkpoint apart from the other lanes' of the same iteration: a racing
+    /// executor's name.
+    #[serde(default)]
+    pub label: Option<String>,
 }
 
 /// A batch's tasks to merge into its loop's tree, on a worker.
@@ -221,6 +225,7 @@ async fn run_attempt(
         executor,
         git,
         lane,
+        label,
     } = input;
     let waiting = Progress {
         action: dispatch.action.clone(),
@@ -388,7 +393,10 @@ async fn run_attempt(
         // Only a success moves the loop on: what a failed or interrupted attempt left stays
         // here, and the next attempt starts from the checkpoint again.
         if matches!(report.verdict, Verdict::Success(_)) && wf.changes_work_tree(&dispatch.action) {
-            let name = format!("{iteration}-{}", dispatch.action);
+            let name = match &label {
+                Some(label) => format!("{iteration}-{}-{label}", dispatch.action),
+                None => format!("{iteration}-{}", dispatch.action),
+            };
             // Made afresh from the last checkpoint, which another worker may have recorded.
             let index = progress_dir.join("checkpoint.index");
             let _ = std::fs::remove_file(&index);

@@ -32,10 +32,11 @@ impl LoopInput {
                 json!({ "loop_id": id, "next_action": action })
             }
             Change::Task(new) => {
-                if !new.race.is_empty() {
+                rules::check_race_size(&new.race)?;
+                if !new.race.is_empty() && self.git.is_none() {
                     return Err(format!(
-                        "--race is for loops on this machine; loop {id} on Temporal develops \
-                         each task with one executor"
+                        "--race: loop {id} on Temporal has no git remote, which each \
+                         executor's try would travel through"
                     ));
                 }
                 let text = rules::check_task(state, &id, &new.text)?;
@@ -60,6 +61,7 @@ impl LoopInput {
                     id: task_id(number),
                     description: text.to_owned(),
                     after: new.after.clone(),
+                    race: new.race.clone(),
                     ..ListedTask::default()
                 };
                 let value = json!({ "loop_id": id, "task_id": task.id });

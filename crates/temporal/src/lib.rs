@@ -67,6 +67,10 @@ pub struct LoopInput {
     pub tasks: Vec<ListedTask>,
     /// Every action's executor, when one was named (`--executor`).
     pub executor: Option<String>,
+    /// The executors that race on each task when the loop names none of its own (the config's
+    /// `race`, for a loop on a git remote).
+    #[serde(default)]
+    pub race: Vec<String>,
     pub limits: Limits,
     pub retry: RetryPolicy,
     /// How many events a run's history may reach before the loop continues as a new run

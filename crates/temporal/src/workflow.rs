@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::time::{Duration, SystemTime};
 
 use chrono::{DateTime, Utc};
-use loopd_core::attempt::{self, AfterAttempt, Attempts, Verdict};
+use loopd_core::attempt::{self, AfterAttempt, Attempts, RetryPolicy, Verdict};
 use loopd_core::state::{LoopState, Status, format_ts};
 use loopd_core::workflow::{self, Decision, Dispatch, Finish, Inputs, LoopEnd, Workflow};
 use serde_json::{Value, json};
@@ -122,6 +122,11 @@ impl LoopWorkflow {
                     .await?;
                 }
                 Decision::Run(dispatch) => {
+                    let racers = ctx.state(|s| racers_of(wf, &s.input, &dispatch));
+                    if !racers.is_empty() {
+                        run_race(ctx, wf, dispatch, racers).await?;
+                        continue;
+                    }
                     let batch = ctx.state(|s| batch_of(wf, &s.input, &dispatch));
                     match batch.is_empty() {
                         true => run_action(ctx, wf, dispatch).await?,
@@ -258,6 +263,7 @@ async fn run_action(
                 .as_ref()
                 .map(|g| (g.clone(), head.unwrap_or_else(|| g.base.clone()))),
             lane: None,
+            label: None,
         };
         let report = {
             let activity = attempt(ctx, input, holder, attempts.attempt > 1);
@@ -360,10 +366,35 @@ fn batch_of(wf: &'static dyn Workflow, input: &LoopInput, first: &Dispatch) -> V
     if batch.len() < 2 { Vec::new() } else { batch }
 }
 
-/// One task of a batch and how it stands.
+/// The executors that race on `dispatch`'s task (the task's own, else the loop's, else the
+/// config's as `create` found it), when at least two do, the loop is in auto mode and its work
+/// tree comes from a git remote (each try's travels through it); else none.
+fn racers_of(wf: &'static dyn Workflow, input: &LoopInput, dispatch: &Dispatch) -> Vec<String> {
+    let state = &input.state;
+    if input.git.is_none() || state.mode() != loopd_core::state::Mode::Auto {
+        return Vec::new();
+    }
+    let racers = wf.racers(
+        state,
+        dispatch,
+        state.race.as_deref().unwrap_or(&input.race),
+    );
+    if racers.len() < 2 { Vec::new() } else { racers }
+}
+
+/// One task of a batch (or one executor's try of a raced task, or the check of it) and how it
+/// stands.
 struct Lane {
     dispatch: Dispatch,
     iteration: u64,
+    /// Its work tree's number on a worker, from 1.
+    number: u32,
+    /// The executor of its attempts, when not the loop's.
+    executor: Option<String>,
+    /// What tells its checkpoints apart from the other lanes' of the iteration (a racer's name).
+    label: Option<String>,
+    /// The commit its attempts start from.
+    base: String,
     attempts: Attempts,
     /// How its attempts ended, once they did.
     end: Option<AfterAttempt>,
@@ -375,11 +406,38 @@ struct Lane {
     ran_by: String,
 }
 
+impl Lane {
+    fn new(
+        number: usize,
+        dispatch: Dispatch,
+        iteration: u64,
+        base: String,
+        retry: RetryPolicy,
+    ) -> Lane {
+        Lane {
+            dispatch,
+            iteration,
+            number: u32::try_from(number).unwrap_or(u32::MAX),
+            executor: None,
+            label: None,
+            base,
+            attempts: Attempts::new(retry),
+            end: None,
+            pause: Duration::ZERO,
+            checkpoint: None,
+            ran_by: String::new(),
+        }
+    }
+
+    fn succeeded(&self) -> bool {
+        matches!(self.end, Some(AfterAttempt::Finish(Finish::Success(_))))
+    }
+}
+
 /// Tasks developed at once, as the file driver develops them (see its `batch`): each attempt an
 /// activity in a work tree of its own at the loop's last checkpoint, on whichever workers take
-/// them, all at once; failed ones tried again as the action's retries allow; then a worker
-/// merges their checkpoints into the loop's tree in task order and pushes the merges; then
-/// each task's result is applied, in task order. A pause or stop ends every attempt.
+/// them, all at once ([`rounds`]); then a worker merges their checkpoints into the loop's tree in
+/// task order and pushes the merges; then each task's result is applied, in task order.
 async fn run_batch(
     ctx: &mut WorkflowContext<LoopWorkflow>,
     wf: &'static dyn Workflow,
@@ -391,33 +449,126 @@ async fn run_batch(
             attempt::begin(wf, &mut s.input.state, dispatch, &at);
         }
     });
-    let (root, executor, retry, git, head, first) = ctx.state(|s| {
-        let input = &s.input;
-        (
-            input.root.clone(),
-            input.executor.clone(),
-            input.retry,
-            input.git.clone(),
-            input.head.clone(),
-            input.state.current_iteration + 1,
-        )
-    });
-    let Some(git) = git else {
+    let Some((git, base, first, retry, executor)) = ctx.state(|s| lanes_at(&s.input)) else {
         return Ok(());
     };
-    let base = head.unwrap_or_else(|| git.base.clone());
     let mut lanes: Vec<Lane> = (first..)
         .zip(batch)
-        .map(|(iteration, dispatch)| Lane {
-            dispatch,
-            iteration,
-            attempts: Attempts::new(retry),
-            end: None,
-            pause: Duration::ZERO,
-            checkpoint: None,
-            ran_by: String::new(),
+        .enumerate()
+        .map(|(i, (iteration, dispatch))| {
+            let lane = Lane::new(i + 1, dispatch, iteration, base.clone(), retry);
+            Lane {
+                executor: executor.clone(),
+                ..lane
+            }
         })
         .collect();
+    if !rounds(ctx, wf, &mut lanes, &git).await? {
+        return Ok(());
+    }
+    merge_batch(ctx, wf, lanes, git, base).await
+}
+
+/// Each of `racers` develops `dispatch`'s task, as the file driver races them (see its
+/// `batch`): a lane each, the same [`rounds`]; then the check action on each tree that
+/// succeeded (a round of its own), and only the best ([`attempt::race_winner`]) merged; the
+/// others stay on the remote as checkpoints (`ITERATION-develop-EXECUTOR`).
+async fn run_race(
+    ctx: &mut WorkflowContext<LoopWorkflow>,
+    wf: &'static dyn Workflow,
+    dispatch: Dispatch,
+    racers: Vec<String>,
+) -> WorkflowResult<()> {
+    let at = format_ts(now(ctx));
+    ctx.state_mut(|s| attempt::begin(wf, &mut s.input.state, &dispatch, &at));
+    let Some((git, base, iteration, retry, executor)) = ctx.state(|s| lanes_at(&s.input)) else {
+        return Ok(());
+    };
+    let mut lanes: Vec<Lane> = racers
+        .into_iter()
+        .enumerate()
+        .map(|(i, racer)| {
+            let lane = Lane::new(i + 1, dispatch.clone(), iteration, base.clone(), retry);
+            Lane {
+                executor: Some(racer.clone()),
+                label: Some(racer),
+                ..lane
+            }
+        })
+        .collect();
+    if !rounds(ctx, wf, &mut lanes, &git).await? {
+        return Ok(());
+    }
+    let succeeded: Vec<usize> = (0..lanes.len()).filter(|&i| lanes[i].succeeded()).collect();
+    let mut rates = vec![None; lanes.len()];
+    if let (Some(check), true) = (wf.check_action(), succeeded.len() > 1) {
+        let mut checks: Vec<Lane> = succeeded
+            .iter()
+            .map(|&i| {
+                let entry = &lanes[i];
+                let tree = entry
+                    .checkpoint
+                    .as_ref()
+                    .map_or_else(|| base.clone(), |c| c.commit.clone());
+                let lane = Lane::new(0, Dispatch::new(check), entry.iteration, tree, retry);
+                Lane {
+                    number: entry.number,
+                    executor: executor.clone(),
+                    label: entry.label.clone(),
+                    ..lane
+                }
+            })
+            .collect();
+        if !rounds(ctx, wf, &mut checks, &git).await? {
+            return Ok(());
+        }
+        let (state, at) = (ctx.state(|s| s.input.state.clone()), format_ts(now(ctx)));
+        for (&i, check) in succeeded.iter().zip(&checks) {
+            if let Some(AfterAttempt::Finish(finish)) = &check.end {
+                rates[i] = attempt::pass_rate_of(wf, &state, &check.dispatch, finish, &at);
+            }
+        }
+    }
+    let entrants: Vec<attempt::Entrant> = lanes
+        .iter()
+        .zip(&rates)
+        .map(|(lane, &pass_rate)| attempt::Entrant {
+            succeeded: lane.succeeded(),
+            pass_rate,
+            change: lane
+                .checkpoint
+                .as_ref()
+                .map_or(u64::MAX, |c| c.insertions + c.deletions),
+        })
+        .collect();
+    // None succeeded: the task ends as its first executor's attempts did.
+    let chosen = attempt::race_winner(&entrants).unwrap_or(0);
+    merge_batch(ctx, wf, vec![lanes.swap_remove(chosen)], git, base).await
+}
+
+/// Where a batch's lanes start: the loop's remote, its last checkpoint, the iteration of the
+/// first lane, the retry policy and the loop's executor; none without a remote.
+fn lanes_at(
+    input: &LoopInput,
+) -> Option<(crate::GitSource, String, u64, RetryPolicy, Option<String>)> {
+    let git = input.git.clone()?;
+    let base = input.head.clone().unwrap_or_else(|| git.base.clone());
+    let first = input.state.current_iteration + 1;
+    Some((git, base, first, input.retry, input.executor.clone()))
+}
+
+/// Runs `lanes`' attempts at once, round after round: each attempt an activity in its lane's
+/// work tree at the lane's base, on whichever workers take them; a failed one tried again as the
+/// action's retries allow, after the longest of the pauses they want. Returns false when a pause
+/// or a stop ended them (every executor is ended by its activity's cancellation): nothing of
+/// theirs is to be applied.
+async fn rounds(
+    ctx: &mut WorkflowContext<LoopWorkflow>,
+    wf: &'static dyn Workflow,
+    lanes: &mut [Lane],
+    git: &crate::GitSource,
+) -> WorkflowResult<bool> {
+    let root = ctx.state(|s| s.input.root.clone());
     loop {
         let state = ctx.state(|s| s.input.state.clone());
         let started_at = format_ts(now(ctx));
@@ -426,15 +577,19 @@ async fn run_batch(
             .collect();
         let inputs: Vec<AttemptInput> = wanting
             .iter()
-            .map(|&i| AttemptInput {
-                root: root.clone(),
-                state: state.clone(),
-                dispatch: lanes[i].dispatch.clone(),
-                iteration: lanes[i].iteration,
-                attempt: lanes[i].attempts.attempt,
-                executor: executor.clone(),
-                git: Some((git.clone(), base.clone())),
-                lane: u32::try_from(i + 1).ok(),
+            .map(|&i| {
+                let lane = &lanes[i];
+                AttemptInput {
+                    root: root.clone(),
+                    state: state.clone(),
+                    dispatch: lane.dispatch.clone(),
+                    iteration: lane.iteration,
+                    attempt: lane.attempts.attempt,
+                    executor: lane.executor.clone(),
+                    git: Some((git.clone(), lane.base.clone())),
+                    lane: Some(lane.number),
+                    label: lane.label.clone(),
+                }
             })
             .collect();
         let reports = {
@@ -494,7 +649,7 @@ async fn run_batch(
             .iter()
             .any(|l| matches!(l.end, Some(AfterAttempt::Interrupted)));
         if interrupted || ctx.state(|s| s.input.state.status != Status::Running) {
-            return Ok(());
+            return Ok(false);
         }
         let pause = lanes
             .iter()
@@ -502,14 +657,13 @@ async fn run_batch(
             .map(|l| l.pause)
             .max();
         let Some(pause) = pause else {
-            break;
+            return Ok(true);
         };
         sleep_unless_controlled(ctx, pause).await;
         if ctx.state(|s| s.input.state.status != Status::Running) {
-            return Ok(());
+            return Ok(false);
         }
     }
-    merge_batch(ctx, wf, lanes, git, base).await
 }
 
 /// A batch's successes merged by a worker, then every task's result applied in task order.

@@ -144,9 +144,7 @@ impl LoopRun<'_> {
             .saturating_sub(state.current_iteration);
         let max = usize::try_from(parallel.min(left)).unwrap_or(usize::MAX);
         let wf = self.engine.workflow;
-        let mut batch = wf.batch(state, first, max);
-        // A task its own executors race runs as a race of its own, when it comes first.
-        batch.retain(|d| d == first || wf.racers(state, d, &[]).is_empty());
+        let batch = wf.batch(state, first, max);
         if batch.len() < 2 { Vec::new() } else { batch }
     }
 
@@ -328,18 +326,18 @@ impl LoopRun<'_> {
                 rates[i] = self.pass_rate_of(&state, check);
             }
         }
-        let size = |e: &Entry<'_>| {
-            lock(&e.lane.recorded)
-                .as_ref()
-                .map_or(u64::MAX, |c| c.insertions + c.deletions)
-        };
-        let winner = succeeded.iter().copied().max_by(|&a, &b| {
-            let rate = |i: usize| rates[i].unwrap_or(-1.0);
-            rate(a)
-                .total_cmp(&rate(b))
-                .then(size(&entries[b]).cmp(&size(&entries[a])))
-                .then(b.cmp(&a))
-        });
+        let entrants: Vec<attempt_rules::Entrant> = entries
+            .iter()
+            .zip(&rates)
+            .map(|(e, &pass_rate)| attempt_rules::Entrant {
+                succeeded: matches!(e.end, Some(AfterAttempt::Finish(Finish::Success(_)))),
+                pass_rate,
+                change: lock(&e.lane.recorded)
+                    .as_ref()
+                    .map_or(u64::MAX, |c| c.insertions + c.deletions),
+            })
+            .collect();
+        let winner = attempt_rules::race_winner(&entrants);
         let said: Vec<serde_json::Value> = entries
             .iter()
             .zip(&rates)
@@ -385,20 +383,13 @@ impl LoopRun<'_> {
             .await
     }
 
-    /// The pass rate a check's result gives, as the workflow reads it after applying it (to a
-    /// copy of the state: a check changes nothing of the loop's).
+    /// The pass rate a check's result gives its tree.
     fn pass_rate_of(&self, state: &LoopState, check: &Entry<'_>) -> Option<f64> {
-        let Some(AfterAttempt::Finish(finish @ Finish::Success(_))) = &check.end else {
+        let Some(AfterAttempt::Finish(finish)) = &check.end else {
             return None;
         };
         let wf = self.engine.workflow;
-        let mut scratch = state.clone();
-        let inputs = Inputs {
-            now: now_rfc3339(),
-            ..Inputs::default()
-        };
-        attempt_rules::finish(wf, &mut scratch, &check.dispatch, finish, &inputs);
-        wf.pass_rate(&scratch, &check.dispatch.action)
+        attempt_rules::pass_rate_of(wf, state, &check.dispatch, finish, &now_rfc3339())
     }
 
     /// The base of a batch (the loop's last checkpoint, recorded first when the tree changed

@@ -224,6 +224,9 @@ impl Workflow for CcwLoop {
             .filter(|(i, t)| {
                 matches!(t.status, TaskStatus::Pending | TaskStatus::InProgress)
                     && t.ready(*i, tasks)
+                    // A task its own executors race runs as a race of its own, when it comes
+                    // first.
+                    && (t.race.is_empty() || t.id == *first_id)
             })
             .take(max)
             .map(|(_, t)| Dispatch {
