@@ -243,6 +243,15 @@ impl Fleet {
         );
     }
 
+    /// Loop `id`'s note `name` as it is at the last checkpoint on its branch.
+    fn notes_at_head(&self, id: &str, name: &str) -> String {
+        let head = git(&self.remote, &["rev-parse", &format!("loopd/{id}")]);
+        git(
+            &self.remote,
+            &["show", &format!("refs/loopd-notes/{id}/{head}:{name}")],
+        )
+    }
+
     /// The pid of the worker process whose descendant `pid` is.
     fn worker_of(&self, pid: u32) -> usize {
         let mut at = pid;
@@ -722,6 +731,38 @@ fn tasks_developed_at_once_run_on_several_workers_and_are_merged_on_the_remote()
         "{history:?}"
     );
     assert_eq!(state["skill_state"]["outcome"], "passed", "{state}");
+    // The notes followed: the first task's from its lane through the merge, the second's from
+    // its attempt on the merged tree; its attempt that conflicted left none.
+    assert_eq!(fleet.notes_at_head(&id, "develop.md"), "task-001\ntask-002");
+}
+
+#[test]
+fn the_notes_of_tasks_developed_at_once_are_merged_with_every_tasks_lines_kept() {
+    let Some(mut fleet) = Fleet::new() else {
+        return;
+    };
+    fleet.single_action_workers(&["w0", "w1"]);
+    // Each develop writes a file of its own (no conflict) and appends to the notes at once.
+    fleet.step(&format!(
+        r#"if [ "$LOOPD_ACTION" = develop ]; then {MEET}
+  echo "$LOOPD_TASK_ID" > "out-$LOOPD_TASK_ID.txt"; echo "$LOOPD_TASK_ID" >> "$LOOPD_PROGRESS_DIR/develop.md"
+  echo '{{"status":"success","summary":"did it"}}' > "$LOOPD_RESULT_FILE"; exit 0
+fi"#
+    ));
+    let id = fleet.create_two_at_once("notes at once");
+    fleet.wait_completed(std::slice::from_ref(&id));
+    fleet.assert_met(&["task-001", "task-002"]);
+    let notes = fleet.notes_at_head(&id, "develop.md");
+    let mut lines: Vec<&str> = notes.lines().collect();
+    lines.sort_unstable();
+    assert_eq!(lines, ["task-001", "task-002"], "{notes}");
+    for task in ["task-001", "task-002"] {
+        let out = git(
+            &fleet.remote,
+            &["show", &format!("loopd/{id}:out-{task}.txt")],
+        );
+        assert_eq!(out, task);
+    }
 }
 
 #[test]

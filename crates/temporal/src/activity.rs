@@ -192,7 +192,7 @@ async fn run_merge(
             match repo.merge(&name, &base_at, &ours, &theirs)? {
                 loopd_exec::checkpoint::Merge::Clean(checkpoint) => {
                     ours = checkpoint.commit.clone();
-                    merges.push(checkpoint.clone());
+                    merges.push((checkpoint.clone(), theirs));
                     report.merged.push((task, checkpoint));
                 }
                 loopd_exec::checkpoint::Merge::Conflict(files) => {
@@ -204,6 +204,10 @@ async fn run_merge(
         Ok((report, merges))
     })
     .await??;
+    let merges = match beating(ctx, &waiting, tree.notes_of_merges(&base, merges)).await {
+        None => anyhow::bail!("cancelled"),
+        Some(merges) => merges?,
+    };
     match beating(ctx, &waiting, tree.push_merges(&source, &merges)).await {
         None => anyhow::bail!("cancelled"),
         Some(pushed) => pushed?,
@@ -409,19 +413,19 @@ async fn run_attempt(
                 }
                 Some(Ok(checkpoint)) => checkpoint,
             };
-            // A task developed at once with others: its checkpoint goes to the batch's merge,
-            // and its tree is no loop's to keep.
-            let pushed = match lane {
-                Some(_) => None,
-                None => match tree.record_notes(&notes).await {
-                    Ok(notes) => Some(notes),
-                    Err(e) => return Ok(AttemptReport::git_failed(id, &e)),
-                },
+            let notes = match tree.record_notes(&notes).await {
+                Ok(notes) => notes,
+                Err(e) => return Ok(AttemptReport::git_failed(id, &e)),
             };
+            // A task developed at once with others: its checkpoint (and its notes) go to the
+            // batch's merge, and its tree is no loop's to keep.
             let pushed = async {
-                match &pushed {
-                    None => tree.push_checkpoint(source, &checkpoint).await,
-                    Some(notes) => tree.push(source, &checkpoint, notes.as_deref()).await,
+                match lane {
+                    Some(_) => {
+                        tree.push_checkpoint(source, &checkpoint, notes.as_deref())
+                            .await
+                    }
+                    None => tree.push(source, &checkpoint, notes.as_deref()).await,
                 }
             };
             match beating(ctx, &waiting, pushed).await {

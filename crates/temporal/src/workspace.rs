@@ -21,7 +21,7 @@
 //! again fetches it.
 
 use loopd_exec::metrics::metrics;
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::fs::File;
 use std::os::unix::fs::DirBuilderExt as _;
 use std::path::{Path, PathBuf};
@@ -385,27 +385,43 @@ impl Tree {
     }
 
     /// Pushes `checkpoint`, of a task developed at once with others, as the loop's checkpoint
-    /// ref only: the loop's branch moves when the batch is merged ([`Tree::push_merges`]).
-    pub async fn push_checkpoint(&self, source: &GitSource, checkpoint: &Checkpoint) -> Result<()> {
-        let refspec = format!(
-            "+{}:refs/loopd/{}/{}",
-            checkpoint.commit, self.id, checkpoint.name
-        );
-        self.push_refs(source, None, &[refspec]).await
+    /// ref only, and `notes` as its notes: the loop's branch moves when the batch is merged
+    /// ([`Tree::push_merges`]).
+    pub async fn push_checkpoint(
+        &self,
+        source: &GitSource,
+        checkpoint: &Checkpoint,
+        notes: Option<&str>,
+    ) -> Result<()> {
+        let commit = &checkpoint.commit;
+        let mut refspecs = vec![format!(
+            "+{commit}:refs/loopd/{}/{}",
+            self.id, checkpoint.name
+        )];
+        refspecs.extend(notes.map(|notes| format!("+{notes}:{}", notes_ref(&self.id, commit))));
+        self.push_refs(source, None, &refspecs).await
     }
 
-    /// Pushes the merges of a batch, each as a checkpoint ref, and the last as the loop's branch,
-    /// at once; refused (with the remote's reason) if the branch moved since it was fetched.
-    pub async fn push_merges(&self, source: &GitSource, merges: &[Checkpoint]) -> Result<()> {
-        let Some(last) = merges.last() else {
+    /// Pushes the merges of a batch, each as a checkpoint ref with its notes, and the last as
+    /// the loop's branch, at once; refused (with the remote's reason) if the branch moved since
+    /// it was fetched.
+    pub async fn push_merges(
+        &self,
+        source: &GitSource,
+        merges: &[(Checkpoint, Option<String>)],
+    ) -> Result<()> {
+        let Some((last, _)) = merges.last() else {
             return Ok(());
         };
         let mut refspecs = vec![format!("{}:{}", last.commit, branch(&self.id))];
-        for merge in merges {
-            refspecs.push(format!(
-                "+{}:refs/loopd/{}/{}",
-                merge.commit, self.id, merge.name
-            ));
+        for (merge, notes) in merges {
+            let commit = &merge.commit;
+            refspecs.push(format!("+{commit}:refs/loopd/{}/{}", self.id, merge.name));
+            refspecs.extend(
+                notes
+                    .iter()
+                    .map(|n| format!("+{n}:{}", notes_ref(&self.id, commit))),
+            );
         }
         self.push_refs(source, Some(&branch(&self.id)), &refspecs)
             .await
@@ -445,31 +461,15 @@ impl Tree {
     /// wherever they ran. Notes an attempt wrote since (one that failed, or was interrupted on
     /// this worker) are removed, as the work tree's changes are.
     pub async fn restore_notes(&self, progress: &loopd_fs::Dir, commit: &str) -> Result<()> {
-        let notes = notes_ref(&self.id, commit);
-        // None at that checkpoint: an empty listing.
-        let listing = git(&self.repo, &["ls-tree", "-z", &notes])
-            .await
-            .unwrap_or_default();
-        let mut kept = std::collections::HashSet::new();
-        for entry in listing.split('\0') {
-            // "MODE blob OBJECT\tNAME"
-            let Some((meta, name)) = entry.split_once('\t') else {
-                continue;
-            };
-            let Some(object) = meta.strip_prefix("100644 blob ") else {
-                continue;
-            };
-            if !is_note(name) {
-                continue;
-            }
+        let listing = self.notes_listing(Some(&notes_ref(&self.id, commit))).await;
+        for (name, object) in &listing {
             let bytes = git_bytes(&self.repo, &["cat-file", "blob", object]).await?;
             progress
                 .write_atomic(name, &bytes, false)
                 .with_context(|| format!("cannot write {}", progress.join(name).display()))?;
-            kept.insert(name.to_owned());
         }
         for name in notes_in(progress)? {
-            if !kept.contains(&name) {
+            if !listing.contains_key(&name) {
                 progress
                     .remove(&name)
                     .with_context(|| format!("cannot remove {}", progress.join(&name).display()))?;
@@ -478,12 +478,134 @@ impl Tree {
         Ok(())
     }
 
+    /// The notes of `notes` (a notes commit or its ref), each name's blob; none where there are
+    /// none.
+    async fn notes_listing(&self, notes: Option<&str>) -> BTreeMap<String, String> {
+        let Some(notes) = notes else {
+            return BTreeMap::new();
+        };
+        let listing = git(&self.repo, &["ls-tree", "-z", notes])
+            .await
+            .unwrap_or_default();
+        listing
+            .split('\0')
+            .filter_map(|entry| {
+                // "MODE blob OBJECT\tNAME"
+                let (meta, name) = entry.split_once('\t')?;
+                let object = meta.strip_prefix("100644 blob ")?;
+                is_note(name).then(|| (name.to_owned(), object.to_owned()))
+            })
+            .collect()
+    }
+
+    /// The notes commit of the loop at its checkpoint `commit` (fetched), if it has one.
+    async fn notes_at(&self, commit: &str) -> Option<String> {
+        let notes = notes_ref(&self.id, commit);
+        git(&self.repo, &["rev-parse", "--verify", "--quiet", &notes])
+            .await
+            .ok()
+    }
+
+    /// Each merge of a batch with the loop's notes after it: those at the batch's `base`, with
+    /// the notes of each task merged so far ([`Tree::merge_notes`]); `merges` gives each merge
+    /// with the task's checkpoint it took.
+    pub async fn notes_of_merges(
+        &self,
+        base: &str,
+        merges: Vec<(Checkpoint, String)>,
+    ) -> Result<Vec<(Checkpoint, Option<String>)>> {
+        let scratch = self.cache.dir.join(format!("{}.notes", self.name));
+        let _ = std::fs::remove_dir_all(&scratch);
+        std::fs::DirBuilder::new()
+            .mode(0o700)
+            .create(&scratch)
+            .with_context(|| format!("cannot create {}", scratch.display()))?;
+        let at_base = self.notes_at(base).await;
+        let mut notes = at_base.clone();
+        let mut noted = Vec::with_capacity(merges.len());
+        for (merge, theirs) in merges {
+            if let Some(theirs) = self.notes_at(&theirs).await {
+                let merged = self
+                    .merge_notes(&scratch, at_base.as_deref(), notes.as_deref(), &theirs)
+                    .await;
+                notes = Some(merged?);
+            }
+            noted.push((merge, notes.clone()));
+        }
+        let _ = std::fs::remove_dir_all(&scratch);
+        Ok(noted)
+    }
+
+    /// The notes `theirs` (a task's, developed at once with others) merged into `ours` (the
+    /// loop's so far), both made from `base` (notes commits; none: no notes): each note as git
+    /// merges text three ways, with both sides kept where they differ (`git merge-file
+    /// --union`: agents append to their notes, and neither task's lines may be lost). The
+    /// merged notes' commit, in `scratch` (a private directory of the worker's) meanwhile.
+    async fn merge_notes(
+        &self,
+        scratch: &Path,
+        base: Option<&str>,
+        ours: Option<&str>,
+        theirs: &str,
+    ) -> Result<String> {
+        let base = self.notes_listing(base).await;
+        let ours = self.notes_listing(ours).await;
+        let theirs = self.notes_listing(Some(theirs)).await;
+        let mut merged = Vec::new();
+        for name in ours.keys().chain(theirs.keys()).collect::<BTreeSet<_>>() {
+            let [b, o, t] = [&base, &ours, &theirs].map(|l| l.get(name));
+            let object = match (o, t) {
+                (o, t) if o == t || t == b => o.cloned(),
+                (o, t) if o == b => t.cloned(),
+                _ => Some(self.union(scratch, [b, o, t]).await?),
+            };
+            merged.extend(object.map(|object| (name.clone(), object)));
+        }
+        let index = scratch.join(NOTES_INDEX);
+        self.commit_notes(path_arg(&index)?, &merged).await
+    }
+
+    /// The blob of `[base, ours, theirs]` (blobs; none: empty) merged with both sides kept.
+    async fn union(&self, scratch: &Path, sides: [Option<&String>; 3]) -> Result<String> {
+        let names = ["base", "ours", "theirs"];
+        for (name, side) in names.iter().zip(sides) {
+            let bytes = match side {
+                Some(object) => git_bytes(&self.repo, &["cat-file", "blob", object]).await?,
+                None => Vec::new(),
+            };
+            write_private(&scratch.join(name), &bytes)?;
+        }
+        let [base, ours, theirs] = names.map(|n| scratch.join(n));
+        let args = ["merge-file", "--union", "-p", "--"];
+        let mut args: Vec<&str> = args.to_vec();
+        args.extend([path_arg(&ours)?, path_arg(&base)?, path_arg(&theirs)?]);
+        let merged = git_bytes(scratch, &args).await?;
+        let file = scratch.join("merged");
+        write_private(&file, &merged)?;
+        git(&self.repo, &["hash-object", "-w", "--", path_arg(&file)?]).await
+    }
+
+    /// A commit of the notes `entries` (name and blob each), made with the index file `index`.
+    async fn commit_notes(&self, index: &str, entries: &[(String, String)]) -> Result<String> {
+        let _ = std::fs::remove_file(index);
+        let entries: Vec<String> = entries
+            .iter()
+            .map(|(name, object)| format!("100644,{object},{name}"))
+            .collect();
+        let mut update = vec!["update-index", "--add"];
+        for entry in &entries {
+            update.extend(["--cacheinfo", entry.as_str()]);
+        }
+        git_indexed(&self.path, index, &update).await?;
+        let tree = git_indexed(&self.path, index, &["write-tree"]).await?;
+        let _ = std::fs::remove_file(index);
+        let message = format!("loopd: loop {}, notes", self.id);
+        git(&self.path, &["commit-tree", &tree, "-m", &message]).await
+    }
+
     /// Records the notes in the progress directory `progress` (its plain files up to
     /// [`NOTE_CAP`] bytes, loopd's own left out) as a commit; `None` when there are none.
     pub async fn record_notes(&self, progress: &loopd_fs::Dir) -> Result<Option<String>> {
-        let index = progress.join(NOTES_INDEX);
-        let index = path_arg(&index)?.to_owned();
-        let _ = std::fs::remove_file(&index);
         let names = notes_in(progress)?;
         if names.is_empty() {
             return Ok(None);
@@ -494,21 +616,12 @@ impl Tree {
             hash.push(path_arg(path)?);
         }
         let objects = git(&self.path, &hash).await?;
-        let entries: Vec<String> = objects
-            .lines()
-            .zip(&names)
-            .map(|(object, name)| format!("100644,{object},{name}"))
+        let entries: Vec<(String, String)> = names
+            .into_iter()
+            .zip(objects.lines().map(str::to_owned))
             .collect();
-        let mut update = vec!["update-index", "--add"];
-        for entry in &entries {
-            update.extend(["--cacheinfo", entry.as_str()]);
-        }
-        git_indexed(&self.path, &index, &update).await?;
-        let tree = git_indexed(&self.path, &index, &["write-tree"]).await?;
-        let _ = std::fs::remove_file(&index);
-        let message = format!("loopd: loop {}, notes", self.id);
-        let commit = git(&self.path, &["commit-tree", &tree, "-m", &message]).await?;
-        Ok(Some(commit))
+        let index = progress.join(NOTES_INDEX);
+        Ok(Some(self.commit_notes(path_arg(&index)?, &entries).await?))
     }
 
     /// Gives up this work tree and its clone after a failure of git itself: the next attempt
@@ -586,6 +699,18 @@ async fn reachable(dir: &Path, source: &GitSource, id: &str) -> bool {
 }
 
 /// A path as one argument of git's.
+/// Writes `bytes` to a new file at `path`, readable by this user only (over what was there).
+fn write_private(path: &Path, bytes: &[u8]) -> Result<()> {
+    let dir = path.parent().context("a file in a directory")?;
+    let name = path
+        .file_name()
+        .and_then(|n| n.to_str())
+        .context("a file name")?;
+    loopd_fs::Dir::open(dir)?
+        .write_atomic(name, bytes, false)
+        .with_context(|| format!("cannot write {}", path.display()))
+}
+
 fn path_arg(path: &Path) -> Result<&str> {
     path.to_str()
         .with_context(|| format!("not a UTF-8 path: {}", path.display()))
