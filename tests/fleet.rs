@@ -926,6 +926,30 @@ esac"#
     assert_eq!(tasks[0]["status"], "completed", "{tasks:?}");
     assert_eq!(state["race"], serde_json::json!(["a", "b"]), "{state}");
     assert_eq!(state["skill_state"]["outcome"], "passed", "{state}");
+    // The log shows each try in its lane, by its executor.
+    let out = fleet.temporal.command(&fleet.p, &["--json", "logs", &id]);
+    assert_eq!(code(&out), 0, "logs: {}", stderr(&out));
+    let mut tries: Vec<(String, u64, String)> = stdout(&out)
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).expect("an event per line"))
+        .filter(|e| e["event"] == "action_finished" && e["action"] == "develop")
+        .map(|e| {
+            let label = e["label"].as_str().unwrap_or_default().to_owned();
+            (
+                label,
+                e["lane"].as_u64().unwrap_or(0),
+                e["executor"].to_string(),
+            )
+        })
+        .collect();
+    tries.sort();
+    assert_eq!(
+        tries,
+        [
+            ("a".into(), 1, "\"a\"".into()),
+            ("b".into(), 2, "\"b\"".into())
+        ]
+    );
 }
 
 #[test]

@@ -27,9 +27,20 @@ pub fn events(history: &[HistoryEvent]) -> Vec<Value> {
             .iter()
             .find(|(at, _)| *at == id)
             .map(|(_, a)| {
-                json!({
+                let mut fields = json!({
                     "action": a.dispatch.action, "iteration": a.iteration, "attempt": a.attempt
-                })
+                });
+                // Where it ran: its task, and its lane among the tasks (or tries) of a batch.
+                if let Some(task) = &a.dispatch.task_id {
+                    fields["task_id"] = json!(task);
+                }
+                if let Some(lane) = a.lane {
+                    fields["lane"] = json!(lane);
+                }
+                if let Some(label) = &a.label {
+                    fields["label"] = json!(label);
+                }
+                fields
             })
             .unwrap_or_else(|| json!({}))
     };
