@@ -926,12 +926,35 @@ esac"#
     assert_eq!(tasks[0]["status"], "completed", "{tasks:?}");
     assert_eq!(state["race"], serde_json::json!(["a", "b"]), "{state}");
     assert_eq!(state["skill_state"]["outcome"], "passed", "{state}");
-    // The log shows each try in its lane, by its executor.
+    // The log shows the race and each try in its lane, by its executor, as on this machine.
     let out = fleet.temporal.command(&fleet.p, &["--json", "logs", &id]);
     assert_eq!(code(&out), 0, "logs: {}", stderr(&out));
-    let mut tries: Vec<(String, u64, String)> = stdout(&out)
+    let events: Vec<Value> = stdout(&out)
         .lines()
         .map(|l| serde_json::from_str::<Value>(l).expect("an event per line"))
+        .collect();
+    let named =
+        |name: &str| -> Vec<&Value> { events.iter().filter(|e| e["event"] == name).collect() };
+    let started = named("race_started");
+    assert_eq!(started.len(), 1, "{events:?}");
+    assert_eq!(started[0]["executors"], serde_json::json!(["a", "b"]));
+    let decided = named("race_decided");
+    assert_eq!(decided.len(), 1, "{events:?}");
+    assert_eq!(decided[0]["winner"], "b", "{decided:?}");
+    let rates: Vec<(&str, f64)> = decided[0]["entries"]
+        .as_array()
+        .expect("entries")
+        .iter()
+        .map(|e| {
+            (
+                e["executor"].as_str().unwrap(),
+                e["pass_rate"].as_f64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(rates, [("a", 40.0), ("b", 100.0)]);
+    let mut tries: Vec<(String, u64, String)> = events
+        .iter()
         .filter(|e| e["event"] == "action_finished" && e["action"] == "develop")
         .map(|e| {
             let label = e["label"].as_str().unwrap_or_default().to_owned();

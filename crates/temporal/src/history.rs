@@ -2,7 +2,8 @@
 //! so nothing else keeps one. The events take the file driver's names where they mean the same
 //! (`loop_started`, `action_started`, `action_finished`, `action_interrupted`), with the few that
 //! only Temporal has (`attempt_lost`: the worker gave no heartbeat; `changed`: a person's change;
-//! `waiting`: a durable timer; `continued_as_new`).
+//! `waiting`: a durable timer; `continued_as_new`), and those the workflow says itself, whole
+//! (`race_started`, `race_decided`: see [`SAID`]).
 
 use chrono::{DateTime, Utc};
 use serde::de::DeserializeOwned;
@@ -49,7 +50,18 @@ pub fn events(history: &[HistoryEvent]) -> Vec<Value> {
         let Some(attributes) = &event.attributes else {
             continue;
         };
-        let (name, mut fields) = match attributes {
+        // An event the workflow said itself, whole (see [`SAID`]).
+        if let Attributes::WorkflowPropertiesModifiedEventAttributes(a) = attributes {
+            let said = a.upserted_memo.as_ref().and_then(|m| m.fields.get(SAID));
+            if let Some(Value::Object(mut fields)) =
+                said.and_then(|p| serde_json::from_slice::<Value>(&p.data).ok())
+            {
+                let name = fields.remove("event").unwrap_or_default();
+                out.push(stamped(event, name, Value::Object(fields)));
+            }
+            continue;
+        }
+        let (name, fields) = match attributes {
             Attributes::WorkflowExecutionStartedEventAttributes(a) => {
                 let input: Option<LoopInput> = decode(a.input.as_ref());
                 let status = input.map(|i| i.state.status.as_str().to_owned());
@@ -125,14 +137,23 @@ pub fn events(history: &[HistoryEvent]) -> Vec<Value> {
             }
             _ => continue,
         };
-        let ts = event.event_time.as_ref().and_then(|t| {
-            DateTime::<Utc>::from_timestamp(t.seconds, u32::try_from(t.nanos).unwrap_or(0))
-        });
-        fields["ts"] = json!(ts.map(loopd_core::state::format_ts));
-        fields["event"] = json!(name);
-        out.push(fields);
+        out.push(stamped(event, json!(name), fields));
     }
     out
+}
+
+/// The memo key under which the workflow says an event of its own (`race_started`,
+/// `race_decided`): `{"event": NAME, ...fields}`, as the file driver's.
+pub const SAID: &str = "loopd_event";
+
+/// `fields` as the event `name` that happened at `event`'s time.
+fn stamped(event: &HistoryEvent, name: Value, mut fields: Value) -> Value {
+    let ts = event.event_time.as_ref().and_then(|t| {
+        DateTime::<Utc>::from_timestamp(t.seconds, u32::try_from(t.nanos).unwrap_or(0))
+    });
+    fields["ts"] = json!(ts.map(loopd_core::state::format_ts));
+    fields["event"] = name;
+    fields
 }
 
 /// The first payload of `payloads`, as JSON (the SDK's default converter).

@@ -11,7 +11,7 @@ use loopd_core::workflow::{self, Decision, Dispatch, Finish, Inputs, LoopEnd, Wo
 use serde_json::{Value, json};
 use temporalio_macros::{workflow, workflow_methods};
 use temporalio_sdk::{
-    ActivityOptions, ContinueAsNewOptions, SyncWorkflowContext, WorkflowContext,
+    ActivityOptions, ContinueAsNewOptions, MemoValue, SyncWorkflowContext, WorkflowContext,
     WorkflowContextView, WorkflowResult,
 };
 
@@ -177,6 +177,13 @@ impl LoopWorkflow {
     pub fn held(&self, _ctx: &WorkflowContextView) -> (PathBuf, LoopState) {
         (self.input.root.clone(), self.input.state.clone())
     }
+}
+
+/// Says `event` (`{"event": NAME, ...}`) in the loop's log: a memo the history keeps, which
+/// [`crate::history`] reads as the event it is.
+fn say(ctx: &WorkflowContext<LoopWorkflow>, event: Value) {
+    // JSON the default converter takes as it is: it cannot fail.
+    let _ = ctx.upsert_memo([(crate::history::SAID, Some(MemoValue::new(event)))]);
 }
 
 /// Tells the visibility store the loop's status, iteration and worker, where they changed.
@@ -496,6 +503,13 @@ async fn run_race(
             }
         })
         .collect();
+    say(
+        ctx,
+        json!({
+            "event": "race_started", "iteration": iteration, "task_id": dispatch.task_id,
+            "executors": lanes.iter().map(|l| l.label.clone()).collect::<Vec<_>>(), "base": base,
+        }),
+    );
     if !rounds(ctx, wf, &mut lanes, &git).await? {
         return Ok(());
     }
@@ -541,8 +555,26 @@ async fn run_race(
                 .map_or(u64::MAX, |c| c.insertions + c.deletions),
         })
         .collect();
+    let winner = attempt::race_winner(&entrants);
+    let said: Vec<Value> = lanes
+        .iter()
+        .zip(&rates)
+        .map(|(lane, rate)| {
+            json!({
+                "executor": lane.label, "pass_rate": rate, "checkpoint": lane.checkpoint,
+                "outcome": if lane.succeeded() { "success" } else { "failed" },
+            })
+        })
+        .collect();
+    say(
+        ctx,
+        json!({
+            "event": "race_decided", "iteration": iteration, "task_id": dispatch.task_id,
+            "winner": winner.map(|w| lanes[w].label.clone()), "entries": said,
+        }),
+    );
     // None succeeded: the task ends as its first executor's attempts did.
-    let chosen = attempt::race_winner(&entrants).unwrap_or(0);
+    let chosen = winner.unwrap_or(0);
     merge_batch(ctx, wf, vec![lanes.swap_remove(chosen)], git, base).await
 }
 
