@@ -11,7 +11,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use common::temporal::{Temporal, temporal_bin};
-use common::{Project, alive, code, git, read_pid, stderr, stdout};
+use common::{Project, alive, code, git, race_rates, read_pid, stderr, stdout};
 use serde_json::Value;
 
 /// How long a test waits for its fleet to finish its loops: a bound that catches a hang.
@@ -941,18 +941,10 @@ esac"#
     let decided = named("race_decided");
     assert_eq!(decided.len(), 1, "{events:?}");
     assert_eq!(decided[0]["winner"], "b", "{decided:?}");
-    let rates: Vec<(&str, f64)> = decided[0]["entries"]
-        .as_array()
-        .expect("entries")
-        .iter()
-        .map(|e| {
-            (
-                e["executor"].as_str().unwrap(),
-                e["pass_rate"].as_f64().unwrap(),
-            )
-        })
-        .collect();
-    assert_eq!(rates, [("a", 40.0), ("b", 100.0)]);
+    assert_eq!(
+        race_rates(decided[0]),
+        [("a".to_owned(), 40.0), ("b".to_owned(), 100.0)]
+    );
     let mut tries: Vec<(String, u64, String)> = events
         .iter()
         .filter(|e| e["event"] == "action_finished" && e["action"] == "develop")

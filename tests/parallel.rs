@@ -448,18 +448,10 @@ fn a_race_of_two_executors_keeps_the_best_and_the_other_as_a_checkpoint() {
     let decided = p.events_named(&id, "race_decided");
     assert_eq!(decided.len(), 1, "{decided:?}");
     assert_eq!(decided[0]["winner"], "b", "{decided:?}");
-    let rates: Vec<(&str, f64)> = decided[0]["entries"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|e| {
-            (
-                e["executor"].as_str().unwrap(),
-                e["pass_rate"].as_f64().unwrap(),
-            )
-        })
-        .collect();
-    assert_eq!(rates, [("a", 40.0), ("b", 100.0)]);
+    assert_eq!(
+        race_rates(&decided[0]),
+        [("a".to_owned(), 40.0), ("b".to_owned(), 100.0)]
+    );
 
     // The winner is merged; the other's work is kept as a checkpoint of its own, and `diff`
     // shows it from the tree it started on.

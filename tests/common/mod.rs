@@ -551,6 +551,19 @@ pub fn usage_tokens(usage: &Value) -> u64 {
     .sum()
 }
 
+/// Each entry of a `race_decided` event: its executor and the pass rate its check gave.
+pub fn race_rates(decided: &Value) -> Vec<(String, f64)> {
+    decided["entries"]
+        .as_array()
+        .expect("a race's entries")
+        .iter()
+        .map(|e| {
+            let executor = e["executor"].as_str().expect("its executor").to_owned();
+            (executor, e["pass_rate"].as_f64().expect("its pass rate"))
+        })
+        .collect()
+}
+
 /// Runs git in `dir` as a test's own setup or check (an identity of its own, no signing, no
 /// input); its output, trimmed. Panics with git's words if it fails.
 pub fn git(dir: &Path, args: &[&str]) -> String {

@@ -373,14 +373,8 @@ impl Tree {
         notes: Option<&str>,
     ) -> Result<()> {
         let branch = branch(&self.id);
-        let commit = &checkpoint.commit;
-        let mut refspecs = vec![
-            format!("{commit}:{branch}"),
-            format!("+{commit}:refs/loopd/{}/{}", self.id, checkpoint.name),
-        ];
-        if let Some(notes) = notes {
-            refspecs.push(format!("+{notes}:{}", notes_ref(&self.id, commit)));
-        }
+        let mut refspecs = vec![format!("{}:{branch}", checkpoint.commit)];
+        refspecs.extend(self.checkpoint_refspecs(checkpoint, notes));
         self.push_refs(source, Some(&branch), &refspecs).await
     }
 
@@ -393,12 +387,7 @@ impl Tree {
         checkpoint: &Checkpoint,
         notes: Option<&str>,
     ) -> Result<()> {
-        let commit = &checkpoint.commit;
-        let mut refspecs = vec![format!(
-            "+{commit}:refs/loopd/{}/{}",
-            self.id, checkpoint.name
-        )];
-        refspecs.extend(notes.map(|notes| format!("+{notes}:{}", notes_ref(&self.id, commit))));
+        let refspecs = self.checkpoint_refspecs(checkpoint, notes);
         self.push_refs(source, None, &refspecs).await
     }
 
@@ -413,18 +402,20 @@ impl Tree {
         let Some((last, _)) = merges.last() else {
             return Ok(());
         };
-        let mut refspecs = vec![format!("{}:{}", last.commit, branch(&self.id))];
+        let branch = branch(&self.id);
+        let mut refspecs = vec![format!("{}:{branch}", last.commit)];
         for (merge, notes) in merges {
-            let commit = &merge.commit;
-            refspecs.push(format!("+{commit}:refs/loopd/{}/{}", self.id, merge.name));
-            refspecs.extend(
-                notes
-                    .iter()
-                    .map(|n| format!("+{n}:{}", notes_ref(&self.id, commit))),
-            );
+            refspecs.extend(self.checkpoint_refspecs(merge, notes.as_deref()));
         }
-        self.push_refs(source, Some(&branch(&self.id)), &refspecs)
-            .await
+        self.push_refs(source, Some(&branch), &refspecs).await
+    }
+
+    /// The refspecs of `checkpoint`'s ref and, when given, of `notes` as its notes.
+    fn checkpoint_refspecs(&self, checkpoint: &Checkpoint, notes: Option<&str>) -> Vec<String> {
+        let (id, commit) = (&self.id, &checkpoint.commit);
+        let mut refspecs = vec![format!("+{commit}:refs/loopd/{id}/{}", checkpoint.name)];
+        refspecs.extend(notes.map(|notes| format!("+{notes}:{}", notes_ref(id, commit))));
+        refspecs
     }
 
     /// Pushes `refspecs` at once, with a lease on `leased` (a branch) at its fetched value.
