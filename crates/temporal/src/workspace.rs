@@ -489,12 +489,23 @@ impl Tree {
             .collect()
     }
 
-    /// The notes commit of the loop at its checkpoint `commit` (fetched), if it has one.
-    async fn notes_at(&self, commit: &str) -> Option<String> {
-        let notes = notes_ref(&self.id, commit);
-        git(&self.repo, &["rev-parse", "--verify", "--quiet", &notes])
-            .await
-            .ok()
+    /// The notes commit of each of the loop's checkpoints that has notes (as fetched), by the
+    /// checkpoint's commit.
+    async fn notes_kept(&self) -> Result<HashMap<String, String>> {
+        let prefix = format!("refs/loopd-notes/{}/", self.id);
+        let listing = git(
+            &self.repo,
+            &["for-each-ref", "--format=%(refname) %(objectname)", &prefix],
+        )
+        .await?;
+        Ok(listing
+            .lines()
+            .filter_map(|line| {
+                let (name, notes) = line.split_once(' ')?;
+                let commit = name.strip_prefix(&prefix)?;
+                Some((commit.to_owned(), notes.to_owned()))
+            })
+            .collect())
     }
 
     /// Each merge of a batch with the loop's notes after it: those at the batch's `base`, with
@@ -511,13 +522,14 @@ impl Tree {
             .mode(0o700)
             .create(&scratch)
             .with_context(|| format!("cannot create {}", scratch.display()))?;
-        let at_base = self.notes_at(base).await;
+        let kept = self.notes_kept().await?;
+        let at_base = kept.get(base).cloned();
         let mut notes = at_base.clone();
         let mut noted = Vec::with_capacity(merges.len());
         for (merge, theirs) in merges {
-            if let Some(theirs) = self.notes_at(&theirs).await {
+            if let Some(theirs) = kept.get(&theirs) {
                 let merged = self
-                    .merge_notes(&scratch, at_base.as_deref(), notes.as_deref(), &theirs)
+                    .merge_notes(&scratch, at_base.as_deref(), notes.as_deref(), theirs)
                     .await;
                 notes = Some(merged?);
             }
