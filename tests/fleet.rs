@@ -881,15 +881,7 @@ fn a_race_on_temporal_runs_each_executor_on_its_own_worker_and_merges_the_best()
         assert_eq!(code(&out), 2, "{args:?}: {}", stderr(&out));
         assert!(stderr(&out).contains(said), "{args:?}: {}", stderr(&out));
     }
-    fleet.step(&format!(
-        r#"case "$LOOPD_ACTION:$1" in
-  develop:a|develop:b) WHO=$1; {MEET}
-    if [ "$1" = a ]; then echo a > impl.txt; else printf 'b\nmore\n' > impl.txt; fi
-    echo "{{\"status\":\"success\",\"summary\":\"$1 did it\"}}" > "$LOOPD_RESULT_FILE"; exit 0 ;;
-  validate:*) if grep -q b impl.txt 2>/dev/null; then r=100; p=true; else r=40; p=false; fi
-    echo "{{\"status\":\"success\",\"state_updates\":{{\"passed\":$p,\"pass_rate\":$r}}}}" > "$LOOPD_RESULT_FILE"; exit 0 ;;
-esac"#
-    ));
+    fleet.step(&race_step());
     let id = fleet.create(&[
         "--title", "race", "--task", "race me", "--race", "a", "--race", "b",
     ]);
@@ -965,6 +957,70 @@ esac"#
             ("b".into(), 2, "\"b\"".into())
         ]
     );
+
+    // A task of its own that races (`task add --race`), in a loop that does not: added while the
+    // loop's init waits, raced when its turn comes.
+    fleet.step(&format!(
+        r#"if [ "$LOOPD_ACTION" = init ]; then : > "$MARKS/init-held"
+  i=0; while [ ! -e "$MARKS/init-go" ] && [ $i -lt 1500 ]; do sleep 0.02; i=$((i+1)); done
+fi
+{}"#,
+        race_step()
+    ));
+    let id = fleet.create(&["--title", "a task races"]);
+    wait_until("the loop's init", FLEET_DEADLINE, || {
+        fleet.mark("init-held").exists()
+    });
+    let args = ["task", "add", &id, "race me", "--race", "a", "--race", "b"];
+    let out = fleet.temporal.command(&fleet.p, &args);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    let task = stdout(&out).trim().to_owned();
+    std::fs::write(fleet.mark("init-go"), "").expect("write init-go");
+    fleet.wait_completed(std::slice::from_ref(&id));
+    let state = fleet.state(&id);
+    let tasks = state["skill_state"]["develop"]["tasks"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    let raced = tasks
+        .iter()
+        .find(|t| t["id"] == task.as_str())
+        .expect("the task");
+    assert_eq!(raced["race"], serde_json::json!(["a", "b"]), "{tasks:?}");
+    assert_eq!(raced["status"], "completed", "{tasks:?}");
+    let out = fleet.temporal.command(&fleet.p, &["--json", "logs", &id]);
+    let decided: Vec<Value> = stdout(&out)
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).expect("an event per line"))
+        .filter(|e| e["event"] == "race_decided")
+        .collect();
+    assert_eq!(
+        decided.len(),
+        1,
+        "one race, of the task that asked: {decided:?}"
+    );
+    assert_eq!(decided[0]["task_id"], task.as_str());
+    assert_eq!(decided[0]["winner"], "b");
+    let iteration = decided[0]["iteration"].as_u64().expect("its iteration");
+    let loser = format!("refs/loopd/{id}/{iteration}-develop-a:impl.txt");
+    assert_eq!(git(&fleet.remote, &["show", &loser]), "a");
+    let branch = format!("loopd/{id}:impl.txt");
+    assert_eq!(git(&fleet.remote, &["show", &branch]), "b\nmore");
+}
+
+/// The step of a race's agents: executors `a` and `b` (the fleet's agent, told which it is; they
+/// wait for each other, [`MEET`]) make a change each, `a` a small one its check rates 40%, `b` a
+/// larger one rated 100%.
+fn race_step() -> String {
+    format!(
+        r#"case "$LOOPD_ACTION:$1" in
+  develop:a|develop:b) WHO=$1; {MEET}
+    if [ "$1" = a ]; then echo a > impl.txt; else printf 'b\nmore\n' > impl.txt; fi
+    echo "{{\"status\":\"success\",\"summary\":\"$1 did it\"}}" > "$LOOPD_RESULT_FILE"; exit 0 ;;
+  validate:*) if grep -q b impl.txt 2>/dev/null; then r=100; p=true; else r=40; p=false; fi
+    echo "{{\"status\":\"success\",\"state_updates\":{{\"passed\":$p,\"pass_rate\":$r}}}}" > "$LOOPD_RESULT_FILE"; exit 0 ;;
+esac"#
+    )
 }
 
 #[test]
