@@ -742,10 +742,12 @@ fn the_notes_of_tasks_developed_at_once_are_merged_with_every_tasks_lines_kept()
         return;
     };
     fleet.single_action_workers(&["w0", "w1"]);
-    // Each develop writes a file of its own (no conflict) and appends to the notes at once.
+    // Each develop writes a file of its own (no conflict) and appends to the notes at once; each
+    // also leaves a note git cannot merge as text.
     fleet.step(&format!(
         r#"if [ "$LOOPD_ACTION" = develop ]; then {MEET}
   echo "$LOOPD_TASK_ID" > "out-$LOOPD_TASK_ID.txt"; echo "$LOOPD_TASK_ID" >> "$LOOPD_PROGRESS_DIR/develop.md"
+  printf 'shot\0%s' "$LOOPD_TASK_ID" > "$LOOPD_PROGRESS_DIR/shot.bin"
   echo '{{"status":"success","summary":"did it"}}' > "$LOOPD_RESULT_FILE"; exit 0
 fi"#
     ));
@@ -756,6 +758,10 @@ fi"#
     let mut lines: Vec<&str> = notes.lines().collect();
     lines.sort_unstable();
     assert_eq!(lines, ["task-001", "task-002"], "{notes}");
+    // The note that is no text is the later task's, and both tasks were merged.
+    assert_eq!(fleet.notes_at_head(&id, "shot.bin"), "shot\0task-002");
+    let history = fleet.state(&id)["skill_state"]["action_history"].clone();
+    assert!(!history.to_string().contains("merge_conflict"), "{history}");
     for task in ["task-001", "task-002"] {
         let out = git(
             &fleet.remote,

@@ -560,7 +560,17 @@ impl Tree {
             let object = match (o, t) {
                 (o, t) if o == t || t == b => o.cloned(),
                 (o, t) if o == b => t.cloned(),
-                _ => Some(self.union(scratch, [b, o, t]).await?),
+                // A note git cannot merge as text (an image, say): the later task's.
+                _ => match self.union(scratch, [b, o, t]).await {
+                    Ok(object) => Some(object),
+                    Err(e) => {
+                        tracing::warn!(
+                            "loop {}: note {name} kept as the later task's: {e:#}",
+                            self.id
+                        );
+                        t.or(o).cloned()
+                    }
+                },
             };
             merged.extend(object.map(|object| (name.clone(), object)));
         }
