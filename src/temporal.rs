@@ -332,8 +332,9 @@ impl loopd_file_driver::serve::Elsewhere for OnTemporal {
     }
 
     async fn tail(&self, id: &str) -> Result<serde_json::Value> {
+        // The page's tail follows one attempt: a batch's first.
         let progress = client::progress(self.client().await?, id).await?;
-        Ok(match progress {
+        Ok(match progress.into_iter().next() {
             Some(p) => json!({
                 "loop_id": id,
                 "in_flight": {
@@ -489,9 +490,9 @@ fn has_password(remote: &str) -> bool {
         .is_some_and(|(userinfo, _)| userinfo.contains(':'))
 }
 
-/// `loopd status --temporal`: the loop's state as its workflow holds it, and the attempt it runs
-/// now as its last heartbeat told (with `--json`, a `heartbeat` key beside the state's: action,
-/// iteration, attempt, the last of its output).
+/// `loopd status --temporal`: the loop's state as its workflow holds it, and the attempts it runs
+/// now as their last heartbeats told (with `--json`, `heartbeats` beside the state's keys, each
+/// its action, iteration, attempt, task, lane and the last of its output; `heartbeat` the first).
 pub fn status(config: &TemporalConfig, id: &str, json: bool) -> Result<i32> {
     let (state, holder, progress) = runtime()?.block_on(async {
         let client = connect(config).await?;
@@ -501,15 +502,16 @@ pub fn status(config: &TemporalConfig, id: &str, json: bool) -> Result<i32> {
         // attempt in flight, whatever its last heartbeat said.
         let progress = match state.status {
             loopd_core::state::Status::Running => {
-                client::progress(&client, id).await.ok().flatten()
+                client::progress(&client, id).await.unwrap_or_default()
             }
-            _ => None,
+            _ => Vec::new(),
         };
         anyhow::Ok((state, holder, progress))
     })?;
     let worker = holder.map(|h| h.name);
     let mut value = serde_json::to_value(&state)?;
-    value["heartbeat"] = serde_json::to_value(&progress)?;
+    value["heartbeat"] = serde_json::to_value(progress.first())?;
+    value["heartbeats"] = serde_json::to_value(&progress)?;
     value["worker"] = serde_json::to_value(&worker)?;
     let mut text = format!(
         "loop {id}: {} (iteration {})",
@@ -519,7 +521,7 @@ pub fn status(config: &TemporalConfig, id: &str, json: bool) -> Result<i32> {
     if let Some(worker) = &worker {
         text.push_str(&format!(", its work tree on worker {worker}"));
     }
-    if let Some(p) = &progress {
+    for p in &progress {
         let output = match p.output.trim_end() {
             "" => "(none yet)",
             output => output,
@@ -529,8 +531,13 @@ pub fn status(config: &TemporalConfig, id: &str, json: bool) -> Result<i32> {
             (tokens, None) => format!(", {tokens} tokens so far"),
             (tokens, Some(usd)) => format!(", {tokens} tokens and ${usd:.2} so far"),
         };
+        let task = match (&p.task_id, p.lane) {
+            (Some(task), Some(lane)) => format!(" of {task} in lane {lane}"),
+            (Some(task), None) => format!(" of {task}"),
+            _ => String::new(),
+        };
         text.push_str(&format!(
-            "\nrunning {} (iteration {}, attempt {}{spent}); its last output:\n{output}",
+            "\nrunning {}{task} (iteration {}, attempt {}{spent}); its last output:\n{output}",
             p.action, p.iteration, p.attempt,
         ));
     }

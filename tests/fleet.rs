@@ -1048,8 +1048,27 @@ fn a_stop_ends_every_attempt_of_a_batch_on_temporal() {
             .all(|t| fleet.mark(&format!("{t}.pid")).exists())
     });
     let pids = ["task-001", "task-002"].map(|t| read_pid(&fleet.mark(&format!("{t}.pid"))));
-    // On two workers at once.
+    // On two workers at once; `status` shows both, each with its task and lane.
     assert_ne!(fleet.worker_of(pids[0]), fleet.worker_of(pids[1]));
+    let mut running = Vec::new();
+    wait_until("status to show both attempts", FLEET_DEADLINE, || {
+        let heartbeats = fleet.state(&id)["heartbeats"].clone();
+        running = heartbeats
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|h| (h["task_id"].to_string(), h["lane"].as_u64().unwrap_or(0)))
+            .collect();
+        running.sort();
+        running.len() == 2
+    });
+    assert_eq!(
+        running,
+        [
+            ("\"task-001\"".to_owned(), 1),
+            ("\"task-002\"".to_owned(), 2)
+        ]
+    );
     let out = fleet.temporal.command(&fleet.p, &["stop", &id]);
     assert_eq!(code(&out), 0, "{}", stderr(&out));
     wait_until("every attempt of the batch to end", FLEET_DEADLINE, || {

@@ -80,6 +80,11 @@ pub struct Progress {
     pub action: String,
     pub iteration: u64,
     pub attempt: u32,
+    /// Its task, and its lane among the tasks (or tries) of a batch.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub task_id: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lane: Option<u32>,
     /// The last [`PROGRESS_TAIL`] bytes of the attempt's log.
     pub output: String,
     /// What an agent has spent so far (0 and `None` for an executor that does not say).
@@ -235,6 +240,8 @@ async fn run_attempt(
         action: dispatch.action.clone(),
         iteration,
         attempt,
+        task_id: dispatch.task_id.clone(),
+        lane,
         ..Progress::default()
     };
     let Some(_slot) = beating(ctx, &waiting, worker.slots.acquire()).await else {
@@ -332,12 +339,10 @@ async fn run_attempt(
     };
     let log = format!("{}.log", spec.stem);
     let progress = |output, (tokens, cost_usd)| Progress {
-        action: dispatch.action.clone(),
-        iteration,
-        attempt,
         output,
         tokens,
         cost_usd,
+        ..waiting.clone()
     };
     let _guarded = worker.guard.as_ref().map(|g| g.attempt(&marker));
     let running = Subprocess.spawn(spec)?;

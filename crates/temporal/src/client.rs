@@ -218,21 +218,22 @@ pub async fn held_all(client: &Client, wait: Duration) -> Result<Vec<(PathBuf, L
         .collect())
 }
 
-/// The attempt loop `id` runs now, as its last heartbeat told (`None` when none runs).
-pub async fn progress(client: &Client, id: &str) -> Result<Option<Progress>> {
+/// The attempts loop `id` runs now (several for a batch or a race), each as its last heartbeat
+/// told; none when none runs.
+pub async fn progress(client: &Client, id: &str) -> Result<Vec<Progress>> {
     let description = client
         .get_workflow_handle::<LoopWorkflow>(id)
         .describe(WorkflowDescribeOptions::default())
         .await
         .with_context(|| format!("cannot read loop {id} on Temporal"))?;
-    let details = description
+    Ok(description
         .raw_description
         .pending_activities
         .iter()
-        .filter_map(|a| a.heartbeat_details.as_ref())
-        .find_map(|d| d.payloads.first());
-    // A heartbeat's details are JSON (the SDK's default converter).
-    Ok(details.and_then(|p| serde_json::from_slice(&p.data).ok()))
+        .filter_map(|a| a.heartbeat_details.as_ref()?.payloads.first())
+        // A heartbeat's details are JSON (the SDK's default converter).
+        .filter_map(|p| serde_json::from_slice(&p.data).ok())
+        .collect())
 }
 
 /// A worker as `loopd worker` runs it.
