@@ -273,6 +273,18 @@ impl Fleet {
         self.marks.join(name)
     }
 
+    /// Waits until the first `action` is held by a step's [`hold`].
+    fn wait_held(&self, action: &str) {
+        wait_until(&format!("the first {action}"), FLEET_DEADLINE, || {
+            self.mark(&format!("{action}-held")).exists()
+        });
+    }
+
+    /// Lets the `action` a step's [`hold`] holds go on.
+    fn release(&self, action: &str) {
+        std::fs::write(self.mark(&format!("{action}-go")), "").expect("write the release");
+    }
+
     /// Checks that the develops of `tasks` ran at the same time (their [`MEET`] met 2).
     fn assert_met(&self, tasks: &[&str]) {
         for task in tasks {
@@ -280,6 +292,17 @@ impl Fleet {
             assert_eq!(met.trim(), "2", "{task} ran alone");
         }
     }
+}
+
+/// A step's hold of the first `action` (at most 30 s): it says so in `$MARKS/ACTION-held` and
+/// waits for [`Fleet::release`].
+fn hold(action: &str) -> String {
+    format!(
+        r#"if [ "$LOOPD_ACTION" = {action} ] && [ ! -e "$MARKS/{action}-held" ]; then
+  : > "$MARKS/{action}-held"
+  i=0; while [ ! -e "$MARKS/{action}-go" ] && [ $i -lt 1500 ]; do sleep 0.02; i=$((i+1)); done
+fi"#
+    )
 }
 
 /// The parent of process `pid` (0 when it is gone).
@@ -777,17 +800,10 @@ fn tasks_added_on_temporal_say_what_they_need_and_only_what_they_need_waits() {
         return;
     };
     fleet.single_action_workers(&["w0", "w1"]);
-    // The first develop waits (at most 30 s) while the test adds tasks.
-    fleet.step(
-        r#"if [ "$LOOPD_ACTION" = develop ] && [ ! -e "$MARKS/held" ]; then
-  : > "$MARKS/held"
-  i=0; while [ ! -e "$MARKS/go" ] && [ $i -lt 1500 ]; do sleep 0.02; i=$((i+1)); done
-fi"#,
-    );
+    // The first develop waits while the test adds tasks.
+    fleet.step(&hold("develop"));
     let id = fleet.create(&["--title", "needs", "--parallel", "2", "--task", "first"]);
-    wait_until("the first develop", FLEET_DEADLINE, || {
-        fleet.mark("held").exists()
-    });
+    fleet.wait_held("develop");
     let add = |args: &[&str]| {
         let out = fleet
             .temporal
@@ -825,7 +841,7 @@ fi"#,
   {fourth}) [ -e "$MARKS/saw" ] || {{ grep -qx {second} work.txt && echo yes || echo no; }} > "$MARKS/saw" ;;
 esac; fi"#
     ));
-    std::fs::write(fleet.mark("go"), "").expect("write go");
+    fleet.release("develop");
     fleet.wait_completed(std::slice::from_ref(&id));
     fleet.assert_met(&[&second, &third]);
     let saw = std::fs::read_to_string(fleet.mark("saw")).unwrap();
@@ -966,22 +982,14 @@ fn a_race_on_temporal_runs_each_executor_on_its_own_worker_and_merges_the_best()
 
     // A task of its own that races (`task add --race`), in a loop that does not: added while the
     // loop's init waits, raced when its turn comes.
-    fleet.step(&format!(
-        r#"if [ "$LOOPD_ACTION" = init ]; then : > "$MARKS/init-held"
-  i=0; while [ ! -e "$MARKS/init-go" ] && [ $i -lt 1500 ]; do sleep 0.02; i=$((i+1)); done
-fi
-{}"#,
-        race_step()
-    ));
+    fleet.step(&format!("{}\n{}", hold("init"), race_step()));
     let id = fleet.create(&["--title", "a task races"]);
-    wait_until("the loop's init", FLEET_DEADLINE, || {
-        fleet.mark("init-held").exists()
-    });
+    fleet.wait_held("init");
     let args = ["task", "add", &id, "race me", "--race", "a", "--race", "b"];
     let out = fleet.temporal.command(&fleet.p, &args);
     assert_eq!(code(&out), 0, "{}", stderr(&out));
     let task = stdout(&out).trim().to_owned();
-    std::fs::write(fleet.mark("init-go"), "").expect("write init-go");
+    fleet.release("init");
     fleet.wait_completed(std::slice::from_ref(&id));
     let state = fleet.state(&id);
     let tasks = state["skill_state"]["develop"]["tasks"]
