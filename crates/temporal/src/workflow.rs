@@ -414,18 +414,21 @@ struct Lane {
 }
 
 impl Lane {
+    /// Lane `number`, whose attempts run `dispatch` from commit `base` with `executor` (`None`:
+    /// the loop's).
     fn new(
-        number: usize,
+        number: u32,
         dispatch: Dispatch,
         iteration: u64,
         base: String,
         retry: RetryPolicy,
+        executor: Option<String>,
     ) -> Lane {
         Lane {
             dispatch,
             iteration,
-            number: u32::try_from(number).unwrap_or(u32::MAX),
-            executor: None,
+            number,
+            executor,
             label: None,
             base,
             attempts: Attempts::new(retry),
@@ -459,15 +462,11 @@ async fn run_batch(
     let Some((git, base, first, retry, executor)) = ctx.state(|s| lanes_at(&s.input)) else {
         return Ok(());
     };
-    let mut lanes: Vec<Lane> = (first..)
-        .zip(batch)
-        .enumerate()
-        .map(|(i, (iteration, dispatch))| {
-            let lane = Lane::new(i + 1, dispatch, iteration, base.clone(), retry);
-            Lane {
-                executor: executor.clone(),
-                ..lane
-            }
+    let mut lanes: Vec<Lane> = (1..)
+        .zip((first..).zip(batch))
+        .map(|(number, (iteration, dispatch))| {
+            let executor = executor.clone();
+            Lane::new(number, dispatch, iteration, base.clone(), retry, executor)
         })
         .collect();
     if !rounds(ctx, wf, &mut lanes, &git).await? {
@@ -491,16 +490,18 @@ async fn run_race(
     let Some((git, base, iteration, retry, executor)) = ctx.state(|s| lanes_at(&s.input)) else {
         return Ok(());
     };
-    let mut lanes: Vec<Lane> = racers
-        .into_iter()
-        .enumerate()
-        .map(|(i, racer)| {
-            let lane = Lane::new(i + 1, dispatch.clone(), iteration, base.clone(), retry);
-            Lane {
-                executor: Some(racer.clone()),
-                label: Some(racer),
-                ..lane
-            }
+    let mut lanes: Vec<Lane> = (1..)
+        .zip(racers)
+        .map(|(number, racer)| Lane {
+            label: Some(racer.clone()),
+            ..Lane::new(
+                number,
+                dispatch.clone(),
+                iteration,
+                base.clone(),
+                retry,
+                Some(racer),
+            )
         })
         .collect();
     say(
@@ -524,12 +525,17 @@ async fn run_race(
                     .checkpoint
                     .as_ref()
                     .map_or_else(|| base.clone(), |c| c.commit.clone());
-                let lane = Lane::new(0, Dispatch::new(check), entry.iteration, tree, retry);
+                let (number, executor) = (entry.number, executor.clone());
                 Lane {
-                    number: entry.number,
-                    executor: executor.clone(),
                     label: entry.label.clone(),
-                    ..lane
+                    ..Lane::new(
+                        number,
+                        Dispatch::new(check),
+                        entry.iteration,
+                        tree,
+                        retry,
+                        executor,
+                    )
                 }
             })
             .collect();
