@@ -434,3 +434,59 @@ fn the_attempt_after_one_that_planted_a_fifo_gets_a_plain_result_file_again() {
         "{summaries:?}"
     );
 }
+
+#[test]
+fn each_attempt_finds_its_result_file_empty_and_links_an_executor_leaves_empty_nothing() {
+    // Every attempt notes a result file it did not find empty; the first develop puts a hard
+    // link to a file of the work tree in place of the result file, and a symlink to another one
+    // in place of its spare (`.result.json.spare.tmp`), then fails; the rest write results.
+    let p = Project::new(
+        r#"cat > /dev/null
+if [ -s "$LOOPD_RESULT_FILE" ]; then echo "$LOOPD_ACTION $LOOPD_ATTEMPT" >> dirty; fi
+case "$LOOPD_ACTION" in
+  init) echo '{"status":"success","state_updates":{"tasks":[{"description":"a"},{"description":"b"}]}}' > "$LOOPD_RESULT_FILE" ;;
+  develop)
+    if [ ! -e linked ]; then
+      touch linked
+      echo kept > hard; ln -f hard "$LOOPD_RESULT_FILE"
+      echo kept > soft; ln -sf "$PWD/soft" "$(dirname "$LOOPD_RESULT_FILE")/.result.json.spare.tmp"
+      exit 1
+    fi
+    echo '{"status":"success","summary":"done"}' > "$LOOPD_RESULT_FILE" ;;
+  validate) echo '{"status":"success","state_updates":{"passed":true,"pass_rate":100}}' > "$LOOPD_RESULT_FILE" ;;
+  *) echo '{"status":"success"}' > "$LOOPD_RESULT_FILE" ;;
+esac
+"#,
+    );
+    p.config(
+        "retry_backoff = 0.01\naction_retries = 1\nexecutor = \"fake\"\n\
+         [executor_defaults]\nkill_grace = 0.5\n\
+         [executors.fake]\ncommand = [\"sh\", \"bin/agent.sh\"]\nformat = \"json\"\n",
+    );
+    let id = p.create(&["--title", "t"]);
+    let out = p.run(&id, &[]);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    let failed = failed_attempt(&p, &id);
+    assert!(
+        failed["error"].as_str().unwrap_or("").contains("hard link"),
+        "{failed}"
+    );
+    let finished = p
+        .events(&id)
+        .iter()
+        .filter(|e| e["event"] == "action_finished")
+        .count();
+    assert!(finished >= 4, "init, two develops, validate: {finished}");
+    assert!(
+        !p.root.join("dirty").exists(),
+        "attempts found a result in their result file: {}",
+        std::fs::read_to_string(p.root.join("dirty")).unwrap_or_default()
+    );
+    for linked in ["hard", "soft"] {
+        assert_eq!(
+            std::fs::read_to_string(p.root.join(linked)).unwrap(),
+            "kept\n",
+            "{linked}"
+        );
+    }
+}

@@ -635,9 +635,13 @@ impl Progress {
         };
         let names = dir.entries().unwrap_or_default();
         let mut spares = lock(&self.spare_logs);
-        // Spares of an earlier run of the loop.
+        // Spares of an earlier run of the loop (the result files' spares excepted: each
+        // attempt takes its result file's in turn).
         for name in names.iter().filter(|n| n.starts_with('.')) {
-            if name.ends_with(loopd_fs::TEMP_SUFFIX) && !spares.contains(name) {
+            if name.ends_with(loopd_fs::TEMP_SUFFIX)
+                && !name.starts_with(".result")
+                && !spares.contains(name)
+            {
                 let _ = dir.remove(name);
             }
         }

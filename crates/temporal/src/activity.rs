@@ -14,7 +14,7 @@ use loopd_core::state::{Checkpoint, LoopState, Usage};
 use loopd_core::workflow::{self, Dispatch};
 use loopd_exec::agent::{AgentStream, Told};
 use loopd_exec::guard::Guard;
-use loopd_exec::result::{RESULT_FILE, empty_result_file};
+use loopd_exec::result::{RESULT_FILE, empty_result_file, stock_result_file};
 use loopd_exec::{Budget, Executor as _, Spec, Subprocess, procs};
 use loopd_fs::Dir;
 use loopd_project::config::Config;
@@ -346,6 +346,7 @@ async fn run_attempt(
     };
     let _guarded = worker.guard.as_ref().map(|g| g.attempt(&marker));
     let running = Subprocess.spawn(spec)?;
+    stock_result_file(&actions, RESULT_FILE);
     metrics().attempt_started(wf.name(), &dispatch.action, &plan.executor);
     let cancel = CancellationToken::new();
     // What the agent has spent so far, for the heartbeats.

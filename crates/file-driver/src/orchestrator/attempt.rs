@@ -3,7 +3,7 @@
 //! concluded (its result read and checked); or not started at all.
 
 use loopd_exec::metrics::metrics;
-use loopd_exec::result::{RESULT_FILE, empty_result_file};
+use loopd_exec::result::{RESULT_FILE, empty_result_file, stock_result_file};
 use loopd_project::plan;
 
 use super::batch::Lane;
@@ -20,6 +20,15 @@ pub(super) struct AttemptFiles {
     actions: loopd_fs::Dir,
     result_name: String,
     pub(super) log_path: PathBuf,
+}
+
+impl AttemptFiles {
+    /// Readies, while the attempt runs, what the next attempt of its place takes: its log and its
+    /// result file, emptied now rather than between two attempts.
+    pub(super) fn stock(&self, progress: &Progress) {
+        progress.stock_log();
+        stock_result_file(&self.actions, &self.result_name);
+    }
 }
 
 pub(super) enum Attempted {
@@ -189,7 +198,7 @@ impl LoopRun<'_> {
                 .with("pid", spawned.pid)
                 .with("log", files.log_path.display().to_string()),
         );
-        self.progress.stock_log();
+        files.stock(&self.progress);
         let (run, mut interrupt) = self.supervise(running, &done, &mut rx).await;
         let fired = armed.fired();
         drop(armed);

@@ -610,7 +610,9 @@ impl LoopRun<'_> {
                     .with("log", s.files.log_path.display().to_string()),
             );
         }
-        self.progress.stock_log();
+        for s in &spawned {
+            s.files.stock(&self.progress);
+        }
         let mut heard: Vec<Vec<loopd_exec::agent::Retry>> = vec![Vec::new(); running.len()];
         let (runs, mut interrupt) = {
             let all = join_all(running.into_iter().zip(heard.iter_mut()).map(|(r, told)| {
