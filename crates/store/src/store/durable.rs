@@ -273,7 +273,8 @@ impl Store {
                 }
                 if fields_older(&now.state, &backed.state) {
                     let _lock = self.lock(id)?;
-                    let (_, repaired) = self.update_repairing(&dir, id, true, |_, _| {})?;
+                    let (_, repaired) =
+                        self.update_repairing(&dir, id, true, |_, _| {}, &mut |_, _| None)?;
                     let from = self.backup_path(id).display().to_string();
                     return Ok(repaired.map(|reason| (reason, from)));
                 }
@@ -361,6 +362,7 @@ impl Store {
         id: &str,
         durable: bool,
         mut change: impl FnMut(&mut Map<String, Value>, &LoopState),
+        known: write::Known<'_>,
     ) -> Result<(Arc<LoopState>, Option<String>), StoreError> {
         // Read whole only when its header does not tell that the file is as far on (a file whose
         // progress is at least the newest record's is no older copy).
@@ -368,21 +370,30 @@ impl Store {
             .ok()
             .flatten();
         let mut backed = None;
-        let mut repaired = None;
-        let state = self.update_locked(dir, id, durable, |raw, current| {
-            repaired = None;
+        let repaired = std::cell::RefCell::new(None);
+        let change = |raw: &mut Map<String, Value>, current: &LoopState| {
+            repaired.replace(None);
             let seq = current.skill_state.as_ref().map_or(0, |k| k.seq);
             let as_far = progress.is_some_and(|p| p > 0 && seq >= p);
             if !as_far
                 && let Some((backed, fields)) = backed.get_or_insert_with(|| self.backed(dir, id))
                 && fields_older(current, backed)
             {
-                repaired = Some(put_back_older(current, backed));
+                repaired.replace(Some(put_back_older(current, backed)));
                 raw.extend(fields.clone());
             }
             change(raw, current);
-        })?;
-        Ok((state, repaired))
+        };
+        // A repaired version's typed result is the parse's to tell.
+        let mut known = |raw: &Map<String, Value>, base: &LoopState| {
+            repaired
+                .borrow()
+                .is_none()
+                .then(|| known(raw, base))
+                .flatten()
+        };
+        let state = self.update_locked(dir, id, durable, change, &mut known)?;
+        Ok((state, repaired.into_inner()))
     }
 
     /// The state of `id` for a daemon about to drive it: loopd's own fields taken from the

@@ -709,20 +709,26 @@ impl Store {
             let mut edits = Vec::new();
             // A durable write like any other of loopd's: one made on a copy another writer put
             // back must not make that copy's loopd fields the backup's.
-            let result = self.update_repaired(dir, id, true, |raw, _| {
-                edits.clear();
-                for key in &changed {
-                    let unchanged = self.as_if_merged(id, replaced, key, written.get(key));
-                    if raw.get(key) != unchanged.as_ref() {
-                        continue;
+            let result = self.update_repaired(
+                dir,
+                id,
+                true,
+                |raw, _| {
+                    edits.clear();
+                    for key in &changed {
+                        let unchanged = self.as_if_merged(id, replaced, key, written.get(key));
+                        if raw.get(key) != unchanged.as_ref() {
+                            continue;
+                        }
+                        let before = match theirs.get(key) {
+                            Some(v) => raw.insert(key.clone(), v.clone()),
+                            None => raw.remove(key),
+                        };
+                        edits.push((key.clone(), before, theirs.get(key).cloned()));
                     }
-                    let before = match theirs.get(key) {
-                        Some(v) => raw.insert(key.clone(), v.clone()),
-                        None => raw.remove(key),
-                    };
-                    edits.push((key.clone(), before, theirs.get(key).cloned()));
-                }
-            });
+                },
+                &mut |_, _| None,
+            );
             match result {
                 Ok(_) => {
                     merged += 1;

@@ -22,14 +22,17 @@ pub(super) const CLEARABLE_SKILL_KEYS: &[&str] = &["blocked", "question", "rate_
 /// Copies into `ours` what `theirs` has and `ours` does not know: keys missing from an object
 /// (at any depth) and, in lists of objects with an `id`, the unknown keys of the element with the
 /// same id. Every known key is always in `ours`, so nothing the daemon dropped comes back.
-pub fn keep_unknown(theirs: &Value, ours: &mut Value) {
+/// Returns whether it copied anything.
+pub fn keep_unknown(theirs: &Value, ours: &mut Value) -> bool {
+    let mut copied = false;
     match (theirs, ours) {
         (Value::Object(t), Value::Object(o)) => {
             for (key, tv) in t {
                 match o.get_mut(key) {
-                    Some(ov) => keep_unknown(tv, ov),
+                    Some(ov) => copied |= keep_unknown(tv, ov),
                     None => {
                         o.insert(key.clone(), tv.clone());
+                        copied = true;
                     }
                 }
             }
@@ -40,12 +43,71 @@ pub fn keep_unknown(theirs: &Value, ours: &mut Value) {
                     continue;
                 };
                 if let Some(tv) = t.iter().find(|tv| tv.get("id") == Some(&id)) {
-                    keep_unknown(tv, ov);
+                    copied |= keep_unknown(tv, ov);
                 }
             }
         }
         _ => {}
     }
+    copied
+}
+
+/// What tells a change's typed result without parsing the object it made: given that object
+/// and the typed view of the version it was made on, when that version is this store's own last
+/// write (no other writer since), the typed result, or `None` to parse it.
+pub(super) type Known<'a> = &'a mut dyn FnMut(&Map<String, Value>, &LoopState) -> Option<LoopState>;
+
+/// The typed result of the daemon's commit of `ours` made on `base`, once the commit's change
+/// made `raw`: `base` with the daemon's fields of `ours` and the top-level fields the change may
+/// set (a transition's, a consumed choice, the time) as `raw` has them. `None` where `raw` holds
+/// one of those in a shape only the parse can judge.
+fn committed(base: &LoopState, ours: &LoopState, raw: &Map<String, Value>) -> Option<LoopState> {
+    let text = |key: &str| match raw.get(key) {
+        None | Some(Value::Null) => Some(None),
+        Some(Value::String(s)) => Some(Some(s.clone())),
+        Some(_) => None,
+    };
+    // Every field named, so that a field added to the state is a decision here.
+    let LoopState {
+        loop_id,
+        title,
+        description,
+        max_iterations,
+        max_errors,
+        status: _,
+        current_iteration: _,
+        created_at,
+        updated_at: _,
+        completed_at: _,
+        failure_reason: _,
+        next_action: _,
+        max_cost_usd,
+        max_tokens,
+        parallel,
+        race,
+        status_by,
+        skill_state: _,
+    } = base;
+    Some(LoopState {
+        loop_id: loop_id.clone(),
+        title: title.clone(),
+        description: description.clone(),
+        max_iterations: *max_iterations,
+        max_errors: *max_errors,
+        status: Status::deserialize(raw.get("status")?).ok()?,
+        current_iteration: ours.current_iteration,
+        created_at: created_at.clone(),
+        updated_at: text("updated_at")?,
+        completed_at: text("completed_at")?,
+        failure_reason: text("failure_reason")?,
+        next_action: text("next_action")?,
+        max_cost_usd: *max_cost_usd,
+        max_tokens: *max_tokens,
+        parallel: *parallel,
+        race: race.clone(),
+        status_by: status_by.clone(),
+        skill_state: ours.skill_state.clone(),
+    })
 }
 
 /// A version's count of finished actions (`skill_state.seq`; 0 without one): how far the loop
@@ -181,11 +243,22 @@ impl Store {
         durable: bool,
         change: impl FnMut(&mut Map<String, Value>, &LoopState),
     ) -> Result<Arc<LoopState>, StoreError> {
+        self.update_with(id, durable, change, &mut |_, _| None)
+    }
+
+    /// [`Store::update`], with what tells its typed result without a parse.
+    fn update_with(
+        &self,
+        id: &str,
+        durable: bool,
+        change: impl FnMut(&mut Map<String, Value>, &LoopState),
+        known: Known<'_>,
+    ) -> Result<Arc<LoopState>, StoreError> {
         validate_id(id)?;
         let dir = self.existing_dir()?.ok_or_else(|| self.not_found(id))?;
         let _lock = self.lock(id)?;
         self.settle_locked(&dir, id, false);
-        self.update_repaired(&dir, id, durable, change)
+        self.update_repaired(&dir, id, durable, change, known)
     }
 
     /// [`Store::update_repairing`], saying in the log when loopd's fields were repaired. Called
@@ -196,8 +269,9 @@ impl Store {
         id: &str,
         durable: bool,
         change: impl FnMut(&mut Map<String, Value>, &LoopState),
+        known: Known<'_>,
     ) -> Result<Arc<LoopState>, StoreError> {
-        let (state, repaired) = self.update_repairing(dir, id, durable, change)?;
+        let (state, repaired) = self.update_repairing(dir, id, durable, change, known)?;
         if let Some(reason) = repaired {
             tracing::warn!(
                 "{}: {reason}; they were taken from {}",
@@ -214,6 +288,7 @@ impl Store {
         id: &str,
         durable: bool,
         mut change: impl FnMut(&mut Map<String, Value>, &LoopState),
+        known: Known<'_>,
     ) -> Result<Arc<LoopState>, StoreError> {
         let path = self.state_path(id);
         let name = state_name(id);
@@ -223,6 +298,8 @@ impl Store {
         let mut made_on = in_place.clone();
         let mut object = self.take_object(id, &in_place);
         for round in 1.. {
+            // Made on this store's own last write: its typed result may be known unparsed.
+            let own = object.is_some();
             let mut raw = match object.take() {
                 Some(raw) => raw,
                 None => parse_object(&made_on).map_err(|reason| StoreError::Corrupt {
@@ -232,6 +309,7 @@ impl Store {
             };
             change(&mut raw, &base);
             raw.insert("updated_at".into(), Value::String(now_rfc3339()));
+            let typed = own.then(|| known(&raw, &base)).flatten();
             let value = Value::Object(raw);
             let bytes = to_pretty(&path, &value)?;
             let progress = progress_of(&value);
@@ -245,12 +323,22 @@ impl Store {
                 }
                 e
             };
-            let state = LoopState::deserialize(&value).map_err(|e| {
-                not_written(StoreError::Corrupt {
-                    path: path.clone(),
-                    reason: e.to_string(),
-                })
-            })?;
+            let state = match typed {
+                Some(typed) => {
+                    debug_assert_eq!(
+                        Some(&typed),
+                        LoopState::deserialize(&value).ok().as_ref(),
+                        "the typed result known unparsed is the parse's"
+                    );
+                    typed
+                }
+                None => LoopState::deserialize(&value).map_err(|e| {
+                    not_written(StoreError::Corrupt {
+                        path: path.clone(),
+                        reason: e.to_string(),
+                    })
+                })?,
+            };
             let Value::Object(written) = value else {
                 unreachable!("made as an object")
             };
@@ -339,7 +427,11 @@ impl Store {
             reason: e.to_string(),
         })?;
         let mut first = Some(ours_value);
-        self.update(&ours.loop_id, durable, |raw, current| {
+        // Whether the change kept keys of the file's that `ours` lacks: its typed result is then
+        // the parse's to tell.
+        let kept = std::cell::Cell::new(false);
+        let change = |raw: &mut Map<String, Value>, current: &LoopState| {
+            kept.set(false);
             // The first round moves the daemon's fields in; a round that starts over (another
             // writer changed the file meanwhile) makes them again.
             let Some(mut fields) = first.take().or_else(|| daemon_fields(ours).ok()) else {
@@ -357,8 +449,10 @@ impl Store {
                                 .collect(),
                             _ => Vec::new(),
                         };
-                        if let Some(theirs) = raw.get(*key) {
-                            keep_unknown(theirs, &mut v);
+                        if let Some(theirs) = raw.get(*key)
+                            && keep_unknown(theirs, &mut v)
+                        {
+                            kept.set(true);
                         }
                         if let Value::Object(merged) = &mut v {
                             for k in cleared {
@@ -384,6 +478,10 @@ impl Store {
             if choice.is_some() && current.next_action.as_deref() == choice {
                 raw.remove("next_action");
             }
-        })
+        };
+        let mut known = |raw: &Map<String, Value>, base: &LoopState| {
+            (!kept.get()).then(|| committed(base, ours, raw)).flatten()
+        };
+        self.update_with(&ours.loop_id, durable, change, &mut known)
     }
 }
