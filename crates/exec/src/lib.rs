@@ -184,7 +184,15 @@ pub struct Run {
 pub trait Executor: Send + Sync {
     /// Starts one attempt: its files and its process, in a process group of its own. No output is
     /// read yet.
-    fn spawn(&self, spec: Spec) -> io::Result<Box<dyn Attempt>>;
+    fn spawn(&self, spec: Spec) -> io::Result<Box<dyn Attempt>> {
+        self.spawn_when(spec, &mut || {})
+    }
+
+    /// [`Executor::spawn`], which calls `ready` once all is ready and the process is about to
+    /// start: what must hold before an attempt starts is waited for there (the daemon's last
+    /// action durable), while the attempt's preparation (its command, its sandbox) overlaps the
+    /// wait. Not called when the attempt cannot start.
+    fn spawn_when(&self, spec: Spec, ready: &mut dyn FnMut()) -> io::Result<Box<dyn Attempt>>;
 
     /// Ends whatever a daemon that died left running of the loop whose state file is
     /// `state_file`, giving each process `grace` to go; returns how many processes there were.
@@ -212,8 +220,8 @@ pub struct Subprocess;
 
 #[async_trait::async_trait]
 impl Executor for Subprocess {
-    fn spawn(&self, spec: Spec) -> io::Result<Box<dyn Attempt>> {
-        Ok(Box::new(SubprocessAttempt::start(spec)?))
+    fn spawn_when(&self, spec: Spec, ready: &mut dyn FnMut()) -> io::Result<Box<dyn Attempt>> {
+        Ok(Box::new(SubprocessAttempt::start(spec, ready)?))
     }
 
     /// Only processes that prove they are the loop's executors are ended: by the marker every
@@ -349,8 +357,7 @@ impl Output {
 }
 
 impl SubprocessAttempt {
-    fn start(spec: Spec) -> io::Result<SubprocessAttempt> {
-        let started = Instant::now();
+    fn start(spec: Spec, ready: &mut dyn FnMut()) -> io::Result<SubprocessAttempt> {
         let Some((program, args)) = spec.argv.split_first() else {
             return Err(io::Error::new(io::ErrorKind::InvalidInput, "empty command"));
         };
@@ -431,6 +438,8 @@ impl SubprocessAttempt {
             PrivateTmp::take(&spec.dir, name)?;
             command.env("TMPDIR", path);
         }
+        ready();
+        let started = Instant::now();
         let mut child = spawn_marked(&mut command, &spec.marker).map_err(|e| {
             if let Some((_, path)) = &tmp {
                 let _ = std::fs::remove_dir_all(path);

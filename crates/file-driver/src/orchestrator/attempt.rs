@@ -163,11 +163,15 @@ impl LoopRun<'_> {
             started_at: &started_at,
             lane: None,
         };
-        // Every finished action is durable before the next one starts.
-        if !self.store().all_durable() {
-            blocking(|| self.store().wait_durable());
-        }
-        let running = match self.engine.executor.spawn(spec) {
+        // Every finished action is durable before the next one starts: waited for once the
+        // attempt is ready to start.
+        let store = self.store();
+        let mut durable = || {
+            if !store.all_durable() {
+                blocking(|| store.wait_durable());
+            }
+        };
+        let running = match self.engine.executor.spawn_when(spec, &mut durable) {
             Ok(running) => running,
             Err(e) => return self.not_started(state, &done, e).await,
         };
