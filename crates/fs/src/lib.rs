@@ -491,6 +491,24 @@ pub fn read_user_file(path: &Path, cap: u64) -> io::Result<Vec<u8>> {
     read_capped(file, cap).map_err(|e| with_path(path, e))
 }
 
+/// `path` with every symbolic link on its way resolved, as the kernel names it: what
+/// [`std::fs::canonicalize`] gives, in three system calls however deep the path (opened
+/// `O_PATH`, which opens nothing, and its name read back from `/proc/self/fd`) rather than one
+/// per component. Without `/proc`, `canonicalize` itself.
+pub fn real_path(path: impl AsRef<Path>) -> io::Result<PathBuf> {
+    let path = path.as_ref();
+    use std::os::fd::AsRawFd as _;
+    use std::os::unix::ffi::OsStrExt as _;
+    let fd = nix::fcntl::open(path, OFlag::O_PATH | OFlag::O_CLOEXEC, Mode::empty())?;
+    match std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd())) {
+        // A name the kernel marks as removed since is asked again the slow way.
+        Ok(real) if real.is_absolute() && !real.as_os_str().as_bytes().ends_with(b" (deleted)") => {
+            Ok(real)
+        }
+        _ => std::fs::canonicalize(path),
+    }
+}
+
 fn with_path(path: &Path, e: io::Error) -> io::Error {
     io::Error::new(e.kind(), format!("{}: {e}", path.display()))
 }
@@ -514,6 +532,34 @@ fn random_suffix() -> String {
 mod tests {
     use super::*;
     use std::os::unix::fs::PermissionsExt;
+
+    #[test]
+    fn a_real_path_is_what_canonicalize_gives() {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path();
+        std::fs::create_dir_all(root.join("a/b")).unwrap();
+        std::fs::write(root.join("a/b/file"), "x").unwrap();
+        std::os::unix::fs::symlink(root.join("a"), root.join("link")).unwrap();
+        std::os::unix::fs::symlink("link/b", root.join("rel")).unwrap();
+        nix::unistd::mkfifo(&root.join("fifo"), Mode::from_bits_truncate(0o600)).unwrap();
+        for path in ["a/b/file", "link/b/file", "rel/file", "rel/../b/./file", "link", "fifo"] {
+            let path = root.join(path);
+            assert_eq!(
+                real_path(&path).unwrap(),
+                std::fs::canonicalize(&path).unwrap(),
+                "{}",
+                path.display()
+            );
+        }
+        for missing in ["nothing", "link/nothing", "a/b/file/under"] {
+            let path = root.join(missing);
+            assert_eq!(
+                real_path(&path).unwrap_err().kind(),
+                std::fs::canonicalize(&path).unwrap_err().kind(),
+                "{missing}"
+            );
+        }
+    }
 
     #[test]
     fn a_temporary_file_names_its_writer() {

@@ -483,7 +483,7 @@ pub fn refusals(output: &[u8]) -> Vec<String> {
 fn existing(hidden: &[PathBuf]) -> Vec<PathBuf> {
     hidden
         .iter()
-        .filter_map(|h| std::fs::canonicalize(h).ok())
+        .filter_map(|h| loopd_fs::real_path(h).ok())
         .collect()
 }
 
@@ -504,7 +504,7 @@ fn split_into(
     granted: &mut Vec<PathBuf>,
     listed: &mut Vec<PathBuf>,
 ) {
-    let real = std::fs::canonicalize(dir).unwrap_or_else(|_| dir.to_owned());
+    let real = loopd_fs::real_path(dir).unwrap_or_else(|_| dir.to_owned());
     if hidden.iter().any(|h| real.starts_with(h)) {
         return;
     }

@@ -142,13 +142,16 @@ impl View {
             binds.extend(git.pinned.into_iter().map(|p| (p, false)));
             binds.extend(git.read_only.into_iter().map(|p| (p, true)));
         }
-        if let Some(state) = inputs.state_dir.and_then(|s| std::fs::canonicalize(s).ok()) {
-            let tree = std::fs::canonicalize(inputs.tree)?;
+        if let Some(state) = inputs.state_dir.and_then(|s| loopd_fs::real_path(s).ok()) {
+            let tree = loopd_fs::real_path(inputs.tree)?;
             // Within the tree (or holding it, a loop's own worktree): read-only but for the
             // loop's progress directory and the tree itself.
             if state != tree && (state.starts_with(&tree) || tree.starts_with(&state)) {
                 binds.push((state.clone(), true));
-                if let Some(progress) = inputs.progress_dir.and_then(|p| p.canonicalize().ok()) {
+                if let Some(progress) = inputs
+                    .progress_dir
+                    .and_then(|p| loopd_fs::real_path(p).ok())
+                {
                     binds.push((progress, false));
                 }
                 if tree.starts_with(&state) {
@@ -181,7 +184,7 @@ impl View {
         let needed: Vec<PathBuf> = inputs
             .needed
             .iter()
-            .filter_map(|p| std::fs::canonicalize(p).ok())
+            .filter_map(|p| loopd_fs::real_path(p).ok())
             .collect();
         // A directory may be covered when nothing needed is in it, nor it in something needed.
         let coverable = |dir: &Path| {
@@ -197,7 +200,7 @@ impl View {
             Vec::new()
         });
         for dir in candidates {
-            if let Ok(dir) = std::fs::canonicalize(&dir)
+            if let Ok(dir) = loopd_fs::real_path(&dir)
                 && dir.is_dir()
                 && coverable(&dir)
             {
@@ -210,7 +213,7 @@ impl View {
             Vec::new()
         };
         for socket in named {
-            let Ok(socket) = std::fs::canonicalize(&socket) else {
+            let Ok(socket) = loopd_fs::real_path(&socket) else {
                 continue;
             };
             match socket.parent() {
@@ -231,9 +234,14 @@ impl View {
             .collect();
         sockets.retain(|s| !outer.iter().any(|d| s.starts_with(d)));
         // Shown again in a covered directory: the resolver's configuration, declared sockets.
-        let mut shown: Vec<PathBuf> = std::fs::canonicalize("/etc/resolv.conf")
+        let mut shown: Vec<PathBuf> = loopd_fs::real_path("/etc/resolv.conf")
             .into_iter()
-            .chain(inputs.sockets.iter().filter_map(|s| s.canonicalize().ok()))
+            .chain(
+                inputs
+                    .sockets
+                    .iter()
+                    .filter_map(|s| loopd_fs::real_path(s).ok()),
+            )
             .collect();
         shown.sort();
         shown.dedup();
@@ -421,7 +429,7 @@ fn git_control(tree: &Path) -> io::Result<GitControl> {
         return Err(refused(&dot_git));
     }
     if meta.is_dir() {
-        let dot_git = dot_git.canonicalize()?;
+        let dot_git = loopd_fs::real_path(&dot_git)?;
         control.pinned.push(dot_git.clone());
         control_files(&dot_git, &mut control.read_only)?;
         modules(
@@ -435,7 +443,7 @@ fn git_control(tree: &Path) -> io::Result<GitControl> {
     // where the rest is, and the control files of its common directory. (Its git directories are
     // outside the tree, and stay as unwritable as the rest: a fleet worker's clone serves other
     // loops too.)
-    control.read_only.push(dot_git.canonicalize()?);
+    control.read_only.push(loopd_fs::real_path(&dot_git)?);
     let Some(git_dir) = pointed(tree, &dot_git) else {
         return Ok(control);
     };
@@ -447,7 +455,7 @@ fn git_control(tree: &Path) -> io::Result<GitControl> {
     }
     let common = std::fs::read_to_string(git_dir.join("commondir"))
         .ok()
-        .and_then(|c| git_dir.join(c.trim()).canonicalize().ok())
+        .and_then(|c| loopd_fs::real_path(git_dir.join(c.trim())).ok())
         .unwrap_or_else(|| git_dir.clone());
     control_files(&common, &mut control.read_only)?;
     if common != git_dir {
@@ -464,7 +472,7 @@ fn git_control(tree: &Path) -> io::Result<GitControl> {
 fn pointed(tree: &Path, dot_git: &Path) -> Option<PathBuf> {
     let text = std::fs::read_to_string(dot_git).ok()?;
     let dir = text.lines().find_map(|l| l.strip_prefix("gitdir:"))?.trim();
-    tree.join(dir).canonicalize().ok()
+    loopd_fs::real_path(tree.join(dir)).ok()
 }
 
 /// `config`, `hooks/` and `info/` of a git directory (and `config.worktree` where the repository
@@ -531,7 +539,7 @@ fn held(path: &Path) -> io::Result<PathBuf> {
     if std::fs::symlink_metadata(path)?.file_type().is_symlink() {
         return Err(refused(path));
     }
-    path.canonicalize()
+    loopd_fs::real_path(path)
 }
 
 fn refused(path: &Path) -> io::Error {
