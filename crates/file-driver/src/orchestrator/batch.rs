@@ -837,7 +837,7 @@ impl LoopRun<'_> {
             self.engine.config.action_retries,
             &now_rfc3339(),
         );
-        let state = self.commit(&state, None, None, true)?;
+        let state = Arc::unwrap_or_clone(self.commit(&state, None, None, true)?);
         self.events.emit(
             Event::new(name::MERGE_CONFLICT)
                 .with("iteration", iteration)

@@ -282,10 +282,10 @@ impl LoopRun<'_> {
         transition: Option<&Transition>,
         choice: Option<&str>,
         durable: bool,
-    ) -> Result<LoopState> {
+    ) -> Result<Arc<LoopState>> {
         let after = self.survive(|store| store.commit_with(state, transition, choice, durable))?;
         self.ours = Some(after.clone());
-        Ok(LoopState::clone(&after))
+        Ok(after)
     }
 
     /// Runs a read or write of the state file until it succeeds, outliving what a service
@@ -387,7 +387,7 @@ impl LoopRun<'_> {
                 changes.join("; ")
             ),
         ));
-        self.commit(&ours, None, None, true)
+        self.commit(&ours, None, None, true).map(Arc::unwrap_or_clone)
     }
 }
 

@@ -70,7 +70,7 @@ impl LoopRun<'_> {
         let unchanged = repaired.is_none() && state.skill_state == loaded.skill_state;
         self.ours = Some(loaded);
         if !unchanged {
-            state = self.commit(&state, None, None, false)?;
+            state = Arc::unwrap_or_clone(self.commit(&state, None, None, false)?);
         }
         self.recover(&mut state).await?;
         self.checkpoints = blocking(|| self.start_checkpoints());
@@ -314,7 +314,7 @@ impl LoopRun<'_> {
         if joined > 0 {
             // Tasks a person added: the rounds without progress count afresh.
             loopd_core::no_progress::afresh(state);
-            *state = self.commit(state, None, None, true)?;
+            *state = Arc::unwrap_or_clone(self.commit(state, None, None, true)?);
             self.events
                 .emit(Event::new(name::TASKS_ADDED).with("count", joined));
         }
@@ -383,7 +383,7 @@ impl LoopRun<'_> {
             );
         }
         state.skill().current_action = None;
-        *state = self.commit(state, None, None, true)?;
+        *state = Arc::unwrap_or_clone(self.commit(state, None, None, true)?);
         for flight in flights {
             let mut event = Event::new(name::RECOVERED)
                 .with("action", flight.action)
