@@ -542,7 +542,14 @@ mod tests {
         std::os::unix::fs::symlink(root.join("a"), root.join("link")).unwrap();
         std::os::unix::fs::symlink("link/b", root.join("rel")).unwrap();
         nix::unistd::mkfifo(&root.join("fifo"), Mode::from_bits_truncate(0o600)).unwrap();
-        for path in ["a/b/file", "link/b/file", "rel/file", "rel/../b/./file", "link", "fifo"] {
+        for path in [
+            "a/b/file",
+            "link/b/file",
+            "rel/file",
+            "rel/../b/./file",
+            "link",
+            "fifo",
+        ] {
             let path = root.join(path);
             assert_eq!(
                 real_path(&path).unwrap(),

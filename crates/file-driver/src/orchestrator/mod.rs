@@ -387,7 +387,8 @@ impl LoopRun<'_> {
                 changes.join("; ")
             ),
         ));
-        self.commit(&ours, None, None, true).map(Arc::unwrap_or_clone)
+        self.commit(&ours, None, None, true)
+            .map(Arc::unwrap_or_clone)
     }
 }
 

@@ -1129,6 +1129,60 @@ mod tests {
         }
     }
 
+    /// A commit made on the store's own last write knows its typed result without parsing the
+    /// file again: it is what another store parses from the file, through a consumed choice, the
+    /// workflow's own fields and a transition; a key of the file's that the daemon's copy lacks
+    /// is kept, and the parse's to tell.
+    #[test]
+    fn a_commit_on_its_own_write_is_what_the_file_parses_to() {
+        let (dir, store) = running_loop();
+        let parsed = || LoopState::clone(&Store::new(dir.path(), ".").load_shared("l1").unwrap());
+        let mut state = LoopState::clone(&store.load_shared("l1").unwrap());
+        // A controller's choice, then the daemon's write that consumes it.
+        store
+            .update("l1", false, |raw, _| {
+                raw.insert("next_action".into(), "validate".into());
+            })
+            .unwrap();
+        state.current_iteration = 1;
+        state.skill().part.insert(
+            "develop".into(),
+            serde_json::json!({"tasks": [{"id": "T1", "description": "a", "mine": 1}]}),
+        );
+        state.skill().seq = 1;
+        let after = store.commit(&state, None, false).unwrap();
+        assert_eq!(*after, parsed());
+        state.current_iteration = 2;
+        state.skill().seq = 2;
+        let after = store
+            .commit_with(&state, None, Some("validate"), true)
+            .unwrap();
+        assert_eq!(after.next_action, None);
+        assert_eq!(*after, parsed());
+        // A field of the workflow's the daemon's copy no longer has comes back from the file.
+        state.skill().part.remove("develop");
+        let after = store.commit(&state, None, false).unwrap();
+        assert!(
+            after
+                .skill_state
+                .as_ref()
+                .unwrap()
+                .part
+                .contains_key("develop")
+        );
+        assert_eq!(*after, parsed());
+        let done = Transition {
+            from: &[Status::Running],
+            to: Status::Completed,
+            failure_reason: None,
+            completed_at: true,
+        };
+        let after = store.commit(&state, Some(&done), true).unwrap();
+        assert_eq!(after.status, Status::Completed);
+        assert!(after.completed_at.is_some());
+        assert_eq!(*after, parsed());
+    }
+
     #[test]
     fn commit_keeps_control_fields_written_by_others() {
         let dir = tempfile::tempdir().unwrap();
