@@ -609,6 +609,12 @@ pub fn render(event: &Value, clock: Clock) -> String {
     printable(line.trim_end()).into_owned()
 }
 
+/// Whether `name` is a spare log of `actions/`: a pruned log (`.NAME.log.spare.tmp`) or one made
+/// while an attempt ran (`.log.spare.PID-XXXXXX.tmp`).
+fn is_spare_log(name: &str) -> bool {
+    name.starts_with('.') && name.ends_with(loopd_fs::TEMP_SUFFIX) && name.contains(".log.spare")
+}
+
 /// The Markdown and NDJSON files of `{id}.progress/` written for people.
 pub struct Progress {
     dir: ProgressDir,
@@ -635,13 +641,9 @@ impl Progress {
         };
         let names = dir.entries().unwrap_or_default();
         let mut spares = lock(&self.spare_logs);
-        // Spares of an earlier run of the loop (the result files' spares excepted: each
-        // attempt takes its result file's in turn).
-        for name in names.iter().filter(|n| n.starts_with('.')) {
-            if name.ends_with(loopd_fs::TEMP_SUFFIX)
-                && !name.starts_with(".result")
-                && !spares.contains(name)
-            {
+        // Spare logs of an earlier run of the loop.
+        for name in names.iter().filter(|n| is_spare_log(n)) {
+            if !spares.contains(name) {
                 let _ = dir.remove(name);
             }
         }
@@ -805,6 +807,30 @@ mod tests {
             .collect();
         assert_eq!(taken, [reused]);
         assert!(spares.iter().any(|(_, ino)| *ino == first));
+    }
+
+    #[test]
+    fn the_spare_logs_of_an_earlier_run_are_removed_and_nothing_else_is() {
+        let tmp = tempfile::tempdir().unwrap();
+        let store = Store::new(tmp.path(), ".");
+        let progress = Progress::new(&ProgressDir::new(&store, "l1"));
+        let actions = progress.dir.actions().unwrap();
+        let earlier = [".0001-develop-1.log.spare.tmp", ".log.spare.99-abcdef.tmp"];
+        let kept = [
+            ".result.json.spare.tmp",
+            ".result-2.json.spare.tmp",
+            "0002-validate-1.log",
+        ];
+        for name in earlier.iter().chain(&kept) {
+            std::fs::write(actions.join(name), "").unwrap();
+        }
+        progress.prune_actions();
+        for name in earlier {
+            assert!(!actions.exists(name), "{name}");
+        }
+        for name in kept {
+            assert!(actions.exists(name), "{name}");
+        }
     }
 
     #[test]
