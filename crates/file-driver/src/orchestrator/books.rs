@@ -153,12 +153,9 @@ impl LoopRun<'_> {
         {
             blocking(|| self.guard_against_regression(&mut state, rate));
         }
-        let transition = end.as_ref().map(|LoopEnd::Completed(_)| Transition {
-            from: &[Status::Running],
-            to: Status::Completed,
-            failure_reason: None,
-            completed_at: true,
-        });
+        let transition = end
+            .as_ref()
+            .map(|LoopEnd::Completed(_)| Transition::completion());
         let state = self.commit(&state, transition.as_ref(), None, true)?;
         // Now and then, not on every action: it lists the directory.
         if state.skill_state.as_ref().is_some_and(|s| s.seq % 50 == 0) {

@@ -233,6 +233,18 @@ pub struct Transition {
     pub completed_at: bool,
 }
 
+impl Transition {
+    /// A running loop's completion, stamped with its time (`completed_at`).
+    pub fn completion() -> Transition {
+        Transition {
+            from: &[Status::Running],
+            to: Status::Completed,
+            failure_reason: None,
+            completed_at: true,
+        }
+    }
+}
+
 /// The state directory of a project.
 #[derive(Clone, Debug)]
 pub struct Store {
@@ -1171,12 +1183,7 @@ mod tests {
                 .contains_key("develop")
         );
         assert_eq!(*after, parsed());
-        let done = Transition {
-            from: &[Status::Running],
-            to: Status::Completed,
-            failure_reason: None,
-            completed_at: true,
-        };
+        let done = Transition::completion();
         let after = store.commit(&state, Some(&done), true).unwrap();
         assert_eq!(after.status, Status::Completed);
         assert!(after.completed_at.is_some());
@@ -1204,12 +1211,7 @@ mod tests {
             .unwrap();
         // The daemon's stale copy still says running / "t".
         state.current_iteration = 4;
-        let done = Transition {
-            from: &[Status::Running],
-            to: Status::Completed,
-            failure_reason: None,
-            completed_at: true,
-        };
+        let done = Transition::completion();
         let after = store.commit(&state, Some(&done), true).unwrap();
         assert_eq!(after.status, Status::Paused);
         assert_eq!(after.title, "new");
