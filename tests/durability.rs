@@ -975,3 +975,40 @@ fn a_full_disk_is_waited_out_and_nothing_is_lost() {
     );
     assert_eq!(state["skill_state"]["error_count"], 0);
 }
+
+/// Every attempt finds the action before it recorded in the backup (`{id}.json.bak`, the record
+/// a durable write is fdatasynced to) when it starts: no attempt starts before the last action's
+/// finish is written there (a finish written without its durable record fails it). The check is
+/// the agent's own, at its start; it sees the record written, not its fdatasync, which no process
+/// can see.
+#[test]
+fn each_attempt_starts_after_the_last_action_is_in_the_backup() {
+    let p = Project::new(
+        r#"cat > /dev/null
+if [ -f last ] && ! grep -aq "$(cat last)" "$LOOPD_STATE_FILE.bak"; then
+  echo "$(cat last) was not in the backup when $LOOPD_ACTION started" >> missing
+fi
+n=$(cat n 2>/dev/null || echo 0); n=$((n + 1)); echo "$n" > n
+said="finished-$n"; echo "$said" > last
+case "$LOOPD_ACTION" in
+  init) echo '{"status":"success","summary":"'"$said"'","state_updates":{"tasks":[{"description":"a"},{"description":"b"}]}}' > "$LOOPD_RESULT_FILE" ;;
+  validate) echo '{"status":"success","summary":"'"$said"'","state_updates":{"passed":false,"pass_rate":50}}' > "$LOOPD_RESULT_FILE" ;;
+  *) echo '{"status":"success","summary":"'"$said"'"}' > "$LOOPD_RESULT_FILE" ;;
+esac
+"#,
+    );
+    let id = p.create(&["--title", "t", "--max-iterations", "12"]);
+    let out = p.run(&id, &[]);
+    assert_eq!(code(&out), 3, "{}", stderr(&out));
+    let started: usize = std::fs::read_to_string(p.root.join("n"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    assert!(started > 10, "{started} attempts");
+    assert!(
+        !p.root.join("missing").exists(),
+        "{}",
+        std::fs::read_to_string(p.root.join("missing")).unwrap_or_default()
+    );
+}
