@@ -78,6 +78,16 @@ enum Change {
     Renamed,
 }
 
+impl Change {
+    /// What two events say together.
+    fn and(self, other: Option<Change>) -> Change {
+        match (self, other) {
+            (Change::Renamed, None | Some(Change::Renamed)) => Change::Renamed,
+            _ => Change::Any,
+        }
+    }
+}
+
 /// A running watch of one loop; dropping it stops watching.
 pub struct Watch {
     rx: watch::Receiver<Option<Snapshot>>,
@@ -159,58 +169,84 @@ impl Watch {
             dir: store.dir().join(id),
             subscription: Mutex::new(None),
         });
-        let on_event = {
+        // What one event calls for (settles, a hand-over adopted, the nested directory
+        // followed), and the look at the loop's files it asks for.
+        let calls_for = {
             let refresh = refresh.clone();
             let nested = nested.clone();
             let (store, id) = (store.clone(), id.to_owned());
-            move |event: &notify::Result<notify::Event>| match event {
-                Ok(event) => {
-                    if !is_change(event) {
-                        return;
-                    }
-                    if event.need_rescan() {
-                        store.touch_orphans(&id);
-                        let _ = store.settle(&id);
-                    }
-                    let late = replaced.late_write(event, &names, &store);
-                    if late {
-                        let _ = store.settle(&id);
-                    }
-                    // A version another writer replaced and handed over (it exits without
-                    // waiting for a late write into it): kept and settled here.
-                    if is_created(event) {
-                        for name in event.paths.iter().map(|p| Names::name(p)) {
-                            if names.is_handover(name) {
-                                store.adopt(name);
+            move |event: &notify::Result<notify::Event>| -> Option<Change> {
+                match event {
+                    Ok(event) => {
+                        if !is_change(event) {
+                            return None;
+                        }
+                        if event.need_rescan() {
+                            store.touch_orphans(&id);
+                            let _ = store.settle(&id);
+                        }
+                        let late = replaced.late_write(event, &names, &store);
+                        if late {
+                            let _ = store.settle(&id);
+                        }
+                        // A version another writer replaced and handed over (it exits without
+                        // waiting for a late write into it): kept and settled here.
+                        if is_created(event) {
+                            for name in event.paths.iter().map(|p| Names::name(p)) {
+                                if names.is_handover(name) {
+                                    store.adopt(name);
+                                }
                             }
                         }
-                    }
-                    if event.need_rescan() || event.paths.iter().any(|p| names.is_nested(p)) {
-                        nested.follow(&refresh);
-                    }
-                    if event.need_rescan() {
-                        refresh(Change::Any);
-                    } else if event.paths.iter().any(|p| names.is_watched(p)) {
-                        let renamed = matches!(event.kind, EventKind::Modify(ModifyKind::Name(_)))
-                            && event.paths.iter().all(|p| Names::name(p) != names.tasks)
-                            && !event.paths.iter().any(|p| names.is_nested(p));
-                        refresh(if renamed {
-                            Change::Renamed
+                        if event.need_rescan() || event.paths.iter().any(|p| names.is_nested(p)) {
+                            nested.follow(&refresh);
+                        }
+                        if event.need_rescan() {
+                            Some(Change::Any)
+                        } else if event.paths.iter().any(|p| names.is_watched(p)) {
+                            let renamed =
+                                matches!(event.kind, EventKind::Modify(ModifyKind::Name(_)))
+                                    && event.paths.iter().all(|p| Names::name(p) != names.tasks)
+                                    && !event.paths.iter().any(|p| names.is_nested(p));
+                            Some(if renamed {
+                                Change::Renamed
+                            } else {
+                                Change::Any
+                            })
                         } else {
-                            Change::Any
-                        });
+                            None
+                        }
+                    }
+                    Err(_) => {
+                        store.touch_orphans(&id);
+                        let _ = store.settle(&id);
+                        nested.follow(&refresh);
+                        Some(Change::Any)
                     }
                 }
-                Err(_) => {
-                    store.touch_orphans(&id);
-                    let _ = store.settle(&id);
-                    nested.follow(&refresh);
-                    refresh(Change::Any);
+            }
+        };
+        // The events read together are taken in one by one, and the loop's files looked at once
+        // after them: a look reads the files as they are then, which is what a look after each
+        // event would have read or newer, and a change after it comes with an event of its own.
+        // (The daemon's own write, an exchange of two names, is told as four events naming the
+        // state file: one read of it, not four.)
+        let on_events = {
+            let refresh = refresh.clone();
+            move |events: &[&notify::Result<notify::Event>]| {
+                let mut look = None;
+                for event in events {
+                    if let Some(change) = calls_for(event) {
+                        look = Some(change.and(look));
+                    }
+                }
+                if let Some(change) = look {
+                    refresh(change);
                 }
             }
         };
         let orphans = store.watch_orphans(id);
-        let subscription = subscribe(store.dir(), Arc::new(on_event));
+        let subscription = subscribe_batches(store.dir(), Arc::new(on_events));
         nested.follow(&refresh_now);
         // A change made before the subscription is seen now rather than at the re-check.
         refresh_now(Change::Any);
@@ -358,19 +394,22 @@ impl Nested {
             return;
         }
         let on_change = refresh.clone();
-        let handler = move |event: &notify::Result<notify::Event>| {
+        let handler = move |events: &[&notify::Result<notify::Event>]| {
             let tasks = |e: &notify::Event| {
                 e.need_rescan()
                     || e.paths
                         .iter()
                         .any(|p| Names::name(p) == crate::tasks::SHARED)
             };
-            match event {
-                Ok(e) if !is_change(e) || !tasks(e) => {}
-                _ => on_change(Change::Any),
+            let changed = events.iter().any(|event| match event {
+                Ok(e) => is_change(e) && tasks(e),
+                Err(_) => true,
+            });
+            if changed {
+                on_change(Change::Any);
             }
         };
-        *subscription = Some(subscribe(&self.dir, Arc::new(handler)));
+        *subscription = Some(subscribe_batches(&self.dir, Arc::new(handler)));
         drop(subscription);
         // A change made before the subscription is seen now.
         refresh(Change::Any);
@@ -524,13 +563,17 @@ pub fn is_change(event: &notify::Event) -> bool {
 /// been lost: look again).
 pub type Handler = Arc<dyn Fn(&notify::Result<notify::Event>) + Send + Sync>;
 
+/// What a subscriber of a directory that takes its events together is told: the events of its
+/// directory read at once, in order.
+type BatchHandler = Arc<dyn Fn(&[&notify::Result<notify::Event>]) + Send + Sync>;
+
 /// The handlers of each watched directory. Kept apart from [`WATCHERS`]: notify's thread takes
 /// this lock to deliver an event while a subscriber, holding [`WATCHERS`], waits for notify's
 /// thread to add a watch.
 static HANDLERS: LazyLock<Mutex<Handlers>> = LazyLock::new(Default::default);
 
 /// Each watched directory's handlers, by subscription key.
-type Handlers = HashMap<PathBuf, Vec<(u64, Handler)>>;
+type Handlers = HashMap<PathBuf, Vec<(u64, BatchHandler)>>;
 
 /// The process's watchers: one inotify instance for every directory, and a polling watcher for
 /// each directory inotify cannot watch (its limits reached, or `LOOPD_WATCH=poll`).
@@ -542,32 +585,45 @@ struct Watchers {
     next_key: u64,
 }
 
-/// Hands an event to the handlers of the directories it names; an error or a rescan to all.
-fn dispatch(event: notify::Result<notify::Event>) {
-    let handlers: Vec<Handler> = {
+/// Hands the events read at once to the handlers of the directories they name (an error or a
+/// rescan to all), each handler its own events in one call.
+fn dispatch(events: &[notify::Result<notify::Event>]) {
+    let mut told: Vec<(BatchHandler, Vec<&notify::Result<notify::Event>>)> = Vec::new();
+    {
         let all = lock(&HANDLERS);
-        let everyone = match &event {
-            Ok(e) => e.need_rescan() || e.paths.is_empty(),
-            Err(_) => true,
+        // Each handler's place in `told`, by subscription key.
+        let mut place: HashMap<u64, usize> = HashMap::new();
+        let mut tell = |key: u64, handler: &BatchHandler, event| {
+            let at = *place.entry(key).or_insert_with(|| {
+                told.push((handler.clone(), Vec::new()));
+                told.len() - 1
+            });
+            told[at].1.push(event);
         };
-        if everyone {
-            all.values().flatten().map(|(_, h)| h.clone()).collect()
-        } else {
+        for event in events {
+            let everyone = match event {
+                Ok(e) => e.need_rescan() || e.paths.is_empty(),
+                Err(_) => true,
+            };
+            if everyone {
+                for (key, handler) in all.values().flatten() {
+                    tell(*key, handler, event);
+                }
+                continue;
+            }
             let paths = event
                 .as_ref()
                 .map(|e| e.paths.as_slice())
                 .unwrap_or_default();
             let mut dirs: Vec<&Path> = paths.iter().filter_map(|p| p.parent()).collect();
             dirs.dedup();
-            dirs.iter()
-                .filter_map(|d| all.get(*d))
-                .flatten()
-                .map(|(_, h)| h.clone())
-                .collect()
+            for (key, handler) in dirs.iter().filter_map(|d| all.get(*d)).flatten() {
+                tell(*key, handler, event);
+            }
         }
-    };
-    for handler in handlers {
-        handler(&event);
+    }
+    for (handler, events) in told {
+        handler(&events);
     }
 }
 
@@ -602,7 +658,8 @@ impl Watchers {
             POLL.as_millis()
         );
         let config = notify::Config::default().with_poll_interval(POLL);
-        match notify::PollWatcher::new(dispatch, config).and_then(|mut w| {
+        let each = |event| dispatch(std::slice::from_ref(&event));
+        match notify::PollWatcher::new(each, config).and_then(|mut w| {
             w.watch(dir, RecursiveMode::NonRecursive)?;
             Ok(w)
         }) {
@@ -654,15 +711,15 @@ impl Inotify {
                         Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
                         Err(e) => {
                             tracing::warn!("inotify stopped ({e}); relying on the re-checks");
-                            dispatch(Err(notify::Error::io(e)));
+                            dispatch(&[Err(notify::Error::io(e))]);
                             return;
                         }
                     };
-                    for event in events {
-                        for told in translate(&event, &known, &mut moved_from) {
-                            dispatch(Ok(told));
-                        }
-                    }
+                    let told: Vec<_> = events
+                        .flat_map(|event| translate(&event, &known, &mut moved_from))
+                        .map(Ok)
+                        .collect();
+                    dispatch(&told);
                 }
             })?;
         Ok(Inotify { watches, dirs })
@@ -768,6 +825,18 @@ fn polled(dir: &Path) -> bool {
 /// Calls `handler` for every event in `dir` (not recursive), and for every error of the
 /// watcher. Every directory of the process is watched by one inotify instance.
 pub fn subscribe(dir: &Path, handler: Handler) -> Subscription {
+    subscribe_batches(
+        dir,
+        Arc::new(move |events: &[&notify::Result<notify::Event>]| {
+            for event in events {
+                handler(event);
+            }
+        }),
+    )
+}
+
+/// [`subscribe`], the events read at once told in one call.
+fn subscribe_batches(dir: &Path, handler: BatchHandler) -> Subscription {
     let mut watchers = lock(&WATCHERS);
     let key = watchers.next_key;
     watchers.next_key += 1;
@@ -923,6 +992,62 @@ mod tests {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
         assert!(ended.load(Ordering::SeqCst));
+    }
+
+    /// The events read at once reach each subscriber of a batch in one call, its own events
+    /// only, in the order they were read; a subscriber of single events is told each.
+    #[test]
+    fn the_events_read_at_once_reach_each_subscriber_together_and_in_order() {
+        let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        let (a, b) = (a.path().to_owned(), b.path().to_owned());
+        type Told = Arc<Mutex<Vec<Vec<(EventKind, Vec<String>)>>>>;
+        let batches = |told: &Told| -> BatchHandler {
+            let told = told.clone();
+            Arc::new(move |events: &[&notify::Result<notify::Event>]| {
+                let events = events
+                    .iter()
+                    .filter_map(|e| e.as_ref().ok())
+                    .map(|e| {
+                        (
+                            e.kind,
+                            e.paths.iter().map(|p| Names::name(p).to_owned()).collect(),
+                        )
+                    })
+                    .collect();
+                lock(&told).push(events);
+            })
+        };
+        let (told_a, told_b, told_each): (Told, Told, Told) = Default::default();
+        let _a = subscribe_batches(&a, batches(&told_a));
+        let _b = subscribe_batches(&b, batches(&told_b));
+        let _each = subscribe(&a, {
+            let told = told_each.clone();
+            Arc::new(move |e: &notify::Result<notify::Event>| {
+                let e = e.as_ref().unwrap();
+                let names = e.paths.iter().map(|p| Names::name(p).to_owned()).collect();
+                lock(&told).push(vec![(e.kind, names)]);
+            })
+        });
+        let write = EventKind::Modify(ModifyKind::Data(DataChange::Any));
+        let both = EventKind::Modify(ModifyKind::Name(RenameMode::Both));
+        let names = |n: &[&str]| n.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        dispatch(&[
+            Ok(event(write, &a, &["x"])),
+            Ok(event(write, &b, &["y"])),
+            Ok(event(both, &a, &["x", "z"])),
+        ]);
+        assert_eq!(
+            *lock(&told_a),
+            vec![vec![(write, names(&["x"])), (both, names(&["x", "z"]))]]
+        );
+        assert_eq!(*lock(&told_b), vec![vec![(write, names(&["y"]))]]);
+        assert_eq!(
+            *lock(&told_each),
+            vec![
+                vec![(write, names(&["x"]))],
+                vec![(both, names(&["x", "z"]))]
+            ]
+        );
     }
 
     /// loopd's own inotify reader tells what notify would of a write and of a rename (both
