@@ -3,6 +3,13 @@ use std::process::ExitCode;
 use clap::Parser as _;
 use loopd::cli::Cli;
 
+/// mimalloc rather than glibc's malloc: a daemon's work is many short-lived JSON trees, and glibc
+/// spent a fifth of `loopd serve`'s CPU in its allocator (merging its fast bins at each larger
+/// request, `malloc_consolidate`). Transparent huge pages are left out: with them, each thread's
+/// first heap page took a huge page, and `loopd run`'s peak RSS went from 13 to 22 MiB.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn main() -> ExitCode {
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
