@@ -10,7 +10,7 @@
 use std::fs::File;
 use std::io::{self, Write};
 use std::path::PathBuf;
-use std::sync::Mutex;
+use std::sync::{LazyLock, Mutex};
 
 use loopd_core::state::LoopState;
 use serde_json::{Map, Value, json};
@@ -256,16 +256,18 @@ impl EventLog {
     }
 
     pub fn emit(&mut self, event: Event) {
+        let now = chrono::Utc::now();
         let mut line = Map::new();
-        line.insert("ts".into(), json!(now_rfc3339()));
+        line.insert("ts".into(), json!(loopd_core::state::format_ts(now)));
         line.insert("loop_id".into(), json!(self.loop_id));
         line.extend(event.fields);
         let value = Value::Object(line);
         let is_warning = value["event"] == name::WARNING;
+        // Shown at the time it was taken, not at its text's parse.
         if is_warning {
-            tracing::warn!("{}", render(&value, Clock::Local));
+            tracing::warn!("{}", render_at(&value, Clock::Local.at(now)));
         } else {
-            tracing::info!("{}", render(&value, Clock::Local));
+            tracing::info!("{}", render_at(&value, Clock::Local.at(now)));
         }
         if let Some(sink) = &self.sink {
             sink(&value);
@@ -537,23 +539,44 @@ pub enum Clock {
 impl Clock {
     /// An RFC 3339 timestamp as this clock shows it (as it was, if it does not parse).
     pub fn show(self, ts: &str) -> String {
-        let Some(t) = loopd_core::state::parse_ts(ts) else {
-            return ts.to_owned();
-        };
+        match loopd_core::state::parse_ts(ts) {
+            Some(t) => self.at(t),
+            None => ts.to_owned(),
+        }
+    }
+
+    /// A time as this clock shows it.
+    pub fn at(self, t: chrono::DateTime<chrono::Utc>) -> String {
+        use chrono::format::{Item, StrftimeItems};
+        // The formats parsed once: each event logged shows one.
+        fn parsed(format: &'static str) -> Vec<Item<'static>> {
+            StrftimeItems::new(format)
+                .parse_to_owned()
+                .expect("a valid format")
+        }
+        static LOCAL: LazyLock<Vec<Item<'static>>> =
+            LazyLock::new(|| parsed("%Y-%m-%d %H:%M:%S%.3f %:z"));
+        static UTC: LazyLock<Vec<Item<'static>>> =
+            LazyLock::new(|| parsed("%Y-%m-%d %H:%M:%S%.3fZ"));
         match self {
             Clock::Local => t
                 .with_timezone(&chrono::Local)
-                .format("%Y-%m-%d %H:%M:%S%.3f %:z")
+                .format_with_items(LOCAL.iter())
                 .to_string(),
-            Clock::Utc => t.format("%Y-%m-%d %H:%M:%S%.3fZ").to_string(),
+            Clock::Utc => t.format_with_items(UTC.iter()).to_string(),
         }
     }
 }
 
 /// One event for people: `DATE TIME ZONE  #iter  action  what  details`.
 pub fn render(event: &Value, clock: Clock) -> String {
+    let ts = event.get("ts").and_then(Value::as_str).unwrap_or("");
+    render_at(event, clock.show(ts))
+}
+
+/// [`render`], its time shown as `time`.
+fn render_at(event: &Value, time: String) -> String {
     let s = |k: &str| event.get(k).and_then(Value::as_str).unwrap_or("");
-    let time = clock.show(s("ts"));
     let iteration = event
         .get("iteration")
         .and_then(Value::as_u64)
@@ -759,6 +782,27 @@ impl Progress {
 mod tests {
     use super::*;
     use std::os::unix::fs::MetadataExt as _;
+
+    /// A time taken shows as its written timestamp does when read back (`loopd logs`), in
+    /// either clock.
+    #[test]
+    fn a_time_shows_as_its_timestamp_read_back_does() {
+        let t = chrono::DateTime::parse_from_rfc3339("2026-11-23T11:52:08.123456Z")
+            .unwrap()
+            .with_timezone(&chrono::Utc);
+        assert_eq!(Clock::Utc.at(t), "2026-11-23 11:52:08.123Z");
+        let now = chrono::Utc::now();
+        let ts = loopd_core::state::format_ts(now);
+        for clock in [Clock::Utc, Clock::Local] {
+            assert_eq!(clock.at(now), clock.show(&ts), "{clock:?}");
+        }
+        let line =
+            json!({"ts": ts, "event": "action_started", "iteration": 3, "action": "develop"});
+        assert_eq!(
+            render_at(&line, Clock::Local.at(now)),
+            render(&line, Clock::Local)
+        );
+    }
 
     #[test]
     fn pruned_logs_become_the_next_attempts_logs() {
