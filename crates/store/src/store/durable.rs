@@ -10,19 +10,58 @@ use std::time::SystemTime;
 /// The process's backup threads, one per filesystem its stores are on (a service drives many
 /// loops, and a slow or full disk must hold up no loop of another), each started on first use:
 /// it records the backups it is handed, in order.
-pub(super) static BACKUP_THREADS: LazyLock<Mutex<HashMap<u64, mpsc::Sender<BackupJob>>>> =
+pub(super) static BACKUP_THREADS: LazyLock<Mutex<HashMap<u64, BackupThread>>> =
     LazyLock::new(Default::default);
 
+/// A backup thread: its jobs, and its thread id.
+#[derive(Clone)]
+pub(super) struct BackupThread {
+    jobs: mpsc::Sender<BackupJob>,
+    /// Its thread id (0: not known).
+    tid: i32,
+}
+
+impl BackupThread {
+    /// Hands `job` over, on another CPU than the caller's where there is one: a thread woken on
+    /// the waker's CPU waits for the waker to sleep before it runs (a virtual machine's scheduler
+    /// may take the other, idle, CPU for a busy one), and the caller goes on to ready the next
+    /// attempt, which then waits for this job.
+    fn hand(&self, job: BackupJob) -> bool {
+        use nix::sched::{CpuSet, sched_getaffinity, sched_getcpu, sched_setaffinity};
+        use nix::unistd::Pid;
+        if self.tid > 0
+            && let (Ok(here), Ok(mut allowed)) =
+                (sched_getcpu(), sched_getaffinity(Pid::from_raw(0)))
+            && allowed.is_set(here).unwrap_or(false)
+            && (0..CpuSet::count())
+                .filter(|c| allowed.is_set(*c).unwrap_or(false))
+                .count()
+                > 1
+            && allowed.unset(here).is_ok()
+        {
+            let _ = sched_setaffinity(Pid::from_raw(self.tid), &allowed);
+        }
+        self.jobs.send(job).is_ok()
+    }
+
+    #[cfg(test)]
+    pub(super) fn tid(&self) -> i32 {
+        self.tid
+    }
+}
+
 /// The backup thread of the filesystem `dev`; `None` if it cannot start.
-pub(super) fn backup_thread(dev: u64) -> Option<mpsc::Sender<BackupJob>> {
+pub(super) fn backup_thread(dev: u64) -> Option<BackupThread> {
     let mut threads = lock(&BACKUP_THREADS);
-    if let Some(jobs) = threads.get(&dev) {
-        return Some(jobs.clone());
+    if let Some(thread) = threads.get(&dev) {
+        return Some(thread.clone());
     }
     let (jobs, queue) = mpsc::channel::<BackupJob>();
+    let (told, its_tid) = mpsc::sync_channel(1);
     let started = std::thread::Builder::new()
         .name("loopd-backup".into())
         .spawn(move || {
+            let _ = told.send(nix::unistd::gettid().as_raw());
             for job in queue {
                 job.store.record_backup(&job.id, &job.bytes, job.progress);
                 let _ = job.done.send(());
@@ -30,8 +69,10 @@ pub(super) fn backup_thread(dev: u64) -> Option<mpsc::Sender<BackupJob>> {
         });
     match started {
         Ok(_) => {
-            threads.insert(dev, jobs.clone());
-            Some(jobs)
+            let tid = its_tid.recv().unwrap_or(0);
+            let thread = BackupThread { jobs, tid };
+            threads.insert(dev, thread.clone());
+            Some(thread)
         }
         Err(e) => {
             tracing::warn!("cannot start a backup thread ({e}); writing backups at once");
@@ -157,7 +198,7 @@ impl Store {
             progress,
             done,
         };
-        let sent = jobs.send(job).is_ok();
+        let sent = jobs.hand(job);
         if sent {
             lock(deferred).push(recorded);
         }

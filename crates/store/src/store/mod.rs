@@ -575,6 +575,42 @@ mod tests {
     use std::fs;
     use std::io::Write as _;
 
+    /// A version handed to the backup thread wakes it on another CPU than the caller's, when
+    /// the caller may run on more than one: woken on the caller's, it would wait there until the
+    /// caller sleeps, and the daemon's next attempt waits for it.
+    #[test]
+    fn the_backup_thread_is_handed_its_work_away_from_the_callers_cpu() {
+        use nix::sched::{CpuSet, sched_getaffinity};
+        use nix::unistd::Pid;
+        let cpus = |set: &CpuSet| -> Vec<usize> {
+            (0..CpuSet::count())
+                .filter(|c| set.is_set(*c).unwrap_or(false))
+                .collect()
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::new(dir.path(), ".");
+        store.defer_durability();
+        let state = LoopState {
+            loop_id: "l1".into(),
+            ..Default::default()
+        };
+        store.create(&state).unwrap();
+        store.update("l1", true, |_, _| {}).unwrap();
+        store.wait_durable();
+        let thread = durable::backup_thread(store.device().unwrap()).unwrap();
+        let mine = cpus(&sched_getaffinity(Pid::from_raw(0)).unwrap());
+        let theirs = cpus(&sched_getaffinity(Pid::from_raw(thread.tid())).unwrap());
+        if mine.len() > 1 {
+            assert_eq!(theirs.len(), mine.len() - 1, "{theirs:?} of {mine:?}");
+            assert!(
+                theirs.iter().all(|c| mine.contains(c)),
+                "{theirs:?} of {mine:?}"
+            );
+        } else {
+            assert_eq!(theirs, mine);
+        }
+    }
+
     #[test]
     fn ids() {
         for good in [
