@@ -804,12 +804,19 @@ mod tests {
         );
     }
 
-    #[test]
-    fn pruned_logs_become_the_next_attempts_logs() {
+    /// The progress files of a loop of a store in a directory of its own (kept while the first
+    /// is), and their `actions/`.
+    fn progress_of_a_loop() -> (tempfile::TempDir, Progress, Dir) {
         let tmp = tempfile::tempdir().unwrap();
         let store = Store::new(tmp.path(), ".");
         let progress = Progress::new(&ProgressDir::new(&store, "l1"));
         let actions = progress.dir.actions().unwrap();
+        (tmp, progress, actions)
+    }
+
+    #[test]
+    fn pruned_logs_become_the_next_attempts_logs() {
+        let (_tmp, progress, actions) = progress_of_a_loop();
         let path = actions.path().to_owned();
         let newest = KEEP_ACTIONS + 3;
         for n in 1..=newest {
@@ -855,10 +862,7 @@ mod tests {
 
     #[test]
     fn the_spare_logs_of_an_earlier_run_are_removed_and_nothing_else_is() {
-        let tmp = tempfile::tempdir().unwrap();
-        let store = Store::new(tmp.path(), ".");
-        let progress = Progress::new(&ProgressDir::new(&store, "l1"));
-        let actions = progress.dir.actions().unwrap();
+        let (_tmp, progress, actions) = progress_of_a_loop();
         let earlier = [".0001-develop-1.log.spare.tmp", ".log.spare.99-abcdef.tmp"];
         let kept = [
             ".result.json.spare.tmp",
@@ -879,10 +883,7 @@ mod tests {
 
     #[test]
     fn the_next_log_is_readied_while_an_attempt_runs() {
-        let tmp = tempfile::tempdir().unwrap();
-        let store = Store::new(tmp.path(), ".");
-        let progress = Progress::new(&ProgressDir::new(&store, "l1"));
-        let actions = progress.dir.actions().unwrap();
+        let (_tmp, progress, actions) = progress_of_a_loop();
         let hidden = |actions: &Dir| -> Vec<String> {
             let mut names = actions.entries().unwrap();
             names.retain(|n| n.starts_with('.'));

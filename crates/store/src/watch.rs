@@ -4,7 +4,7 @@
 //! inode, which would end a watch on the file itself), read by loopd's own thread ([`Inotify`],
 //! which asks for no event when a file is only opened) and told as notify's events. Any event
 //! naming the loop's state or task file means "maybe changed": the file is re-read on the
-//! watcher's thread and reduced to a
+//! watcher's thread (once for the events read together) and reduced to a
 //! [`Snapshot`] of what a controller can change. The snapshot is published on a
 //! `tokio::sync::watch` channel only when it differs, so the daemon's own writes, which never
 //! change those fields, wake nobody. A slow periodic re-check covers missed or overflowed events,
@@ -80,9 +80,9 @@ enum Change {
 
 impl Change {
     /// What two events say together.
-    fn and(self, other: Option<Change>) -> Change {
+    fn and(self, other: Change) -> Change {
         match (self, other) {
-            (Change::Renamed, None | Some(Change::Renamed)) => Change::Renamed,
+            (Change::Renamed, Change::Renamed) => Change::Renamed,
             _ => Change::Any,
         }
     }
@@ -237,7 +237,7 @@ impl Watch {
                 let mut look = None;
                 for event in events {
                     if let Some(change) = calls_for(event) {
-                        look = Some(change.and(look));
+                        look = Some(look.map_or(change, |l: Change| l.and(change)));
                     }
                 }
                 if let Some(change) = look {

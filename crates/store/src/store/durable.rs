@@ -32,12 +32,8 @@ impl BackupThread {
         if self.tid > 0
             && let (Ok(here), Ok(mut allowed)) =
                 (sched_getcpu(), sched_getaffinity(Pid::from_raw(0)))
-            && allowed.is_set(here).unwrap_or(false)
-            && (0..CpuSet::count())
-                .filter(|c| allowed.is_set(*c).unwrap_or(false))
-                .count()
-                > 1
             && allowed.unset(here).is_ok()
+            && (0..CpuSet::count()).any(|c| allowed.is_set(c).unwrap_or(false))
         {
             let _ = sched_setaffinity(Pid::from_raw(self.tid), &allowed);
         }
