@@ -582,3 +582,53 @@ fn start_detaches_one_daemon_per_loop_and_logs_follow_returns_at_the_end() {
     wait_for("the daemon to exit", || !alive(pid));
     assert_eq!(p.state(&id)["status"], "completed");
 }
+
+/// The CPUs a thread may run on, from its `status` file in `/proc` (`Cpus_allowed_list`).
+fn cpus_allowed(status: &str) -> Vec<u32> {
+    let status = std::fs::read_to_string(status).unwrap();
+    let list = status
+        .lines()
+        .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
+        .unwrap()
+        .trim();
+    list.split(',')
+        .flat_map(|range| match range.split_once('-') {
+            Some((a, b)) => (a.parse().unwrap()..=b.parse().unwrap()).collect::<Vec<u32>>(),
+            None => vec![range.parse().unwrap()],
+        })
+        .collect()
+}
+
+/// The daemon's thread that reads inotify's events is woken by each write to the state
+/// directory: while an attempt runs (its in-flight record written), it is kept on one CPU, the
+/// daemon's, rather than take the executor's. (On two CPUs, being kept off the daemon's leaves it
+/// one too; which CPU each write keeps it on or off is the store's unit tests'.)
+#[test]
+fn the_watchers_reader_is_kept_on_one_cpu_while_an_attempt_runs() {
+    let mine = cpus_allowed("/proc/thread-self/status");
+    if mine.len() < 2 || std::env::var("LOOPD_WATCH").is_ok_and(|w| w == "poll") {
+        return; // one CPU, or no inotify: nowhere else to keep it, or no reader
+    }
+    let p = Project::new(&GOOD_AGENT.replace(
+        "develop)",
+        "develop) touch developing; while [ ! -e go ]; do sleep 0.01; done;",
+    ));
+    let id = p.create(&["--title", "t"]);
+    let child = p.spawn_run(&id, &[]);
+    let pid = child.id();
+    wait_for("the develop to run", || p.root.join("developing").exists());
+    let reader = std::fs::read_dir(format!("/proc/{pid}/task"))
+        .unwrap()
+        .filter_map(|t| t.ok())
+        .map(|t| t.file_name().to_string_lossy().into_owned())
+        .find(|tid| {
+            std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/comm"))
+                .is_ok_and(|c| c.trim() == "loopd-inotify")
+        })
+        .expect("the daemon has a thread reading inotify");
+    let reader = cpus_allowed(&format!("/proc/{pid}/task/{reader}/status"));
+    assert_eq!(reader.len(), 1, "{reader:?} during the attempt");
+    std::fs::write(p.root.join("go"), "").unwrap();
+    let out = wait_output(child, DEADLINE);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+}

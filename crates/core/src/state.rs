@@ -209,6 +209,25 @@ struct AnswerOnly {
 }
 
 impl Control {
+    /// The fields of `state`: what parsing the file `state` was read from (or written as) gives.
+    pub fn of(state: &LoopState) -> Control {
+        Control {
+            status: state.status.clone(),
+            next_action: state.next_action.clone(),
+            title: state.title.clone(),
+            description: state.description.clone(),
+            max_iterations: state.max_iterations,
+            max_errors: state.max_errors,
+            status_by: state.status_by.clone(),
+            skill_state: state.skill_state.as_ref().map(|skill| SkillControl {
+                mode: skill.mode,
+                question: skill.question.as_ref().map(|q| AnswerOnly {
+                    answer: q.answer.clone(),
+                }),
+            }),
+        }
+    }
+
     pub fn mode(&self) -> Mode {
         self.skill_state
             .as_ref()

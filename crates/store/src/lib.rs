@@ -14,6 +14,7 @@
 //! the binary use it; a driver that keeps its loops elsewhere (Temporal) does not.
 
 pub mod events;
+mod helper;
 pub mod store;
 pub mod tasks;
 pub mod watch;

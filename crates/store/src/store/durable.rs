@@ -3,6 +3,7 @@
 //! and a state file restored or rebuilt from it.
 
 use super::*;
+use crate::helper::Helper;
 
 use std::borrow::Cow;
 use std::time::SystemTime;
@@ -13,36 +14,24 @@ use std::time::SystemTime;
 pub(super) static BACKUP_THREADS: LazyLock<Mutex<HashMap<u64, BackupThread>>> =
     LazyLock::new(Default::default);
 
-/// A backup thread: its jobs, and its thread id.
+/// A backup thread: its jobs, and the thread (see [`Helper`]).
 #[derive(Clone)]
 pub(super) struct BackupThread {
     jobs: mpsc::Sender<BackupJob>,
-    /// Its thread id (0: not known).
-    tid: i32,
+    thread: Arc<Helper>,
 }
 
 impl BackupThread {
-    /// Hands `job` over, on another CPU than the caller's where there is one: a thread woken on
-    /// the waker's CPU waits for the waker to sleep before it runs (a virtual machine's scheduler
-    /// may take the other, idle, CPU for a busy one), and the caller goes on to ready the next
-    /// attempt, which then waits for this job.
+    /// Hands `job` over, on another CPU than the caller's where there is one: the caller goes on
+    /// to ready the next attempt, which then waits for this job.
     fn hand(&self, job: BackupJob) -> bool {
-        use nix::sched::{CpuSet, sched_getaffinity, sched_getcpu, sched_setaffinity};
-        use nix::unistd::Pid;
-        if self.tid > 0
-            && let (Ok(here), Ok(mut allowed)) =
-                (sched_getcpu(), sched_getaffinity(Pid::from_raw(0)))
-            && allowed.unset(here).is_ok()
-            && (0..CpuSet::count()).any(|c| allowed.is_set(c).unwrap_or(false))
-        {
-            let _ = sched_setaffinity(Pid::from_raw(self.tid), &allowed);
-        }
+        self.thread.keep_off_callers_cpu();
         self.jobs.send(job).is_ok()
     }
 
     #[cfg(test)]
     pub(super) fn tid(&self) -> i32 {
-        self.tid
+        self.thread.tid()
     }
 }
 
@@ -53,11 +42,14 @@ pub(super) fn backup_thread(dev: u64) -> Option<BackupThread> {
         return Some(thread.clone());
     }
     let (jobs, queue) = mpsc::channel::<BackupJob>();
-    let (told, its_tid) = mpsc::sync_channel(1);
+    let thread = Arc::new(Helper::unknown());
+    let (told, known) = mpsc::sync_channel(1);
+    let itself = thread.clone();
     let started = std::thread::Builder::new()
         .name("loopd-backup".into())
         .spawn(move || {
-            let _ = told.send(nix::unistd::gettid().as_raw());
+            itself.started();
+            let _ = told.send(());
             for job in queue {
                 job.store.record_backup(&job.id, &job.bytes, job.progress);
                 let _ = job.done.send(());
@@ -65,8 +57,8 @@ pub(super) fn backup_thread(dev: u64) -> Option<BackupThread> {
         });
     match started {
         Ok(_) => {
-            let tid = its_tid.recv().unwrap_or(0);
-            let thread = BackupThread { jobs, tid };
+            let _ = known.recv();
+            let thread = BackupThread { jobs, thread };
             threads.insert(dev, thread.clone());
             Some(thread)
         }

@@ -316,6 +316,9 @@ impl Store {
             // A deferred backup's fdatasync overlaps the parse and the exchange. (A round that
             // starts over records its own version after this one; a write that fails records
             // the version in place again.)
+            // The write (and its backup's) wakes the watcher's reader: placed first where it
+            // costs the loop least.
+            crate::watch::place_reader(durable);
             let deferred = durable && self.defer_backup(id, &bytes, progress);
             let not_written = |e: StoreError| {
                 if deferred {
