@@ -398,13 +398,19 @@ impl Dir {
     }
 }
 
-/// Makes `bytes` the whole content of `file`: written from its start, then cut to length. Not
-/// emptied first: on a disk mounted with `discard`, freeing the blocks of a file written back
-/// costs a discard each time, where cutting a tail seldom frees a block.
+/// Makes `bytes` the whole content of `file`: written from its start, then cut to length where
+/// it was longer. Not emptied first: on a disk mounted with `discard`, freeing the blocks of a
+/// file written back costs a discard each time, where cutting a tail seldom frees a block. Not
+/// cut where it was not longer: ext4 walks the file's extents at every truncate, even one to the
+/// length the file has.
 pub fn overwrite(file: &File, bytes: &[u8]) -> io::Result<()> {
     use std::os::unix::fs::FileExt as _;
+    let longer = file.metadata()?.len() > bytes.len() as u64;
     file.write_all_at(bytes, 0)?;
-    file.set_len(bytes.len() as u64)
+    match longer {
+        true => file.set_len(bytes.len() as u64),
+        false => Ok(()),
+    }
 }
 
 /// Reads at most `cap` bytes of a file; more is `FileTooLarge`.
@@ -532,6 +538,30 @@ fn random_suffix() -> String {
 mod tests {
     use super::*;
     use std::os::unix::fs::PermissionsExt;
+
+    /// Overwritten, a file holds exactly the new bytes, whether they are shorter than what it
+    /// held (cut), as long, or longer.
+    #[test]
+    fn an_overwritten_file_holds_exactly_the_new_bytes() {
+        let tmp = tempfile::tempdir().unwrap();
+        let path = tmp.path().join("f");
+        for (before, after) in [
+            ("a longer version", "short"),
+            ("same", "SAME"),
+            ("short", "a longer version"),
+            ("x", ""),
+        ] {
+            std::fs::write(&path, before).unwrap();
+            let file = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+            overwrite(&file, after.as_bytes()).unwrap();
+            drop(file);
+            assert_eq!(
+                std::fs::read_to_string(&path).unwrap(),
+                after,
+                "over {before:?}"
+            );
+        }
+    }
 
     #[test]
     fn a_real_path_is_what_canonicalize_gives() {
