@@ -617,6 +617,11 @@ fn the_watchers_reader_is_kept_on_one_cpu_while_an_attempt_runs() {
     let child = p.spawn_run(&id, &[]);
     let pid = child.id();
     wait_for("the develop to run", || p.root.join("developing").exists());
+    // The daemon records the attempt in flight once it has started it: the write that places
+    // the reader.
+    wait_for("the attempt in flight to be recorded", || {
+        p.state(&id)["skill_state"]["in_flight"]["action"] == "develop"
+    });
     let reader = std::fs::read_dir(format!("/proc/{pid}/task"))
         .unwrap()
         .filter_map(|t| t.ok())

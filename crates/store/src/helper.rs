@@ -13,7 +13,7 @@
 //! thread, woken on the daemon's CPU, waited 153 µs at the median to start a record the next
 //! attempt waits for (kept off it: 1 µs). Left where the scheduler put it, the inotify reader
 //! preempted the daemon 425 times (6.2 ms) and the executor 212 times (10.9 ms); placed, it
-//! preempted the executor no more, and the daemon during attempts.
+//! preempted the executor no more, and the daemon mostly while an attempt runs.
 
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicI32, Ordering::Relaxed};
@@ -76,7 +76,9 @@ impl Helper {
         };
         let code = i32::try_from(2 * here + usize::from(on)).unwrap_or(-1);
         // Asked once per placement, whatever comes of it: a machine that allows no affinity is
-        // not asked again at every write.
+        // not asked again at every write. (Two wakers at once may leave it placed as the first
+        // asked while the second is remembered: a placement, not a rule; the next change of
+        // placement puts it right.)
         if tid <= 0 || self.placed.swap(code, Relaxed) == code {
             return;
         }

@@ -691,9 +691,9 @@ static READER: Helper = Helper::unknown();
 /// Places the thread that reads inotify's events before the calling thread writes to a watched
 /// directory, which wakes it (see [`crate::helper`]). A `durable` write ends an action: the
 /// next waits for the writer, whose CPU the reader is kept off, to run beside it rather than in
-/// its place. Any other write is made while an attempt runs, its executor on another CPU: the
-/// reader is kept on the writer's, which then has nothing else to do, rather than on the
-/// executor's.
+/// its place. Another write is mostly the record of an attempt in flight, made while its
+/// executor runs on another CPU: the reader is kept on the writer's, which then has nothing else
+/// to do, rather than on the executor's.
 pub(crate) fn place_reader(durable: bool) {
     match durable {
         true => READER.keep_off_callers_cpu(),
@@ -717,12 +717,12 @@ impl Inotify {
         let watches = inotify.watches();
         let dirs: Arc<Mutex<HashMap<_, PathBuf>>> = Arc::default();
         let known = dirs.clone();
-        let (told, started) = std::sync::mpsc::sync_channel(1);
+        let (up, is_up) = std::sync::mpsc::sync_channel(1);
         std::thread::Builder::new()
             .name("loopd-inotify".into())
             .spawn(move || {
                 READER.started();
-                let _ = told.send(());
+                let _ = up.send(());
                 let mut buffer = vec![0u8; 16 << 10];
                 // A rename is told as its two halves, then as a whole once both are seen.
                 let mut moved_from: Option<(u32, PathBuf)> = None;
@@ -744,7 +744,7 @@ impl Inotify {
                 }
             })?;
         // Known before the first write that is to place it.
-        let _ = started.recv();
+        let _ = is_up.recv();
         Ok(Inotify { watches, dirs })
     }
 

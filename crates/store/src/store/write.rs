@@ -313,12 +313,12 @@ impl Store {
             let value = Value::Object(raw);
             let bytes = to_pretty(&path, &value)?;
             let progress = progress_of(&value);
-            // A deferred backup's fdatasync overlaps the parse and the exchange. (A round that
-            // starts over records its own version after this one; a write that fails records
-            // the version in place again.)
             // The write (and its backup's) wakes the watcher's reader: placed first where it
             // costs the loop least.
             crate::watch::place_reader(durable);
+            // A deferred backup's fdatasync overlaps the parse and the exchange. (A round that
+            // starts over records its own version after this one; a write that fails records
+            // the version in place again.)
             let deferred = durable && self.defer_backup(id, &bytes, progress);
             let not_written = |e: StoreError| {
                 if deferred {
