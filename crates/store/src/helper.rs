@@ -43,8 +43,27 @@ impl Helper {
         }
     }
 
+    /// Starts thread `name` as `helper`, running `body`; returns once it is known (its id and
+    /// CPUs), so that the first wake-up is already placed.
+    pub(crate) fn spawn(
+        name: &str,
+        helper: impl std::ops::Deref<Target = Helper> + Send + 'static,
+        body: impl FnOnce() + Send + 'static,
+    ) -> std::io::Result<()> {
+        let (up, is_up) = std::sync::mpsc::sync_channel(1);
+        std::thread::Builder::new()
+            .name(name.to_owned())
+            .spawn(move || {
+                helper.started();
+                let _ = up.send(());
+                body();
+            })?;
+        let _ = is_up.recv();
+        Ok(())
+    }
+
     /// The calling thread is the helper.
-    pub(crate) fn started(&self) {
+    fn started(&self) {
         if let Ok(cpus) = sched_getaffinity(Pid::from_raw(0)) {
             let _ = self.cpus.set(cpus);
         }
@@ -143,16 +162,18 @@ pub(crate) mod tests {
             return; // a machine that allows no affinity at all: nothing to place
         }
         let helper = std::sync::Arc::new(Helper::unknown());
-        let (started, tid) = std::sync::mpsc::channel();
+        let (told, its_tid) = std::sync::mpsc::channel();
         let (stop, stopped) = std::sync::mpsc::channel::<()>();
-        let theirs = helper.clone();
-        let thread = std::thread::spawn(move || {
-            theirs.started();
-            started.send(theirs.tid()).unwrap();
+        let (done, ended) = std::sync::mpsc::channel::<()>();
+        Helper::spawn("helper-test", helper.clone(), move || {
+            told.send(nix::unistd::gettid().as_raw()).unwrap();
             let _ = stopped.recv();
-        });
-        let tid = tid.recv().unwrap();
-        assert_eq!(helper.tid(), tid);
+            let _ = done.send(());
+        })
+        .unwrap();
+        // Known once started, before the body runs.
+        let tid = helper.tid();
+        assert_eq!(its_tid.recv().unwrap(), tid);
         let all = sched_getaffinity(Pid::from_raw(0)).unwrap();
         let mine = cpus(0);
         for cpu in &mine {
@@ -172,6 +193,6 @@ pub(crate) mod tests {
         helper.keep_off_callers_cpu();
         assert_kept_off_one_cpu(tid);
         stop.send(()).unwrap();
-        thread.join().unwrap();
+        ended.recv().unwrap();
     }
 }

@@ -717,34 +717,27 @@ impl Inotify {
         let watches = inotify.watches();
         let dirs: Arc<Mutex<HashMap<_, PathBuf>>> = Arc::default();
         let known = dirs.clone();
-        let (up, is_up) = std::sync::mpsc::sync_channel(1);
-        std::thread::Builder::new()
-            .name("loopd-inotify".into())
-            .spawn(move || {
-                READER.started();
-                let _ = up.send(());
-                let mut buffer = vec![0u8; 16 << 10];
-                // A rename is told as its two halves, then as a whole once both are seen.
-                let mut moved_from: Option<(u32, PathBuf)> = None;
-                loop {
-                    let events = match inotify.read_events_blocking(&mut buffer) {
-                        Ok(events) => events,
-                        Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-                        Err(e) => {
-                            tracing::warn!("inotify stopped ({e}); relying on the re-checks");
-                            dispatch(&[Err(notify::Error::io(e))]);
-                            return;
-                        }
-                    };
-                    let told: Vec<_> = events
-                        .flat_map(|event| translate(&event, &known, &mut moved_from))
-                        .map(Ok)
-                        .collect();
-                    dispatch(&told);
-                }
-            })?;
-        // Known before the first write that is to place it.
-        let _ = is_up.recv();
+        Helper::spawn("loopd-inotify", &READER, move || {
+            let mut buffer = vec![0u8; 16 << 10];
+            // A rename is told as its two halves, then as a whole once both are seen.
+            let mut moved_from: Option<(u32, PathBuf)> = None;
+            loop {
+                let events = match inotify.read_events_blocking(&mut buffer) {
+                    Ok(events) => events,
+                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                    Err(e) => {
+                        tracing::warn!("inotify stopped ({e}); relying on the re-checks");
+                        dispatch(&[Err(notify::Error::io(e))]);
+                        return;
+                    }
+                };
+                let told: Vec<_> = events
+                    .flat_map(|event| translate(&event, &known, &mut moved_from))
+                    .map(Ok)
+                    .collect();
+                dispatch(&told);
+            }
+        })?;
         Ok(Inotify { watches, dirs })
     }
 

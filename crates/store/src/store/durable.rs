@@ -43,21 +43,14 @@ pub(super) fn backup_thread(dev: u64) -> Option<BackupThread> {
     }
     let (jobs, queue) = mpsc::channel::<BackupJob>();
     let thread = Arc::new(Helper::unknown());
-    let (told, known) = mpsc::sync_channel(1);
-    let itself = thread.clone();
-    let started = std::thread::Builder::new()
-        .name("loopd-backup".into())
-        .spawn(move || {
-            itself.started();
-            let _ = told.send(());
-            for job in queue {
-                job.store.record_backup(&job.id, &job.bytes, job.progress);
-                let _ = job.done.send(());
-            }
-        });
+    let started = Helper::spawn("loopd-backup", thread.clone(), move || {
+        for job in queue {
+            job.store.record_backup(&job.id, &job.bytes, job.progress);
+            let _ = job.done.send(());
+        }
+    });
     match started {
-        Ok(_) => {
-            let _ = known.recv();
+        Ok(()) => {
             let thread = BackupThread { jobs, thread };
             threads.insert(dev, thread.clone());
             Some(thread)
