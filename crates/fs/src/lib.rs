@@ -498,13 +498,28 @@ pub fn read_user_file(path: &Path, cap: u64) -> io::Result<Vec<u8>> {
 }
 
 /// `path` with every symbolic link on its way resolved, as the kernel names it: what
-/// [`std::fs::canonicalize`] gives, in three system calls however deep the path (opened
-/// `O_PATH`, which opens nothing, and its name read back from `/proc/self/fd`) rather than one
-/// per component. Without `/proc`, `canonicalize` itself.
+/// [`std::fs::canonicalize`] gives, in two or three system calls however deep the path rather
+/// than one per component. A plain absolute path (no `.`, `..` or doubled `/`) that meets no
+/// symbolic link on its way is its own: one lookup that refuses links says so. Any other is
+/// opened `O_PATH` (which opens nothing) and its name read back from `/proc/self/fd`; without
+/// `/proc`, `canonicalize` itself.
 pub fn real_path(path: impl AsRef<Path>) -> io::Result<PathBuf> {
-    let path = path.as_ref();
+    use nix::fcntl::{OpenHow, ResolveFlag};
     use std::os::fd::AsRawFd as _;
     use std::os::unix::ffi::OsStrExt as _;
+    let path = path.as_ref();
+    if is_plain_absolute(path) {
+        let how = OpenHow::new()
+            .flags(OFlag::O_PATH | OFlag::O_CLOEXEC)
+            .resolve(ResolveFlag::RESOLVE_NO_SYMLINKS);
+        match nix::fcntl::openat2(nix::fcntl::AT_FDCWD, path, how) {
+            Ok(_) => return Ok(path.to_owned()),
+            // Missing, or not a directory, before any link: so it is for `canonicalize` too.
+            Err(e @ (Errno::ENOENT | Errno::ENOTDIR)) => return Err(e.into()),
+            // A link on the way (`ELOOP`), or no `openat2` here.
+            Err(_) => {}
+        }
+    }
     let fd = nix::fcntl::open(path, OFlag::O_PATH | OFlag::O_CLOEXEC, Mode::empty())?;
     match std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd())) {
         // A name the kernel marks as removed since is asked again the slow way.
@@ -513,6 +528,15 @@ pub fn real_path(path: impl AsRef<Path>) -> io::Result<PathBuf> {
         }
         _ => std::fs::canonicalize(path),
     }
+}
+
+/// Whether `path` is absolute and written as its own real path would be: no `.` or `..`
+/// component, no doubled or trailing `/`.
+fn is_plain_absolute(path: &Path) -> bool {
+    use std::path::Component;
+    path.is_absolute()
+        && path.components().all(|c| c != Component::ParentDir)
+        && path.components().collect::<PathBuf>().as_os_str() == path.as_os_str()
 }
 
 fn with_path(path: &Path, e: io::Error) -> io::Error {
@@ -574,6 +598,10 @@ mod tests {
         nix::unistd::mkfifo(&root.join("fifo"), Mode::from_bits_truncate(0o600)).unwrap();
         for path in [
             "a/b/file",
+            "a//b/file",
+            "a/b/",
+            "a/./b",
+            "a/b/..",
             "link/b/file",
             "rel/file",
             "rel/../b/./file",
@@ -588,7 +616,13 @@ mod tests {
                 path.display()
             );
         }
-        for missing in ["nothing", "link/nothing", "a/b/file/under"] {
+        for missing in [
+            "nothing",
+            "link/nothing",
+            "a/b/file/under",
+            "link/b/file/under",
+            "nothing/..",
+        ] {
             let path = root.join(missing);
             assert_eq!(
                 real_path(&path).unwrap_err().kind(),

@@ -199,6 +199,12 @@ fn namespaces(view: &View, network: bool) -> io::Result<(OwnedFd, OwnedFd, Optio
         // Its standard input closed, it reads the end and exits.
         drop(child.stdin.take());
         child.wait()?;
+        // What each attempt joins is never loopd's own mount namespace (the helper checked the
+        // one it made; this is the one held).
+        let held = nix::sys::stat::fstat(&fds.1)?;
+        if (held.st_dev, held.st_ino) == parent {
+            return Err(io::Error::other("no mount namespace of its own"));
+        }
         Ok(fds)
     })
 }

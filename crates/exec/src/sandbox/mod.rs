@@ -269,8 +269,6 @@ pub struct Prepared {
     built: std::sync::Arc<cache::Built>,
     /// Whether it has a network namespace of its own (no network).
     own_network: bool,
-    /// The mount namespace loopd is in (`st_dev`, `st_ino` of `/proc/self/ns/mnt`).
-    parent_mount_ns: (u64, u64),
     /// The attempt's working directory (its tree).
     cwd: CString,
 }
@@ -373,7 +371,6 @@ impl Policy {
         Ok(Some(Prepared {
             built,
             own_network: self.network == Network::None,
-            parent_mount_ns: mount_namespace()?,
             cwd,
         }))
     }
@@ -528,8 +525,9 @@ impl Prepared {
     /// Enters the sandbox: called in the child between its clone and its exec, where only system
     /// calls may be made (see [`crate::spawn`]: nothing allocated, no memory of loopd's
     /// written). It joins the user and mount namespaces made for its place (the view made in
-    /// them; never the namespace loopd is in), makes a network namespace of its own if it has no
-    /// network, and enters the ruleset (which forbids any change of mounts from then on).
+    /// them; never the namespace loopd is in: checked once, when they were made, as the
+    /// namespace behind a descriptor never changes), makes a network namespace of its own if it
+    /// has no network, and enters the ruleset (which forbids any change of mounts from then on).
     #[allow(unsafe_code)]
     pub(crate) fn enter(&self) -> Result<(), Failure> {
         use nix::sched::{CloneFlags, setns, unshare};
@@ -546,13 +544,6 @@ impl Prepared {
         if let Some(net) = &self.built.net {
             setns(net, CloneFlags::CLONE_NEWNET)
                 .map_err(os("joining the sandbox's network namespace"))?;
-        }
-        let own_mount = mount_namespace().map_err(os("reading the mount namespace"))?;
-        if own_mount == self.parent_mount_ns {
-            return Err(Failure {
-                step: "no mount namespace of its own",
-                errno: None,
-            });
         }
         if self.own_network {
             unshare(CloneFlags::CLONE_NEWNET).map_err(os("making a network namespace"))?;
