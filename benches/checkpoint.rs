@@ -2,8 +2,10 @@
 //!
 //! A temporary repository with N files (default 10,000, in 100 directories, committed), then
 //! checkpoints as a loop records them (`loopd_exec::checkpoint::Repo::record`, the code the daemon
-//! runs): the loop's first (its index file is new, so every file is hashed once), then one after
-//! each of R rounds in which an "action" edits three files and adds one.
+//! runs: in the checkpoints' vault, each copied into the repository): the loop's first (the vault
+//! is new and its index file too, so every file is hashed once), then one after each of R rounds
+//! in which an "action" edits three files and adds one, each with the check of the repository's
+//! copies the daemon makes before it (`Repo::check`).
 //!
 //! Run: `cargo bench --bench checkpoint`. Environment:
 //!   LOOPD_BENCH_FILES   files in the repository (default 10000)
@@ -35,8 +37,7 @@ fn main() {
     git(&root, &["add", "."]);
     git(&root, &["commit", "--quiet", "-m", "base"]);
     std::fs::create_dir_all(root.join(".loop/l1.progress")).expect("state dir");
-    let index = root.join(".loop/l1.progress/checkpoint.index");
-    let repo = Repo::open(&root, &root.join(".loop"), index, "l1").expect("a repository");
+    let repo = Repo::open(&root, &root.join(".loop"), "l1", "checkpoint").expect("a repository");
 
     let started = Instant::now();
     let mut last = repo
@@ -53,6 +54,7 @@ fn main() {
         }
         std::fs::write(root.join(format!("new-{round}.txt")), "new\n").expect("add");
         let started = Instant::now();
+        assert!(repo.check().expect("check").is_empty());
         let checkpoint = repo
             .record(&format!("{round}-develop"), Some(&last))
             .expect("checkpoint");

@@ -503,10 +503,15 @@ fn only_the_last_checkpoints_are_kept_and_a_stale_index_lock_is_no_obstacle() {
     let p = Project::new(TREE_AGENT);
     p.config(&format!("checkpoint_keep = 1\n{TEST_CONFIG}"));
     user_repo(&p);
+    // A loop before makes the checkpoints' vault.
+    let before = p.create(&["--title", "before"]);
+    assert_eq!(code(&p.run(&before, &[])), 0);
     let id = p.create(&["--title", "t"]);
     // What a git killed in the middle of a checkpoint leaves.
-    std::fs::create_dir_all(p.progress(&id)).unwrap();
-    std::fs::write(p.progress(&id).join("checkpoint.index.lock"), "").unwrap();
+    let lock = p.root.join(format!(
+        ".loop/checkpoints.git/indexes/{id}.checkpoint.lock"
+    ));
+    std::fs::write(&lock, "").unwrap();
     let out = p.run(&id, &[]);
     assert_eq!(code(&out), 0, "{}", stderr(&out));
     assert!(!p.event_names(&id).iter().any(|n| n == "warning"));

@@ -1,15 +1,27 @@
 //! A git checkpoint per action: after every action that changes the work tree (develop and
-//! debug), the whole work tree is recorded as a commit on a private ref,
+//! debug), the whole work tree is recorded as a commit on a ref of the loop's,
 //! `refs/loopd/<loop id>/<iteration>-<action>`; a loop's first look records where it started,
 //! `refs/loopd/<loop id>/0-start`.
 //!
-//! Theory of operation: the tree is built the way `git stash create` builds one, in an index file
-//! of loopd's own (`GIT_INDEX_FILE`, in the loop's progress directory, so that the next checkpoint
-//! only hashes what changed; a new one starts as the parent's tree): `git add -A` of the whole
-//! work tree (tracked and untracked files; ignored ones and loopd's state directory left out, the
-//! latter kept as the parent has it), `git write-tree`, `git commit-tree` with the loop's previous
-//! checkpoint as parent, `git update-ref`. The user's branch, index, HEAD and stash are never
-//! touched, and a loop's refs are its own: loops of one repository never mix them.
+//! Theory of operation: the record is kept where no action can write, in a bare repository of
+//! loopd's own in the state directory, the vault (`<state dir>/checkpoints.git`, made private):
+//! its refs are the checkpoints and its objects hold everything they need. An action may write
+//! the work tree's `.git` (it must, to commit), so what is there is never believed: each
+//! checkpoint is also copied into the work tree's repository (the same ref, fetched from the
+//! vault), for `git log refs/loopd/...` and the user's own tools, and [`Repo::check`] compares
+//! those copies with the vault's record, says which ones were moved or removed and puts them
+//! back. Diffs, rollbacks and merges read the vault only.
+//!
+//! A tree is built the way `git stash create` builds one, in an index file of loopd's own
+//! (`GIT_INDEX_FILE`, in the vault, so that the next checkpoint only hashes what changed; a new
+//! one starts as the parent's tree): `git add -A` of the whole work tree (tracked and untracked
+//! files; ignored ones and loopd's state directory left out, the latter kept as the parent has
+//! it), `git write-tree`, `git commit-tree` with the loop's previous checkpoint as parent, `git
+//! update-ref`, all with the vault as git's directory and the work tree as its work tree. Where a
+//! loop starts (the repository's HEAD) is fetched into the vault first, only that commit
+//! (`--depth=1`), so the vault never copies the repository's history. The user's branch, index,
+//! HEAD and stash are never touched, and a loop's refs are its own: loops of one repository
+//! never mix them.
 //!
 //! git is run through [`crate::git`].
 
@@ -29,22 +41,62 @@ pub struct Refused(pub String);
 /// The name of the checkpoint a loop records when it starts.
 pub const START: &str = "0-start";
 
-/// The git repository a loop's work tree is in.
+/// The vault's directory in the state directory.
+pub const VAULT: &str = "checkpoints.git";
+
+/// A copy of a checkpoint in the work tree's repository that is not what loopd recorded
+/// ([`Repo::check`]): moved to another commit, or removed (`found` is `None`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Tampered {
+    /// The checkpoint's name.
+    pub name: String,
+    /// Its ref in the work tree's repository.
+    pub ref_name: String,
+    /// What the ref pointed at.
+    pub found: Option<String>,
+    /// The commit loopd recorded.
+    pub recorded: String,
+}
+
+impl Tampered {
+    /// In one line, for people.
+    pub fn message(&self) -> String {
+        match &self.found {
+            Some(found) => format!(
+                "{} pointed at {found}, not at checkpoint {} as loopd recorded it ({}); put back",
+                self.ref_name, self.name, self.recorded
+            ),
+            None => format!(
+                "{} (checkpoint {}, {}) was removed from the repository; put back",
+                self.ref_name, self.name, self.recorded
+            ),
+        }
+    }
+}
+
+/// The git repository a loop's work tree is in, and the loop's record of it in the vault.
 pub struct Repo {
     work_tree: PathBuf,
     /// The repository's top level: where the paths git prints start.
     top: PathBuf,
-    /// loopd's own index file for this loop.
+    /// The state directory, which holds the vault.
+    state_dir: PathBuf,
+    /// The vault: the bare repository that holds the record.
+    vault: PathBuf,
+    /// loopd's own index file for this loop, in the vault.
     index: PathBuf,
     /// The state directory, as a pathspec that leaves it out (`None` if it is outside the tree).
     exclude: Option<String>,
     loop_id: String,
+    /// Set once the vault is there, with the repository's excludes ([`Repo::ready`]).
+    ready: std::sync::OnceLock<()>,
 }
 
 impl Repo {
     /// The repository `work_tree` is in, or `None` when it is in none (or git cannot run).
-    /// `state_dir` is left out of every checkpoint; `index` is the loop's own index file.
-    pub fn open(work_tree: &Path, state_dir: &Path, index: PathBuf, loop_id: &str) -> Option<Repo> {
+    /// `state_dir` is left out of every checkpoint and holds the vault; `index` names the loop's
+    /// own index file there (`checkpoint` for the loop's tree, `lane-N` for a task's).
+    pub fn open(work_tree: &Path, state_dir: &Path, loop_id: &str, index: &str) -> Option<Repo> {
         let top = run(git_in(work_tree).args(["rev-parse", "--show-toplevel"])).ok()?;
         let top = PathBuf::from(top);
         let top = top.canonicalize().unwrap_or(top);
@@ -64,13 +116,182 @@ impl Repo {
                 .is_err()
             })
             .map(|rel| format!(":(top,exclude){rel}"));
+        let state_dir = state_dir
+            .canonicalize()
+            .unwrap_or_else(|_| state_dir.to_owned());
+        let vault = state_dir.join(VAULT);
         Some(Repo {
             work_tree: work_tree.to_owned(),
             top,
-            index,
+            index: vault.join("indexes").join(format!("{loop_id}.{index}")),
+            vault,
+            state_dir,
             exclude,
             loop_id: loop_id.to_owned(),
+            ready: std::sync::OnceLock::new(),
         })
+    }
+
+    /// Makes the vault if there is none (private, made whole under another name and then
+    /// renamed into place, so that whoever finds it finds it whole; never through a link), and
+    /// gives it the repository's excludes (`info/exclude`), which git reads from its own directory.
+    /// Once a [`Repo`].
+    fn ready(&self) -> Result<()> {
+        if self.ready.get().is_some() {
+            return Ok(());
+        }
+        let made = || -> std::io::Result<loopd_fs::Dir> {
+            let state = loopd_fs::Dir::open(&self.state_dir)?;
+            if !state.exists(VAULT) {
+                let building = format!(".{VAULT}.{}", std::process::id());
+                let dir = state.subdir(&building, true)?;
+                crate::git::output(crate::git::command(dir.path()).args([
+                    "init",
+                    "--bare",
+                    "--quiet",
+                    "--shared=0600",
+                ]))
+                .map_err(std::io::Error::other)?;
+                dir.subdir("indexes", true)?;
+                if state.rename_new(&building, VAULT).is_err() {
+                    // Another process made it first.
+                    std::fs::remove_dir_all(dir.path())?;
+                }
+            }
+            state.subdir(VAULT, false)
+        };
+        let vault = made().context("cannot make the checkpoints' vault")?;
+        let excludes = run(git_in(&self.top).args([
+            "rev-parse",
+            "--path-format=absolute",
+            "--git-common-dir",
+        ]))
+        .ok()
+        .and_then(|common| std::fs::read(Path::new(&common).join("info/exclude")).ok())
+        .unwrap_or_default();
+        let info = vault.subdir("info", true)?;
+        if info.read("exclude", 1 << 20).ok().as_ref() != Some(&excludes) {
+            info.write_atomic("exclude", &excludes, false)?;
+        }
+        let _ = self.ready.set(());
+        Ok(())
+    }
+
+    /// Whether the vault holds `object` (a commit, or anything `git cat-file -e` takes).
+    fn holds(&self, object: &str) -> bool {
+        self.run(&["cat-file", "-e", object]).is_ok()
+    }
+
+    /// Brings commit `commit` from the work tree's repository into the vault, alone (its history
+    /// left out), unless the vault holds it: where a loop starts, or on a fleet worker what the
+    /// remote (the record there) gave the clone.
+    fn import(&self, commit: &str) -> Result<()> {
+        if self.holds(&format!("{commit}^{{commit}}")) {
+            return Ok(());
+        }
+        let top = self
+            .top
+            .to_str()
+            .context("the work tree's path is not UTF-8")?;
+        run(self.in_vault().args([
+            "fetch",
+            "--quiet",
+            "--no-tags",
+            "--no-write-fetch-head",
+            "--no-auto-gc",
+            "--depth=1",
+            top,
+            commit,
+        ]))
+        .with_context(|| format!("cannot bring commit {commit} into the checkpoints' vault"))?;
+        Ok(())
+    }
+
+    /// git in the vault alone (no work tree).
+    fn in_vault(&self) -> Command {
+        let mut cmd = git_in(&self.vault);
+        cmd.arg("--git-dir=.");
+        cmd
+    }
+
+    /// git in the work tree's own repository (what actions can write).
+    fn in_repository(&self) -> Command {
+        let mut cmd = git_in(&self.top);
+        cmd.args(["-c", "gc.auto=0", "-c", "maintenance.auto=false"]);
+        cmd
+    }
+
+    /// Copies checkpoints `(name, commit)` from the vault into the work tree's repository, each on
+    /// its ref there.
+    fn publish(&self, checkpoints: &[(String, String)]) -> Result<()> {
+        if checkpoints.is_empty() {
+            return Ok(());
+        }
+        let vault = self
+            .vault
+            .to_str()
+            .context("the vault's path is not UTF-8")?;
+        let mut fetch = self.in_repository();
+        fetch.args([
+            "fetch",
+            "--quiet",
+            "--no-tags",
+            "--no-write-fetch-head",
+            "--no-auto-gc",
+            "--no-write-commit-graph",
+            vault,
+        ]);
+        for (name, commit) in checkpoints {
+            fetch.arg(format!("+{commit}:{}", self.ref_name(name)));
+        }
+        run(&mut fetch).context("cannot copy checkpoints into the repository")?;
+        Ok(())
+    }
+
+    /// [`Repo::publish`], a failure only logged: the record is the vault's, the copy a courtesy.
+    fn publish_or_warn(&self, checkpoints: &[(String, String)]) {
+        if let Err(e) = self.publish(checkpoints) {
+            tracing::warn!("loop {}: {e:#}", self.loop_id);
+        }
+    }
+
+    /// The copies of this loop's checkpoints in the work tree's repository that are not as the
+    /// vault records them (moved or removed), each put back. Refs of the loop's there that the
+    /// vault does not know (made by hand, or before the vault) are not loopd's and left alone.
+    pub fn check(&self) -> Result<Vec<Tampered>> {
+        let recorded = self.list()?;
+        if recorded.is_empty() {
+            return Ok(Vec::new());
+        }
+        let prefix = self.ref_name("");
+        let found = run(self.in_repository().args([
+            "for-each-ref",
+            "--format=%(objectname) %(refname)",
+            prefix.as_str(),
+        ]))?;
+        let found: std::collections::HashMap<&str, &str> = found
+            .lines()
+            .filter_map(|l| {
+                let (commit, name) = l.split_once(' ')?;
+                Some((name.strip_prefix(&prefix)?, commit))
+            })
+            .collect();
+        let tampered: Vec<Tampered> = recorded
+            .iter()
+            .filter(|(name, commit)| found.get(name.as_str()) != Some(&commit.as_str()))
+            .map(|(name, commit)| Tampered {
+                name: name.clone(),
+                ref_name: self.ref_name(name),
+                found: found.get(name.as_str()).map(|c| (*c).to_owned()),
+                recorded: commit.clone(),
+            })
+            .collect();
+        let back: Vec<(String, String)> = tampered
+            .iter()
+            .map(|t| (t.name.clone(), t.recorded.clone()))
+            .collect();
+        self.publish_or_warn(&back);
+        Ok(tampered)
     }
 
     /// The ref of this loop's checkpoint `name`.
@@ -78,9 +299,15 @@ impl Repo {
         format!("refs/loopd/{}/{name}", self.loop_id)
     }
 
+    /// git with the vault as its directory, the work tree as its work tree and the loop's own
+    /// index.
     fn git(&self) -> Command {
         let mut cmd = git_in(&self.work_tree);
-        cmd.env("GIT_INDEX_FILE", &self.index);
+        cmd.arg("--git-dir")
+            .arg(&self.vault)
+            .arg("--work-tree")
+            .arg(&self.top)
+            .env("GIT_INDEX_FILE", &self.index);
         cmd
     }
 
@@ -92,12 +319,20 @@ impl Repo {
     /// Records the work tree as checkpoint `name`, the child of the loop's checkpoint `parent`
     /// (else of HEAD, if the repository has one); returns it with what changed since `parent`.
     pub fn record(&self, name: &str, parent: Option<&str>) -> Result<Checkpoint> {
+        self.ready()?;
         let parent = match parent {
             Some(parent) => Some(parent.to_owned()),
-            None => self
-                .run(&["rev-parse", "--verify", "--quiet", "HEAD^{commit}"])
-                .ok(),
+            None => run(self.in_repository().args([
+                "rev-parse",
+                "--verify",
+                "--quiet",
+                "HEAD^{commit}",
+            ]))
+            .ok(),
         };
+        if let Some(parent) = &parent {
+            self.import(parent)?;
+        }
         // A new index starts as the parent's tree: what the checkpoint leaves out (the state
         // directory) stays as the parent has it, rather than looking deleted.
         if let Some(parent) = &parent
@@ -112,7 +347,7 @@ impl Repo {
             commit.extend(["-p", parent.as_str()]);
         }
         let commit = self.run(&commit)?;
-        self.run(&["update-ref", &self.ref_name(name), &commit])?;
+        self.keep(name, &commit)?;
         let mut checkpoint = Checkpoint {
             name: name.to_owned(),
             commit,
@@ -122,6 +357,14 @@ impl Repo {
             self.count_changes(&parent, &mut checkpoint)?;
         }
         Ok(checkpoint)
+    }
+
+    /// Makes `commit` checkpoint `name` in the vault, and copies it into the work tree's
+    /// repository.
+    fn keep(&self, name: &str, commit: &str) -> Result<()> {
+        self.run(&["update-ref", &self.ref_name(name), commit])?;
+        self.publish_or_warn(&[(name.to_owned(), commit.to_owned())]);
+        Ok(())
     }
 
     /// Files, inserted and deleted lines from `from` to the checkpoint (a binary file counts as a
@@ -153,6 +396,9 @@ impl Repo {
 
     /// This loop's checkpoints, oldest first: `(name, commit)`.
     pub fn list(&self) -> Result<Vec<(String, String)>> {
+        if !self.vault.join("HEAD").exists() {
+            return Ok(Vec::new());
+        }
         let prefix = self.ref_name("");
         let refs = self.run(&[
             "for-each-ref",
@@ -274,6 +520,10 @@ impl Repo {
     /// (`git merge-tree`, nothing checked out), recording a clean result as checkpoint `name`,
     /// the child of both. A conflict records nothing and names the files.
     pub fn merge(&self, name: &str, base: &str, ours: &str, theirs: &str) -> Result<Merge> {
+        self.ready()?;
+        for commit in [base, ours, theirs] {
+            self.import(commit)?;
+        }
         let output = crate::procs::own_output(self.git().args([
             "merge-tree",
             "--write-tree",
@@ -315,7 +565,7 @@ impl Repo {
             "-p",
             theirs,
         ])?;
-        self.run(&["update-ref", &self.ref_name(name), &commit])?;
+        self.keep(name, &commit)?;
         let mut checkpoint = Checkpoint {
             name: name.to_owned(),
             commit,
@@ -343,15 +593,60 @@ impl Repo {
         Ok(())
     }
 
+    /// Writes the files of checkpoint commit `commit` from the vault into a work tree made
+    /// without them (a task's, `git worktree add --no-checkout`), then gives that work tree's own
+    /// index the same files (`git reset`), so that git there sees them unchanged.
+    pub fn fill(&self, commit: &str) -> Result<()> {
+        self.ready()?;
+        self.forget_index();
+        self.run(&["read-tree", commit])?;
+        self.run(&["checkout-index", "--all", "--force"])?;
+        run(self.in_repository().args(["reset", "--quiet"]))?;
+        Ok(())
+    }
+
+    /// Removes the loop's index file, so that the next checkpoint starts from its parent's tree
+    /// (on a fleet worker, whose last checkpoint another worker may have recorded).
+    pub fn forget_index(&self) {
+        let _ = std::fs::remove_file(&self.index);
+    }
+
     /// Removes all but the last `keep` checkpoints of the loop (its start is always kept).
     pub fn prune(&self, keep: usize) -> Result<usize> {
         let list = self.list()?;
         let actions: Vec<&(String, String)> = list.iter().filter(|(n, _)| n != START).collect();
         let drop = actions.len().saturating_sub(keep);
-        for (name, _) in &actions[..drop] {
-            self.run(&["update-ref", "-d", &self.ref_name(name)])?;
+        if drop == 0 {
+            return Ok(0);
         }
+        for (name, _) in &actions[..drop] {
+            let ref_name = self.ref_name(name);
+            self.run(&["update-ref", "-d", &ref_name])?;
+            if let Err(why) = run(self.in_repository().args(["update-ref", "-d", &ref_name])) {
+                tracing::warn!(
+                    "loop {}: cannot remove the copy of {ref_name}: {why:#}",
+                    self.loop_id
+                );
+            }
+        }
+        // What the dropped checkpoints alone held goes once git finds enough of it loose.
+        let _ = run(self
+            .in_vault()
+            .args(["-c", "gc.autoDetach=false", "gc", "--auto", "--quiet"]));
         Ok(drop)
+    }
+}
+
+/// Removes the index files of loop `id`'s tasks' work trees from the vault in `state_dir`.
+pub fn forget_lane_indexes(state_dir: &Path, id: &str) {
+    let prefix = format!("{id}.lane-");
+    let Ok(entries) = std::fs::read_dir(state_dir.join(VAULT).join("indexes")) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        if entry.file_name().to_string_lossy().starts_with(&prefix) {
+            let _ = std::fs::remove_file(entry.path());
+        }
     }
 }
 

@@ -16,20 +16,42 @@ use serde::Serialize;
 use crate::error::usage;
 use crate::project::Project;
 use loopd_core::state::{Checkpoint, Status};
-use loopd_exec::checkpoint::Repo;
+use loopd_exec::checkpoint::{Repo, Tampered};
 
 /// The repository of loop `id`'s work tree, with the loop's own index file; refused in one line
-/// when the work tree is in none.
+/// when the work tree is in none. The copies of its checkpoints there that are not as loopd
+/// recorded them are put back, each said in the loop's events (`tampered`) and on stderr.
 pub fn repo_of(p: &Project, id: &str) -> Result<Repo> {
     let loaded = p.store.load(id)?;
     let tree = crate::worktree::of(p, &loaded.state)?;
-    let index = p.store.progress_dir(id).join("checkpoint.index");
-    Repo::open(&tree.path, p.store.dir(), index, id).ok_or_else(|| {
+    let repo = Repo::open(&tree.path, p.store.dir(), id, "checkpoint").ok_or_else(|| {
         usage(format!(
             "loop {id} has no checkpoints: its work tree {} is not in a git repository",
             tree.path.display()
         ))
-    })
+    })?;
+    let tampered = repo.check()?;
+    if !tampered.is_empty() {
+        let dir = loopd_store::events::ProgressDir::new(&p.store, id);
+        let mut events = loopd_store::events::EventLog::open(id, &dir).ok();
+        for t in &tampered {
+            tracing::warn!("loop {id}: {}", t.message());
+            if let Some(events) = events.as_mut() {
+                events.emit(tampered_event(t));
+            }
+        }
+    }
+    Ok(repo)
+}
+
+/// The `tampered` event of a checkpoint's copy that was not as loopd recorded it.
+pub fn tampered_event(t: &Tampered) -> loopd_store::events::Event {
+    loopd_store::events::Event::new(loopd_store::events::name::TAMPERED)
+        .with("checkpoint", t.name.clone())
+        .with("ref", t.ref_name.clone())
+        .with("found", t.found.clone())
+        .with("recorded", t.recorded.clone())
+        .with("message", t.message())
 }
 
 /// Loop `id`'s checkpoints, oldest first, each with what it changed since the one before (the

@@ -135,8 +135,9 @@ pub fn lanes_path(store: &Store, id: &str) -> PathBuf {
 }
 
 /// Makes the work tree of lane `number` of loop `id`: a git worktree of the repository `repo`
-/// is in, detached at `commit` (nothing on any branch changes). What a daemon that died left
-/// there is removed first.
+/// is in, detached at `commit` (nothing on any branch changes), its files not yet written (the
+/// caller writes them from the checkpoints' vault, [`loopd_exec::checkpoint::Repo::fill`]). What a
+/// daemon that died left there is removed first.
 pub fn add_lane(
     repo: &Path,
     store: &Store,
@@ -157,7 +158,15 @@ pub fn add_lane(
     }
     git(
         repo,
-        &["worktree", "add", "--detach", "--quiet", target, commit],
+        &[
+            "worktree",
+            "add",
+            "--detach",
+            "--no-checkout",
+            "--quiet",
+            target,
+            commit,
+        ],
     )
     .map_err(|why| anyhow::anyhow!("cannot make a work tree for a task of loop {id}: {why}"))?;
     Ok(path)

@@ -57,6 +57,10 @@ pub mod name {
     /// loopd's: the work tree was put back as it was at a checkpoint (`checkpoint`, `commit`),
     /// by `loopd rollback` or, with `reason: "regression"`, after a validation got worse.
     pub const ROLLED_BACK: &str = "rolled_back";
+    /// loopd's: a copy of a checkpoint in the work tree's repository (`ref`) was not what loopd
+    /// recorded in its vault: it pointed at `found` (`null`: removed) rather than `recorded`
+    /// (checkpoint `checkpoint`); it was put back.
+    pub const TAMPERED: &str = "tampered";
     /// loopd's: a sandboxed attempt's output says it was refused something (`lines`, its own
     /// words, at most three), as the kernel tells a program that Landlock said no.
     pub const SANDBOX_REFUSED: &str = "sandbox_refused";

@@ -184,11 +184,9 @@ async fn run_merge(
         .await
         .context("cancelled")??;
     let (path, base_at) = (tree.path.clone(), base.clone());
-    // An index of loopd's own, in the worker's private cache: the merges read and write none
-    // (nothing is checked out), so it is never made.
-    let index = cache.dir().join(format!("{id}.merge.index"));
+    // The merges read and write no index (nothing is checked out).
     let (report, merges) = tokio::task::spawn_blocking(move || -> anyhow::Result<_> {
-        let repo = loopd_exec::checkpoint::Repo::open(&path, &path.join(".loop"), index, &id)
+        let repo = loopd_exec::checkpoint::Repo::open(&path, &path.join(".loop"), &id, "merge")
             .context("the work tree is not in a git repository")?;
         let mut report = MergeReport::default();
         let mut merges = Vec::new();
@@ -407,10 +405,7 @@ async fn run_attempt(
                 Some(label) => format!("{iteration}-{}-{label}", dispatch.action),
                 None => format!("{iteration}-{}", dispatch.action),
             };
-            // Made afresh from the last checkpoint, which another worker may have recorded.
-            let index = progress_dir.join("checkpoint.index");
-            let _ = std::fs::remove_file(&index);
-            let recorded = record(&tree.path, &state_dir, index, id, &name, commit);
+            let recorded = record(&tree.path, &state_dir, id, &name, commit);
             let checkpoint = match beating(ctx, &waiting, recorded).await {
                 None => return Ok(AttemptReport::interrupted()),
                 Some(Err(e)) => {
@@ -500,7 +495,6 @@ async fn beating<T>(
 async fn record(
     tree: &Path,
     state_dir: &Path,
-    index: PathBuf,
     id: &str,
     name: &str,
     parent: &str,
@@ -513,8 +507,10 @@ async fn record(
         parent.to_owned(),
     );
     tokio::task::spawn_blocking(move || {
-        let repo = loopd_exec::checkpoint::Repo::open(&tree, &state_dir, index, &id)
+        let repo = loopd_exec::checkpoint::Repo::open(&tree, &state_dir, &id, "checkpoint")
             .context("the work tree is not in a git repository")?;
+        // Made afresh from the last checkpoint, which another worker may have recorded.
+        repo.forget_index();
         repo.record(&name, Some(&parent))
     })
     .await?

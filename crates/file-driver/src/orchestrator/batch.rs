@@ -400,6 +400,8 @@ impl LoopRun<'_> {
         labels: &[Option<String>],
     ) -> Result<(String, Vec<Arc<Lane>>)> {
         let base_name = format!("{iteration}-base");
+        // The tasks' work trees start at the base's copy in the repository.
+        self.check_checkpoints();
         let recorder = self
             .checkpoints
             .as_mut()
@@ -435,13 +437,11 @@ impl LoopRun<'_> {
         let mut lanes = Vec::new();
         for (number, label) in (1..).zip(labels) {
             let path = worktree::add_lane(&engine.work_tree, &engine.store, self.id, number, base)?;
-            let index = self
-                .progress_dir
-                .path()
-                .join(format!("lane-{number}.index"));
-            let _ = std::fs::remove_file(&index);
-            let repo = checkpoint::Repo::open(&path, engine.store.dir(), index, self.id)
+            let index = format!("lane-{number}");
+            let repo = checkpoint::Repo::open(&path, engine.store.dir(), self.id, &index)
                 .with_context(|| format!("git does not see {} as a work tree", path.display()))?;
+            // Its files from the vault, never from what an action may have written in `.git`.
+            repo.fill(base)?;
             lanes.push(Arc::new(Lane {
                 number,
                 path,
@@ -458,15 +458,7 @@ impl LoopRun<'_> {
     pub(super) fn remove_lanes(&self) -> usize {
         let engine = self.engine;
         let removed = worktree::remove_lanes(&engine.work_tree, &engine.store, self.id);
-        if let Ok(names) = self.progress_dir.path().read_dir() {
-            for entry in names.flatten() {
-                let name = entry.file_name();
-                let name = name.to_string_lossy();
-                if name.starts_with("lane-") && name.contains(".index") {
-                    let _ = std::fs::remove_file(entry.path());
-                }
-            }
-        }
+        checkpoint::forget_lane_indexes(engine.store.dir(), self.id);
         removed
     }
 

@@ -13,8 +13,8 @@ impl LoopRun<'_> {
         if engine.config.checkpoint == Checkpoints::Off {
             return None;
         }
-        let index = self.progress_dir.path().join("checkpoint.index");
-        let repo = checkpoint::Repo::open(&engine.work_tree, self.store().dir(), index, self.id);
+        let repo =
+            checkpoint::Repo::open(&engine.work_tree, self.store().dir(), self.id, "checkpoint");
         let keep = usize::try_from(engine.config.checkpoint_keep).unwrap_or(usize::MAX);
         match checkpoint::Recorder::start(repo, keep) {
             Ok(recorder) => recorder,
@@ -84,8 +84,10 @@ impl LoopRun<'_> {
         );
     }
 
-    /// Records checkpoint `name` of the work tree; a warning if git fails.
+    /// Records checkpoint `name` of the work tree; a warning if git fails. First the copies of
+    /// the loop's checkpoints in the repository are checked ([`checkpoint::Repo::check`]).
     pub(super) fn checkpoint(&mut self, name: &str) -> Option<Checkpoint> {
+        self.check_checkpoints();
         let result = self.checkpoints.as_mut()?.record(name);
         result
             .inspect_err(|e| {
@@ -95,6 +97,25 @@ impl LoopRun<'_> {
                 );
             })
             .ok()
+    }
+
+    /// Puts back the copies of the loop's checkpoints in the repository that an action moved or
+    /// removed, each said (`tampered`); a warning if git fails.
+    pub(super) fn check_checkpoints(&mut self) {
+        let Some(recorder) = self.checkpoints.as_ref() else {
+            return;
+        };
+        match recorder.repo().check() {
+            Ok(tampered) => {
+                for t in &tampered {
+                    self.events.emit(crate::checkpoints::tampered_event(t));
+                }
+            }
+            Err(e) => self.events.emit(Event::new(name::WARNING).with(
+                "message",
+                format!("cannot check the copies of the loop's checkpoints: {e:#}"),
+            )),
+        }
     }
 
     /// Records a finished attempt: in the history, its spending in the totals, and the in-flight
