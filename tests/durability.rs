@@ -283,6 +283,7 @@ fn lose_no_update(service: bool) {
         }),
     }
     drop(service);
+    assert_nothing_left(&p);
     let state = p.state(&id);
     assert_eq!(
         state["notes"],
@@ -293,6 +294,126 @@ fn lose_no_update(service: bool) {
     let developed = p.developed(&id).len();
     assert_eq!(developed, tasks.len(), "a task was lost or developed twice");
     assert_eq!(state["skill_state"]["error_count"], 0);
+}
+
+/// A loop whose develop waits for `go` in the project root, driven by `loopd run` or a service,
+/// once develop has started: its daemon's child, or the service.
+fn waiting_loop(p: &Project, service: bool) -> (String, Option<Running>, Option<Service>) {
+    let id = p.create(&["--title", "t", "--task", "a"]);
+    let (child, service) = match service {
+        false => (Some(p.spawn_run(&id, &[])), None),
+        true => {
+            let service = p.serve(&["--root", p.root.to_str().unwrap()]);
+            let out = p.output(&["start", &id]);
+            assert!(out.status.success(), "start: {}", stderr(&out));
+            (None, Some(service))
+        }
+    };
+    wait_for("develop to start", || {
+        p.events_named(&id, "action_started")
+            .iter()
+            .any(|e| e["action"] == "develop")
+    });
+    (id, child, service)
+}
+
+/// Lets the loop of [`waiting_loop`] end; the state it ended with, and no temporary file left.
+fn ends(p: &Project, id: &str, child: Option<Running>, service: Option<Service>) -> Value {
+    std::fs::write(p.root.join("go"), "").unwrap();
+    match child {
+        Some(child) => {
+            let out = wait_output(child, DEADLINE);
+            assert_eq!(code(&out), 0, "{}", stderr(&out));
+        }
+        None => wait_for("the loop to complete", || {
+            p.state(id)["status"] == "completed"
+        }),
+    }
+    drop(service);
+    assert_nothing_left(p);
+    p.state(id)
+}
+
+/// No temporary file of a write, and no unusable version put aside, is left in the state
+/// directory once every writer is gone.
+fn assert_nothing_left(p: &Project) {
+    let left: Vec<String> = std::fs::read_dir(p.root.join(".loop"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with(".tmp") || n.ends_with(".corrupt"))
+        .collect();
+    assert!(left.is_empty(), "files left: {left:?}");
+}
+
+/// A lockless writer that opened the state file, then was descheduled before it wrote (truncating
+/// it then) for longer than any time loopd might wait, here a second, while loopd pauses and
+/// resumes the loop, replacing the version it opened: its edit is merged once it writes, whenever
+/// that is.
+fn a_writer_descheduled_after_its_open(service: bool) {
+    let p = Project::new(WAITING_AGENT);
+    let (id, child, service) = waiting_loop(&p, service);
+    let path = p.state_path(&id);
+    let mut edited: Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    edited["notes"] = json!("the late edit");
+    let mut file = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+    for verb in ["pause", "resume"] {
+        let out = p.output(&[verb, &id]);
+        assert!(out.status.success(), "{verb}: {}", stderr(&out));
+    }
+    // The writer's time off the processor: what this test is about, not a wait for a condition.
+    std::thread::sleep(Duration::from_secs(1));
+    file.set_len(0).unwrap();
+    file.write_all(&serde_json::to_vec_pretty(&edited).unwrap())
+        .unwrap();
+    drop(file);
+    let state = ends(&p, &id, child, service);
+    assert_eq!(state["notes"], "the late edit", "the late write was lost");
+    assert_eq!(state["status"], "completed");
+}
+
+#[test]
+fn a_lockless_writer_descheduled_after_its_open_loses_nothing() {
+    a_writer_descheduled_after_its_open(false);
+}
+
+#[test]
+fn a_lockless_writer_descheduled_after_its_open_loses_nothing_with_a_service() {
+    a_writer_descheduled_after_its_open(true);
+}
+
+/// A lockless writer that truncated the state file and was descheduled before it wrote: a
+/// command meanwhile waits for its write rather than call the file corrupt, and the daemon puts
+/// no older version back; both edits are kept.
+#[test]
+fn a_state_file_half_written_by_a_descheduled_writer_is_waited_for() {
+    let p = Project::new(WAITING_AGENT);
+    let (id, child, service) = waiting_loop(&p, false);
+    let path = p.state_path(&id);
+    let mut edited: Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    edited["notes"] = json!("the edit");
+    let mut file = std::fs::File::create(&path).unwrap();
+    let mut pause = p.loopd();
+    pause.args(["pause", &id]);
+    let pause = std::thread::spawn(move || pause.output().unwrap());
+    // The writer's time off the processor: what this test is about, not a wait for a condition.
+    std::thread::sleep(Duration::from_secs(1));
+    file.write_all(&serde_json::to_vec_pretty(&edited).unwrap())
+        .unwrap();
+    drop(file);
+    let out = pause.join().unwrap();
+    assert!(out.status.success(), "pause: {}", stderr(&out));
+    wait_for("the pause", || p.state(&id)["status"] == "paused");
+    assert_eq!(p.state(&id)["notes"], "the edit");
+    let out = p.output(&["resume", &id]);
+    assert!(out.status.success(), "resume: {}", stderr(&out));
+    let state = ends(&p, &id, child, service);
+    assert_eq!(state["notes"], "the edit", "the edit was lost");
+    assert!(
+        !p.event_names(&id).iter().any(|e| e == "warning"),
+        "{:?}",
+        p.events_named(&id, "warning")
+    );
 }
 
 /// A copy of the state file read before loopd's last actions, put back while no daemon drove the

@@ -98,6 +98,12 @@ impl Repo {
     /// own index file there (`checkpoint` for the loop's tree, `lane-N` for a task's).
     pub fn open(work_tree: &Path, state_dir: &Path, loop_id: &str, index: &str) -> Option<Repo> {
         let top = run(git_in(work_tree).args(["rev-parse", "--show-toplevel"])).ok()?;
+        // Made if missing (a fleet worker's clone), so that it is left out of every checkpoint.
+        let _ = std::os::unix::fs::DirBuilderExt::mode(
+            std::fs::DirBuilder::new().recursive(true),
+            0o700,
+        )
+        .create(state_dir);
         let top = PathBuf::from(top);
         let top = top.canonicalize().unwrap_or(top);
         // Left out by a pathspec, unless git ignores it already (then naming it is an error).

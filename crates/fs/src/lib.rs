@@ -442,8 +442,21 @@ pub fn read_capped(file: File, cap: u64) -> io::Result<Vec<u8>> {
 /// An open of the file in the moment the lease is held waits for it to be let go, and its break
 /// is signalled with `SIGURG`, whose default is to be ignored, rather than `SIGIO`, whose default
 /// would end the process.
-#[allow(unsafe_code)]
 pub fn open_elsewhere(file: &File) -> Option<bool> {
+    lease_refused(file, libc::F_WRLCK)
+}
+
+/// Whether `file` (opened read-only) is open for writing anywhere, in any process, as the kernel
+/// tells it: a read lease is granted only on a file nobody has open for writing. A writer that
+/// opened it and has not written yet, however long it is descheduled, is seen; readers are not.
+/// `None` as for [`open_elsewhere`].
+pub fn open_for_writing(file: &File) -> Option<bool> {
+    lease_refused(file, libc::F_RDLCK)
+}
+
+/// Whether a lease of `kind` on `file` is refused because of another open of it (`EAGAIN`).
+#[allow(unsafe_code)]
+fn lease_refused(file: &File, kind: libc::c_int) -> Option<bool> {
     use std::os::fd::AsRawFd as _;
     let fd = file.as_raw_fd();
     // SAFETY: `fcntl` with integer arguments on a descriptor `file` owns for the whole call: no
@@ -454,7 +467,7 @@ pub fn open_elsewhere(file: &File) -> Option<bool> {
     if fcntl(F_SETSIG, libc::SIGURG) == -1 {
         return None;
     }
-    if fcntl(libc::F_SETLEASE, libc::F_WRLCK) == 0 {
+    if fcntl(libc::F_SETLEASE, kind) == 0 {
         fcntl(libc::F_SETLEASE, libc::F_UNLCK);
         return Some(false);
     }

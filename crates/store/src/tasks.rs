@@ -20,7 +20,8 @@
 //! version of a file is written to a temporary file and exchanged with it
 //! (`renameat2(RENAME_EXCHANGE)`): a reader sees the old list or the new one. In CCW's file, the
 //! version it replaced is then left until no process has it open and it is
-//! [`ORPHAN_LIFE_SHORT`] old (at most [`OPEN_LIFE`] while it is open), the lock let go meanwhile,
+//! [`ORPHAN_LIFE_SHORT`] old (while a writer holds it open, until it closes it; at most
+//! [`OPEN_LIFE`] while a reader does), the lock let go meanwhile,
 //! and read once more: a lockless write that landed between loopd's read and the exchange, or into
 //! the replaced version just after it (a writer that opened the file just before), shows there,
 //! and what it added or changed is merged into the file in place, by another exchange. Merging is
@@ -37,7 +38,7 @@ use loopd_core::state::{ListedTask, MAX_DESCRIPTION};
 use serde_json::{Map, Value};
 
 use crate::now_rfc3339;
-use crate::store::{ORPHAN_LIFE, ORPHAN_LIFE_SHORT, Store, StoreError, io_err};
+use crate::store::{ORPHAN_LIFE, ORPHAN_LIFE_SHORT, Store, StoreError, WRITER_HOLD_MAX, io_err};
 use loopd_fs::Dir;
 
 /// How many tasks a loop's list holds at most; the records beyond are skipped with a warning.
@@ -50,10 +51,11 @@ pub const SHARED: &str = "tasks.jsonl";
 const SHARED_BACKUP: &str = "tasks.jsonl.backup";
 /// How many times a write merges what a lockless writer wrote meanwhile before it gives up.
 const MERGE_ROUNDS: usize = 5;
-/// How long a replaced version still open elsewhere is waited for, at most, before it is read:
-/// a writer that opened it before the exchange may be descheduled before its write. (A task is
-/// added by a person or a dashboard, seldom: a write may wait this long when a reader keeps the
-/// file open.)
+/// How long a replaced version a reader keeps open is waited for, at most, before it is read.
+/// One a writer holds open is waited for until the writer closes it, however slow
+/// ([`WRITER_HOLD_MAX`] aside): it opened the file before the exchange and may be descheduled
+/// before its write. (A task is added by a person or a dashboard, seldom: a write may wait this
+/// long when a reader keeps the file open.)
 const OPEN_LIFE: Duration = Duration::from_secs(2);
 
 /// A loop's task list, read.
@@ -747,18 +749,22 @@ fn put_in_place(dir: &Dir, name: &str, bytes: &[u8], before: Option<&str>) -> io
     placed
 }
 
-/// Waits until the replaced version `tmp` is open nowhere and [`ORPHAN_LIFE_SHORT`] old (at
-/// most [`OPEN_LIFE`] while it is open elsewhere; [`ORPHAN_LIFE`] where the kernel cannot tell),
-/// then reads and removes it: what it holds then, `None` if it is gone.
+/// Waits until the replaced version `tmp` is open nowhere and [`ORPHAN_LIFE_SHORT`] old (while a
+/// writer holds it open, until it closes it; at most [`OPEN_LIFE`] while a reader does;
+/// [`ORPHAN_LIFE`] where the kernel cannot tell), then reads and removes it: what it holds then,
+/// `None` if it is gone.
 fn settle_replaced(dir: &Dir, tmp: &str) -> Option<String> {
     let since = Instant::now();
     loop {
         let file = dir.open_read(tmp).ok()?;
         let age = since.elapsed();
-        let settled = match loopd_fs::open_elsewhere(&file) {
-            Some(false) => age >= ORPHAN_LIFE_SHORT,
-            Some(true) => age >= OPEN_LIFE,
-            None => age >= ORPHAN_LIFE,
+        let settled = match loopd_fs::open_for_writing(&file) {
+            Some(true) => age >= WRITER_HOLD_MAX,
+            _ => match loopd_fs::open_elsewhere(&file) {
+                Some(false) => age >= ORPHAN_LIFE_SHORT,
+                Some(true) => age >= OPEN_LIFE,
+                None => age >= ORPHAN_LIFE,
+            },
         };
         if settled {
             let text = loopd_fs::read_capped(file, MAX_TASKS_FILE_SIZE).ok();

@@ -62,7 +62,7 @@ mod write;
 
 pub use lock::WriteLock;
 pub(crate) use orphans::ORPHAN_LIFE_SHORT;
-pub use orphans::{HANDOVER_SUFFIX, ORPHAN_LIFE, OrphanWatch, Settler};
+pub use orphans::{HANDOVER_SUFFIX, ORPHAN_LIFE, OrphanWatch, Settler, WRITER_HOLD_MAX};
 use orphans::{Orphans, shared_orphans};
 pub use write::keep_unknown;
 use write::to_pretty;
@@ -506,13 +506,22 @@ impl Store {
     }
 
     /// The state file's bytes and their parse. Refused: a file over [`MAX_STATE_SIZE`], anything
-    /// but a regular file with one link, and (after a short retry, in case another program is
-    /// half-way through rewriting it) a file that does not parse or fails validation.
+    /// but a regular file with one link, and a file that does not parse or fails validation,
+    /// after a short retry in case another program is half-way through rewriting it; while a
+    /// writer holds it open (the kernel tells), that writer is waited for, however slow
+    /// ([`WRITER_HOLD_MAX`] aside).
     fn read(&self, id: &str) -> Result<(Vec<u8>, Arc<LoopState>), StoreError> {
         validate_id(id)?;
         let dir = self.existing_dir()?.ok_or_else(|| self.not_found(id))?;
         let path = self.state_path(id);
-        let deadline = Instant::now() + PARSE_RETRY;
+        let started = Instant::now();
+        let deadline = started + PARSE_RETRY;
+        let writing = || {
+            dir.open_read(&state_name(id))
+                .ok()
+                .and_then(|file| loopd_fs::open_for_writing(&file))
+                == Some(true)
+        };
         loop {
             let bytes = self.read_bytes(&dir, id)?;
             if let Some(state) = self.remembered(id, &bytes) {
@@ -526,6 +535,9 @@ impl Store {
                 }
                 // Another program may be half-way through rewriting the file in place.
                 Err(_) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(1)),
+                Err(_) if started.elapsed() < WRITER_HOLD_MAX && writing() => {
+                    std::thread::sleep(Duration::from_millis(5));
+                }
                 Err(reason) => return Err(StoreError::Corrupt { path, reason }),
             }
         }

@@ -8,9 +8,10 @@ use super::*;
 use std::collections::VecDeque;
 use std::time::SystemTime;
 
-/// How long a replaced version is kept for a late write into it by a writer that takes no lock
-/// (which writes within microseconds of opening the file, unless it is descheduled), at most.
-/// One still open elsewhere then is not written into again.
+/// How long a replaced version is kept for a late write into it by a writer that takes no lock,
+/// where the kernel cannot tell whether a writer has it open (no leases); and how often one that
+/// a writer holds open is looked at again. A version a writer holds open is kept, however long
+/// the writer takes to write, until it closes it ([`WRITER_HOLD_MAX`] aside).
 pub const ORPHAN_LIFE: Duration = Duration::from_millis(300);
 
 /// How many settled versions of one loop are left for the next writes to reuse.
@@ -21,6 +22,11 @@ pub(super) const MAX_SPARES: usize = 8;
 /// how long a replaced version that no process has open is kept: an open of the state file begun
 /// before the exchange (its name looked up) and not yet done is over well within it.
 pub(crate) const ORPHAN_LIFE_SHORT: Duration = Duration::from_millis(30);
+
+/// How long a replaced version that a writer holds open is kept for its write, at most: not a
+/// guess at how fast a writer is (one descheduled for seconds is waited for), but a bound for one
+/// that never writes nor closes it, so that no command waits on it for ever.
+pub const WRITER_HOLD_MAX: Duration = Duration::from_secs(60);
 
 /// The replaced versions kept in one state directory by this process.
 pub(super) type Orphans = Arc<Mutex<Kept>>;
@@ -116,6 +122,9 @@ pub(super) struct Orphan {
     /// someone since, and is theirs to keep.
     pub(super) written: Arc<Vec<u8>>,
     pub(super) since: Instant,
+    /// When it is to be looked at again if no write into it is seen: [`ORPHAN_LIFE`] after it
+    /// was kept, then as long again each time a writer still holds it open.
+    pub(super) due: Instant,
     /// When it was replaced, by the clock of every process (`None`: not known, handed over by an
     /// older loopd): orders late writes into versions replaced by different processes.
     pub(super) replaced: Option<SystemTime>,
@@ -255,6 +264,7 @@ impl Store {
             base,
             written,
             since: Instant::now(),
+            due: Instant::now() + ORPHAN_LIFE,
             replaced,
             touched,
         });
@@ -317,7 +327,7 @@ impl Store {
         kept.orphans
             .iter()
             .filter(|o| id.is_none_or(|id| o.id == id))
-            .map(|o| o.since + ORPHAN_LIFE)
+            .map(|o| o.due)
             .min()
     }
 
@@ -597,6 +607,7 @@ impl Store {
         let path = self.state_path(id);
         let mut late = Vec::new();
         let mut done = Vec::new();
+        let mut held = Vec::new();
         for orphan in mine {
             let Orphan {
                 name,
@@ -612,12 +623,31 @@ impl Store {
                 done.push(name); // gone, or made into something else: nothing to merge
                 continue;
             };
-            // Open nowhere else (`Some(false)`): no writer is half-way through it, and none that
-            // opened the state file before it was replaced can still come, once it is older than
-            // such an open takes.
-            let elsewhere = loopd_fs::open_elsewhere(&file);
-            let settled =
-                all || age >= ORPHAN_LIFE || (elsewhere == Some(false) && age >= ORPHAN_LIFE_SHORT);
+            // Whether a writer has it open, as the kernel tells (`None`: it cannot).
+            let mut writing = loopd_fs::open_for_writing(&file);
+            // Settled now (the process ends, or the loop is let go): a writer that holds it open
+            // is half-way through its write, however slow, and is waited for until it closes it.
+            while all && writing == Some(true) && since.elapsed() < WRITER_HOLD_MAX {
+                std::thread::sleep(Duration::from_millis(5));
+                writing = loopd_fs::open_for_writing(&file);
+            }
+            // Whether it is open anywhere else, a reader's open included.
+            let elsewhere = match writing {
+                Some(true) => Some(true),
+                _ => loopd_fs::open_elsewhere(&file),
+            };
+            // Held open by a writer: it may still write into it, whenever it is scheduled again.
+            // Open nowhere else: no writer is half-way through it, and none that opened the state
+            // file before it was replaced can still come, once it is older than such an open
+            // takes. A reader's open is waited for until the version's time is up.
+            let settled = match (writing, elsewhere) {
+                (Some(true), _) => age >= WRITER_HOLD_MAX,
+                (_, Some(false)) => all || age >= ORPHAN_LIFE_SHORT,
+                _ => all || age >= ORPHAN_LIFE,
+            };
+            if writing == Some(true) && !settled {
+                held.push(name.clone());
+            }
             // Under a watcher, a version not reported written into is read once it is settled.
             if watched && !touched && !settled {
                 continue;
@@ -627,10 +657,11 @@ impl Store {
                 done.push(name);
                 continue;
             };
-            // A writer is half-way through it (it truncated the file, and is descheduled before
-            // its write): one that must settle now gives it the orphan's life to finish.
+            // Where the kernel cannot tell whether a writer is half-way through it (it truncated
+            // the file, and is descheduled before its write), one that must settle now gives it
+            // the orphan's life to finish.
             while all
-                && elsewhere != Some(false)
+                && writing.is_none()
                 && now != base
                 && serde_json::from_slice::<Value>(&now).is_err()
                 && since.elapsed() < ORPHAN_LIFE
@@ -669,6 +700,9 @@ impl Store {
         {
             let mut kept = lock(&self.orphans);
             kept.orphans.retain(|o| !done.contains(&o.name));
+            for orphan in kept.orphans.iter_mut().filter(|o| held.contains(&o.name)) {
+                orphan.due = Instant::now() + ORPHAN_LIFE;
+            }
             if all {
                 kept.spares.retain(|(of, name)| {
                     of != id || {
