@@ -59,7 +59,7 @@ pub struct Cli {
 pub enum Command {
     /// Run the service that drives every loop of your projects: those `create` and `start`
     /// recorded (`loopd projects`), and each `--root DIR` (see README, "Run as a service")
-    Serve(loopd_file_driver::serve::ServeArgs),
+    Serve(loopd_serve::ServeArgs),
     /// Write a new loop (status `created`) and print its id
     Create(Box<loopd_file_driver::create::CreateArgs>),
     /// Run loops on Temporal: their workflows, and their actions as this machine's processes
@@ -261,7 +261,7 @@ pub fn run(cli: Cli) -> Result<i32> {
                 crate::temporal::elsewhere(temporal.as_deref(), &connect, config.as_deref())?;
             #[cfg(not(feature = "temporal"))]
             let elsewhere = None;
-            loopd_file_driver::serve::run(&roots, config.as_deref(), &args, elsewhere)
+            loopd_serve::run(&roots, config.as_deref(), &args, elsewhere)
         }
         #[cfg(feature = "temporal")]
         Command::Worker(_) | Command::WorkerGuard => unreachable!("run by on_temporal"),

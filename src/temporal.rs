@@ -196,7 +196,7 @@ pub fn worker(settings: TemporalConfig, args: &WorkerArgs) -> Result<i32> {
     };
     // As `serve` does under systemd (`Type=notify`): ready once connected, a watchdog from the
     // runtime's tick, stopping at the signal.
-    let notifier = std::sync::Arc::new(loopd_file_driver::serve::systemd::Notifier::from_env());
+    let notifier = std::sync::Arc::new(loopd_serve::systemd::Notifier::from_env());
     let told = notifier.clone();
     let status = format!(
         "worker {name} on {}, task queue {}",
@@ -290,7 +290,7 @@ pub fn guard() -> Result<i32> {
 }
 
 /// The loops on Temporal, for `loopd serve --temporal`'s API and page: listed, shown and
-/// changed beside the file store's ([`loopd_file_driver::serve::Elsewhere`]).
+/// changed beside the file store's ([`loopd_serve::Elsewhere`]).
 pub struct OnTemporal {
     config: TemporalConfig,
     /// Connected at the first request, then kept for the others.
@@ -309,7 +309,7 @@ impl OnTemporal {
 const LIST_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
 
 #[async_trait::async_trait]
-impl loopd_file_driver::serve::Elsewhere for OnTemporal {
+impl loopd_serve::Elsewhere for OnTemporal {
     fn name(&self) -> &'static str {
         "temporal"
     }
@@ -354,7 +354,7 @@ pub fn elsewhere(
     address: Option<&str>,
     connect: &ConnectArgs,
     config: Option<&Path>,
-) -> Result<Option<std::sync::Arc<dyn loopd_file_driver::serve::Elsewhere>>> {
+) -> Result<Option<std::sync::Arc<dyn loopd_serve::Elsewhere>>> {
     let service = Config::load_service(config)?;
     if address.is_none() && !service.temporal.enabled {
         return Ok(None);

@@ -168,7 +168,7 @@ fn every_route_works_over_the_unix_socket() {
     let (status, doc) = call(&to, "GET", "/openapi.json", None);
     assert_eq!(status, 200);
     let kept: Value =
-        serde_json::from_str(include_str!("../crates/file-driver/src/serve/openapi.json")).unwrap();
+        serde_json::from_str(include_str!("../crates/serve/src/openapi.json")).unwrap();
     assert_eq!(doc, kept);
     hit("/openapi.json");
     let (status, metrics) = fetch(&to, "GET", "/metrics", None, &[]);

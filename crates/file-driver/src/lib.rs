@@ -4,14 +4,16 @@
 //! reads `{id}.json` through the store, lets the loop's workflow ([`loopd_core::workflow`])
 //! decide the next action, runs it with an executor ([`loopd_exec`]), and writes the daemon's
 //! fields back, while the store's watcher reports a pause or stop written by anyone and ends the
-//! attempt in flight. The service ([`serve`]) drives every loop of many projects in one process,
-//! with an HTTP API and a web page, under systemd. What people change of a loop between actions
+//! attempt in flight. The service (the `loopd-serve` crate, above this one) drives every loop of
+//! many projects in one process with this crate's engine; [`service`] is how a command finds it.
+//! What people change of a loop between actions
 //! goes through [`control`] (status, next action, tasks, answers, retry), [`create`] and
 //! [`checkpoints`] (the work tree's, and its rollback), from the command line and the API alike;
 //! [`view`] is what they are shown.
 //!
 //! Which layer may use which: this crate uses every crate below it ([`loopd_core`],
-//! [`loopd_fs`], [`loopd_store`], [`loopd_exec`], [`loopd_project`]); only the binary uses it.
+//! [`loopd_fs`], [`loopd_store`], [`loopd_exec`], [`loopd_project`]); only the service and the
+//! binary use it.
 
 pub mod accounts;
 pub mod checkpoints;
@@ -24,7 +26,6 @@ pub mod notify;
 pub mod orchestrator;
 pub mod project;
 pub mod registry;
-pub mod serve;
 pub mod service;
 pub mod view;
 pub mod worktree;

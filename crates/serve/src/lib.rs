@@ -13,6 +13,13 @@
 //! SIGTERM ends every action in flight, records it as interrupted and leaves the loops
 //! `running`, so that the next start takes them up again, as it takes up every loop it finds
 //! `running` whose daemon died (its executors found by their marker and ended first).
+//!
+//! Loops driven elsewhere (on Temporal) come in through [`Elsewhere`], which the binary
+//! implements: the routes list, show and change them beside the file store's.
+//!
+//! Which layer may use which: this crate is the front over the file driver
+//! ([`loopd_file_driver`]: a loop's engine, its locks, what people do to a loop) and uses every
+//! crate below it; only the binary uses it.
 
 pub mod api;
 
@@ -26,10 +33,10 @@ use std::time::{Duration, Instant};
 use anyhow::{Context as _, Result};
 use tokio::sync::{mpsc, watch};
 
-use crate::orchestrator::Exit;
-use crate::project::Project;
-use crate::service::{self, LoopKey, ServiceInfo};
 use loopd_core::state::Status;
+use loopd_file_driver::orchestrator::Exit;
+use loopd_file_driver::project::Project;
+use loopd_file_driver::service::{self, LoopKey, ServiceInfo};
 use loopd_fs::Dir;
 use loopd_store::watch::Subscription;
 
@@ -117,7 +124,7 @@ enum Ending {
     /// The loop could not be taken (driven elsewhere, untrusted files, a missing program...).
     Refused(String),
     /// The loop could not be taken because another loop runs in its work tree.
-    Busy(crate::error::WorkTreeBusy),
+    Busy(loopd_file_driver::error::WorkTreeBusy),
     Error(String),
     Panicked(String),
 }
@@ -152,7 +159,7 @@ struct Supervisor {
     /// Each loop's status as last read.
     statuses: BTreeMap<LoopKey, Status>,
     /// The rate limits of executors' accounts, which every loop of an account waits out.
-    accounts: crate::accounts::Accounts,
+    accounts: loopd_file_driver::accounts::Accounts,
     tx: mpsc::UnboundedSender<Wake>,
     shutdown: watch::Receiver<Option<i32>>,
     notifier: systemd::Notifier,
@@ -174,13 +181,13 @@ pub fn run(
 ) -> Result<i32> {
     let root_flags = roots
         .iter()
-        .map(|r| crate::project::resolve_root(Some(r)))
+        .map(|r| loopd_file_driver::project::resolve_root(Some(r)))
         .collect::<Result<Vec<_>>>()?;
     if let Some(addr) = &args.listen {
         api::check_listen(addr)?;
     }
     let config = loopd_project::config::Config::load_service(config_flag)?;
-    let runtime_dir = crate::registry::runtime_dir(true)
+    let runtime_dir = loopd_file_driver::registry::runtime_dir(true)
         .context("cannot make the service's runtime directory")?;
     let _lock = service::lock(&runtime_dir)?;
     loopd_exec::procs::become_subreaper();
@@ -197,7 +204,10 @@ pub fn run(
         let (tx, rx) = mpsc::unbounded_channel();
         let (signals, shutdown) = watch::channel(None);
         let (hangup, mut hangups) = mpsc::unbounded_channel();
-        tokio::spawn(crate::daemon::forward_signals(signals, Some(hangup)));
+        tokio::spawn(loopd_file_driver::daemon::forward_signals(
+            signals,
+            Some(hangup),
+        ));
         let reload = tx.clone();
         tokio::spawn(async move {
             while hangups.recv().await.is_some() {
@@ -443,7 +453,7 @@ impl Supervisor {
     /// Watches the registry of projects, so that a project recorded by `create` or `start` is
     /// served at once.
     fn watch_registry(&self) -> Option<Subscription> {
-        let dir = crate::registry::projects_dir(true)
+        let dir = loopd_file_driver::registry::projects_dir(true)
             .inspect_err(|e| tracing::warn!("warning: cannot watch your projects: {e}"))
             .ok()?;
         let tx = self.tx.clone();
@@ -466,7 +476,7 @@ impl Supervisor {
     /// their loops.
     fn load_projects(&mut self) {
         let mut roots = self.root_flags.clone();
-        match crate::registry::list() {
+        match loopd_file_driver::registry::list() {
             Ok(records) => roots.extend(records.into_iter().map(|r| r.root)),
             Err(e) => tracing::warn!("warning: cannot read your projects: {e}"),
         }
@@ -596,9 +606,9 @@ impl Supervisor {
                 .as_ref()
                 .is_some_and(|c| c.status == Status::Running);
             let driver = running
-                .then(|| crate::locks::daemon_pid(store, &key.loop_id))
+                .then(|| loopd_file_driver::locks::daemon_pid(store, &key.loop_id))
                 .flatten()
-                .filter(|pid| crate::locks::pid_alive(*pid));
+                .filter(|pid| loopd_file_driver::locks::pid_alive(*pid));
             (control, driver)
         });
         // Unreadable now (a writer half-way, a file gone): its next event comes.
@@ -662,14 +672,14 @@ impl Supervisor {
                     let state = p.load(&id)?;
                     // The executor it was started with, as `resume` remembers it.
                     let executor = state.skill_state.as_ref().and_then(|s| s.executor.clone());
-                    let taken = crate::daemon::take(&p, &id, executor, true, &me)?;
+                    let taken = loopd_file_driver::daemon::take(&p, &id, executor, true, &me)?;
                     anyhow::Ok((taken, id))
                 })
                 .await;
                 let (mut taken, id) = match taken {
                     Ok(Ok(taken)) => taken,
                     Ok(Err(e)) => {
-                        return match e.downcast::<crate::error::WorkTreeBusy>() {
+                        return match e.downcast::<loopd_file_driver::error::WorkTreeBusy>() {
                             Ok(busy) => Ending::Busy(busy),
                             Err(e) => Ending::Refused(format!("{e:#}")),
                         };

@@ -32,9 +32,9 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 
 use super::ServiceInfo;
-use crate::control::Control;
-use crate::project::Project;
 use loopd_core::control::Change;
+use loopd_file_driver::control::Control;
+use loopd_file_driver::project::Project;
 use loopd_fs::Dir;
 use loopd_store::store::StoreError;
 
@@ -236,7 +236,7 @@ pub fn check_listen(addr: &SocketAddr) -> Result<()> {
     if addr.ip().is_loopback() {
         return Ok(());
     }
-    Err(crate::error::usage(format!(
+    Err(loopd_file_driver::error::usage(format!(
         "--listen {addr}: the API listens on a loopback address only (127.0.0.1 or [::1])"
     )))
 }
@@ -391,7 +391,7 @@ impl IntoResponse for ApiError {
 /// file that does not load is a conflict; the rest is the service's.
 impl From<anyhow::Error> for ApiError {
     fn from(e: anyhow::Error) -> ApiError {
-        let status = if e.is::<crate::error::UsageError>()
+        let status = if e.is::<loopd_file_driver::error::UsageError>()
             || e.is::<loopd_exec::checkpoint::Refused>()
         {
             StatusCode::BAD_REQUEST
@@ -473,7 +473,7 @@ fn find(shared: &Shared, id: &str, root: Option<&Path>) -> Result<Arc<Project>> 
     if let Some(root) = root
         && !shared.info().serves(root)
     {
-        return Err(crate::error::usage(format!(
+        return Err(loopd_file_driver::error::usage(format!(
             "{} is not a project of this service",
             root.display()
         )));
@@ -495,7 +495,7 @@ fn find(shared: &Shared, id: &str, root: Option<&Path>) -> Result<Arc<Project>> 
         }
         .into()),
         1 => Ok(found.remove(0)),
-        _ => Err(crate::error::usage(format!(
+        _ => Err(loopd_file_driver::error::usage(format!(
             "loop {id} is in more than one project; name one with ?root="
         ))),
     }
@@ -503,7 +503,7 @@ fn find(shared: &Shared, id: &str, root: Option<&Path>) -> Result<Arc<Project>> 
 
 /// A loop as the API shows it: where it is, its status and usage, and its view.
 fn summary(p: &Project, state: &loopd_core::state::LoopState, info: &ServiceInfo) -> Value {
-    let view = crate::view::LoopView::of(p, state, Some(info));
+    let view = loopd_file_driver::view::LoopView::of(p, state, Some(info));
     let skill = state.skill_state.as_ref();
     json!({
         "root": p.root,
@@ -744,16 +744,16 @@ async fn create(
     let (Json(request), info) = (body?, shared.info());
     blocking(move || {
         if !info.serves(&request.root) {
-            return Err(crate::error::usage(format!(
+            return Err(loopd_file_driver::error::usage(format!(
                 "{} is not a project of this service",
                 request.root.display()
             )));
         }
         let p = Project::open(Some(&request.root), None)?;
-        let args = crate::create::CreateArgs {
+        let args = loopd_file_driver::create::CreateArgs {
             title: request.title,
             description: request.description,
-            limits: crate::create::Limits {
+            limits: loopd_file_driver::create::Limits {
                 max_iterations: request.max_iterations,
                 max_errors: request.max_errors,
                 max_cost_usd: request.max_cost_usd,
@@ -761,15 +761,15 @@ async fn create(
                 parallel: request.parallel,
             },
             mode: if request.interactive {
-                crate::create::ModeArg::Interactive
+                loopd_file_driver::create::ModeArg::Interactive
             } else {
-                crate::create::ModeArg::Auto
+                loopd_file_driver::create::ModeArg::Auto
             },
             workflow: request.workflow,
             tasks: request.tasks,
             ..Default::default()
         };
-        let id = crate::create::create_loop(&p, &args)?;
+        let id = loopd_file_driver::create::create_loop(&p, &args)?;
         Ok((
             StatusCode::CREATED,
             Json(json!({ "loop_id": id, "root": p.root })),
@@ -792,7 +792,12 @@ async fn control(
         _ => return Err(ApiError::new(StatusCode::NOT_FOUND, "no such route")),
     };
     let local = move |p: &Project, id: &str| {
-        let done = crate::control::set_control(p, id, what, crate::control::BY_API)?;
+        let done = loopd_file_driver::control::set_control(
+            p,
+            id,
+            what,
+            loopd_file_driver::control::BY_API,
+        )?;
         Ok(Json(json!({
             "loop_id": id,
             "from": done.from.as_str(),
@@ -834,8 +839,13 @@ async fn next(
 ) -> ApiResult<Json<Value>> {
     let (UrlPath(id), Query(place), Json(choice)) = (id?, place?, body?);
     let change = Change::Next(choice.action.clone());
-    let local =
-        move |p: &Project, id: &str| Ok(Json(crate::control::choose_next(p, id, &choice.action)?));
+    let local = move |p: &Project, id: &str| {
+        Ok(Json(loopd_file_driver::control::choose_next(
+            p,
+            id,
+            &choice.action,
+        )?))
+    };
     change_loop(&shared, id, place.root, change, local, Json).await
 }
 
@@ -844,7 +854,7 @@ async fn set_limits(
     State(shared): State<Shared>,
     id: std::result::Result<UrlPath<String>, PathRejection>,
     place: std::result::Result<Query<Where>, QueryRejection>,
-    body: std::result::Result<Json<crate::create::Limits>, JsonRejection>,
+    body: std::result::Result<Json<loopd_file_driver::create::Limits>, JsonRejection>,
 ) -> ApiResult<Json<Value>> {
     let (UrlPath(id), Query(place), Json(limits)) = (id?, place?, body?);
     let change = Change::Set(loopd_core::control::SetLimits {
@@ -854,7 +864,11 @@ async fn set_limits(
         max_tokens: limits.max_tokens,
         parallel: limits.parallel,
     });
-    let local = move |p: &Project, id: &str| Ok(Json(crate::control::set_limits(p, id, &limits)?));
+    let local = move |p: &Project, id: &str| {
+        Ok(Json(loopd_file_driver::control::set_limits(
+            p, id, &limits,
+        )?))
+    };
     change_loop(&shared, id, place.root, change, local, Json).await
 }
 
@@ -866,8 +880,11 @@ async fn answer(
 ) -> ApiResult<Json<Value>> {
     let (UrlPath(id), Query(place), Json(text)) = (id?, place?, body?);
     let change = Change::Answer(text.text.clone());
-    let local =
-        move |p: &Project, id: &str| Ok(Json(crate::control::give_answer(p, id, &text.text)?));
+    let local = move |p: &Project, id: &str| {
+        Ok(Json(loopd_file_driver::control::give_answer(
+            p, id, &text.text,
+        )?))
+    };
     change_loop(&shared, id, place.root, change, local, Json).await
 }
 
@@ -884,7 +901,8 @@ async fn add_task(
         &task.race,
     ));
     let local = move |p: &Project, id: &str| {
-        let value = crate::control::add_task(p, id, &task.text, &task.after, &task.race)?;
+        let value =
+            loopd_file_driver::control::add_task(p, id, &task.text, &task.after, &task.race)?;
         Ok((StatusCode::CREATED, Json(value)))
     };
     let remote = |said| (StatusCode::CREATED, Json(said));
@@ -1125,7 +1143,7 @@ async fn list_checkpoints(
 ) -> ApiResult<Json<Value>> {
     let (UrlPath(id), Query(place)) = (id?, place?);
     let local = on_loop(&shared, id.clone(), place.root, |p, id| {
-        let list = crate::checkpoints::list(p, id)?;
+        let list = loopd_file_driver::checkpoints::list(p, id)?;
         Ok(Json(json!({ "loop_id": id, "checkpoints": list })))
     })
     .await;
@@ -1138,15 +1156,15 @@ fn checkpoints_not_here(id: &str) -> String {
 }
 
 /// What one checkpoint changed, file by file and hunk by hunk, bounded
-/// ([`crate::checkpoints::diff`]).
+/// ([`loopd_file_driver::checkpoints::diff`]).
 async fn checkpoint_diff(
     State(shared): State<Shared>,
     path: std::result::Result<UrlPath<(String, String)>, PathRejection>,
     place: std::result::Result<Query<Where>, QueryRejection>,
-) -> ApiResult<Json<crate::checkpoints::Diff>> {
+) -> ApiResult<Json<loopd_file_driver::checkpoints::Diff>> {
     let (UrlPath((id, name)), Query(place)) = (path?, place?);
     let local = on_loop(&shared, id.clone(), place.root, move |p, id| {
-        Ok(Json(crate::checkpoints::diff(p, id, &name)?))
+        Ok(Json(loopd_file_driver::checkpoints::diff(p, id, &name)?))
     })
     .await;
     not_held(&shared, &id, local, checkpoints_not_here).await
@@ -1171,7 +1189,8 @@ async fn rollback(
 ) -> ApiResult<Json<Value>> {
     let (UrlPath(id), Query(place), Json(request)) = (id?, place?, body?);
     let local = on_loop_to_change(&shared, id.clone(), place.root, move |p, id| {
-        let commit = crate::checkpoints::rollback(p, id, &request.checkpoint, request.force)?;
+        let commit =
+            loopd_file_driver::checkpoints::rollback(p, id, &request.checkpoint, request.force)?;
         Ok(Json(json!({
             "loop_id": id,
             "checkpoint": request.checkpoint,
@@ -1193,7 +1212,8 @@ async fn retry(
     let (UrlPath(id), Query(place)) = (id?, place?);
     let local = on_loop_to_change(&shared, id.clone(), place.root, |p, id| {
         let p = Project::open(Some(&p.root), None)?;
-        let retried = crate::control::retry_loop(&p, id, crate::control::BY_API)?;
+        let retried =
+            loopd_file_driver::control::retry_loop(&p, id, loopd_file_driver::control::BY_API)?;
         Ok(Json(json!({
             "loop_id": id,
             "from": retried.from.as_str(),
@@ -1286,7 +1306,7 @@ async fn output(
             }),
         )
     };
-    let key = crate::service::LoopKey {
+    let key = loopd_file_driver::service::LoopKey {
         root: project.root.clone(),
         loop_id: id.clone(),
     };
@@ -1348,8 +1368,8 @@ struct OutputStream {
     /// The state file may have changed (the attempt in flight with it): read it at the next look.
     look_at_state: Arc<std::sync::atomic::AtomicBool>,
     /// The changes of every served loop's state file; `None` once the service stops publishing.
-    changes: Option<tokio::sync::broadcast::Receiver<crate::service::LoopKey>>,
-    key: crate::service::LoopKey,
+    changes: Option<tokio::sync::broadcast::Receiver<loopd_file_driver::service::LoopKey>>,
+    key: loopd_file_driver::service::LoopKey,
     last_look: Option<tokio::time::Instant>,
     _subscription: loopd_store::watch::Subscription,
 }
