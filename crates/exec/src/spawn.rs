@@ -23,7 +23,6 @@
 use std::cell::Cell;
 use std::collections::BTreeMap;
 use std::ffi::{CString, OsStr, OsString, c_char, c_int, c_void};
-use std::fmt;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::ffi::OsStrExt;
@@ -37,6 +36,7 @@ use tokio::io::unix::AsyncFd;
 use tokio::net::unix::pipe;
 
 use crate::sandbox;
+pub use crate::sandbox::Failure;
 
 /// The child's stack: what it runs (a few system calls, the sandbox's entry) needs a few KiB.
 const STACK: usize = 256 * 1024;
@@ -246,22 +246,6 @@ fn above_stdio(fd: OwnedFd) -> io::Result<OwnedFd> {
     Ok(unsafe { OwnedFd::from_raw_fd(moved) })
 }
 
-/// Why a child could not start: the step, and the error of its system call.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Failure {
-    pub step: &'static str,
-    pub errno: Option<Errno>,
-}
-
-impl fmt::Display for Failure {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self.errno {
-            Some(errno) => write!(f, "{}: {}", self.step, io::Error::from(errno)),
-            None => f.write_str(self.step),
-        }
-    }
-}
-
 impl From<Failure> for io::Error {
     fn from(failure: Failure) -> io::Error {
         match failure.errno {
@@ -269,16 +253,6 @@ impl From<Failure> for io::Error {
             Some(errno) if failure.step == EXEC => io::Error::from(errno),
             Some(errno) => io::Error::new(io::Error::from(errno).kind(), failure.to_string()),
             None => io::Error::other(failure.to_string()),
-        }
-    }
-}
-
-impl Failure {
-    /// The failure of a system call that set `errno`.
-    pub fn os(step: &'static str) -> Failure {
-        Failure {
-            step,
-            errno: Some(Errno::last()),
         }
     }
 }

@@ -26,15 +26,16 @@ pub use network::{HostPattern, HostRule, Refusal};
 pub use view::SOCKET_VARIABLES;
 
 use std::ffi::CString;
+use std::fmt;
 use std::io;
 use std::os::unix::fs::DirBuilderExt as _;
 use std::path::{Path, PathBuf};
 
-use crate::spawn::Failure;
 use landlock::{
     ABI, AccessFs, AccessNet, BitFlags, CompatLevel, Compatible, NetPort, PathBeneath, PathFd,
     Ruleset, RulesetAttr, RulesetCreated, RulesetCreatedAttr, RulesetStatus, Scope,
 };
+use nix::errno::Errno;
 
 /// What an attempt may change.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -611,6 +612,33 @@ fn write_proc(path: &std::ffi::CStr, text: &std::ffi::CStr) -> io::Result<()> {
         return Err(io::Error::other("a short write"));
     }
     Ok(())
+}
+
+/// Why a child could not start ([`crate::spawn`]): the step, and the error of its system call.
+/// Here, below the spawn, as entering the sandbox is one of its steps.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Failure {
+    pub step: &'static str,
+    pub errno: Option<Errno>,
+}
+
+impl fmt::Display for Failure {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.errno {
+            Some(errno) => write!(f, "{}: {}", self.step, io::Error::from(errno)),
+            None => f.write_str(self.step),
+        }
+    }
+}
+
+impl Failure {
+    /// The failure of a system call that set `errno`.
+    pub fn os(step: &'static str) -> Failure {
+        Failure {
+            step,
+            errno: Some(Errno::last()),
+        }
+    }
 }
 
 #[cfg(test)]

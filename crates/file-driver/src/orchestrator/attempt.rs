@@ -2,12 +2,36 @@
 //! environment), spawned, recorded in flight, supervised (while the watcher may end it), and
 //! concluded (its result read and checked); or not started at all.
 
+use std::sync::Mutex;
+
 use loopd_exec::metrics::metrics;
 use loopd_exec::result::{RESULT_FILE, empty_result_file, stock_result_file};
 use loopd_project::plan;
 
-use super::batch::Lane;
 use super::*;
+
+/// A work tree of a batch's own, where one task's attempts run ([`super::batch`]; an attempt
+/// runs in one, or in the loop's work tree).
+pub(super) struct Lane {
+    /// Its place in the batch, from 1: its directory's and its result file's name.
+    pub(super) number: usize,
+    pub(super) path: PathBuf,
+    pub(super) repo: checkpoint::Repo,
+    /// The checkpoint it started at.
+    pub(super) base: String,
+    /// What tells its checkpoints apart from the other lanes' of the same iteration: a racing
+    /// executor's name.
+    pub(super) label: Option<String>,
+    /// Its last attempt's checkpoint.
+    pub(super) recorded: Mutex<Option<Checkpoint>>,
+}
+
+impl Lane {
+    /// The result file of its attempts, in the loop's actions directory.
+    pub(super) fn result_name(&self) -> String {
+        format!("result-{}.json", self.number)
+    }
+}
 
 /// An attempt ready to spawn, and where its files go.
 pub(super) struct Prepared {

@@ -29,31 +29,9 @@ use loopd_core::attempt::{AfterAttempt, Attempts, RetryPolicy};
 use loopd_exec::checkpoint::Merge;
 use loopd_exec::metrics::metrics;
 
-use super::attempt::{Attempted, Done, Prepared};
+use super::attempt::{Attempted, Done, Lane, Prepared};
 use super::*;
 use crate::worktree;
-
-/// A work tree of a batch's own, where one task's attempts run.
-pub(super) struct Lane {
-    /// Its place in the batch, from 1: its directory's and its result file's name.
-    pub(super) number: usize,
-    pub(super) path: PathBuf,
-    repo: checkpoint::Repo,
-    /// The checkpoint it started at.
-    base: String,
-    /// What tells its checkpoints apart from the other lanes' of the same iteration: a racing
-    /// executor's name.
-    label: Option<String>,
-    /// Its last attempt's checkpoint.
-    recorded: Mutex<Option<Checkpoint>>,
-}
-
-impl Lane {
-    /// The result file of its attempts, in the loop's actions directory.
-    pub(super) fn result_name(&self) -> String {
-        format!("result-{}.json", self.number)
-    }
-}
 
 /// One task of a batch (or one executor's try of a raced task, or the check of it) and how it
 /// stands.
