@@ -376,7 +376,7 @@ pub fn finish(
 ) -> Option<LoopEnd> {
     let end = workflow.apply(state, dispatch, finish, inputs);
     workflow::record_finish(workflow, state, dispatch, finish, &inputs.now);
-    no_progress::round(workflow, state, &dispatch.action, finish, inputs.tree);
+    workflow::round(workflow, state, &dispatch.action, finish, inputs.tree);
     end
 }
 

@@ -10,12 +10,12 @@
 //! A person's change (a task they added, a resume, an answer) counts afresh ([`afresh`]). A round
 //! without progress is one more in a row, with a note of what it did
 //! ([`crate::workflow::Workflow::round_note`]); [`check`] says when there were too many, in words
-//! a person acts on.
+//! a person acts on. What a round was, the workflow says ([`crate::workflow::round`]); this module
+//! knows no workflow.
 
 use serde::{Deserialize, Serialize};
 
 use crate::state::{Checkpoint, Fingerprint, LoopState, NoProgress, Stalled};
-use crate::workflow::{Finish, Tree, Workflow};
 
 /// What a loop that makes no progress for `rounds` rounds does (`rounds = 0`: nothing).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -51,30 +51,51 @@ pub fn touched(state: &mut LoopState, checkpoint: Option<&Checkpoint>) {
     }
 }
 
-/// An action finished: when it ends a round, the round is compared with the one before. `tree`:
-/// what is known of the work tree now.
-pub fn round(
-    workflow: &dyn Workflow,
-    state: &mut LoopState,
-    action: &str,
-    finish: &Finish,
-    tree: Tree,
-) {
-    if !workflow.counts_iteration(action) {
-        return;
-    }
-    let progress = workflow.view(state).progress;
-    let validation = workflow.validation(state);
-    let note = round_note(workflow, state, action, finish, tree);
+/// What a driver knows of the work tree after an action.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Tree {
+    /// Its git checkpoints are recorded: each attempt's says whether a file changed.
+    Checkpointed,
+    /// No checkpoints: a fingerprint of its files (names, sizes, times).
+    Files(u64),
+    /// Nothing is known of it.
+    #[default]
+    Unknown,
+}
+
+/// A round that ended, as the workflow sees it ([`crate::workflow::round`]).
+#[derive(Clone, Debug)]
+pub struct Round<'a> {
+    /// The workflow's measure of progress (see [`Fingerprint::progress`]).
+    pub progress: String,
+    /// The last validation's outcome, in a few words.
+    pub validation: Option<String>,
+    /// What the round did, in a few words.
+    pub note: String,
+    /// Its error, when it failed.
+    pub failed: Option<&'a str>,
+    /// What is known of the work tree now.
+    pub tree: Tree,
+}
+
+/// A round ended: it is compared with the one before.
+pub fn round(state: &mut LoopState, round: Round<'_>) {
+    let Round {
+        progress,
+        validation,
+        note,
+        failed,
+        tree,
+    } = round;
     let books = books(state);
     let now = Fingerprint {
         progress,
         validation,
         // The last error stands until another replaces it: rounds of different actions (a
         // failing debug between validations) alternate, and one that succeeds changes nothing.
-        error: match finish {
-            Finish::Failed(message) => Some(signature(message)),
-            Finish::Success(_) => books.fingerprint.as_ref().and_then(|f| f.error.clone()),
+        error: match failed {
+            Some(message) => Some(signature(message)),
+            None => books.fingerprint.as_ref().and_then(|f| f.error.clone()),
         },
         tree_tracked: tree == Tree::Checkpointed,
         files: match tree {
@@ -107,27 +128,6 @@ pub fn round(
     }
     books.fingerprint = Some(now);
     books.tree_changed = false;
-}
-
-/// What a round did, in a few words: the workflow's note, else what it changed.
-fn round_note(
-    workflow: &dyn Workflow,
-    state: &LoopState,
-    action: &str,
-    finish: &Finish,
-    tree: Tree,
-) -> String {
-    if let Finish::Failed(message) = finish {
-        return format!("{action} failed: {}", signature(message));
-    }
-    if let Some(note) = workflow.round_note(state, action, finish) {
-        return note;
-    }
-    match (workflow.changes_work_tree(action), tree) {
-        (true, Tree::Unknown) => format!("{action} changed nothing loopd could see"),
-        (true, _) => format!("{action} changed no file"),
-        (false, _) => format!("{action} changed nothing"),
-    }
 }
 
 /// A person changed something (added a task, resumed the loop, answered a question): the rounds
@@ -268,6 +268,7 @@ fn books(state: &mut LoopState) -> &mut NoProgress {
 mod tests {
     use super::*;
     use crate::workflow::ccw_loop::CcwLoop;
+    use crate::workflow::{Finish, Workflow as _, round};
 
     const RULE: Rule = Rule {
         rounds: 3,

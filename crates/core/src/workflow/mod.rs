@@ -191,17 +191,7 @@ pub struct Inputs {
     pub tree: Tree,
 }
 
-/// What a driver knows of the work tree after an action.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum Tree {
-    /// Its git checkpoints are recorded: each attempt's says whether a file changed.
-    Checkpointed,
-    /// No checkpoints: a fingerprint of its files (names, sizes, times).
-    Files(u64),
-    /// Nothing is known of it.
-    #[default]
-    Unknown,
-}
+pub use crate::no_progress::Tree;
 
 /// A line of `status`: a label, a value, and lines under it.
 #[derive(Clone, Debug, PartialEq, serde::Serialize)]
@@ -542,5 +532,51 @@ pub(crate) fn opt_str<'a>(
         None | Some(Value::Null) => Ok(None),
         Some(Value::String(s)) => Ok(Some(s)),
         Some(other) => Err(format!("state_updates.{key} must be a string, not {other}")),
+    }
+}
+
+/// The no-progress books' record of an action that finished ([`crate::no_progress::round`]),
+/// when it ends a round (it counts an iteration). `tree`: what is known of the work tree now.
+pub fn round(
+    workflow: &dyn Workflow,
+    state: &mut LoopState,
+    action: &str,
+    finish: &Finish,
+    tree: Tree,
+) {
+    if !workflow.counts_iteration(action) {
+        return;
+    }
+    let round = crate::no_progress::Round {
+        progress: workflow.view(state).progress,
+        validation: workflow.validation(state),
+        note: round_note(workflow, state, action, finish, tree),
+        failed: match finish {
+            Finish::Failed(message) => Some(message),
+            Finish::Success(_) => None,
+        },
+        tree,
+    };
+    crate::no_progress::round(state, round);
+}
+
+/// What a round did, in a few words: the workflow's note, else what it changed.
+fn round_note(
+    workflow: &dyn Workflow,
+    state: &LoopState,
+    action: &str,
+    finish: &Finish,
+    tree: Tree,
+) -> String {
+    if let Finish::Failed(message) = finish {
+        return format!("{action} failed: {}", crate::no_progress::signature(message));
+    }
+    if let Some(note) = workflow.round_note(state, action, finish) {
+        return note;
+    }
+    match (workflow.changes_work_tree(action), tree) {
+        (true, Tree::Unknown) => format!("{action} changed nothing loopd could see"),
+        (true, _) => format!("{action} changed no file"),
+        (false, _) => format!("{action} changed nothing"),
     }
 }
