@@ -119,6 +119,23 @@ impl Helper {
     }
 }
 
+/// The thread that reads the process's inotify instance ([`crate::watch`]): every write to a watched directory
+/// wakes it (see [`place_inotify_reader`]).
+pub(crate) static INOTIFY_READER: Helper = Helper::unknown();
+
+/// Places the thread that reads inotify's events before the calling thread writes to a watched
+/// directory, which wakes it (see [`crate::helper`]). A `durable` write ends an action: the
+/// next waits for the writer, whose CPU the reader is kept off, to run beside it rather than in
+/// its place. Another write is mostly the record of an attempt in flight, made while its
+/// executor runs on another CPU: the reader is kept on the writer's, which then has nothing else
+/// to do, rather than on the executor's.
+pub(crate) fn place_inotify_reader(durable: bool) {
+    match durable {
+        true => INOTIFY_READER.keep_off_callers_cpu(),
+        false => INOTIFY_READER.keep_on_callers_cpu(),
+    }
+}
+
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;

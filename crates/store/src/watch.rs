@@ -684,23 +684,6 @@ impl Watchers {
     }
 }
 
-/// The thread that reads the process's inotify instance: every write to a watched directory
-/// wakes it (see [`place_reader`]).
-static READER: Helper = Helper::unknown();
-
-/// Places the thread that reads inotify's events before the calling thread writes to a watched
-/// directory, which wakes it (see [`crate::helper`]). A `durable` write ends an action: the
-/// next waits for the writer, whose CPU the reader is kept off, to run beside it rather than in
-/// its place. Another write is mostly the record of an attempt in flight, made while its
-/// executor runs on another CPU: the reader is kept on the writer's, which then has nothing else
-/// to do, rather than on the executor's.
-pub(crate) fn place_reader(durable: bool) {
-    match durable {
-        true => READER.keep_off_callers_cpu(),
-        false => READER.keep_on_callers_cpu(),
-    }
-}
-
 /// The process's inotify instance, read on a thread of its own, its events told to [`dispatch`]
 /// as notify would tell them. Not notify's own inotify watcher: that one also asks for an event
 /// at every opening of every file in the directory, which wakes the watcher at each of the
@@ -717,7 +700,7 @@ impl Inotify {
         let watches = inotify.watches();
         let dirs: Arc<Mutex<HashMap<_, PathBuf>>> = Arc::default();
         let known = dirs.clone();
-        Helper::spawn("loopd-inotify", &READER, move || {
+        Helper::spawn("loopd-inotify", &crate::helper::INOTIFY_READER, move || {
             let mut buffer = vec![0u8; 16 << 10];
             // A rename is told as its two halves, then as a whole once both are seen.
             let mut moved_from: Option<(u32, PathBuf)> = None;

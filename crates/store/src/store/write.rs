@@ -315,7 +315,7 @@ impl Store {
             let progress = progress_of(&value);
             // The write (and its backup's) wakes the watcher's reader: placed first where it
             // costs the loop least.
-            crate::watch::place_reader(durable);
+            crate::helper::place_inotify_reader(durable);
             // A deferred backup's fdatasync overlaps the parse and the exchange. (A round that
             // starts over records its own version after this one; a write that fails records
             // the version in place again.)
