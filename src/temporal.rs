@@ -448,7 +448,7 @@ fn git_source(
     let base = runtime()?
         .block_on(workspace::resolve(&p.root, base.unwrap_or("HEAD")))
         .map_err(|e| usage(format!("--base: {e:#}")))?;
-    let wf = loopd_temporal::workflow::workflow_of(state);
+    let wf = loopd_core::workflow::of(state);
     let plans = loopd_project::plan::Plans::load(&p.root, &p.config, wf, None)?;
     let files = plans.project_files(&p.config);
     loopd_project::trust::check(&p.root, &files)?;

@@ -8,7 +8,6 @@ use loopd_core::state::{ListedTask, next_task_number, task_id};
 use serde_json::{Value, json};
 
 use crate::LoopInput;
-use crate::workflow::workflow_of;
 
 impl LoopInput {
     /// Makes `change` to the loop at time `at`, or says in one line why it makes no sense;
@@ -27,7 +26,7 @@ impl LoopInput {
                 json!({ "loop_id": id, "from": from, "status": what.target(), "changed": changed })
             }
             Change::Next(action) => {
-                rules::check_next(workflow_of(state), state, &id, action, limits)?;
+                rules::check_next(loopd_core::workflow::of(state), state, &id, action, limits)?;
                 state.next_action = Some(action.clone());
                 json!({ "loop_id": id, "next_action": action })
             }
@@ -41,7 +40,7 @@ impl LoopInput {
                 }
                 let text = rules::check_task(state, &id, &new.text)?;
                 // Numbered past every task the loop or its task list has had.
-                let wf = workflow_of(state);
+                let wf = loopd_core::workflow::of(state);
                 let taken = state
                     .skill_state
                     .as_ref()

@@ -7,6 +7,7 @@ use std::time::Duration;
 use anyhow::{Context as _, Result};
 use loopd_core::state::LoopState;
 use serde_json::Value;
+use std::collections::HashMap;
 pub use temporalio_client::Client;
 use temporalio_client::errors::{
     WorkflowGetResultError, WorkflowInteractionError, WorkflowQueryError, WorkflowUpdateError,
@@ -16,6 +17,10 @@ use temporalio_client::{
     ClientOptions, Connection, WorkflowDescribeOptions, WorkflowExecuteUpdateOptions,
     WorkflowFetchHistoryOptions, WorkflowGetResultOptions, WorkflowHistory, WorkflowListOptions,
     WorkflowQueryOptions, WorkflowStartOptions,
+};
+
+use temporalio_common::protos::temporal::api::operatorservice::v1::{
+    AddSearchAttributesRequest, ListSearchAttributesRequest,
 };
 use temporalio_common::protos::temporal::api::workflowservice::v1::DescribeNamespaceRequest;
 use temporalio_common::telemetry::TelemetryOptions;
@@ -81,7 +86,7 @@ pub async fn connect(config: &TemporalConfig) -> Result<Client> {
 /// Starts loop `input.state.loop_id` as a workflow of that id, shown in the visibility store
 /// ([`visibility`]) from its start.
 pub async fn start(client: &Client, config: &TemporalConfig, input: LoopInput) -> Result<()> {
-    visibility::register(client, &config.namespace).await?;
+    register_attributes(client, &config.namespace).await?;
     let id = input.state.loop_id.clone();
     let options = WorkflowStartOptions::new(config.task_queue.clone(), id.clone())
         .search_attributes(visibility::of(&input))
@@ -281,7 +286,7 @@ pub async fn run_worker(
         }
     };
     let client = connect(config).await?;
-    visibility::register(&client, &config.namespace).await?;
+    register_attributes(&client, &config.namespace).await?;
     let own_queue = format!("{}@{}", config.task_queue, setup.name);
     let slots = Arc::new(tokio::sync::Semaphore::new(setup.max_actions));
     let activities = || LoopActivities {
@@ -442,4 +447,41 @@ async fn runs(client: &Client, id: &str) -> Result<Vec<WorkflowHistory>> {
         histories.push(handle.fetch_history(WorkflowFetchHistoryOptions::default()));
     }
     Ok(histories)
+}
+
+/// Registers loopd's search attributes ([`visibility`]) in `namespace` where they are missing.
+async fn register_attributes(client: &Client, namespace: &str) -> Result<()> {
+    let mut operator = client.connection().operator_service();
+    let known = operator
+        .list_search_attributes(Request::new(ListSearchAttributesRequest {
+            namespace: namespace.to_owned(),
+        }))
+        .await
+        .context("cannot list the namespace's search attributes")?
+        .into_inner();
+    let missing: HashMap<String, i32> = visibility::wanted()
+        .into_iter()
+        .filter(|(name, _)| !known.custom_attributes.contains_key(*name))
+        .map(|(name, kind)| (name.to_owned(), kind as i32))
+        .collect();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    let names: Vec<&String> = missing.keys().collect();
+    let names = format!("{names:?}");
+    let added = operator
+        .add_search_attributes(Request::new(AddSearchAttributesRequest {
+            search_attributes: missing,
+            namespace: namespace.to_owned(),
+        }))
+        .await;
+    match added {
+        // Another worker registered them meanwhile.
+        Err(e) if e.code() == Code::AlreadyExists => return Ok(()),
+        added => {
+            added.with_context(|| format!("cannot register loopd's search attributes {names}"))?
+        }
+    };
+    tracing::info!("registered the search attributes {names} in namespace {namespace}");
+    Ok(())
 }

@@ -11,25 +11,15 @@
 //!
 //! `temporal workflow list --query "LoopdStatus = 'paused'"` finds the paused loops. A workflow
 //! that sets an attribute its namespace does not know fails its task, so `loopd create` and
-//! `loopd worker` register them first ([`register`]).
+//! `loopd worker` register them first ([`wanted`]).
 
-use std::collections::HashMap;
-
-use anyhow::{Context as _, Result};
 use loopd_core::state::LoopState;
 use temporalio_common::protos::temporal::api::enums::v1::IndexedValueType;
-use temporalio_common::protos::temporal::api::operatorservice::v1::{
-    AddSearchAttributesRequest, ListSearchAttributesRequest,
-};
 use temporalio_common::search_attributes::{
     SearchAttributeKey, SearchAttributeUpdate, SearchAttributes,
 };
 
-use temporalio_client::tonic::{Code, Request};
-
 use crate::LoopInput;
-use crate::client::Client;
-use crate::workflow::workflow_of;
 
 pub const STATUS: SearchAttributeKey<String> = SearchAttributeKey::keyword("LoopdStatus");
 pub const WORKFLOW: SearchAttributeKey<String> = SearchAttributeKey::keyword("LoopdWorkflow");
@@ -65,7 +55,7 @@ pub fn of(input: &LoopInput) -> SearchAttributes {
         status,
         iteration,
         worker,
-        WORKFLOW.value_set(workflow_of(&input.state).name().to_owned()),
+        WORKFLOW.value_set(loopd_core::workflow::of(&input.state).name().to_owned()),
         PROJECT.value_set(input.root.display().to_string()),
     ])
 }
@@ -109,46 +99,14 @@ impl Listed {
     }
 }
 
-/// Registers the attributes in `namespace` where they are missing.
-pub async fn register(client: &Client, namespace: &str) -> Result<()> {
-    let mut operator = client.connection().operator_service();
-    let known = operator
-        .list_search_attributes(Request::new(ListSearchAttributesRequest {
-            namespace: namespace.to_owned(),
-        }))
-        .await
-        .context("cannot list the namespace's search attributes")?
-        .into_inner();
-    let wanted = [
+/// The attributes and their types, as a namespace registers them
+/// ([`crate::client`] registers those it is missing).
+pub fn wanted() -> [(&'static str, IndexedValueType); 5] {
+    [
         (STATUS.name(), IndexedValueType::Keyword),
         (WORKFLOW.name(), IndexedValueType::Keyword),
         (PROJECT.name(), IndexedValueType::Keyword),
         (ITERATION.name(), IndexedValueType::Int),
         (WORKER.name(), IndexedValueType::Keyword),
-    ];
-    let missing: HashMap<String, i32> = wanted
-        .into_iter()
-        .filter(|(name, _)| !known.custom_attributes.contains_key(*name))
-        .map(|(name, kind)| (name.to_owned(), kind as i32))
-        .collect();
-    if missing.is_empty() {
-        return Ok(());
-    }
-    let names: Vec<&String> = missing.keys().collect();
-    let names = format!("{names:?}");
-    let added = operator
-        .add_search_attributes(Request::new(AddSearchAttributesRequest {
-            search_attributes: missing,
-            namespace: namespace.to_owned(),
-        }))
-        .await;
-    match added {
-        // Another worker registered them meanwhile.
-        Err(e) if e.code() == Code::AlreadyExists => return Ok(()),
-        added => {
-            added.with_context(|| format!("cannot register loopd's search attributes {names}"))?
-        }
-    };
-    tracing::info!("registered the search attributes {names} in namespace {namespace}");
-    Ok(())
+    ]
 }

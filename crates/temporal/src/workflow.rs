@@ -75,7 +75,10 @@ impl LoopWorkflow {
                 Status::Running => {}
                 _ => return Ok(ctx.state(|s| s.input.clone())),
             }
-            let (wf, limits) = (workflow_of(&state), ctx.state(|s| s.input.limits));
+            let (wf, limits) = (
+                loopd_core::workflow::of(&state),
+                ctx.state(|s| s.input.limits),
+            );
             // Tasks added since the last look join the loop as pending, as in the file driver.
             let at = format_ts(now(ctx));
             let joined = ctx.state_mut(|s| {
@@ -207,16 +210,6 @@ fn why(e: &temporalio_sdk::ActivityExecutionError) -> String {
         failure = f.cause.as_deref();
     }
     loopd_exec::result::one_line(&message)
-}
-
-/// The workflow a loop runs.
-pub fn workflow_of(state: &LoopState) -> &'static dyn Workflow {
-    let name = state
-        .skill_state
-        .as_ref()
-        .and_then(|s| s.workflow.as_deref())
-        .unwrap_or(workflow::DEFAULT);
-    workflow::by_name(name).unwrap_or(&workflow::ccw_loop::CcwLoop)
 }
 
 /// The workflow's clock: the time of the workflow task, the same on every replay.

@@ -397,6 +397,17 @@ pub fn by_name(name: &str) -> Option<&'static dyn Workflow> {
     }
 }
 
+/// The workflow loop `state` runs: the one its state names, else (it names none, or one loopd
+/// does not know) ccw-loop.
+pub fn of(state: &LoopState) -> &'static dyn Workflow {
+    let name = state
+        .skill_state
+        .as_ref()
+        .and_then(|s| s.workflow.as_deref())
+        .unwrap_or(DEFAULT);
+    by_name(name).unwrap_or(&ccw_loop::CcwLoop)
+}
+
 /// The workflow of a loop whose state names none: CCW's loops are all ccw-loop.
 pub const DEFAULT: &str = ccw_loop::NAME;
 
@@ -569,7 +580,10 @@ fn round_note(
     tree: Tree,
 ) -> String {
     if let Finish::Failed(message) = finish {
-        return format!("{action} failed: {}", crate::no_progress::signature(message));
+        return format!(
+            "{action} failed: {}",
+            crate::no_progress::signature(message)
+        );
     }
     if let Some(note) = workflow.round_note(state, action, finish) {
         return note;
