@@ -58,7 +58,7 @@ pub struct Cli {
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Run the service that drives every loop of your projects: those `create` and `start`
-    /// recorded (`loopd projects`), and each `--root DIR` (see README, "Run as a service")
+    /// recorded (`loopd projects`), and each `--root DIR` (see docs/service.md)
     Serve(loopd_serve::ServeArgs),
     /// Write a new loop (status `created`) and print its id
     Create(Box<loopd_file_driver::create::CreateArgs>),

@@ -1,6 +1,7 @@
-//! loopd, the binary: the command line ([`cli`]: clap's definitions and the commands), what the
-//! commands print ([`output`]), and the commands that only people run (`doctor`, `init`, `demo`,
-//! `checkpoints`/`diff`/`rollback`, `retry`/`set`/`answer`). Nothing imports it.
+//! loopd, the binary: the command line ([`cli`]: clap's definitions and the commands;
+//! [`cli_docs`]: the reference made from them), what the commands print ([`output`]), and the
+//! commands that only people run (`doctor`, `init`, `demo`, `checkpoints`/`diff`/`rollback`,
+//! `retry`/`set`/`answer`). Nothing imports it.
 //!
 //! The flow of one loop lives in the crates below: a loop's state is read and written by the file
 //! store ([`loopd_store`]), a pure workflow of [`loopd_core`] decides the next action, an executor
@@ -9,6 +10,7 @@
 
 pub mod checkpoint;
 pub mod cli;
+pub mod cli_docs;
 pub mod demo;
 pub mod doctor;
 pub mod init;

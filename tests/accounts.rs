@@ -1,4 +1,4 @@
-//! Rate limits of an account in the service (README "Rate limits of an account"), through the
+//! Rate limits of an account in the service (docs/spend.md, "Rate limits of an account"), through the
 //! real binary: when one loop's agent is refused until a reset time, the service's other loops of
 //! that account start no attempt before it, and say why; a loop of another account goes on.
 

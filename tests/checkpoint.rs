@@ -1,4 +1,4 @@
-//! Git checkpoints (README "Checkpoints"), on real repositories in temporary directories, through
+//! Git checkpoints (docs/checkpoints.md), on real repositories in temporary directories, through
 //! the real binary: a commit of the whole work tree after every develop and debug, on the loop's
 //! own refs, with the user's branch, index, HEAD and stash untouched; `checkpoints`, `diff` and
 //! `rollback`.

@@ -1,4 +1,4 @@
-//! The network by name (README "Sandbox"), through the real binary: an action reaches the hosts
+//! The network by name (docs/sandbox.md), through the real binary: an action reaches the hosts
 //! its `sandbox_network` lists through loopd's proxy and nothing else, each try made by the
 //! action itself and by a grandchild in a new session. Every server here listens on 127.0.0.1;
 //! names are resolved by the proxy through a hosts file the test writes (`LOOPD_HOSTS_FILE`).

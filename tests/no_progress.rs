@@ -1,4 +1,4 @@
-//! No-progress detection (README "No progress"), through the real binary: a loop whose agent
+//! No-progress detection (docs/control.md, "No progress"), through the real binary: a loop whose agent
 //! changes nothing pauses after `no_progress_rounds` rounds with reason `no_progress`, says what
 //! each kind of round did, shows it in `status` and `list`, and goes on counting afresh once
 //! resumed; a round that changes a file is progress (its checkpoint says, or without git the

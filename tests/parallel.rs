@@ -1,4 +1,4 @@
-//! Tasks developed at once (`parallel`, README "Several tasks at once"), through the real binary
+//! Tasks developed at once (`parallel`, docs/tasks.md), through the real binary
 //! on real git repositories: each attempt in a work tree of its own, all supervised together,
 //! merged back in task order; the needs of a task, a conflict sent back to its agent, a stop
 //! that ends every attempt of a batch, and a daemon killed mid-batch.

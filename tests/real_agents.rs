@@ -32,7 +32,7 @@ fn agents_bin() -> Option<PathBuf> {
     common::not_installed(
         &format!("the agent CLIs {missing:?}"),
         &bin,
-        "README, Development, \"The real agent CLIs\"",
+        "docs/development.md, \"The real agent CLIs\"",
     );
     None
 }

@@ -1,4 +1,4 @@
-//! The sandbox around every attempt (README "Sandbox"), through the real binary, with hostile
+//! The sandbox around every attempt (docs/sandbox.md), through the real binary, with hostile
 //! executors in a temporary home: what they try outside their work tree is refused, nothing
 //! outside changes, and the loop goes on.
 

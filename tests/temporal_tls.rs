@@ -25,7 +25,7 @@ fn proxy_python() -> Option<PathBuf> {
         "LOOPD_TLS_PROXY_PYTHON",
         ".cache/loopd/tls-proxy/bin/python",
         "Python's grpcio and trustme",
-        "README, Development, \"Loops on Temporal\"",
+        "docs/development.md, \"Loops on Temporal\"",
     )
 }
 

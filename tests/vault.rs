@@ -1,4 +1,4 @@
-//! The way back out of the agent's reach (README "Checkpoints"): an action that forges or erases
+//! The way back out of the agent's reach (docs/checkpoints.md): an action that forges or erases
 //! the loop's checkpoint refs in the repository's `.git`, itself or from a grandchild in a session
 //! of its own, under the default sandbox, never makes `checkpoints`, `diff` or `rollback` give
 //! back a tree loopd did not record; loopd says what was done (`tampered`) and puts its copies

@@ -25,7 +25,7 @@ pub fn start() -> Option<Started> {
     let Some(bin) = temporal_bin() else {
         eprintln!(
             "the Temporal server is not installed (LOOPD_TEMPORAL_BIN, or ~/.cache/loopd/temporal-1.9.1): \
-             see README, \"Beyond one machine\""
+             see docs/temporal.md"
         );
         return None;
     };

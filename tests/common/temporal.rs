@@ -20,7 +20,7 @@ pub fn temporal_bin() -> Option<PathBuf> {
         "LOOPD_TEMPORAL_BIN",
         ".cache/loopd/temporal-1.9.1/bin/temporal",
         "the Temporal server",
-        "README, Development, \"Loops on Temporal\"",
+        "docs/development.md, \"Loops on Temporal\"",
     )
 }
 

@@ -407,7 +407,7 @@ pub struct Bookkeeping {
     #[serde(default)]
     pub errors: Vec<ErrorEntry>,
 
-    // loopd's additions, documented in the README.
+    // loopd's additions, documented in docs/files.md.
     /// Actions that failed after their last retry, ever (the `errors` window keeps only the last 5).
     #[serde(default)]
     pub error_count: u64,

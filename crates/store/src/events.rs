@@ -20,7 +20,7 @@ use crate::now_rfc3339;
 use crate::store::{Store, StoreError};
 use loopd_fs::Dir;
 
-/// Event names, CONTRACT §7 plus loopd's own (documented in the README).
+/// Event names, CONTRACT §7 plus loopd's own (documented in docs/files.md, "Events").
 pub mod name {
     pub const DAEMON_STARTED: &str = "daemon_started";
     pub const LOOP_STARTED: &str = "loop_started";
