@@ -1,0 +1,42 @@
+//! A loop's tasks: one more, as `loopd task add` adds it.
+
+use axum::extract::rejection::{JsonRejection, PathRejection, QueryRejection};
+use axum::extract::{Json, Path as UrlPath, Query, State};
+use axum::http::StatusCode;
+use serde::Deserialize;
+use serde_json::Value;
+
+use super::shared::{ApiResult, Shared, Where, change_loop};
+use loopd_core::control::Change;
+use loopd_file_driver::project::Project;
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct NewTask {
+    text: String,
+    #[serde(default)]
+    after: Vec<String>,
+    #[serde(default)]
+    race: Vec<String>,
+}
+
+pub(super) async fn add_task(
+    State(shared): State<Shared>,
+    id: std::result::Result<UrlPath<String>, PathRejection>,
+    place: std::result::Result<Query<Where>, QueryRejection>,
+    body: std::result::Result<Json<NewTask>, JsonRejection>,
+) -> ApiResult<(StatusCode, Json<Value>)> {
+    let (UrlPath(id), Query(place), Json(task)) = (id?, place?, body?);
+    let change = Change::Task(loopd_core::control::NewTask::new(
+        &task.text,
+        &task.after,
+        &task.race,
+    ));
+    let local = move |p: &Project, id: &str| {
+        let value =
+            loopd_file_driver::control::add_task(p, id, &task.text, &task.after, &task.race)?;
+        Ok((StatusCode::CREATED, Json(value)))
+    };
+    let remote = |said| (StatusCode::CREATED, Json(said));
+    change_loop(&shared, id, place.root, change, local, remote).await
+}
