@@ -1,6 +1,6 @@
 //! `loopd demo`: a complete loop in a temporary project, with a scripted executor built into the
 //! binary (`loopd demo-agent`), for each workflow: ccw-loop fixes a tiny shell calculator
-//! ([`calculator`]), skill-tuning tunes a small skill with planted problems ([`tuning`]).
+//! (`calculator`), skill-tuning tunes a small skill with planted problems (`tuning`).
 
 mod calculator;
 mod tuning;

@@ -131,7 +131,7 @@ impl Drop for Spared {
 /// it before and after, to tell whether a first signal has been acted on.
 static ENDINGS: AtomicU64 = AtomicU64::new(0);
 
-/// See [`ENDINGS`].
+/// See `ENDINGS`.
 pub fn endings() -> u64 {
     ENDINGS.load(Ordering::SeqCst)
 }
@@ -145,7 +145,7 @@ fn running() -> std::sync::MutexGuard<'static, Vec<u32>> {
 /// from its owner.
 static SPAWN: Mutex<()> = Mutex::new(());
 
-/// See [`SPAWN`].
+/// See `SPAWN`.
 pub fn spawning() -> std::sync::MutexGuard<'static, ()> {
     SPAWN.lock().unwrap_or_else(PoisonError::into_inner)
 }

@@ -244,7 +244,7 @@ fn made_empty(actions: &loopd_fs::Dir, name: &str) {
 }
 
 /// The result the executor wrote to `$LOOPD_RESULT_FILE` (`name` in the attempts' directory),
-/// if it wrote one. Read without blocking and at most [`RESULT_FILE_CAP`] bytes: a FIFO, a
+/// if it wrote one. Read without blocking and at most `RESULT_FILE_CAP` bytes: a FIFO, a
 /// device, a symlink or a hard link there is a failed attempt, never a hang.
 pub fn read_result_file(dir: &Dir, name: &str) -> Reported {
     let text = match dir.read(name, RESULT_FILE_CAP) {

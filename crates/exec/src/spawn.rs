@@ -122,7 +122,7 @@ impl Command {
         self
     }
 
-    /// The sandbox the child enters before it execs (see [`sandbox::Prepared::enter`]).
+    /// The sandbox the child enters before it execs (see `sandbox::Prepared::enter`).
     pub fn sandbox(&mut self, sandbox: sandbox::Prepared) -> &mut Command {
         self.sandbox = Some(sandbox);
         self

@@ -144,7 +144,7 @@ const ESCALATED_EXIT: Duration = Duration::from_secs(2);
 /// SIGINT and SIGTERM ask the daemon to stop (the attempt in flight is ended and recorded). A
 /// second one, coming after the first was acted on, escalates: the attempt's processes are
 /// SIGKILLed at once, the attempt is still recorded, and the process exits within
-/// [`ESCALATED_EXIT`] whatever happens. SIGHUP is sent on `hangup` when given (the service
+/// `ESCALATED_EXIT` whatever happens. SIGHUP is sent on `hangup` when given (the service
 /// reloads its configuration), else ignored: a daemon outlives its terminal.
 pub async fn forward_signals(
     tx: watch::Sender<Option<i32>>,

@@ -2,7 +2,7 @@
 //! that call for a person (it asks a question, it is stuck, it failed, it is done).
 //!
 //! Theory of operation: a loop's [`EventLog`] hands every event to the loop's [`Notifier`]
-//! ([`EventLog::set_sink`]), which names it for people ([`notify_name`]) and offers it to each
+//! ([`EventLog::set_sink`]), which names it for people (`notify_name`) and offers it to each
 //! receiver that wants it with a `try_send` on that receiver's bounded queue: the loop never
 //! waits for a receiver, and an event that a full queue cannot take is dropped, with a log line.
 //! Each distinct receiver has one queue and one delivery thread in the process, shared by every

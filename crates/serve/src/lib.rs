@@ -1,7 +1,7 @@
 //! `loopd serve`: one background service that drives every loop of the projects it knows.
 //!
 //! Theory of operation: the supervisor is one task that owns the service's bookkeeping (the
-//! projects, the loops it drives, the queue). Everything that happens reaches it as a [`Wake`]
+//! projects, the loops it drives, the queue). Everything that happens reaches it as a `Wake`
 //! on one channel: a state file changed (one subscription per state directory, all on the
 //! process's one inotify instance), the registry of projects changed, a loop's task ended,
 //! SIGHUP, the safety tick. A loop whose status is `running` and that no daemon drives is taken

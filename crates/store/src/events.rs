@@ -661,7 +661,7 @@ impl Progress {
 
     /// Removes the files of all but the last [`KEEP_ACTIONS`] actions from `actions/` (their
     /// names start with the action's number). Their logs are kept, hidden, for the next attempts'
-    /// logs ([`Progress::reuse_log`]), up to [`MAX_SPARE_LOGS`].
+    /// logs ([`Progress::reuse_log`]), up to `MAX_SPARE_LOGS`.
     pub fn prune_actions(&self) {
         let Ok(dir) = self.dir.actions() else {
             return;

@@ -20,8 +20,8 @@
 //! version of a file is written to a temporary file and exchanged with it
 //! (`renameat2(RENAME_EXCHANGE)`): a reader sees the old list or the new one. In CCW's file, the
 //! version it replaced is then left until no process has it open and it is
-//! [`ORPHAN_LIFE_SHORT`] old (while a writer holds it open, until it closes it; at most
-//! [`OPEN_LIFE`] while a reader does), the lock let go meanwhile,
+//! `ORPHAN_LIFE_SHORT` old (while a writer holds it open, until it closes it; at most
+//! `OPEN_LIFE` while a reader does), the lock let go meanwhile,
 //! and read once more: a lockless write that landed between loopd's read and the exchange, or into
 //! the replaced version just after it (a writer that opened the file just before), shows there,
 //! and what it added or changed is merged into the file in place, by another exchange. Merging is

@@ -1,7 +1,7 @@
 //! Watching a loop's state file for control changes written by anyone.
 //!
 //! Theory of operation: inotify watches the state *directory* (an atomic write replaces the file's
-//! inode, which would end a watch on the file itself), read by loopd's own thread ([`Inotify`],
+//! inode, which would end a watch on the file itself), read by loopd's own thread (`Inotify`,
 //! which asks for no event when a file is only opened) and told as notify's events. Any event
 //! naming the loop's state or task file means "maybe changed": the file is re-read on the
 //! watcher's thread (once for the events read together) and reduced to a

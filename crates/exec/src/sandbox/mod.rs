@@ -6,14 +6,14 @@
 //!
 //! Theory of operation: a Landlock ruleset (no privileges needed) is built in loopd, before the
 //! spawn, from paths it opens itself ([`Policy::prepare`]), with the attempt's view of the file
-//! system ([`view`]), made once in a user and mount namespace of a helper's and kept ([`cache`]);
+//! system (`view`), made once in a user and mount namespace of a helper's and kept (`cache`);
 //! the attempt's child joins them and enters the ruleset, between its clone and its exec, with
-//! system calls that allocate nothing ([`Prepared::enter`], [`crate::spawn`]). Landlock domains
+//! system calls that allocate nothing (`Prepared::enter`, [`crate::spawn`]). Landlock domains
 //! are inherited and cannot be left: a grandchild in a new session, or a program that drops every
 //! variable, is held as its parent is; and a process in one may not change mounts, so the view
 //! holds too. Landlock grants, it does not deny: what is hidden
 //! is every path but the hidden ones, so the directories on the way to a hidden path are granted
-//! entry by entry ([`readable`]), and a hidden path declared readable is granted again. Its scopes
+//! entry by entry (`readable`), and a hidden path declared readable is granted again. Its scopes
 //! (ABI 6) keep signals and abstract Unix sockets within the attempt; pathname sockets are refused
 //! by Landlock from ABI 9, and covered by the view before. TCP connects are limited to ports by
 //! Landlock (ABI 4); no network at all is a network namespace of the child's own.
@@ -263,7 +263,7 @@ fn user_namespaces() -> bool {
         .is_ok_and(|s| s.success())
 }
 
-/// An attempt's sandbox, built, to be entered by its child ([`Prepared::enter`]).
+/// An attempt's sandbox, built, to be entered by its child (`Prepared::enter`).
 pub struct Prepared {
     /// The namespaces (with the view made in them) and the ruleset, kept for the place's next
     /// attempts.
@@ -306,7 +306,7 @@ impl Policy {
     /// Builds the sandbox of an attempt at `place`: it may write in its own files and, for
     /// `workspace-write`, in its tree and the declared paths. `None` when the policy is off. The
     /// sandbox of the place's last attempt is taken again while what it was made from holds
-    /// ([`cache`]).
+    /// (`cache`).
     pub fn prepare(&self, place: &Place<'_>) -> io::Result<Option<Prepared>> {
         if self.mode == Mode::Off {
             return Ok(None);

@@ -2,7 +2,7 @@
 //! its own with nothing in it but loopback, and reaches the outside only through loopd's proxy,
 //! which allows the listed hosts and ports and nothing else.
 //!
-//! Theory of operation: the kept sandbox's network namespace (see [`super::cache`]) holds, on its
+//! Theory of operation: the kept sandbox's network namespace (see `super::cache`) holds, on its
 //! loopback, the proxy's listener (`HTTPS_PROXY`, `HTTP_PROXY` and `ALL_PROXY` name it) and, for
 //! each listed loopback address, a listener on the same address and port that forwards to it (a
 //! client that goes to `127.0.0.1:8080` straight, as many do for loopback whatever the proxy

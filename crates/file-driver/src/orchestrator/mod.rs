@@ -1,7 +1,7 @@
 //! The loop: read state → check → select → run the executor → apply → write → repeat.
 //!
 //! Theory of operation: an [`Engine`] holds what driving a loop needs (the workflow, its action
-//! files resolved into plans, the executor); a [`LoopRun`] is one drive of one loop by it, and
+//! files resolved into plans, the executor); a `LoopRun` is one drive of one loop by it, and
 //! owns its copy of the daemon's fields. Each selection starts from a fresh read of the state file, so a control field written by anyone (status,
 //! limits, title, a choice in interactive mode) takes effect at the next selection; the daemon's
 //! writes go through [`Store::commit`], which only ever replaces the daemon's own fields. While an
@@ -10,7 +10,7 @@
 //!
 //! An attempt is a small state machine: prepared (names, prompt, environment), spawned, recorded
 //! in flight, supervised, concluded; an action's retries and rate-limit waits are states around
-//! it ([`LoopRun::run_action`]).
+//! it (`LoopRun::run_action`).
 //!
 //! Durability: the attempt in flight is recorded right after the spawn (with its pid, process
 //! group and start time) by an atomic write that is not made durable — it only matters if the
@@ -102,7 +102,7 @@ impl Exit {
 /// The longest pause between tries of a write that failed for a reason that may go away.
 const MAX_RETRY_PAUSE: Duration = Duration::from_secs(5);
 
-/// Everything a daemon needs to drive a loop: the engine of a [`LoopRun`].
+/// Everything a daemon needs to drive a loop: the engine of a `LoopRun`.
 pub struct Engine {
     pub root: PathBuf,
     /// Where the loop's actions run: the project root, or the loop's own git worktree.

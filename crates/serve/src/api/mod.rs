@@ -12,9 +12,9 @@
 //! event number) and the output of its attempt in flight (`/output`, its log read as it grows,
 //! resumable by `LOG:OFFSET`, bounded whatever the executor writes: see `output`).
 //!
-//! A file a resource: [`loops`], [`tasks`], [`checkpoints`], [`events`] (and the page's stream
-//! of changes), [`output`], [`metrics`], [`page`]; who may call is [`auth`]'s; what every route
-//! shares (the state, an error, the loop a request names) is [`shared`]'s, below them all. This
+//! A file a resource: `loops`, `tasks`, `checkpoints`, `events` (and the page's stream
+//! of changes), `output`, `metrics`, `page`; who may call is `auth`'s; what every route
+//! shares (the state, an error, the loop a request names) is `shared`'s, below them all. This
 //! file listens and routes.
 
 use std::net::SocketAddr;

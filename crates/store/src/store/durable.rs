@@ -131,8 +131,8 @@ fn older_time(state: &LoopState, backed: &LoopState) -> bool {
 
 impl Store {
     /// From now on, a durable write returns once its version is in place, and is made durable
-    /// (its backup recorded: see [`backup`]) on the backup thread of its filesystem
-    /// ([`BACKUP_THREADS`]) while the
+    /// (its backup recorded: see `backup`) on the backup thread of its filesystem
+    /// (`BACKUP_THREADS`) while the
     /// caller goes on; [`Store::wait_durable`] waits for it. The daemon defers, and waits before it starts the
     /// next attempt: the fdatasync overlaps with its work between two actions.
     pub fn defer_durability(&self) {
@@ -258,7 +258,7 @@ impl Store {
         self.state_dir(false).ok()?.device()
     }
 
-    /// The backup of a loop's state: the last durable writes of loopd's writers (see [`backup`]).
+    /// The backup of a loop's state: the last durable writes of loopd's writers (see `backup`).
     pub fn backup_path(&self, id: &str) -> PathBuf {
         self.path.join(backup_name(id))
     }
@@ -419,7 +419,7 @@ impl Store {
     }
 
     /// The state of `id` for a daemon about to drive it: loopd's own fields taken from the
-    /// backup where the file's are older ([`fields_older`]), and why. Read apart from any
+    /// backup where the file's are older (`fields_older`), and why. Read apart from any
     /// repair of the file, which a writer that takes no lock may undo at once: the daemon
     /// starts from its last durable progress whatever the file says, and its next write puts
     /// it back.

@@ -6,7 +6,7 @@
 //! written to a temporary file in the same directory (`.{id}.json.PID-XXXXXX.tmp`, mode 0600)
 //! and exchanged with the state file (`renameat2(RENAME_EXCHANGE)`, else a plain rename): a reader
 //! sees the old file or the new one, never a mix. A durable write is made durable by its backup
-//! `{id}.json.bak` ([`backup`]): the same bytes, written there with a checksum and
+//! `{id}.json.bak` (`backup`): the same bytes, written there with a checksum and
 //! fdatasynced; the exchange itself is not fsynced. Every file is opened
 //! relative to the checked state directory, never through a symlink ([`loopd_fs`]).
 //!
@@ -20,7 +20,7 @@
 //! is made again on top. A write into the replaced version — the writer opened the file just before
 //! the exchange and writes just after — lands in an inode that is no longer the state file: that
 //! version is therefore not unlinked at once but kept, as an *orphan*, until no process has it
-//! open and it is [`ORPHAN_LIFE_SHORT`] old (a write lease tells: [`loopd_fs::open_elsewhere`]), or
+//! open and it is `ORPHAN_LIFE_SHORT` old (a write lease tells: [`loopd_fs::open_elsewhere`]), or
 //! for [`ORPHAN_LIFE`] at most, and a late write into it is merged into the state file
 //! ([`Store::settle`]: the keys it changed, against the version it replaced, but for a key
 //! changed in the state file since by a newer write; the merge of a late write into a version

@@ -400,7 +400,7 @@ impl Store {
     /// [`Store::close`] for a short-lived writer whose loops another watcher may settle: the
     /// replaced versions of a loop `settler` names [`Settler::ThisProcess`] are left to this
     /// process's watches; those of a loop it names [`Settler::Another`] are handed over to that
-    /// process ([`Store::hand_over`]); the others are settled here, as `close` does. A command
+    /// process (`Store::hand_over`); the others are settled here, as `close` does. A command
     /// that wrote the state file of a loop a daemon or the service watches therefore exits as
     /// soon as its write is durable.
     pub fn close_with(&self, mut settler: impl FnMut(&str) -> Settler) {
@@ -483,7 +483,7 @@ impl Store {
     }
 
     /// Takes over a replaced version another process handed over (its note `name`, see
-    /// [`Store::hand_over`]): kept and settled as this process's own. Returns whether there was
+    /// `Store::hand_over`): kept and settled as this process's own. Returns whether there was
     /// a note to take (another watch of this process may have taken it first).
     pub fn adopt(&self, name: &str) -> bool {
         let Some((id, _)) = handed_over(name) else {
@@ -529,7 +529,7 @@ impl Store {
     }
 
     /// Settles every replaced version before a short-lived process exits (or a loop is let go):
-    /// each is kept until it is [`ORPHAN_LIFE_SHORT`] old, then merged if written into, else
+    /// each is kept until it is `ORPHAN_LIFE_SHORT` old, then merged if written into, else
     /// removed, with the spares left for reuse.
     pub fn close(&self) {
         self.wait_durable();
