@@ -488,3 +488,24 @@ impl Store {
         self.update_with(&ours.loop_id, durable, change, &mut known)
     }
 }
+
+/// A status change the daemon makes, applied only if the file still has one of the `from` statuses.
+#[derive(Clone, Debug)]
+pub struct Transition {
+    pub from: &'static [Status],
+    pub to: Status,
+    pub failure_reason: Option<String>,
+    pub completed_at: bool,
+}
+
+impl Transition {
+    /// A running loop's completion, stamped with its time (`completed_at`).
+    pub fn completion() -> Transition {
+        Transition {
+            from: &[Status::Running],
+            to: Status::Completed,
+            failure_reason: None,
+            completed_at: true,
+        }
+    }
+}
