@@ -25,8 +25,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use loopd_core::state::{Control, Status};
-use notify::event::{AccessKind, AccessMode, ModifyKind, RenameMode};
 use notify::EventKind;
+use notify::event::{AccessKind, AccessMode, ModifyKind, RenameMode};
 use tokio::sync::watch;
 
 use crate::lock;
