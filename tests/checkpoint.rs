@@ -409,41 +409,6 @@ fn a_detached_head_a_submodule_and_checkpoints_off() {
     }
 }
 
-/// Tests A, B and C of a project, as a validate counts them: A passes once `fixed_a` exists and
-/// `broken_a` does not, B once `fixed_b` exists, C while `broken_c` does not. The first debug
-/// adds the second task (fix B). Its first develop fixes B but breaks A and C; asked again with
-/// the regression in its prompt, it fixes B alone.
-const REGRESSION_AGENT: &str = r#"
-prompt=$(cat)
-case "$LOOPD_ACTION" in
-  init) echo '{"status":"success","state_updates":{"tasks":[{"description":"fix A"}]}}' > "$LOOPD_RESULT_FILE" ;;
-  develop)
-    if [ "$LOOPD_TASK" = "fix A" ]; then
-      touch fixed_a
-    elif printf '%s' "$prompt" | grep -q REGRESSION; then
-      mkdir -p markers && touch markers/told && touch fixed_b
-    else
-      touch fixed_b broken_a broken_c
-    fi
-    echo '{"status":"success"}' > "$LOOPD_RESULT_FILE" ;;
-  validate)
-    n=0
-    [ -e fixed_a ] && [ ! -e broken_a ] && n=$((n + 1))
-    [ -e fixed_b ] && n=$((n + 1))
-    [ ! -e broken_c ] && n=$((n + 1))
-    passed=false; [ $n -eq 3 ] && passed=true
-    echo "{\"status\":\"success\",\"state_updates\":{\"passed\":$passed,\"pass_rate\":$((n * 100 / 3))}}" > "$LOOPD_RESULT_FILE" ;;
-  debug)
-    if [ ! -e markers/added ]; then
-      mkdir -p markers && touch markers/added
-      echo '{"status":"success","state_updates":{"fix_tasks":[{"description":"fix B"}]}}' > "$LOOPD_RESULT_FILE"
-    else
-      echo '{"status":"success"}' > "$LOOPD_RESULT_FILE"
-    fi ;;
-  *) echo '{"status":"success"}' > "$LOOPD_RESULT_FILE" ;;
-esac
-"#;
-
 #[test]
 fn a_develop_that_breaks_what_passed_is_rolled_back_and_the_loop_completes() {
     let p = Project::new(REGRESSION_AGENT);

@@ -265,3 +265,40 @@ fn refs_forged_after_the_loop_are_reported_and_put_back_by_the_cli() {
     assert_eq!(checkpoints(&p, &id), before, "erased refs lost checkpoints");
     the_way_back_holds(&p, &id, "after the loop");
 }
+
+/// The rollback on regression gives back loopd's tree too: the develop that breaks what passed
+/// also forges (or erases) every checkpoint ref, and the work tree is put back as loopd recorded
+/// it at the best validation's checkpoint.
+#[test]
+fn the_rollback_on_regression_gives_back_loopds_tree_whatever_the_develop_did_to_git() {
+    for (name, script) in [("forge", FORGE), ("erase", ERASE)] {
+        let p = Project::new(REGRESSION_AGENT);
+        p.config(&format!("rollback_on_regression = true\n{TEST_CONFIG}"));
+        let root = &p.root;
+        std::fs::write(root.join("bin/hostile.sh"), script).unwrap();
+        git(root, &["init", "--quiet", "--initial-branch=main"]);
+        std::fs::write(root.join(".gitignore"), ".loop/\nmarkers/\n").unwrap();
+        git(root, &["add", "."]);
+        git(root, &["commit", "--quiet", "-m", "base"]);
+        let id = p.create(&["--title", "t", "--max-iterations", "20"]);
+        let out = p.run(&id, &[]);
+        assert_eq!(code(&out), 0, "{name}: {}", stderr(&out));
+        let rolled = p.events_named(&id, "rolled_back");
+        assert_eq!(rolled.len(), 1, "{name}: {rolled:?}");
+        assert_eq!(rolled[0]["checkpoint"], "1-develop", "{name}");
+        assert!(
+            !p.events_named(&id, "tampered").is_empty(),
+            "{name}: no tampered event"
+        );
+        for (file, there) in [
+            ("fixed_a", true),
+            ("fixed_b", true),
+            ("broken_a", false),
+            ("broken_c", false),
+            ("agent.txt", false),
+        ] {
+            assert_eq!(root.join(file).exists(), there, "{name}: {file}");
+        }
+        assert_eq!(p.state(&id)["status"], "completed", "{name}");
+    }
+}
