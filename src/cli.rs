@@ -256,12 +256,16 @@ pub fn run(cli: Cli) -> Result<i32> {
     match command {
         Command::Serve(_) if json => Err(usage("--json: serve prints a log, not a result")),
         Command::Serve(args) => {
+            // The file store's loops first, then those of the drivers the build has.
             #[cfg(feature = "temporal")]
-            let elsewhere =
-                crate::temporal::elsewhere(temporal.as_deref(), &connect, config.as_deref())?;
+            let others = Vec::from_iter(crate::temporal::driver(
+                temporal.as_deref(),
+                &connect,
+                config.as_deref(),
+            )?);
             #[cfg(not(feature = "temporal"))]
-            let elsewhere = None;
-            loopd_serve::run(&roots, config.as_deref(), &args, elsewhere)
+            let others = Vec::new();
+            loopd_serve::run(&roots, config.as_deref(), &args, others)
         }
         #[cfg(feature = "temporal")]
         Command::Worker(_) | Command::WorkerGuard => unreachable!("run by on_temporal"),

@@ -12,7 +12,7 @@ use loopd_file_driver::error::usage;
 use loopd_file_driver::project::Project;
 use loopd_project::config::Config;
 use loopd_project::project_file::sha256_hex;
-use loopd_temporal::change::{Change, SetLimits};
+use loopd_temporal::change::Change;
 use loopd_temporal::{GitSource, LoopInput, TemporalConfig, client, workspace};
 use serde_json::json;
 
@@ -289,82 +289,22 @@ pub fn guard() -> Result<i32> {
     Ok(0)
 }
 
-/// The loops on Temporal, for `loopd serve --temporal`'s API and page: listed, shown and
-/// changed beside the file store's ([`loopd_serve::Elsewhere`]).
-pub struct OnTemporal {
-    config: TemporalConfig,
-    /// Connected at the first request, then kept for the others.
-    client: tokio::sync::OnceCell<client::Client>,
-}
-
-impl OnTemporal {
-    async fn client(&self) -> Result<&client::Client> {
-        self.client
-            .get_or_try_init(|| client::connect(&self.config))
-            .await
-    }
-}
-
-/// How long the service's list waits for a loop's workflow to tell its state.
-const LIST_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
-
-#[async_trait::async_trait]
-impl loopd_serve::Elsewhere for OnTemporal {
-    fn name(&self) -> &'static str {
-        "temporal"
-    }
-
-    async fn loops(&self) -> Result<Vec<(PathBuf, LoopState)>> {
-        client::held_all(self.client().await?, LIST_WAIT).await
-    }
-
-    async fn get(&self, id: &str) -> Result<Option<(PathBuf, LoopState)>> {
-        client::held(self.client().await?, id).await
-    }
-
-    async fn change(&self, id: &str, change: Change) -> Result<serde_json::Value> {
-        let at = loopd_store::now_rfc3339();
-        client::change(self.client().await?, &self.config, id, &change, &at).await
-    }
-
-    async fn events(&self, id: &str) -> Result<Vec<serde_json::Value>> {
-        client::events(self.client().await?, id).await
-    }
-
-    async fn tail(&self, id: &str) -> Result<serde_json::Value> {
-        // The page's tail follows one attempt: a batch's first.
-        let progress = client::progress(self.client().await?, id).await?;
-        Ok(match progress.into_iter().next() {
-            Some(p) => json!({
-                "loop_id": id,
-                "in_flight": {
-                    "action": p.action, "iteration": p.iteration, "attempt": p.attempt,
-                    "tokens": p.tokens, "cost_usd": p.cost_usd,
-                },
-                "text": p.output,
-            }),
-            None => json!({ "loop_id": id, "in_flight": null, "text": null }),
-        })
-    }
-}
-
 /// What `loopd serve` serves of Temporal: its loops where `--temporal` or the config's
 /// `[temporal] enabled` says so.
-pub fn elsewhere(
+pub fn driver(
     address: Option<&str>,
     connect: &ConnectArgs,
     config: Option<&Path>,
-) -> Result<Option<std::sync::Arc<dyn loopd_serve::Elsewhere>>> {
+) -> Result<Option<std::sync::Arc<dyn loopd_core::driver::Driver>>> {
     let service = Config::load_service(config)?;
     if address.is_none() && !service.temporal.enabled {
         return Ok(None);
     }
     let config = settings(&service, address, connect)?;
     tracing::info!("serving the loops on Temporal at {} too", config.address);
-    Ok(Some(std::sync::Arc::new(OnTemporal {
-        config,
-        client: tokio::sync::OnceCell::new(),
-    })))
+    Ok(Some(std::sync::Arc::new(
+        loopd_temporal::front::Fleet::new(config),
+    )))
 }
 
 /// `loopd create --temporal`: the loop's state made as `create` makes it, started as a workflow.
@@ -636,13 +576,7 @@ pub fn change(config: &TemporalConfig, id: &str, change: Change, json: bool) -> 
 /// The new limits `loopd set` gives, checked as for a loop in the file store.
 pub fn set_limits(limits: &Limits) -> Result<Change> {
     limits.check()?;
-    Ok(Change::Set(SetLimits {
-        max_iterations: limits.max_iterations,
-        max_errors: limits.max_errors,
-        max_cost_usd: limits.max_cost_usd,
-        max_tokens: limits.max_tokens,
-        parallel: limits.parallel,
-    }))
+    Ok(Change::Set((*limits).into()))
 }
 
 /// `parallel` over 1 on Temporal is for a loop on a git remote (`--remote`), whose tasks' work

@@ -11,13 +11,16 @@
 //! Nothing here reads a file, starts a process, waits or looks at the clock: a driver reads the
 //! state and the task list, runs the action, and passes in what it saw and the time (`now`). The
 //! same inputs give the same decisions, so a driver that replays a loop's history gets the
-//! loop it had. This crate depends on serde, serde_json and chrono's date types only.
+//! loop it had. This crate depends on serde, serde_json and chrono's date types, and for the
+//! trait a front asks drivers through ([`driver::Driver`]: the loops a driver holds, listed,
+//! shown, changed, created and followed) on anyhow, async-trait and futures-core.
 //!
 //! Which layer may use which: this crate uses none of loopd's; the store, the executors, the
 //! drivers and the binary use it.
 
 pub mod attempt;
 pub mod control;
+pub mod driver;
 pub mod no_progress;
 pub mod protocol;
 pub mod state;

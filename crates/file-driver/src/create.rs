@@ -1,6 +1,7 @@
 //! `loopd create`: a new loop of any workflow, checked before anything is written.
 
 use anyhow::Result;
+use loopd_core::control::SetLimits;
 use loopd_core::state::{Bookkeeping, LoopState, Mode, SkillState, Status};
 
 use crate::error::usage;
@@ -59,6 +60,44 @@ impl Limits {
             return Err(usage("--max-cost-usd must be a positive number"));
         }
         Ok(())
+    }
+}
+
+impl From<SetLimits> for Limits {
+    fn from(l: SetLimits) -> Limits {
+        let SetLimits {
+            max_iterations,
+            max_errors,
+            max_cost_usd,
+            max_tokens,
+            parallel,
+        } = l;
+        Limits {
+            max_iterations,
+            max_errors,
+            max_cost_usd,
+            max_tokens,
+            parallel,
+        }
+    }
+}
+
+impl From<Limits> for SetLimits {
+    fn from(l: Limits) -> SetLimits {
+        let Limits {
+            max_iterations,
+            max_errors,
+            max_cost_usd,
+            max_tokens,
+            parallel,
+        } = l;
+        SetLimits {
+            max_iterations,
+            max_errors,
+            max_cost_usd,
+            max_tokens,
+            parallel,
+        }
     }
 }
 

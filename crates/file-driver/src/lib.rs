@@ -9,7 +9,8 @@
 //! What people change of a loop between actions
 //! goes through [`control`] (status, next action, tasks, answers, retry), [`create`] and
 //! [`checkpoints`] (the work tree's, and its rollback), from the command line and the API alike;
-//! [`view`] is what they are shown.
+//! [`view`] is what they are shown. [`front::Files`] is this driver as a front asks it for the
+//! loops of the projects a service serves ([`loopd_core::driver::Driver`]).
 //!
 //! Which layer may use which: this crate uses every crate below it ([`loopd_core`],
 //! [`loopd_fs`], [`loopd_store`], [`loopd_exec`], [`loopd_project`]); only the service and the
@@ -21,6 +22,7 @@ pub mod control;
 pub mod create;
 pub mod daemon;
 pub mod error;
+pub mod front;
 pub mod locks;
 pub mod notify;
 pub mod orchestrator;

@@ -14,18 +14,15 @@
 //! `running`, so that the next start takes them up again, as it takes up every loop it finds
 //! `running` whose daemon died (its executors found by their marker and ended first).
 //!
-//! Loops driven elsewhere (on Temporal) come in through [`Elsewhere`], which the binary
-//! implements: the routes list, show and change them beside the file store's.
+//! The routes ask drivers for loops ([`loopd_core::driver::Driver`]), in order: the file store
+//! of the projects served ([`loopd_file_driver::front::Files`]), then those the binary gives
+//! (loops on Temporal, in a build with that feature), listed, shown and changed alike.
 //!
 //! Which layer may use which: this crate is the front over the file driver
 //! ([`loopd_file_driver`]: a loop's engine, its locks, what people do to a loop) and uses every
 //! crate below it; only the binary uses it.
 
 pub mod api;
-mod elsewhere;
-
-pub use elsewhere::Elsewhere;
-
 pub mod systemd;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
@@ -156,7 +153,7 @@ pub fn run(
     roots: &[PathBuf],
     config_flag: Option<&Path>,
     args: &ServeArgs,
-    elsewhere: Option<Arc<dyn Elsewhere>>,
+    others: Vec<Arc<dyn loopd_core::driver::Driver>>,
 ) -> Result<i32> {
     let root_flags = roots
         .iter()
@@ -213,10 +210,7 @@ pub fn run(
                 started_at: loopd_store::now_rfc3339(),
                 ..ServiceInfo::default()
             },
-            shared: api::Shared {
-                elsewhere,
-                ..api::Shared::default()
-            },
+            shared: api::Shared::new(others),
             published: None,
             _registry: None,
         };
@@ -486,11 +480,7 @@ impl Supervisor {
             tracing::info!("serving {}", root.display());
             let settler = loopd_store::watch::settle_in_background(&project.store);
             let project = Arc::new(project);
-            self.shared
-                .projects
-                .write()
-                .unwrap_or_else(|e| e.into_inner())
-                .insert(root.clone(), project.clone());
+            self.shared.files.serve(project.clone());
             self.projects.insert(
                 root.clone(),
                 Watched {
@@ -794,7 +784,7 @@ impl Supervisor {
             Ok(text) if Some(&text) != self.published.as_ref() => text,
             _ => return,
         };
-        *self.shared.info.write().unwrap_or_else(|e| e.into_inner()) = self.info.clone();
+        self.shared.files.publish(self.info.clone());
         match service::publish(&self.runtime_dir, &self.info) {
             Ok(()) => self.published = Some(text),
             Err(e) => tracing::warn!("warning: cannot write the service's status: {e}"),

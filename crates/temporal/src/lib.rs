@@ -17,7 +17,8 @@
 //! seconds ([`workflow`]). A person's change (pause, resume, stop, next, a task, an answer, new
 //! limits) arrives as an update that the loop checks by the core's rules ([`change`]); the state is
 //! read by a query, the loops are listed by search attributes ([`visibility`]) and their events
-//! read from their histories ([`history`]) ([`client`]).
+//! read from their histories ([`history`]) ([`client`]). A front (the service) asks for them as it
+//! asks for every driver's ([`front::Fleet`], a [`loopd_core::driver::Driver`]).
 //!
 //! Which layer may use which: this crate uses the core, the executors and the project's settings
 //! (and [`loopd_fs`] for an attempt's files), nothing of the file store or the file driver; only
@@ -27,6 +28,7 @@ pub mod activity;
 pub mod change;
 pub mod client;
 pub mod connection;
+pub mod front;
 pub mod history;
 pub mod metrics;
 pub mod reference;

@@ -4,9 +4,11 @@
 use axum::extract::rejection::{JsonRejection, PathRejection, QueryRejection};
 use axum::extract::{Json, Path as UrlPath, Query, State};
 use serde::Deserialize;
-use serde_json::{Value, json};
+use serde_json::Value;
 
-use super::shared::{ApiResult, Shared, Where, not_held, on_loop, on_loop_to_change};
+use super::loops::local;
+use super::shared::{ApiResult, Shared, Where};
+use loopd_core::driver::Local;
 
 /// `loopd checkpoints --json`: the loop's checkpoints, oldest first, with what each changed.
 pub(super) async fn list_checkpoints(
@@ -15,17 +17,7 @@ pub(super) async fn list_checkpoints(
     place: std::result::Result<Query<Where>, QueryRejection>,
 ) -> ApiResult<Json<Value>> {
     let (UrlPath(id), Query(place)) = (id?, place?);
-    let local = on_loop(&shared, id.clone(), place.root, |p, id| {
-        let list = loopd_file_driver::checkpoints::list(p, id)?;
-        Ok(Json(json!({ "loop_id": id, "checkpoints": list })))
-    })
-    .await;
-    not_held(&shared, &id, local, checkpoints_not_here).await
-}
-
-/// The refusal of checkpoints, a diff or a rollback of a loop another driver holds.
-pub(super) fn checkpoints_not_here(id: &str) -> String {
-    format!("the checkpoints of loop {id} are not served here")
+    local(&shared, &id, place.root.as_deref(), Local::Checkpoints).await
 }
 
 /// What one checkpoint changed, file by file and hunk by hunk, bounded
@@ -34,13 +26,9 @@ pub(super) async fn checkpoint_diff(
     State(shared): State<Shared>,
     path: std::result::Result<UrlPath<(String, String)>, PathRejection>,
     place: std::result::Result<Query<Where>, QueryRejection>,
-) -> ApiResult<Json<loopd_file_driver::checkpoints::Diff>> {
+) -> ApiResult<Json<Value>> {
     let (UrlPath((id, name)), Query(place)) = (path?, place?);
-    let local = on_loop(&shared, id.clone(), place.root, move |p, id| {
-        Ok(Json(loopd_file_driver::checkpoints::diff(p, id, &name)?))
-    })
-    .await;
-    not_held(&shared, &id, local, checkpoints_not_here).await
+    local(&shared, &id, place.root.as_deref(), Local::Diff(name)).await
 }
 
 /// What `POST .../rollback` takes: `loopd rollback`'s arguments.
@@ -61,15 +49,9 @@ pub(super) async fn rollback(
     body: std::result::Result<Json<RollbackRequest>, JsonRejection>,
 ) -> ApiResult<Json<Value>> {
     let (UrlPath(id), Query(place), Json(request)) = (id?, place?, body?);
-    let local = on_loop_to_change(&shared, id.clone(), place.root, move |p, id| {
-        let commit =
-            loopd_file_driver::checkpoints::rollback(p, id, &request.checkpoint, request.force)?;
-        Ok(Json(json!({
-            "loop_id": id,
-            "checkpoint": request.checkpoint,
-            "commit": commit,
-        })))
-    })
-    .await;
-    not_held(&shared, &id, local, checkpoints_not_here).await
+    let ask = Local::Rollback {
+        checkpoint: request.checkpoint,
+        force: request.force,
+    };
+    local(&shared, &id, place.root.as_deref(), ask).await
 }

@@ -3,7 +3,6 @@
 
 use std::convert::Infallible;
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::time::Duration;
 
 use axum::extract::rejection::{PathRejection, QueryRejection};
@@ -11,10 +10,12 @@ use axum::extract::{Json, Path as UrlPath, Query, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
+use futures_util::StreamExt as _;
 use serde::Deserialize;
 use serde_json::{Value, json};
 
-use super::shared::{ApiError, ApiResult, Shared, blocking, find, on_loop};
+use super::shared::{ApiError, ApiResult, Shared, held_by};
+use loopd_core::driver::Events;
 
 /// Every change of a served loop's state file, as Server-Sent Events: `{root, loop_id}` each
 /// (a `rescan` event when some were missed). The dashboard refreshes on them.
@@ -42,10 +43,9 @@ pub(super) struct After {
     after: Option<u64>,
 }
 
-/// The events of a loop as Server-Sent Events: each event's id is its number in the event log
-/// (from 1), so that a client that reconnects with `Last-Event-ID` gets what it missed and
-/// nothing twice. The log is read as `logs --follow` reads it ([`loopd_store::events::EventTail`],
-/// across rotations); new events come as they are written (the progress directory is watched).
+/// The events of a loop as Server-Sent Events, as its driver tells them: each event's id is its
+/// number in the event log (from 1), so that a client that reconnects with `Last-Event-ID` gets
+/// what it missed and nothing twice.
 pub(super) async fn events(
     State(shared): State<Shared>,
     id: std::result::Result<UrlPath<String>, PathRejection>,
@@ -64,121 +64,35 @@ pub(super) async fn events(
                 })
         })
         .transpose()?;
-    let root = query.root;
-    let skip = last.or(query.after).unwrap_or(0);
-    let elsewhere = shared.elsewhere.clone();
-    let found = blocking({
-        let id = id.clone();
-        move || {
-            let p = find(&shared, &id, root.as_deref())?;
-            let dir = p.store.progress(&id)?;
-            Ok((loopd_store::events::EventTail::new(&p.store, &id), dir))
+    let root = query.root.as_deref();
+    let after = last.or(query.after).unwrap_or(0);
+    let id = id.as_str();
+    let events = held_by(&shared, id, |driver| async move {
+        driver.events(id, root, after).await
+    })
+    .await?;
+    let event = |(n, line): (u64, String)| SseEvent::default().id(n.to_string()).data(line);
+    Ok(match events {
+        Events::Live(events) => {
+            let events = events.map(move |e| Ok::<_, Infallible>(event(e)));
+            Sse::new(events)
+                .keep_alive(KeepAlive::default())
+                .into_response()
+        }
+        // The stream ends with those so far, and the client's reconnection (every
+        // [`SO_FAR_RETRY`], with `Last-Event-ID`) brings what came since.
+        Events::SoFar(so_far) => {
+            let retry = SseEvent::default()
+                .retry(SO_FAR_RETRY)
+                .comment("held elsewhere");
+            let events = std::iter::once(retry).chain(so_far.into_iter().map(event));
+            Sse::new(futures_util::stream::iter(events.map(Ok::<_, Infallible>))).into_response()
         }
     })
-    .await;
-    let (store, dir) = match (found, elsewhere) {
-        (Err(e), Some(other)) if e.status == StatusCode::NOT_FOUND => {
-            if other.get(&id).await?.is_none() {
-                return Err(e);
-            }
-            return Ok(held_events(other.events(&id).await?, skip));
-        }
-        (found, _) => found?,
-    };
-    let wake = Arc::new(tokio::sync::Notify::new());
-    let subscription = {
-        let wake = wake.clone();
-        loopd_store::watch::subscribe(
-            dir.path(),
-            Arc::new(move |_: &notify::Result<notify::Event>| wake.notify_one()),
-        )
-    };
-    let events = Events {
-        tail: Some(store),
-        skip,
-        seen: 0,
-        pending: std::collections::VecDeque::new(),
-        wake,
-        _subscription: subscription,
-    };
-    let stream = futures_util::stream::unfold(events, |mut events| async move {
-        let event = events.next().await?;
-        Some((Ok::<_, Infallible>(event), events))
-    });
-    Ok(Sse::new(stream)
-        .keep_alive(KeepAlive::default())
-        .into_response())
 }
 
-/// The events of a loop another driver holds, after the `skip`th, as Server-Sent Events numbered
-/// as in [`events`]; the stream ends there, and the client's reconnection (every
-/// [`HELD_EVENTS_RETRY`], with `Last-Event-ID`) brings what came since.
-pub(super) fn held_events(all: Vec<Value>, skip: u64) -> Response {
-    let retry = SseEvent::default()
-        .retry(HELD_EVENTS_RETRY)
-        .comment("held elsewhere");
-    let events = all
-        .into_iter()
-        .enumerate()
-        .skip(usize::try_from(skip).unwrap_or(usize::MAX))
-        .map(|(i, event)| {
-            SseEvent::default()
-                .id((i + 1).to_string())
-                .data(event.to_string())
-        });
-    let stream = futures_util::stream::iter(
-        std::iter::once(retry)
-            .chain(events)
-            .map(Ok::<_, Infallible>),
-    );
-    Sse::new(stream).into_response()
-}
-
-/// How soon a client reconnects to the events of a loop another driver holds.
-pub(super) const HELD_EVENTS_RETRY: Duration = Duration::from_secs(2);
-
-/// A loop's events for one client: the lines read, numbered, those it has seen left out.
-pub(super) struct Events {
-    /// Taken while a blocking thread reads.
-    tail: Option<loopd_store::events::EventTail>,
-    /// The client has seen the events up to this number.
-    skip: u64,
-    /// The number of the last line read.
-    seen: u64,
-    pending: std::collections::VecDeque<SseEvent>,
-    wake: Arc<tokio::sync::Notify>,
-    _subscription: loopd_store::watch::Subscription,
-}
-
-impl Events {
-    /// The next event; `None` ends the stream (the log cannot be read).
-    async fn next(&mut self) -> Option<SseEvent> {
-        loop {
-            if let Some(event) = self.pending.pop_front() {
-                return Some(event);
-            }
-            let mut tail = self.tail.take()?;
-            let (tail, read) = tokio::task::spawn_blocking(move || {
-                let read = tail.read_lines();
-                (tail, read)
-            })
-            .await
-            .ok()?;
-            self.tail = Some(tail);
-            for line in read.ok()? {
-                self.seen += 1;
-                if self.seen > self.skip {
-                    let event = SseEvent::default().id(self.seen.to_string()).data(line);
-                    self.pending.push_back(event);
-                }
-            }
-            if self.pending.is_empty() {
-                // A rare look even without an event, in case one was missed.
-                let _ = tokio::time::timeout(Duration::from_secs(5), self.wake.notified()).await;
-            }
-        }
-    }
-}
+/// How soon a client reconnects to the events of a loop whose driver tells them only so far.
+pub(super) const SO_FAR_RETRY: Duration = Duration::from_secs(2);
 
 /// `?bytes=N`: how much of the tail (at most 1 MiB).
 #[derive(Debug, Default, Deserialize)]
@@ -196,43 +110,11 @@ pub(super) async fn tail(
 ) -> ApiResult<Json<Value>> {
     let (UrlPath(id), Query(query)) = (id?, query?);
     let want = query.bytes.unwrap_or(16 * 1024).min(1 << 20);
-    let local = on_loop(&shared, id.clone(), query.root, move |p, id| {
-        let state = p.store.load(id)?.state;
-        let flight = state.skill_state.as_ref().and_then(|s| s.in_flight.clone());
-        let Some(flight) = flight else {
-            return Ok(Json(
-                json!({ "loop_id": id, "in_flight": null, "text": null }),
-            ));
-        };
-        // The attempt's log, by its name alone, in the progress directory.
-        let text = flight
-            .log
-            .as_deref()
-            .filter(|name| super::output::plain_name(name))
-            .and_then(|name| {
-                let actions = p.store.progress(id).ok()?.subdir("actions", false).ok()?;
-                actions.read_tail(name, want)
-            });
-        Ok(Json(json!({
-            "loop_id": id,
-            "in_flight": {
-                "action": flight.action,
-                "iteration": flight.iteration,
-                "attempt": flight.attempt,
-                "pid": flight.pid,
-                "started_at": flight.started_at,
-            },
-            "text": text,
-        })))
+    let root = query.root.as_deref();
+    let id = id.as_str();
+    let tail = held_by(&shared, id, |driver| async move {
+        driver.tail(id, root, want).await
     })
-    .await;
-    match (local, shared.elsewhere.clone()) {
-        (Err(e), Some(other)) if e.status == StatusCode::NOT_FOUND => {
-            if other.get(&id).await?.is_none() {
-                return Err(e);
-            }
-            Ok(Json(other.tail(&id).await?))
-        }
-        (local, _) => local,
-    }
+    .await?;
+    Ok(Json(tail))
 }

@@ -1,7 +1,7 @@
 //! The loops: listed, shown, created, and changed (pause, resume, stop, the next action, an
 //! answer, limits, a retry), as the CLI does.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use axum::extract::rejection::{JsonRejection, PathRejection, QueryRejection};
 use axum::extract::{Json, Path as UrlPath, Query, State};
@@ -9,11 +9,10 @@ use axum::http::StatusCode;
 use serde::Deserialize;
 use serde_json::{Value, json};
 
-use super::shared::{
-    ApiError, ApiResult, Shared, Where, blocking, change_loop, not_held, on_loop, on_loop_to_change,
-};
-use loopd_core::control::Change;
-use loopd_file_driver::control::Control;
+use super::shared::{ApiError, ApiResult, Shared, Where, blocking, held_by};
+use loopd_core::control::{Change, Control};
+use loopd_core::driver::{Driver, Local, NewLoop};
+use loopd_file_driver::front::Files;
 use loopd_file_driver::project::Project;
 use loopd_file_driver::service::ServiceInfo;
 
@@ -50,39 +49,26 @@ pub(super) fn last_event(p: &Project, id: &str) -> Option<Value> {
 }
 
 pub(super) async fn service(State(shared): State<Shared>) -> Json<ServiceInfo> {
-    Json(shared.info())
+    Json(shared.files.info())
 }
 
 pub(super) async fn list_loops(State(shared): State<Shared>) -> ApiResult<Json<Value>> {
-    let info = shared.info();
-    let projects = shared.projects();
-    let shown = info.clone();
-    let mut loops = blocking(move || {
-        let info = shown;
-        let mut loops = Vec::new();
-        for p in &projects {
-            let root = &p.root;
-            for id in p.store.list_ids()? {
-                match p.store.load(&id) {
-                    Ok(loaded) => loops.push(summary(p, &loaded.state, &info)),
-                    Err(e) => loops.push(json!({
-                        "root": root, "status": "unreadable", "error": e.to_string(),
-                        "view": { "loop_id": id },
-                    })),
-                }
-            }
-        }
-        Ok(loops)
-    })
-    .await?;
-    if let Some(other) = shared.elsewhere.clone() {
-        let held = other.loops().await?;
-        let driver = other.name();
+    let mut loops = Vec::new();
+    for driver in &shared.drivers {
+        let listed = driver.list().await?;
+        let (files, driver) = (shared.files.clone(), driver.clone());
         loops.extend(
             blocking(move || {
-                Ok(held
-                    .iter()
-                    .map(|(root, state)| held_summary(root, state, driver, &info))
+                let info = files.info();
+                Ok(listed
+                    .into_iter()
+                    .map(|l| match l.state {
+                        Ok(state) => shown(&files, driver.as_ref(), &l.root, &state, &info),
+                        Err(error) => json!({
+                            "root": l.root, "status": "unreadable", "error": error,
+                            "view": { "loop_id": l.id },
+                        }),
+                    })
                     .collect::<Vec<_>>())
             })
             .await?,
@@ -91,14 +77,21 @@ pub(super) async fn list_loops(State(shared): State<Shared>) -> ApiResult<Json<V
     Ok(Json(Value::Array(loops)))
 }
 
-/// A loop another driver holds, as the API shows a loop ([`summary`]), with `driver` naming
-/// where it lives. Its project's settings are read where its root is on this machine.
-pub(super) fn held_summary(
+/// A loop as the API shows it ([`summary`]): one of a driver that drives it here with its
+/// project as the service serves it, any other with `driver` naming where it lives and its
+/// project's settings read where its root is on this machine.
+fn shown(
+    files: &Files,
+    driver: &dyn Driver,
     root: &Path,
     state: &loopd_core::state::LoopState,
-    driver: &str,
     info: &ServiceInfo,
 ) -> Value {
+    if driver.here()
+        && let Some(p) = files.project(root)
+    {
+        return summary(&p, state, info);
+    }
     let mut value = match Project::open_for_inspection(Some(root), None) {
         Ok(p) => summary(&p, state, info),
         Err(_) => json!({
@@ -108,7 +101,7 @@ pub(super) fn held_summary(
                       "iteration": state.current_iteration },
         }),
     };
-    value["driver"] = json!(driver);
+    value["driver"] = json!(driver.name());
     // No daemon of this service drives it: its standing is its own.
     value["view"]["standing"] = json!(state.standing());
     value["view"]["daemon_pid"] = Value::Null;
@@ -120,90 +113,69 @@ pub(super) async fn one_loop(
     id: std::result::Result<UrlPath<String>, PathRejection>,
     place: std::result::Result<Query<Where>, QueryRejection>,
 ) -> ApiResult<Json<Value>> {
-    let (UrlPath(id), Query(place), info) = (id?, place?, shared.info());
-    let shown = info.clone();
-    let local = on_loop(&shared, id.clone(), place.root, move |p, id| {
-        let loaded = p.store.load(id)?;
-        let mut value = summary(p, &loaded.state, &shown);
+    let (UrlPath(id), Query(place)) = (id?, place?);
+    let root = place.root.as_deref();
+    let (driver, loaded) = held_by(&shared, &id, |driver| async {
+        Ok(driver.show(&id, root).await?.map(|s| (driver, s)))
+    })
+    .await?;
+    let files = shared.files.clone();
+    blocking(move || {
+        let mut value = shown(
+            &files,
+            driver.as_ref(),
+            &loaded.root,
+            &loaded.state,
+            &files.info(),
+        );
         value["state"] = Value::Object(loaded.raw);
         Ok(Json(value))
     })
-    .await;
-    match (local, shared.elsewhere.clone()) {
-        (Err(e), Some(other)) if e.status == StatusCode::NOT_FOUND => {
-            let Some((root, state)) = other.get(&id).await? else {
-                return Err(e);
-            };
-            blocking(move || {
-                let mut value = held_summary(&root, &state, other.name(), &info);
-                value["state"] = serde_json::to_value(&state)?;
-                Ok(Json(value))
-            })
-            .await
-        }
-        (local, _) => local,
-    }
-}
-
-/// What `POST /v1/loops` takes: `loopd create`'s options.
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub(super) struct CreateRequest {
-    root: PathBuf,
-    title: Option<String>,
-    #[serde(default)]
-    description: String,
-    workflow: Option<String>,
-    #[serde(default)]
-    interactive: bool,
-    #[serde(default)]
-    tasks: Vec<String>,
-    max_iterations: Option<u64>,
-    max_errors: Option<u64>,
-    max_cost_usd: Option<f64>,
-    max_tokens: Option<u64>,
-    parallel: Option<u64>,
+    .await
 }
 
 pub(super) async fn create(
     State(shared): State<Shared>,
-    body: std::result::Result<Json<CreateRequest>, JsonRejection>,
+    body: std::result::Result<Json<NewLoop>, JsonRejection>,
 ) -> ApiResult<(StatusCode, Json<Value>)> {
-    let (Json(request), info) = (body?, shared.info());
-    blocking(move || {
-        if !info.serves(&request.root) {
-            return Err(loopd_file_driver::error::usage(format!(
-                "{} is not a project of this service",
-                request.root.display()
-            )));
+    let Json(new) = body?;
+    for driver in &shared.drivers {
+        if let Some(made) = driver.create(&new).await? {
+            let made = json!({ "loop_id": made.id, "root": made.root });
+            return Ok((StatusCode::CREATED, Json(made)));
         }
-        let p = Project::open(Some(&request.root), None)?;
-        let args = loopd_file_driver::create::CreateArgs {
-            title: request.title,
-            description: request.description,
-            limits: loopd_file_driver::create::Limits {
-                max_iterations: request.max_iterations,
-                max_errors: request.max_errors,
-                max_cost_usd: request.max_cost_usd,
-                max_tokens: request.max_tokens,
-                parallel: request.parallel,
-            },
-            mode: if request.interactive {
-                loopd_file_driver::create::ModeArg::Interactive
-            } else {
-                loopd_file_driver::create::ModeArg::Auto
-            },
-            workflow: request.workflow,
-            tasks: request.tasks,
-            ..Default::default()
-        };
-        let id = loopd_file_driver::create::create_loop(&p, &args)?;
-        Ok((
-            StatusCode::CREATED,
-            Json(json!({ "loop_id": id, "root": p.root })),
-        ))
+    }
+    Err(loopd_file_driver::front::not_served(&new.root).into())
+}
+
+/// A change to loop `id`, made by the driver that holds it.
+pub(super) async fn change(
+    shared: &Shared,
+    id: &str,
+    root: Option<&Path>,
+    change: Change,
+) -> ApiResult<Json<Value>> {
+    let said = held_by(shared, id, |driver| {
+        let change = change.clone();
+        async move { driver.change(id, root, change).await }
     })
-    .await
+    .await?;
+    Ok(Json(said))
+}
+
+/// What only a loop in a work tree of this machine has, of the driver that holds loop `id`.
+pub(super) async fn local(
+    shared: &Shared,
+    id: &str,
+    root: Option<&Path>,
+    ask: Local,
+) -> ApiResult<Json<Value>> {
+    let said = held_by(shared, id, |driver| {
+        let ask = ask.clone();
+        async move { driver.local(id, root, ask).await }
+    })
+    .await?;
+    Ok(Json(said))
 }
 
 /// pause, resume, stop: as the CLI does; the service takes up a resumed loop itself.
@@ -219,21 +191,7 @@ pub(super) async fn control(
         "stop" => Control::Stop,
         _ => return Err(ApiError::new(StatusCode::NOT_FOUND, "no such route")),
     };
-    let local = move |p: &Project, id: &str| {
-        let done = loopd_file_driver::control::set_control(
-            p,
-            id,
-            what,
-            loopd_file_driver::control::BY_API,
-        )?;
-        Ok(Json(json!({
-            "loop_id": id,
-            "from": done.from.as_str(),
-            "status": done.to.as_str(),
-            "changed": done.changed,
-        })))
-    };
-    change_loop(&shared, id, place.root, Change::Control(what), local, Json).await
+    change(&shared, &id, place.root.as_deref(), Change::Control(what)).await
 }
 
 /// A body of one text: `{"action": ...}` or `{"text": ...}`.
@@ -256,15 +214,8 @@ pub(super) async fn next(
     body: std::result::Result<Json<Choice>, JsonRejection>,
 ) -> ApiResult<Json<Value>> {
     let (UrlPath(id), Query(place), Json(choice)) = (id?, place?, body?);
-    let change = Change::Next(choice.action.clone());
-    let local = move |p: &Project, id: &str| {
-        Ok(Json(loopd_file_driver::control::choose_next(
-            p,
-            id,
-            &choice.action,
-        )?))
-    };
-    change_loop(&shared, id, place.root, change, local, Json).await
+    let next = Change::Next(choice.action);
+    change(&shared, &id, place.root.as_deref(), next).await
 }
 
 /// `loopd set`: a loop's limits and budgets, those given only.
@@ -275,19 +226,8 @@ pub(super) async fn set_limits(
     body: std::result::Result<Json<loopd_file_driver::create::Limits>, JsonRejection>,
 ) -> ApiResult<Json<Value>> {
     let (UrlPath(id), Query(place), Json(limits)) = (id?, place?, body?);
-    let change = Change::Set(loopd_core::control::SetLimits {
-        max_iterations: limits.max_iterations,
-        max_errors: limits.max_errors,
-        max_cost_usd: limits.max_cost_usd,
-        max_tokens: limits.max_tokens,
-        parallel: limits.parallel,
-    });
-    let local = move |p: &Project, id: &str| {
-        Ok(Json(loopd_file_driver::control::set_limits(
-            p, id, &limits,
-        )?))
-    };
-    change_loop(&shared, id, place.root, change, local, Json).await
+    let set = Change::Set(limits.into());
+    change(&shared, &id, place.root.as_deref(), set).await
 }
 
 pub(super) async fn answer(
@@ -297,13 +237,8 @@ pub(super) async fn answer(
     body: std::result::Result<Json<Text>, JsonRejection>,
 ) -> ApiResult<Json<Value>> {
     let (UrlPath(id), Query(place), Json(text)) = (id?, place?, body?);
-    let change = Change::Answer(text.text.clone());
-    let local = move |p: &Project, id: &str| {
-        Ok(Json(loopd_file_driver::control::give_answer(
-            p, id, &text.text,
-        )?))
-    };
-    change_loop(&shared, id, place.root, change, local, Json).await
+    let answer = Change::Answer(text.text);
+    change(&shared, &id, place.root.as_deref(), answer).await
 }
 
 /// `loopd retry`, the state change only: the service takes the loop up itself, as after a
@@ -315,20 +250,5 @@ pub(super) async fn retry(
     place: std::result::Result<Query<Where>, QueryRejection>,
 ) -> ApiResult<Json<Value>> {
     let (UrlPath(id), Query(place)) = (id?, place?);
-    let local = on_loop_to_change(&shared, id.clone(), place.root, |p, id| {
-        let p = Project::open(Some(&p.root), None)?;
-        let retried =
-            loopd_file_driver::control::retry_loop(&p, id, loopd_file_driver::control::BY_API)?;
-        Ok(Json(json!({
-            "loop_id": id,
-            "from": retried.from.as_str(),
-            "status": loopd_core::state::Status::Running.as_str(),
-            "tasks_reset": retried.tasks_reset,
-        })))
-    })
-    .await;
-    not_held(&shared, &id, local, |id| {
-        format!("loop {id} is not retried here")
-    })
-    .await
+    local(&shared, &id, place.root.as_deref(), Local::Retry).await
 }

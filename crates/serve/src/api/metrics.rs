@@ -9,7 +9,7 @@ use super::shared::{ApiResult, Shared, blocking};
 /// `GET /metrics`: loopd's metrics ([`loopd_exec::metrics`]), with the loops of the file store
 /// by status as they are now.
 pub(super) async fn metrics(State(shared): State<Shared>) -> ApiResult<Response> {
-    let projects = shared.projects();
+    let projects = shared.files.projects();
     let statuses = blocking(move || {
         let mut statuses = Vec::new();
         for p in &projects {

@@ -12,7 +12,8 @@ use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use serde_json::{Value, json};
 
-use super::shared::{ApiError, ApiResult, Shared, Where, blocking, find};
+use super::shared::{ApiError, ApiResult, Shared, Where, blocking, held_by};
+use loopd_core::driver::Driver;
 use loopd_file_driver::project::Project;
 use loopd_fs::Dir;
 use loopd_store::store::StoreError;
@@ -32,6 +33,8 @@ pub(super) const OUTPUT_GAP: Duration = Duration::from_millis(100);
 pub(super) const OUTPUT_FALLBACK: Duration = Duration::from_secs(1);
 /// How often the output of a loop another driver holds is asked for.
 pub(super) const HELD_OUTPUT_POLL: Duration = Duration::from_secs(1);
+/// How much of a held loop's output is asked for at each look.
+const TAIL: u64 = 16 * 1024;
 
 /// The output of a loop's attempt in flight as Server-Sent Events, pushed as its log grows:
 ///
@@ -65,23 +68,26 @@ pub(super) async fn output(
             })
         })
         .transpose()?;
+    let root = place.root;
     let found = blocking({
-        let (shared, id) = (shared.clone(), id.clone());
+        let (files, id, root) = (shared.files.clone(), id.clone(), root.clone());
         move || {
-            let p = find(&shared, &id, place.root.as_deref())?;
+            let Some(p) = files.find(&id, root.as_deref())? else {
+                return Ok(None);
+            };
             let progress = p.store.progress(&id)?;
-            Ok((p, progress))
+            Ok(Some((p, progress)))
         }
     })
-    .await;
-    let (project, progress) = match (found, shared.elsewhere.clone()) {
-        (Err(e), Some(other)) if e.status == StatusCode::NOT_FOUND => {
-            if other.get(&id).await?.is_none() {
-                return Err(e);
-            }
-            return Ok(held_output(other, id));
-        }
-        (found, _) => found?,
+    .await?;
+    let Some((project, progress)) = found else {
+        // Another driver's: from what it tells of its attempt in flight.
+        let root = root.as_deref();
+        let driver = held_by(&shared, &id, |driver| async {
+            Ok(driver.show(&id, root).await?.map(|_| driver))
+        })
+        .await?;
+        return Ok(held_output(driver, id));
     };
     let wake = Arc::new(tokio::sync::Notify::new());
     let look_at_state = Arc::new(std::sync::atomic::AtomicBool::new(true));
@@ -130,21 +136,10 @@ pub(super) async fn output(
 /// An output event's id, `LOG:OFFSET`: the log's name and a byte offset in it.
 pub(super) fn output_id(id: &str) -> Option<(String, u64)> {
     let (log, offset) = id.trim().rsplit_once(':')?;
-    if !plain_name(log) {
+    if !loopd_file_driver::front::plain_name(log) {
         return None;
     }
     Some((log.to_owned(), offset.parse().ok()?))
-}
-
-/// Whether `name` is one plain file name (not `.` or `..`, no `/`, no control characters): a
-/// log's name is opened in `actions/` and nowhere else.
-pub(super) fn plain_name(name: &str) -> bool {
-    !name.is_empty()
-        && name.len() <= 255
-        && name != "."
-        && name != ".."
-        && !name.contains('/')
-        && !name.chars().any(char::is_control)
 }
 
 /// One client's stream of a loop's output: what it waits on, and its reader.
@@ -330,7 +325,12 @@ impl OutputReader {
         let Some(followed) = &mut self.following else {
             return;
         };
-        let Some(log) = followed.flight.log.clone().filter(|l| plain_name(l)) else {
+        let Some(log) = followed
+            .flight
+            .log
+            .clone()
+            .filter(|l| loopd_file_driver::front::plain_name(l))
+        else {
             return;
         };
         if self.actions.is_none() {
@@ -479,7 +479,7 @@ pub(super) fn incomplete_tail(bytes: &[u8]) -> usize {
 /// tells of its attempt in flight (asked every [`HELD_OUTPUT_POLL`]): `attempt` and `idle` as the
 /// attempt changes, and `output` with the whole tail it has, `{log: null, offset: 0, text,
 /// replace: true}`, whenever that changed. The stream ends when the driver cannot be asked.
-pub(super) fn held_output(other: Arc<dyn crate::Elsewhere>, id: String) -> Response {
+pub(super) fn held_output(other: Arc<dyn Driver>, id: String) -> Response {
     let held = HeldOutput {
         other,
         id,
@@ -500,7 +500,7 @@ pub(super) fn held_output(other: Arc<dyn crate::Elsewhere>, id: String) -> Respo
 
 /// What a client was told of a held loop's output.
 pub(super) struct HeldOutput {
-    other: Arc<dyn crate::Elsewhere>,
+    other: Arc<dyn Driver>,
     id: String,
     /// The attempt told of: its action, iteration and attempt.
     attempt: Option<Value>,
@@ -521,7 +521,7 @@ impl HeldOutput {
             if std::mem::replace(&mut self.asked, true) {
                 tokio::time::sleep(HELD_OUTPUT_POLL).await;
             }
-            let tail = self.other.tail(&self.id).await.ok()?;
+            let tail = self.other.tail(&self.id, None, TAIL).await.ok()??;
             self.take(&tail);
         }
     }

@@ -1,9 +1,8 @@
 //! What every route shares: the handlers' state, a request's failure in one line, the blocking
-//! thread a handler works on, and the loop a request names.
+//! thread a handler works on, and the driver that holds the loop a request names.
 
-use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
-use std::sync::{Arc, RwLock};
+use std::path::PathBuf;
+use std::sync::Arc;
 
 use anyhow::Result;
 use axum::extract::Json;
@@ -11,50 +10,39 @@ use axum::extract::rejection::{JsonRejection, PathRejection, QueryRejection};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
-use serde_json::{Value, json};
+use serde_json::json;
 
-use loopd_core::control::Change;
-use loopd_file_driver::project::Project;
-use loopd_file_driver::service::{LoopKey, ServiceInfo};
+use loopd_core::driver::Driver;
+use loopd_file_driver::front::Files;
+use loopd_file_driver::service::LoopKey;
 use loopd_store::store::StoreError;
 
-/// What the handlers share: the service's status, as the supervisor last published it, and
-/// every change of a served loop's state file, as the supervisor hears it.
+/// What the handlers share: the file store's loops (the projects the service serves, and its
+/// status as the supervisor last published it), the drivers asked for a loop in order (the file
+/// store first), and every change of a served loop's state file, as the supervisor hears it.
 #[derive(Clone)]
 pub struct Shared {
-    pub info: Arc<RwLock<ServiceInfo>>,
+    pub files: Files,
+    pub drivers: Vec<Arc<dyn Driver>>,
     pub changes: tokio::sync::broadcast::Sender<LoopKey>,
-    /// The projects the service serves, opened once: a request reads through them rather than
-    /// open every project (its configuration read, its directory opened) to find one loop.
-    pub projects: Arc<RwLock<BTreeMap<PathBuf, Arc<Project>>>>,
-    /// Loops another driver holds, listed and changed beside the projects' ([`crate::Elsewhere`]).
-    pub elsewhere: Option<Arc<dyn crate::Elsewhere>>,
 }
 
-impl Default for Shared {
-    fn default() -> Shared {
+impl Shared {
+    /// The file store's loops, then those of `others`.
+    pub fn new(others: Vec<Arc<dyn Driver>>) -> Shared {
+        let files = Files::default();
+        let first: Arc<dyn Driver> = Arc::new(files.clone());
         Shared {
-            info: Arc::default(),
+            files,
+            drivers: std::iter::once(first).chain(others).collect(),
             changes: tokio::sync::broadcast::channel(1024).0,
-            projects: Arc::default(),
-            elsewhere: None,
         }
     }
 }
 
-impl Shared {
-    pub(super) fn info(&self) -> ServiceInfo {
-        self.info.read().unwrap_or_else(|e| e.into_inner()).clone()
-    }
-
-    /// The projects served, in the order of their roots.
-    pub(super) fn projects(&self) -> Vec<Arc<Project>> {
-        self.projects
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .values()
-            .cloned()
-            .collect()
+impl Default for Shared {
+    fn default() -> Shared {
+        Shared::new(Vec::new())
     }
 }
 
@@ -87,6 +75,7 @@ impl From<anyhow::Error> for ApiError {
     fn from(e: anyhow::Error) -> ApiError {
         let status = if e.is::<loopd_file_driver::error::UsageError>()
             || e.is::<loopd_exec::checkpoint::Refused>()
+            || e.is::<loopd_core::driver::Refused>()
         {
             StatusCode::BAD_REQUEST
         } else {
@@ -126,34 +115,6 @@ pub(super) async fn blocking<T: Send + 'static>(
         .map_err(ApiError::from)
 }
 
-/// Runs `f` on a blocking thread with the project of the service that holds loop `id` ([`find`]),
-/// for a read.
-pub(super) async fn on_loop<T: Send + 'static>(
-    shared: &Shared,
-    id: String,
-    root: Option<PathBuf>,
-    f: impl FnOnce(&Project, &str) -> Result<T> + Send + 'static,
-) -> ApiResult<T> {
-    let shared = shared.clone();
-    blocking(move || f(&*find(&shared, &id, root.as_deref())?, &id)).await
-}
-
-/// [`on_loop`] for a change: with the project opened anew (its configuration as it is now, as
-/// the CLI would read it).
-pub(super) async fn on_loop_to_change<T: Send + 'static>(
-    shared: &Shared,
-    id: String,
-    root: Option<PathBuf>,
-    f: impl FnOnce(&Project, &str) -> Result<T> + Send + 'static,
-) -> ApiResult<T> {
-    let shared = shared.clone();
-    blocking(move || {
-        let found = find(&shared, &id, root.as_deref())?;
-        f(&Project::open_for_inspection(Some(&found.root), None)?, &id)
-    })
-    .await
-}
-
 /// `?root=DIR`: which project, where two have a loop of the same id.
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -161,86 +122,18 @@ pub(super) struct Where {
     pub(super) root: Option<PathBuf>,
 }
 
-/// The project of the service that holds loop `id`.
-pub(super) fn find(shared: &Shared, id: &str, root: Option<&Path>) -> Result<Arc<Project>> {
-    loopd_store::store::validate_id(id)?;
-    if let Some(root) = root
-        && !shared.info().serves(root)
-    {
-        return Err(loopd_file_driver::error::usage(format!(
-            "{} is not a project of this service",
-            root.display()
-        )));
-    }
-    let mut found = Vec::new();
-    for p in shared
-        .projects()
-        .into_iter()
-        .filter(|p| root.is_none_or(|root| root == p.root))
-    {
-        if p.store.state_path(id).exists() {
-            found.push(p);
-        }
-    }
-    match found.len() {
-        0 => Err(StoreError::NotFound {
-            id: id.to_owned(),
-            path: PathBuf::from(id),
-        }
-        .into()),
-        1 => Ok(found.remove(0)),
-        _ => Err(loopd_file_driver::error::usage(format!(
-            "loop {id} is in more than one project; name one with ?root="
-        ))),
-    }
-}
-
-/// What only the loops of this service's projects have, asked of a loop another driver holds:
-/// refused in one line (`what` says what, for loop `id`). Any other answer is `local`'s.
-pub(super) async fn not_held<T>(
+/// Asks each driver in turn about loop `id` (`ask` answers `None` for a driver that does not
+/// hold it); the first answer is the request's, and none is a loop not found.
+pub(super) async fn held_by<T, Asked: Future<Output = Result<Option<T>>>>(
     shared: &Shared,
     id: &str,
-    local: ApiResult<T>,
-    what: impl FnOnce(&str) -> String,
+    mut ask: impl FnMut(Arc<dyn Driver>) -> Asked,
 ) -> ApiResult<T> {
-    match (local, &shared.elsewhere) {
-        (Err(e), Some(other)) if e.status == StatusCode::NOT_FOUND => {
-            if other.get(id).await?.is_none() {
-                return Err(e);
-            }
-            Err(ApiError::new(
-                StatusCode::BAD_REQUEST,
-                format!("{}: {} holds loop {id}", what(id), other.name()),
-            ))
+    loopd_store::store::validate_id(id).map_err(anyhow::Error::from)?;
+    for driver in &shared.drivers {
+        if let Some(answer) = ask(driver.clone()).await? {
+            return Ok(answer);
         }
-        (local, _) => local,
     }
-}
-
-/// A change to loop `id`: made by `local` where a project of the service holds the loop, else
-/// by the driver that holds it elsewhere, whose answer `remote` shapes.
-pub(super) async fn change_loop<T: Send + 'static>(
-    shared: &Shared,
-    id: String,
-    root: Option<PathBuf>,
-    change: Change,
-    local: impl FnOnce(&Project, &str) -> Result<T> + Send + 'static,
-    remote: impl FnOnce(Value) -> T,
-) -> ApiResult<T> {
-    match (
-        on_loop_to_change(shared, id.clone(), root, local).await,
-        &shared.elsewhere,
-    ) {
-        (Err(e), Some(other)) if e.status == StatusCode::NOT_FOUND => {
-            if other.get(&id).await?.is_none() {
-                return Err(e);
-            }
-            let said = other
-                .change(&id, change)
-                .await
-                .map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, format!("{e:#}")))?;
-            Ok(remote(said))
-        }
-        (local, _) => local,
-    }
+    Err(loopd_file_driver::front::not_found(id).into())
 }

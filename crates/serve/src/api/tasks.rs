@@ -6,9 +6,8 @@ use axum::http::StatusCode;
 use serde::Deserialize;
 use serde_json::Value;
 
-use super::shared::{ApiResult, Shared, Where, change_loop};
+use super::shared::{ApiResult, Shared, Where};
 use loopd_core::control::Change;
-use loopd_file_driver::project::Project;
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -27,16 +26,11 @@ pub(super) async fn add_task(
     body: std::result::Result<Json<NewTask>, JsonRejection>,
 ) -> ApiResult<(StatusCode, Json<Value>)> {
     let (UrlPath(id), Query(place), Json(task)) = (id?, place?, body?);
-    let change = Change::Task(loopd_core::control::NewTask::new(
-        &task.text,
+    let task = Change::Task(loopd_core::control::NewTask::new(
+        task.text,
         &task.after,
         &task.race,
     ));
-    let local = move |p: &Project, id: &str| {
-        let value =
-            loopd_file_driver::control::add_task(p, id, &task.text, &task.after, &task.race)?;
-        Ok((StatusCode::CREATED, Json(value)))
-    };
-    let remote = |said| (StatusCode::CREATED, Json(said));
-    change_loop(&shared, id, place.root, change, local, remote).await
+    let added = super::loops::change(&shared, &id, place.root.as_deref(), task).await?;
+    Ok((StatusCode::CREATED, added))
 }
