@@ -62,6 +62,9 @@ pub enum Command {
     Serve(loopd_serve::ServeArgs),
     /// Write a new loop (status `created`) and print its id
     Create(Box<loopd_file_driver::create::CreateArgs>),
+    /// Serve loopd's MCP server on stdin and stdout, for an agent that drives loops (see
+    /// docs/mcp.md)
+    Mcp,
     /// Run loops on Temporal: their workflows, and their actions as this machine's processes
     #[cfg(feature = "temporal")]
     Worker(crate::temporal::WorkerArgs),
@@ -266,6 +269,18 @@ pub fn run(cli: Cli) -> Result<i32> {
             #[cfg(not(feature = "temporal"))]
             let others = Vec::new();
             loopd_serve::run(&roots, config.as_deref(), &args, others)
+        }
+        Command::Mcp if json => Err(usage("--json: mcp speaks JSON-RPC on stdout already")),
+        Command::Mcp => {
+            #[cfg(feature = "temporal")]
+            let others = Vec::from_iter(crate::temporal::driver(
+                temporal.as_deref(),
+                &connect,
+                config.as_deref(),
+            )?);
+            #[cfg(not(feature = "temporal"))]
+            let others = Vec::new();
+            crate::mcp::stdio(root.as_deref(), config.as_deref(), others)
         }
         #[cfg(feature = "temporal")]
         Command::Worker(_) | Command::WorkerGuard => unreachable!("run by on_temporal"),

@@ -1,7 +1,8 @@
 //! loopd, the binary: the command line ([`cli`]: clap's definitions and the commands;
 //! [`cli_docs`]: the reference made from them), what the commands print ([`output`]), and the
 //! commands that only people run (`doctor`, `init`, `demo`, `checkpoints`/`diff`/`rollback`,
-//! `retry`/`set`/`answer`). Nothing imports it.
+//! `retry`/`set`/`answer`), and `loopd mcp`'s wiring of the MCP server ([`mcp`]). Nothing imports
+//! it.
 //!
 //! The flow of one loop lives in the crates below: a loop's state is read and written by the file
 //! store ([`loopd_store`]), a pure workflow of [`loopd_core`] decides the next action, an executor
@@ -15,6 +16,7 @@ pub mod demo;
 pub mod doctor;
 pub mod init;
 pub mod logging;
+pub mod mcp;
 pub mod output;
 pub mod recovery;
 #[cfg(feature = "temporal")]

@@ -654,3 +654,64 @@ fn no_attempt_reads_loopds_temporal_credentials_nor_sees_their_variables() {
         assert!(!read.contains("sk-from"), "{copy}: {read}");
     }
 }
+
+/// The service a loop runs under, its MCP endpoint, and an MCP server of the agent's own making:
+/// an action reaches none of them, and its loop goes on to its end.
+#[test]
+fn an_action_reaches_neither_the_service_nor_an_mcp_server_of_loopd() {
+    if !sandboxed_here() {
+        return;
+    }
+    // The user's home is not the project's root, as for most users.
+    let home = Project::new(GOOD_AGENT);
+    let p = Project::beside(&home, &agent(&[("develop", HOSTILE_AGENT)]));
+    let service = p.serve(&[
+        "--listen",
+        "127.0.0.1:0",
+        "--root",
+        p.root.to_str().unwrap(),
+    ]);
+    let info = service.info().expect("the service's status");
+    let (addr, socket) = (&info["listen"], &info["socket"]);
+    let (addr, socket) = (addr.as_str().unwrap(), socket.as_str().unwrap());
+    p.script(
+        "reach.py",
+        "import socket, sys\nhost, port = sys.argv[1].rsplit(\":\", 1)\nsocket.create_connection((host, int(port)), timeout=5)\n",
+    );
+    p.script(
+        "connect.py",
+        "import socket, sys\ns = socket.socket(socket.AF_UNIX)\ns.connect(sys.argv[1])\n",
+    );
+    // JSON-RPC by hand to `loopd mcp`: initialize, then stop this very loop.
+    p.script(
+        "mcp.sh",
+        &format!(
+            "{{ printf '%s\\n' '{{\"jsonrpc\":\"2.0\",\"id\":1,\"method\":\"initialize\",\"params\":{{\"protocolVersion\":\"2025-11-25\",\"capabilities\":{{}},\"clientInfo\":{{\"name\":\"a\",\"version\":\"1\"}}}}}}' \
+             '{{\"jsonrpc\":\"2.0\",\"method\":\"notifications/initialized\"}}' \
+             \"{{\\\"jsonrpc\\\":\\\"2.0\\\",\\\"id\\\":2,\\\"method\\\":\\\"tools/call\\\",\\\"params\\\":{{\\\"name\\\":\\\"stop_loop\\\",\\\"arguments\\\":{{\\\"id\\\":\\\"$LOOPD_LOOP_ID\\\"}}}}}}\"; sleep 1; }} \
+             | {} --root . mcp | grep -q '\"isError\":false'\n",
+            env!("CARGO_BIN_EXE_loopd")
+        ),
+    );
+    let tries = vec![
+        (
+            "reach the MCP endpoint",
+            format!("python3 bin/reach.py {addr}"),
+        ),
+        (
+            "reach the service socket",
+            format!("python3 bin/connect.py {socket}"),
+        ),
+        (
+            "stop its loop through loopd mcp",
+            "sh bin/mcp.sh".to_owned(),
+        ),
+    ];
+    hostile(&p, &tries);
+    let id = p.create(&["--title", "reaches for loopd"]);
+    let started = p.output(&["start", &id]);
+    assert_eq!(code(&started), 0, "{}", stderr(&started));
+    wait_for("the loop's end", || p.state(&id)["status"] != "running");
+    assert_eq!(p.state(&id)["status"], "completed", "{}", p.state(&id));
+    assert_tried(&p, &tries, &[]);
+}

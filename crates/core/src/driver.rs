@@ -9,6 +9,7 @@
 
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
+use std::sync::Arc;
 
 use anyhow::Result;
 use serde::Deserialize;
@@ -68,6 +69,20 @@ pub trait Driver: Send + Sync {
     }
 }
 
+/// Asks each of `drivers` in turn (`ask` answers `None` for one that does not hold what it
+/// asks about); the first answer, if any gave one.
+pub async fn first<T, Asked: Future<Output = Result<Option<T>>>>(
+    drivers: &[Arc<dyn Driver>],
+    mut ask: impl FnMut(Arc<dyn Driver>) -> Asked,
+) -> Result<Option<T>> {
+    for driver in drivers {
+        if let Some(answer) = ask(driver.clone()).await? {
+            return Ok(Some(answer));
+        }
+    }
+    Ok(None)
+}
+
 /// A loop in a driver's list.
 #[derive(Debug)]
 pub struct Listed {
@@ -104,6 +119,16 @@ pub struct NewLoop {
     pub interactive: bool,
     #[serde(default)]
     pub tasks: Vec<String>,
+    /// Each task tried by each of these executors, the first to pass kept.
+    #[serde(default)]
+    pub race: Vec<String>,
+    /// In a git work tree of its own.
+    #[serde(default)]
+    pub worktree: bool,
+    /// Started at once (by the service where one runs), with `executor` if one is named.
+    #[serde(default)]
+    pub start: bool,
+    pub executor: Option<String>,
     pub max_iterations: Option<u64>,
     pub max_errors: Option<u64>,
     pub max_cost_usd: Option<f64>,
@@ -130,6 +155,9 @@ pub struct Created {
     pub id: String,
     /// The root of its project.
     pub root: PathBuf,
+    /// The daemon that drives it, where it was started and one of its own does (a service
+    /// drives it in its own process).
+    pub pid: Option<u32>,
 }
 
 /// A loop's events, each with its number in the loop's event log (from 1) and its JSON line.
@@ -148,8 +176,8 @@ pub enum Local {
     Retry,
     /// Its checkpoints, oldest first.
     Checkpoints,
-    /// What one checkpoint changed.
-    Diff(String),
+    /// What one checkpoint changed; without one, what the loop changed in all.
+    Diff(Option<String>),
     /// The work tree back as it was at a checkpoint.
     Rollback { checkpoint: String, force: bool },
 }

@@ -27,6 +27,8 @@ pub struct Controlled {
 
 /// The service's API, as the writer of a status ([`StatusBy`]).
 pub const BY_API: &str = "the API of loopd serve";
+/// loopd's MCP server (`loopd mcp`, `/mcp` on `loopd serve`), as the writer of a status.
+pub const BY_MCP: &str = "the MCP server of loopd";
 
 /// Records beside the status that `by` (this process) set it (`status_by`), so that a daemon
 /// whose attempt it ends says who did.

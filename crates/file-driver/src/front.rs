@@ -22,15 +22,37 @@ use crate::service::ServiceInfo;
 
 /// The projects a service serves, and the service's status as its supervisor last published it
 /// (which of their loops its daemons drive). Its clones share them.
-#[derive(Clone, Default)]
+#[derive(Clone)]
 pub struct Files {
+    /// Who its changes are recorded as made by ([`BY_API`], `mcp`).
+    by: &'static str,
     info: Arc<RwLock<ServiceInfo>>,
     /// Opened once: a request reads through them rather than open every project (its
     /// configuration read, its directory opened) to find one loop.
     projects: Arc<RwLock<BTreeMap<PathBuf, Arc<Project>>>>,
 }
 
+impl Default for Files {
+    fn default() -> Files {
+        Files::by(BY_API)
+    }
+}
+
 impl Files {
+    /// No project yet, its changes recorded as made `by` this front.
+    pub fn by(by: &'static str) -> Files {
+        Files {
+            by,
+            info: Arc::default(),
+            projects: Arc::default(),
+        }
+    }
+
+    /// The same projects and status, its changes recorded as made `by` another front.
+    pub fn recorded_as(&self, by: &'static str) -> Files {
+        Files { by, ..self.clone() }
+    }
+
     /// The service's status as last published.
     pub fn info(&self) -> ServiceInfo {
         self.info.read().unwrap_or_else(|e| e.into_inner()).clone()
@@ -178,9 +200,10 @@ impl Driver for Files {
     }
 
     async fn change(&self, id: &str, root: Option<&Path>, change: Change) -> Result<Option<Value>> {
+        let by = self.by;
         self.on_loop(id, root, Open::Anew, move |p, id| match change {
             Change::Control(what) => {
-                let done = set_control(p, id, what, BY_API)?;
+                let done = set_control(p, id, what, by)?;
                 Ok(json!({
                     "loop_id": id,
                     "from": done.from.as_str(),
@@ -214,15 +237,27 @@ impl Driver for Files {
             },
             workflow: new.workflow.clone(),
             tasks: new.tasks.clone(),
+            race: new.race.clone(),
+            worktree: new.worktree,
             ..Default::default()
         };
-        let root = new.root.clone();
+        let (root, start, executor) = (new.root.clone(), new.start, new.executor.clone());
         blocking(move || {
             let p = Project::open(Some(&root), None)?;
             let id = crate::create::create_loop(&p, &args)?;
+            // As `loopd start` starts it: a running service takes it, else a daemon of its own.
+            let pid = match start {
+                true => {
+                    let pid = crate::daemon::start(&p, &id, executor.as_deref())?;
+                    crate::registry::note(&p.root);
+                    Some(pid)
+                }
+                false => None,
+            };
             Ok(Some(Created {
                 id,
                 root: p.root.clone(),
+                pid,
             }))
         })
         .await
@@ -299,9 +334,10 @@ impl Driver for Files {
             Local::Rollback { .. } => Open::Anew,
             Local::Checkpoints | Local::Diff(_) => Open::Served,
         };
+        let by = self.by;
         self.on_loop(id, root, open, move |p, id| match ask {
             Local::Retry => {
-                let retried = crate::control::retry_loop(p, id, BY_API)?;
+                let retried = crate::control::retry_loop(p, id, by)?;
                 Ok(json!({
                     "loop_id": id,
                     "from": retried.from.as_str(),
@@ -313,9 +349,13 @@ impl Driver for Files {
                 let list = crate::checkpoints::list(p, id)?;
                 Ok(json!({ "loop_id": id, "checkpoints": list }))
             }
-            Local::Diff(name) => Ok(serde_json::to_value(crate::checkpoints::diff(
+            Local::Diff(Some(name)) => Ok(serde_json::to_value(crate::checkpoints::diff(
                 p, id, &name,
             )?)?),
+            Local::Diff(None) => {
+                let diff = crate::checkpoints::diff_text(p, id, None)?;
+                Ok(json!({ "loop_id": id, "diff": diff }))
+            }
             Local::Rollback { checkpoint, force } => {
                 let commit = crate::checkpoints::rollback(p, id, &checkpoint, force)?;
                 Ok(json!({ "loop_id": id, "checkpoint": checkpoint, "commit": commit }))

@@ -28,7 +28,7 @@ pub(super) async fn checkpoint_diff(
     place: std::result::Result<Query<Where>, QueryRejection>,
 ) -> ApiResult<Json<Value>> {
     let (UrlPath((id, name)), Query(place)) = (path?, place?);
-    local(&shared, &id, place.root.as_deref(), Local::Diff(name)).await
+    local(&shared, &id, place.root.as_deref(), Local::Diff(Some(name))).await
 }
 
 /// What `POST .../rollback` takes: `loopd rollback`'s arguments.

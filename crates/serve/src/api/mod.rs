@@ -28,6 +28,7 @@ use axum::http::StatusCode;
 use axum::routing::{get, post};
 
 use loopd_fs::Dir;
+use tokio_util::sync::CancellationToken;
 
 mod auth;
 mod checkpoints;
@@ -241,6 +242,10 @@ fn router(shared: Shared) -> Router {
         )
         .route("/v1/loops/{id}/rollback", post(checkpoints::rollback))
         .route("/v1/loops/{id}/retry", post(loops::retry))
+        .nest_service(
+            "/mcp",
+            loopd_mcp::http(shared.mcp(), CancellationToken::new()),
+        )
         .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "no such route") })
         .method_not_allowed_fallback(|| async {
             ApiError::new(

@@ -40,6 +40,21 @@ impl Shared {
     }
 }
 
+impl Shared {
+    /// What `/mcp` serves: the same drivers (the file store's first, as [`Shared::new`] puts
+    /// it), the file store's changes recorded as the MCP server's.
+    pub fn mcp(&self) -> loopd_mcp::Front {
+        let by = loopd_file_driver::control::BY_MCP;
+        let files: Arc<dyn Driver> = Arc::new(self.files.recorded_as(by));
+        loopd_mcp::Front {
+            drivers: std::iter::once(files)
+                .chain(self.drivers.iter().skip(1).cloned())
+                .collect(),
+            home: None,
+        }
+    }
+}
+
 impl Default for Shared {
     fn default() -> Shared {
         Shared::new(Vec::new())
@@ -127,13 +142,10 @@ pub(super) struct Where {
 pub(super) async fn held_by<T, Asked: Future<Output = Result<Option<T>>>>(
     shared: &Shared,
     id: &str,
-    mut ask: impl FnMut(Arc<dyn Driver>) -> Asked,
+    ask: impl FnMut(Arc<dyn Driver>) -> Asked,
 ) -> ApiResult<T> {
     loopd_store::store::validate_id(id).map_err(anyhow::Error::from)?;
-    for driver in &shared.drivers {
-        if let Some(answer) = ask(driver.clone()).await? {
-            return Ok(answer);
-        }
-    }
-    Err(loopd_file_driver::front::not_found(id).into())
+    loopd_core::driver::first(&shared.drivers, ask)
+        .await?
+        .ok_or_else(|| loopd_file_driver::front::not_found(id).into())
 }
