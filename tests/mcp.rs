@@ -1,15 +1,18 @@
 //! loopd's MCP server through real clients: PyPI's `mcp` (the official Python SDK) over stdio
 //! (`loopd mcp`) and over streamable HTTP (`/mcp` on `loopd serve`), each creating a loop on a
 //! real project with a scripted agent, following it to its end, reading its diff and rolling
-//! it back, and stopping a loop mid-action; the HTTP endpoint's token and `Host` checks.
+//! it back, and stopping a loop mid-action; the HTTP endpoint's token and `Host` checks; and the
+//! real Claude Code CLI, with nothing but `loopd mcp`, against a scripted model on 127.0.0.1 that
+//! makes a loop, waits for it and reads its diff.
 
 mod common;
 
-use std::path::PathBuf;
-use std::process::Command;
+use std::io::BufRead as _;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
 
 use common::http::{To, fetch};
-use common::{GOOD_AGENT, Project, alive, git, read_pid, wait_for};
+use common::{DEADLINE, GOOD_AGENT, Project, alive, code, git, read_pid, stderr, stdout, wait_for};
 use serde_json::{Value, json};
 
 /// The Python of a virtual environment with PyPI's `mcp`, as `.ci/run` installs it.
@@ -271,4 +274,105 @@ fn over_http_the_endpoint_asks_for_the_token_and_a_loopback_host() {
         &[accept],
     );
     assert_eq!(status, 403, "Host: loopd: {body}");
+}
+
+/// The real Claude Code, as `.ci/run` installs it for tests/real_agents.rs.
+fn claude() -> Option<PathBuf> {
+    let dir = std::env::var_os("LOOPD_AGENTS_DIR")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| Path::new(&h).join(".cache/loopd/agents")))?;
+    let claude = dir.join("node_modules/.bin/claude");
+    if claude.exists() {
+        return Some(claude);
+    }
+    common::not_installed(
+        "Claude Code",
+        &claude,
+        "docs/development.md, \"The real agent CLIs\"",
+    );
+    None
+}
+
+/// A person's Claude Code session with loopd's MCP server only: the scripted model has it make a
+/// loop, wait for it to end and read its diff, and checks each tool result it is sent.
+#[test]
+fn a_real_claude_code_session_makes_a_loop_waits_for_it_and_reads_its_diff() {
+    let Some(claude) = claude() else { return };
+    let p = git_project(GOOD_AGENT);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let log = dir.path().join("checks.jsonl");
+    let mut model = Command::new("python3")
+        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/agents/mcp_model_server.py"))
+        .arg("--log")
+        .arg(&log)
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("python3 runs the model server");
+    let mut port = String::new();
+    std::io::BufReader::new(model.stdout.take().expect("stdout"))
+        .read_line(&mut port)
+        .expect("the server prints its port");
+    let config = dir.path().join("mcp.json");
+    let server = json!({ "mcpServers": { "loopd": {
+        "command": env!("CARGO_BIN_EXE_loopd"),
+        "args": ["--root", p.root, "mcp"],
+        "env": { "HOME": p.home },
+    }}});
+    std::fs::write(&config, server.to_string()).expect("write the MCP config");
+    let home = dir.path().join("claude-home");
+    std::fs::create_dir_all(&home).expect("mkdir");
+    let session = Command::new(claude)
+        .args([
+            "-p",
+            "Make a loop that writes two files, wait for it, then show me its diff.",
+        ])
+        .arg("--mcp-config")
+        .arg(&config)
+        .args([
+            "--strict-mcp-config",
+            "--output-format",
+            "json",
+            "--allowedTools",
+        ])
+        .arg("mcp__loopd__create_loop mcp__loopd__wait_for_loop mcp__loopd__loop_diff")
+        .current_dir(&p.root)
+        .env("HOME", &home)
+        .env(
+            "ANTHROPIC_BASE_URL",
+            format!("http://127.0.0.1:{}", port.trim()),
+        )
+        .env("ANTHROPIC_API_KEY", "sk-scripted")
+        .env("CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC", "1")
+        .env("CLAUDE_CODE_MAX_RETRIES", "1")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run claude");
+    let out = common::wait_output(session, DEADLINE * 4);
+    let _ = model.kill();
+    let _ = model.wait();
+    assert_eq!(code(&out), 0, "claude: {}\n{}", stdout(&out), stderr(&out));
+    let result: Value = serde_json::from_str(&stdout(&out)).expect("claude's JSON result");
+    assert!(
+        result["result"]
+            .as_str()
+            .is_some_and(|r| r.starts_with("DONE")),
+        "{result}"
+    );
+    let checks: Vec<Value> = std::fs::read_to_string(&log)
+        .unwrap_or_default()
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("a check"))
+        .collect();
+    let names: Vec<&str> = checks
+        .iter()
+        .map(|c| c["check"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["created", "waited", "diff"], "{checks:?}");
+    for check in &checks {
+        assert_eq!(check["ok"], true, "{check}");
+    }
+    let id = checks[0]["seen"]["loop_id"].as_str().expect("id");
+    assert_eq!(p.state(id)["status"], "completed");
 }
