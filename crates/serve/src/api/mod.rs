@@ -176,6 +176,11 @@ pub async fn start(
         // As Jupyter does: the link that logs a browser in.
         tracing::info!("dashboard: http://{}/?token={token}", tcp.local_addr()?);
         tokio::spawn(async move {
+            // Each response goes out at once, not held back for the ACK of the last (Nagle's
+            // algorithm against the client's delayed ACK cost every request 40 ms).
+            let tcp = axum::serve::ListenerExt::tap_io(tcp, |stream| {
+                let _ = stream.set_nodelay(true);
+            });
             if let Err(e) = axum::serve(Guarded::new(tcp), guarded).await {
                 tracing::error!("the API's listener failed: {e}");
             }
