@@ -3,7 +3,8 @@
 //! real project with a scripted agent, following it to its end, reading its diff and rolling
 //! it back, and stopping a loop mid-action; the HTTP endpoint's token and `Host` checks; and the
 //! real Claude Code CLI, with nothing but `loopd mcp`, against a scripted model on 127.0.0.1 that
-//! makes a loop, waits for it and reads its diff.
+//! makes a loop, waits for it and reads its diff; and the MCP conformance suite's server
+//! scenarios against `/mcp`.
 
 mod common;
 
@@ -375,4 +376,125 @@ fn a_real_claude_code_session_makes_a_loop_waits_for_it_and_reads_its_diff() {
     }
     let id = checks[0]["seen"]["loop_id"].as_str().expect("id");
     assert_eq!(p.state(id)["status"], "completed");
+}
+
+/// The conformance suite's server scenarios that loopd's MCP server passes; every other one
+/// exercises the suite's own reference server (its `test_*` tools, `test://` resources, prompts,
+/// completions, logging, sampling and elicitation), none of which loopd has (docs/mcp.md).
+const CONFORMANT: &[&str] = &[
+    "server-initialize",
+    "ping",
+    "tools-list",
+    "tools-call-simple-text",
+    "tools-call-error",
+    "server-sse-multiple-streams",
+    "resources-list",
+    "dns-rebinding-protection",
+];
+
+/// Why each other scenario fails, as the suite says it: the reference server's feature it asks
+/// for.
+const NOT_LOOPDS: &[(&str, &str)] = &[
+    ("logging-set-level", "logging/setLevel"),
+    ("completion-complete", "completion/complete"),
+    ("tools-call-image", "No image content"),
+    ("tools-call-audio", "No audio content"),
+    ("tools-call-embedded-resource", "No resource content"),
+    (
+        "tools-call-mixed-content",
+        "Expected multiple content items",
+    ),
+    ("tools-call-with-logging", "logging/setLevel"),
+    ("tools-call-with-progress", "No progress notifications"),
+    ("tools-call-sampling", "did not request sampling"),
+    ("tools-call-elicitation", "did not request elicitation"),
+    (
+        "elicitation-sep1034-defaults",
+        "did not request elicitation",
+    ),
+    ("elicitation-sep1330-enums", "did not request elicitation"),
+    ("resources-read-text", "no resource test://"),
+    ("resources-read-binary", "no resource test://"),
+    ("resources-templates-read", "no resource test://"),
+    ("resources-subscribe", "no resource test://"),
+    ("resources-unsubscribe", "no resource test://"),
+    ("prompts-list", "prompts/list"),
+    ("prompts-get-simple", "prompts/get"),
+    ("prompts-get-with-args", "prompts/get"),
+    ("prompts-get-embedded-resource", "prompts/get"),
+    ("prompts-get-with-image", "prompts/get"),
+];
+
+#[test]
+fn the_conformance_suites_server_scenarios_pass_but_those_of_its_own_reference_server() {
+    let Some(dir) = common::installed(
+        "LOOPD_MCP_CONFORMANCE_DIR",
+        ".cache/loopd/mcp-conformance",
+        "the MCP conformance suite",
+        "npm install --prefix ~/.cache/loopd/mcp-conformance @modelcontextprotocol/conformance@0.1.16 node@22",
+    ) else {
+        return;
+    };
+    let p = Project::new(GOOD_AGENT);
+    let service = p.serve(&["--listen", "127.0.0.1:0"]);
+    let (_, addr, token) = http(&p, &service);
+    // The suite cannot be given a header: a proxy adds the token.
+    let port = addr.rsplit_once(':').expect("a port").1;
+    let mut proxy = Command::new("python3")
+        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/token_proxy.py"))
+        .args([port, &token])
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("python3 runs the proxy");
+    let mut proxied = String::new();
+    std::io::BufReader::new(proxy.stdout.take().expect("stdout"))
+        .read_line(&mut proxied)
+        .expect("the proxy prints its port");
+    let out_dir = tempfile::tempdir().expect("tempdir");
+    let modules = dir.join("node_modules");
+    let run = Command::new(modules.join(".bin/node"))
+        .arg(modules.join("@modelcontextprotocol/conformance/dist/index.js"))
+        .args(["server", "--url"])
+        .arg(format!("http://localhost:{}/mcp", proxied.trim()))
+        .arg("-o")
+        .arg(out_dir.path())
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run the conformance suite");
+    let out = common::wait_output(run, DEADLINE * 4);
+    let _ = proxy.kill();
+    let _ = proxy.wait();
+    // Each scenario's checks, by the scenario's name (`server-NAME-TIMESTAMP/checks.json`).
+    let mut passed = Vec::new();
+    let mut failed = Vec::new();
+    for entry in std::fs::read_dir(out_dir.path()).expect("the suite's results") {
+        let path = entry.expect("an entry").path();
+        let name = path.file_name().unwrap().to_string_lossy().into_owned();
+        let name = name.strip_prefix("server-").unwrap_or(&name);
+        let name = name.split("-20").next().unwrap_or(name).to_owned();
+        let checks: Vec<Value> =
+            serde_json::from_slice(&std::fs::read(path.join("checks.json")).expect("checks.json"))
+                .expect("checks");
+        let failures: Vec<String> = checks
+            .iter()
+            .filter(|c| c["status"] == "FAILURE")
+            .map(|c| c["errorMessage"].as_str().unwrap_or("").to_owned())
+            .collect();
+        match failures.is_empty() {
+            true => passed.push(name),
+            false => failed.push((name, failures.join("; "))),
+        }
+    }
+    passed.sort();
+    let mut conformant: Vec<String> = CONFORMANT.iter().map(|s| s.to_string()).collect();
+    conformant.sort();
+    assert_eq!(passed, conformant, "{}", stdout(&out));
+    assert_eq!(failed.len(), NOT_LOOPDS.len(), "{failed:#?}");
+    for (name, why) in &failed {
+        let expected = NOT_LOOPDS.iter().find(|(n, _)| n == name);
+        let (_, said) = expected.unwrap_or_else(|| panic!("{name} failed: {why}"));
+        assert!(why.contains(said), "{name} failed otherwise: {why}");
+    }
 }
