@@ -576,15 +576,13 @@ fn next(p: &Project, id: &str, action: &str, as_json: bool) -> Result<i32> {
 fn status(p: &Project, id: &str, as_json: bool) -> Result<i32> {
     validate_id(id)?;
     let loaded = p.store.load(id)?;
-    if as_json {
-        crate::outln!(
-            "{}",
-            serde_json::to_string_pretty(&Value::Object(loaded.raw))?
-        )?;
-        return Ok(0);
-    }
     let service = loopd_file_driver::service::running();
     let view = LoopView::of(p, &loaded.state, service.as_ref());
+    if as_json {
+        let shown = with_still(loaded.raw, &view);
+        crate::outln!("{}", serde_json::to_string_pretty(&shown)?)?;
+        return Ok(0);
+    }
     // Values come from the state file and executors: shown with their control characters escaped.
     let mut out = format!("{}  {}\n", view.loop_id, printable(&view.title));
     for row in &view.rows {
@@ -595,6 +593,14 @@ fn status(p: &Project, id: &str, as_json: bool) -> Result<i32> {
     }
     crate::out!("{out}")?;
     Ok(0)
+}
+
+/// A loop's state file as `--json` prints it, with why it stands still and what moves it on
+/// (`status_reason`, `next_step`: null while it moves), which the file does not hold.
+fn with_still(mut raw: serde_json::Map<String, Value>, view: &LoopView) -> Value {
+    raw.insert("status_reason".into(), json!(view.status_reason));
+    raw.insert("next_step".into(), json!(view.next_step));
+    Value::Object(raw)
 }
 
 /// `list`: the project's loops, or with `all` every loop of every project (yours, and those
@@ -713,7 +719,10 @@ fn list_project(
     let mut spent = view::Spent::default();
     for id in &p.store.list_ids()? {
         match p.store.load(id) {
-            Ok(loaded) if as_json => values.push(Value::Object(loaded.raw)),
+            Ok(loaded) if as_json => {
+                let view = LoopView::of(p, &loaded.state, service);
+                values.push(with_still(loaded.raw, &view));
+            }
             Ok(loaded) => {
                 let v = LoopView::of(p, &loaded.state, service);
                 spent = spent.plus(v.spent);

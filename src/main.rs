@@ -39,7 +39,9 @@ fn main() -> ExitCode {
         // The reader of stdout went away (`loopd list | head -1`): nothing more to say.
         Err(e) if loopd::output::is_broken_pipe(&e) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("loopd: {e:#}");
+            // One line in words: no error's debug dump (a gRPC status's) reaches a person.
+            let said = loopd_exec::result::without_dumps(&format!("{e:#}"));
+            eprintln!("loopd: {said}");
             ExitCode::from(u8::try_from(loopd_file_driver::error::exit_code_of(&e)).unwrap_or(1))
         }
     }

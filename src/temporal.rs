@@ -453,6 +453,9 @@ pub fn status(config: &TemporalConfig, id: &str, json: bool) -> Result<i32> {
     value["heartbeat"] = serde_json::to_value(progress.first())?;
     value["heartbeats"] = serde_json::to_value(&progress)?;
     value["worker"] = serde_json::to_value(&worker)?;
+    let still = state.still();
+    value["status_reason"] = serde_json::json!(still.as_ref().map(|w| &w.reason));
+    value["next_step"] = serde_json::json!(still.as_ref().map(|w| &w.next));
     let mut text = format!(
         "loop {id}: {} (iteration {})",
         state.standing(),
@@ -460,6 +463,14 @@ pub fn status(config: &TemporalConfig, id: &str, json: bool) -> Result<i32> {
     );
     if let Some(worker) = &worker {
         text.push_str(&format!(", its work tree on worker {worker}"));
+    }
+    if let Some(still) = &still {
+        text.push_str(&format!(
+            "
+  why   {}
+  next  {}",
+            still.reason, still.next
+        ));
     }
     for p in &progress {
         let output = match p.output.trim_end() {

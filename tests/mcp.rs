@@ -175,6 +175,11 @@ fn check_stopped(p: &Project, seen: &Value) {
     assert_eq!(seen["stopped"]["error"], false, "{}", seen["stopped"]);
     assert_eq!(seen["stopped"]["value"]["status"], "failed");
     assert_eq!(seen["after"]["standing"], "stopped");
+    let reason = seen["after"]["status_reason"].as_str().expect("a reason");
+    assert!(
+        reason.starts_with("stopped by the MCP server of loopd"),
+        "{reason}"
+    );
     let pid = read_pid(&p.root.join("agent.pid"));
     wait_for("the stopped loop's agent to be gone", || !alive(pid));
     let id = seen["after"]["loop_id"].as_str().expect("id");

@@ -234,6 +234,12 @@ fn a_service_killed_mid_action_leaves_no_orphan_once_started_again_and_finishes_
     set_status(&p, &id, "running");
     let agent_pid = read_pid(&p.root.join("agent.pid"));
     let grandchild = read_pid(&p.root.join("grandchild.pid"));
+    // Mid-action: the attempt is recorded in flight (the executor starts a moment before its
+    // record is written; killed in between, the next start ends it all the same, but has no
+    // attempt to record as interrupted).
+    wait_for("the develop in flight", || {
+        p.state(&id)["skill_state"]["in_flight"]["action"] == "develop"
+    });
     service.signal(Signal::SIGKILL);
     drop(service);
     assert!(

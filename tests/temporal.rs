@@ -208,14 +208,51 @@ fn a_loop_without_progress_pauses_and_a_resume_counts_afresh() {
 }
 
 #[test]
-fn a_server_that_is_not_there_is_one_line_and_exit_2() {
+fn a_server_that_is_not_there_is_waited_for_then_one_line_and_exit_2() {
     let p = Project::new(GOOD_AGENT);
     let address = format!("127.0.0.1:{}", free_port());
     let out = p.output(&["create", "--temporal", &address, "--title", "nowhere"]);
     assert_eq!(code(&out), 2, "{}", stderr(&out));
     let err = stderr(&out);
-    assert_eq!(err.trim().lines().count(), 1, "{err}");
-    assert!(err.contains(&address), "{err}");
+    let lines: Vec<&str> = err.trim().lines().collect();
+    assert_eq!(lines.len(), 2, "{err}");
+    assert!(
+        lines[0].contains(&format!("waiting up to 10s for Temporal at {address}")),
+        "{err}"
+    );
+    assert!(
+        lines[1].contains(&address) && lines[1].contains("nothing listens there"),
+        "{err}"
+    );
+    assert!(!err.contains("Status {"), "{err}");
+}
+
+#[test]
+fn a_create_right_after_the_server_starts_waits_for_it() {
+    let Some(bin) = temporal_bin() else { return };
+    let p = Project::new(GOOD_AGENT);
+    let mut create = None;
+    // As a person would: `temporal server start-dev &`, then at once `loopd create`.
+    let mut temporal = Temporal::start_with(&p, &bin, |address| {
+        let spawned = p
+            .loopd()
+            .args(["create", "--temporal", address, "--title", "early"])
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("loopd create");
+        create = Some(spawned);
+    });
+    let out = wait_output(create.expect("spawned"), DEADLINE);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    let id = stdout(&out).trim().to_owned();
+    assert!(
+        stderr(&out).contains("waiting up to 10s for Temporal"),
+        "{}",
+        stderr(&out)
+    );
+    temporal.worker(&p);
+    temporal.wait_for_status(&p, &id, "completed");
 }
 
 #[test]
@@ -234,6 +271,23 @@ fn an_untrusted_project_blocks_the_loop_with_the_reason() {
         .as_str()
         .unwrap_or_default();
     assert!(reason.contains("trust"), "{state}");
+    // What a person sees: where and as whom it cannot run, and the command that fixes it.
+    let out = temporal.command(&p, &["status", &id, "--json"]);
+    let shown: Value = serde_json::from_str(&stdout(&out)).expect("status --json");
+    let why = shown["status_reason"].as_str().expect("a status_reason");
+    assert!(
+        why.starts_with("blocked: ") && why.contains("worker ") && why.contains("(user "),
+        "{why}"
+    );
+    assert!(why.contains("loopd trust"), "{why}");
+    assert!(
+        shown["next_step"]
+            .as_str()
+            .unwrap()
+            .contains(&format!("`loopd resume {id}`"))
+    );
+    let out = temporal.command(&p, &["status", &id]);
+    assert!(stdout(&out).contains("why   blocked: "), "{}", stdout(&out));
 }
 
 #[test]

@@ -44,13 +44,20 @@ pub struct Temporal {
 
 impl Temporal {
     pub fn start(p: &Project, bin: &PathBuf) -> Temporal {
+        Temporal::start_with(p, bin, |_| {})
+    }
+
+    /// [`Temporal::start`], with `before` given the server's address just before it starts.
+    pub fn start_with(p: &Project, bin: &PathBuf, before: impl FnOnce(&str)) -> Temporal {
         // One server starts at a time: a starting server takes random ports for its inner
         // services, which must not be the ports handed to another one before it binds them.
         static STARTING: std::sync::Mutex<()> = std::sync::Mutex::new(());
         let _one = STARTING.lock().unwrap_or_else(|e| e.into_inner());
         let ports = [free_port(), free_port(), free_port()];
+        let address = format!("127.0.0.1:{}", ports[0]);
+        before(&address);
         Temporal {
-            address: format!("127.0.0.1:{}", ports[0]),
+            address,
             ports,
             server: serve(p, bin, ports),
             workers: Vec::new(),

@@ -24,5 +24,6 @@ pub mod driver;
 pub mod no_progress;
 pub mod protocol;
 pub mod state;
+pub mod still;
 pub mod test_output;
 pub mod workflow;

@@ -51,6 +51,72 @@ pub fn verdict(format: Format, reported: Reported, run: &Run) -> Verdict {
     }
 }
 
+/// `text` with each gRPC status's debug dump (`Status { code: Unavailable, message: "...",
+/// source: ... }`, as a Temporal client's errors print it) said in words: `the server answered
+/// unavailable (...)`. No such dump reaches a person.
+pub fn without_dumps(text: &str) -> String {
+    let mut out = String::new();
+    let mut rest = text;
+    while let Some(at) = rest.find("Status {") {
+        out.push_str(&rest[..at]);
+        let dump = &rest[at..];
+        // The dump ends at its brace's match.
+        let mut depth = 0usize;
+        let end = dump
+            .char_indices()
+            .find_map(|(i, c)| match c {
+                '{' => {
+                    depth += 1;
+                    None
+                }
+                '}' if depth == 1 => Some(i + 1),
+                '}' => {
+                    depth -= 1;
+                    None
+                }
+                _ => None,
+            })
+            .unwrap_or(dump.len());
+        let dump = &dump[..end];
+        let field = |name: &str| {
+            let value = &dump[dump.find(name)? + name.len()..];
+            let value = value.trim_start();
+            let value = match value.strip_prefix('"') {
+                Some(quoted) => &quoted[..quoted.find('"').unwrap_or(quoted.len())],
+                None => &value[..value.find([',', '}']).unwrap_or(value.len())],
+            };
+            Some(value.trim().to_owned())
+        };
+        let code = field("code:").unwrap_or_else(|| "an error".to_owned());
+        match field("message:").filter(|m| !m.is_empty()) {
+            Some(message) => out.push_str(&format!(
+                "the server answered {} ({message})",
+                code.to_lowercase()
+            )),
+            None => out.push_str(&format!("the server answered {}", code.to_lowercase())),
+        }
+        rest = &rest[at + end..];
+    }
+    out.push_str(rest);
+    // A status as it displays itself: `code: 'The operation was cancelled', message: "...",
+    // source: tonic::transport::Error(...)`.
+    if let Some(at) = out.find("code: '") {
+        let after = &out[at + "code: '".len()..];
+        let code = &after[..after.find('\'').unwrap_or(after.len())];
+        let message = after
+            .find("message: \"")
+            .map(|m| &after[m + "message: \"".len()..])
+            .map(|m| &m[..m.find('"').unwrap_or(m.len())])
+            .filter(|m| !m.is_empty());
+        let said = match message {
+            Some(message) => format!("the server answered {} ({message})", code.to_lowercase()),
+            None => format!("the server answered {}", code.to_lowercase()),
+        };
+        out = format!("{}{said}", &out[..at]);
+    }
+    out
+}
+
 /// A text made one line for logs and status: line breaks become ` / `, and it is cut at 500
 /// characters.
 pub fn one_line(text: &str) -> String {
@@ -283,6 +349,31 @@ fn kind(v: &Value) -> &'static str {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn a_grpc_status_dump_is_said_in_words() {
+        let dump = "cannot change loop x on Temporal: Status { code: Unavailable, message: \
+                    \"not ready, {try} again\", source: Some(Transport(Error { a: 1 })) } (then more)";
+        assert_eq!(
+            without_dumps(dump),
+            "cannot change loop x on Temporal: the server answered unavailable (not ready, {try} \
+             again) (then more)"
+        );
+        assert_eq!(
+            without_dumps("Status { code: Cancelled }"),
+            "the server answered cancelled"
+        );
+        assert_eq!(without_dumps("no dump here"), "no dump here");
+        let displayed = "cannot read loop x on Temporal: Server error: code: 'The operation was \
+                         cancelled', message: \"Timeout expired\", source: \
+                         tonic::transport::Error(Transport, TimeoutExpired(()))";
+        assert_eq!(
+            without_dumps(displayed),
+            "cannot read loop x on Temporal: Server error: the server answered the operation \
+             was cancelled (Timeout expired)"
+        );
+    }
+
     use super::*;
 
     #[test]

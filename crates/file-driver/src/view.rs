@@ -3,6 +3,7 @@
 //! ([`loopd_core::workflow::Workflow::view`]), then how the loop ended and what to do next.
 
 use loopd_core::state::{LoopState, SkillState, Status};
+use loopd_core::still::Still;
 use loopd_core::workflow::Row;
 use serde::Serialize;
 
@@ -29,6 +30,9 @@ pub struct LoopView {
     pub progress: String,
     /// What its agents spent.
     pub spent: Spent,
+    /// Why it stands still, when it does ([`Still`]), and what moves it on.
+    pub status_reason: Option<String>,
+    pub next_step: Option<String>,
     /// Every row of `status`, in order.
     pub rows: Vec<Row>,
 }
@@ -114,16 +118,48 @@ impl LoopView {
             }
             _ => standing(s, daemon_pid),
         };
+        let refused = service.and_then(|v| v.refused.iter().find(|r| r.key == key));
+        let still = match (queued, behind, refused) {
+            _ if daemon_pid.is_some() => s.still(),
+            (Some(n), _, _) => Some(Still::new(
+                format!(
+                    "queued: {n} in line; the service runs at most {} loops at once",
+                    service.map_or(0, |v| v.running.len())
+                ),
+                "nothing: the service starts it when a place is free",
+            )),
+            (_, Some(other), _) if s.status == Status::Running => Some(Still::new(
+                format!("waiting for loop {other}, which runs in its work tree"),
+                format!("nothing: it starts when {other} ends or pauses"),
+            )),
+            (_, _, Some(refused)) if s.status == Status::Running => Some(Still::new(
+                format!("the service cannot take it: {}", refused.reason),
+                "fix that; the service tries again at the next change of its state file",
+            )),
+            _ if s.status == Status::Running && service.is_none() && s.still().is_none() => {
+                Some(Still::new(
+                    "running, but nothing drives it",
+                    format!(
+                        "nothing drives it: `loopd start {}` picks it up where it was",
+                        s.loop_id
+                    ),
+                ))
+            }
+            _ => s.still(),
+        };
         let mut rows = engine_rows(p, s, &skill, &standing, daemon_pid);
         // A loop set to run that the service could not take says why.
-        if let Some(refused) = service.and_then(|v| v.refused.iter().find(|r| r.key == key)) {
+        if let Some(refused) = refused {
             rows.insert(
                 1,
                 row("service", format!("cannot take it: {}", refused.reason)),
             );
         }
+        if let Some(still) = &still {
+            rows.insert(1, row("why", still.reason.clone()));
+        }
         rows.extend(wf_view.as_ref().map(|v| v.rows.clone()).unwrap_or_default());
-        rows.extend(ending_rows(p, s, &skill, daemon_pid));
+        rows.extend(ending_rows(p, s, &skill, still.as_ref()));
         LoopView {
             loop_id: s.loop_id.clone(),
             title: s.title.clone(),
@@ -139,6 +175,8 @@ impl LoopView {
             action,
             progress: wf_view.map(|v| v.progress).unwrap_or_default(),
             spent: Spent::of(s, &today()),
+            status_reason: still.as_ref().map(|w| w.reason.clone()),
+            next_step: still.map(|w| w.next),
             rows,
         }
     }
@@ -254,12 +292,7 @@ fn engine_rows(
 }
 
 /// How the loop ended, its last errors, its files, and what to do next.
-fn ending_rows(
-    p: &Project,
-    s: &LoopState,
-    skill: &SkillState,
-    daemon_pid: Option<u32>,
-) -> Vec<Row> {
+fn ending_rows(p: &Project, s: &LoopState, skill: &SkillState, still: Option<&Still>) -> Vec<Row> {
     let mut rows = Vec::new();
     if let Some(outcome) = &skill.outcome {
         rows.push(row("outcome", outcome.clone()));
@@ -270,8 +303,16 @@ fn ending_rows(
     }
     let files = p.store.progress_dir(&s.loop_id).display().to_string();
     rows.push(row("files", files));
-    if let Some(next) = next_step(s, daemon_pid) {
-        rows.push(row("next", next));
+    match still {
+        Some(still) => rows.push(row("next", still.next.clone())),
+        None if s.status == Status::Running => {
+            let id = &s.loop_id;
+            rows.push(row(
+                "next",
+                format!("watch it with `loopd logs {id} --follow`"),
+            ));
+        }
+        None => {}
     }
     rows
 }
@@ -284,34 +325,6 @@ fn bar(n: u64, max: u64) -> String {
         "#".repeat(filled),
         ".".repeat(width as usize - filled)
     )
-}
-
-/// What to do next with a loop, when there is something to do.
-fn next_step(s: &LoopState, daemon: Option<u32>) -> Option<String> {
-    let id = &s.loop_id;
-    let skill = s.skill_state.as_ref();
-    Some(match &s.status {
-        Status::Created => format!("`loopd start {id}` (or `loopd run {id}` in this terminal)"),
-        Status::Running if daemon.is_none() => {
-            format!("nothing drives it: `loopd start {id}` picks it up where it was")
-        }
-        Status::Running if loopd_core::control::waiting_question(s).is_some() => {
-            format!("answer with `loopd answer {id} TEXT`")
-        }
-        Status::Running => match skill.and_then(|k| k.awaiting_choice.as_ref()) {
-            Some(_) => format!("choose with `loopd next {id} ACTION`"),
-            None => format!("watch it with `loopd logs {id} --follow`"),
-        },
-        Status::Paused if skill.is_some_and(|k| k.blocked.is_some()) => {
-            format!("fix what blocks it, then `loopd resume {id}`")
-        }
-        Status::Paused if loopd_core::no_progress::paused(s).is_some() => {
-            format!("see what it did (`loopd logs {id}`), then `loopd resume {id}`")
-        }
-        Status::Paused | Status::UserExit => format!("`loopd resume {id}`"),
-        Status::Failed => format!("`loopd resume {id}` runs it again"),
-        Status::Completed | Status::Other(_) => return None,
-    })
 }
 
 /// How a loop stands, in a few words: its status, what ended it, whether anything drives it.

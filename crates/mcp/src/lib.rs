@@ -13,8 +13,9 @@
 //! A subscription is a task that looks at the loop every [`LOOK`] and tells the client when its
 //! state changed; it ends with the subscription or the connection.
 //!
-//! Which layer may use which: this crate uses the core's trait only; the service and the binary
-//! give it their drivers.
+//! Which layer may use which: this crate uses the core's trait (and the executors' words for an
+//! error, [`loopd_exec::result::without_dumps`]); the service and the binary give it their
+//! drivers.
 
 mod tools;
 

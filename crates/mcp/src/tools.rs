@@ -252,8 +252,9 @@ pub async fn call(
     match run(front, name, &args, context).await {
         Ok(value) => CallToolResult::structured(value),
         Err(e) => {
-            tracing::info!("mcp: {name} refused: {e:#}");
-            CallToolResult::error(vec![ContentBlock::text(format!("{e:#}"))])
+            let said = loopd_exec::result::without_dumps(&format!("{e:#}"));
+            tracing::info!("mcp: {name} refused: {said}");
+            CallToolResult::error(vec![ContentBlock::text(said)])
         }
     }
 }
@@ -365,6 +366,7 @@ fn summary(seen: &Seen) -> Value {
     let in_flight = skill
         .and_then(|k| k.in_flight.as_ref())
         .map(|f| json!({ "action": f.action, "attempt": f.attempt, "started_at": f.started_at }));
+    let still = s.still();
     json!({
         "loop_id": s.loop_id,
         "root": seen.root,
@@ -372,6 +374,8 @@ fn summary(seen: &Seen) -> Value {
         "title": s.title,
         "status": s.status.as_str(),
         "standing": s.standing(),
+        "status_reason": still.as_ref().map(|w| &w.reason),
+        "next_step": still.as_ref().map(|w| &w.next),
         "iteration": s.current_iteration,
         "errors": skill.map_or(0, |k| k.error_count),
         "failure_reason": s.failure_reason,

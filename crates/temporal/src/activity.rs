@@ -140,7 +140,21 @@ impl LoopActivities {
         ctx: ActivityContext,
         input: AttemptInput,
     ) -> Result<AttemptReport, ActivityError> {
-        let report = run_attempt(&ctx, &self, input).await?;
+        let id = input.state.loop_id.clone();
+        let report = match run_attempt(&ctx, &self, input).await {
+            Ok(report) => report,
+            // Its loop waits for a person (blocked), who must know where and as whom it could
+            // not run: trust is each user's, a program is each machine's.
+            Err(e) => {
+                let worker = self
+                    .holder
+                    .as_ref()
+                    .map_or("this worker", |h| h.name.as_str());
+                let said = format!("worker {worker} (user {}) cannot run it: {e:#}", user());
+                tracing::warn!("loop {id}: {said}");
+                return Err(anyhow::anyhow!(said).into());
+            }
+        };
         // Cancelled, its executor ended: by its loop (paused, stopped), which no longer waits
         // for it, or by this worker's shutdown, which gives it to another worker at once.
         match ctx.is_cancelled() {
@@ -514,6 +528,17 @@ async fn record(
         repo.record(&name, Some(&parent))
     })
     .await?
+}
+
+/// Who this worker runs as: its user's name, else its uid.
+fn user() -> String {
+    use std::os::unix::fs::MetadataExt as _;
+    std::env::var("USER")
+        .or_else(|_| std::env::var("LOGNAME"))
+        .unwrap_or_else(|_| match std::fs::metadata("/proc/self") {
+            Ok(m) => format!("uid {}", m.uid()),
+            Err(_) => "unknown".to_owned(),
+        })
 }
 
 /// Refuses a project file of the work tree that is not as the person who made the loop trusted

@@ -44,6 +44,10 @@ use temporalio_sdk::runtime::worker_tuner::{FixedSizeSlotSupplier, TunerHolder};
 const HEARTBEAT_THROTTLE: Duration = Duration::from_millis(300);
 /// How long a connection may take before loopd says the service is not there.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long a server that refuses connections or is not ready yet (just started) is waited for.
+const CONNECT_WAIT: Duration = Duration::from_secs(10);
+/// The pause between two tries of such a server.
+const CONNECT_RETRY: Duration = Duration::from_millis(250);
 /// How long a loop's next workflow task waits for the worker that ran its last one.
 const STICKY_TIMEOUT: Duration = Duration::from_secs(2);
 /// How long a change may wait for a worker to take it into the loop.
@@ -53,10 +57,26 @@ const ANSWER_TIMEOUT: Duration = Duration::from_secs(10);
 /// [`Endpoint`]), its namespace known there; one clear line when it cannot be reached.
 pub async fn connect(config: &TemporalConfig) -> Result<Client> {
     let endpoint = Endpoint::resolve(config)?;
-    let options = endpoint.options(format!("loopd@{}", std::process::id()), CONNECT_TIMEOUT);
-    let connection = Connection::connect(options)
-        .await
-        .map_err(|e| endpoint.explain(&e))?;
+    let deadline = tokio::time::Instant::now() + CONNECT_WAIT;
+    let mut told = false;
+    let connection = loop {
+        let options = endpoint.options(format!("loopd@{}", std::process::id()), CONNECT_TIMEOUT);
+        match Connection::connect(options).await {
+            Ok(connection) => break connection,
+            // A server that is starting refuses connections, then answers "unavailable".
+            Err(e) if Endpoint::may_pass(&e) && tokio::time::Instant::now() < deadline => {
+                if !std::mem::replace(&mut told, true) {
+                    tracing::info!(
+                        "waiting up to {}s for Temporal at {} to answer",
+                        CONNECT_WAIT.as_secs(),
+                        endpoint.address
+                    );
+                }
+                tokio::time::sleep(CONNECT_RETRY).await;
+            }
+            Err(e) => return Err(endpoint.explain(&e)),
+        }
+    };
     let client = Client::new(
         connection,
         ClientOptions::new(endpoint.namespace.clone()).build(),

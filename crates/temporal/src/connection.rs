@@ -129,15 +129,22 @@ impl Endpoint {
 
     /// What a failed connection or first call means, in one line that says what to change;
     /// `error` is the SDK's, with its causes.
+    /// Whether a failure to connect may pass by itself: nothing listens yet, or the server
+    /// answers that it is not ready (a server that is starting).
+    pub fn may_pass(error: &(dyn std::error::Error + 'static)) -> bool {
+        let chain = chain_of(error);
+        [
+            "connection refused",
+            "code: unavailable",
+            "status: unavailable",
+        ]
+        .iter()
+        .any(|n| chain.contains(n))
+    }
+
     pub fn explain(&self, error: &(dyn std::error::Error + 'static)) -> anyhow::Error {
-        let mut chain = String::new();
-        let mut next = Some(error);
-        while let Some(e) = next {
-            chain.push_str(&format!("{e} {e:?} "));
-            next = e.source();
-        }
         let at = &self.address;
-        let chain = chain.to_lowercase();
+        let chain = chain_of(error);
         let has = |needle: &str| chain.contains(&needle.to_lowercase());
         let closed = || {
             [
@@ -196,11 +203,29 @@ impl Endpoint {
             "its host name does not resolve".to_owned()
         } else if has("timed out") || has("Elapsed") {
             "no answer within the connect timeout".to_owned()
+        } else if has("code: unavailable") || has("status: unavailable") {
+            "the server is not ready (it answers \"unavailable\"; is it still starting?)".to_owned()
         } else {
-            loopd_exec::result::one_line(&format!("{error}"))
+            plain_words(&format!("{error}"))
         };
         anyhow!("cannot connect to Temporal at {at}: {why}")
     }
+}
+
+/// The whole chain of `error`, its words and its debug form, in lower case, to look in.
+fn chain_of(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut chain = String::new();
+    let mut next = Some(error);
+    while let Some(e) = next {
+        chain.push_str(&format!("{e} {e:?} "));
+        next = e.source();
+    }
+    chain.to_lowercase()
+}
+
+/// An error's text for a person, on one line: a gRPC status said in words rather than dumped.
+pub fn plain_words(text: &str) -> String {
+    loopd_exec::result::one_line(&loopd_exec::result::without_dumps(text))
 }
 
 /// The Temporal CLI's profile: its config file's (the profile `config` names, else
@@ -376,6 +401,30 @@ mod tests {
         let endpoint = resolve(&keyed, ClientConfigProfile::default());
         assert_eq!(endpoint.api_key.as_deref(), Some("secret-key"));
         assert!(endpoint.tls());
+    }
+
+    #[test]
+    fn a_grpc_status_is_said_in_words_and_a_starting_server_is_waited_for() {
+        let dump = "`get_system_info` call error after connection: Status { code: Internal, \
+                    message: \"boom\", source: None }";
+        let said = plain_words(dump);
+        assert_eq!(
+            said,
+            "`get_system_info` call error after connection: the server answered internal (boom)"
+        );
+        assert!(!said.contains("Status {"));
+        let starting = std::io::Error::other(
+            "`get_system_info` call error after connection: Status { code: Unavailable, \
+             message: \"not ready\", source: None }",
+        );
+        assert!(Endpoint::may_pass(&starting));
+        let plain = resolve(&config("127.0.0.1:7233"), ClientConfigProfile::default());
+        let said = plain.explain(&starting).to_string();
+        assert!(said.contains("not ready"), "{said}");
+        assert!(!said.contains("Status {"), "{said}");
+        assert!(!Endpoint::may_pass(&std::io::Error::other(
+            "invalid certificate"
+        )));
     }
 
     #[test]

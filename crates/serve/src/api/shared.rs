@@ -103,7 +103,7 @@ impl From<anyhow::Error> for ApiError {
                 _ => StatusCode::INTERNAL_SERVER_ERROR,
             }
         };
-        ApiError::new(status, format!("{e:#}"))
+        ApiError::new(status, loopd_exec::result::without_dumps(&format!("{e:#}")))
     }
 }
 

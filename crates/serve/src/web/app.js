@@ -172,7 +172,9 @@ async function loadDetail() {
   $("detail-status").replaceChildren(badge(loop.status, view.standing),
     ` iteration ${view.iteration}/${view.max_iterations}`,
     view.action ? ` · ${view.action}` : "",
-    ` · errors ${loop.errors}/${loop.max_errors}`);
+    ` · errors ${loop.errors}/${loop.max_errors}`,
+    // A loop that stands still says why, and what moves it on.
+    view.status_reason ? el("div", { class: "still" }, `${view.status_reason} — next: ${view.next_step}`) : "");
   // Only the controls that make sense now: no Resume on a loop that has completed (a person
   // raises its limit first), Retry on one that failed, no Pause or Stop on one that is not going.
   // A loop that failed on its errors would fail again at once on a Resume: Retry resets them.
