@@ -38,9 +38,7 @@ impl Shared {
             changes: tokio::sync::broadcast::channel(1024).0,
         }
     }
-}
 
-impl Shared {
     /// What `/mcp` serves: the same drivers (the file store's first, as [`Shared::new`] puts
     /// it), the file store's changes recorded as the MCP server's.
     pub fn mcp(&self) -> loopd_mcp::Front {
