@@ -7,7 +7,7 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use anyhow::{Context as _, Result};
+use anyhow::Result;
 use loopd_core::driver::Driver;
 use loopd_file_driver::front::Files;
 use loopd_file_driver::project::{Project, resolve_root};
@@ -48,10 +48,6 @@ pub fn stdio(
         drivers: std::iter::once(first).chain(others).collect(),
         home: Some(home),
     };
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .context("cannot start the async runtime")?;
-    runtime.block_on(loopd_mcp::serve_stdio(front))?;
+    loopd_mcp::run_stdio(front)?;
     Ok(0)
 }

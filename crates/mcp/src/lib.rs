@@ -1,6 +1,7 @@
 //! loopd's MCP server: the agent a person already uses (Claude Code, Codex, an IDE's) makes,
 //! follows and changes loops through the Model Context Protocol, with the official SDK
-//! ([`rmcp`]), over stdio (`loopd mcp`) or streamable HTTP (`/mcp` on `loopd serve`).
+//! ([`rmcp`]), over stdio (`loopd mcp`, [`run_stdio`]) or streamable HTTP (`/mcp` on `loopd
+//! serve`, [`http`]).
 //!
 //! Theory of operation: a [`Server`] is one client's connection. It holds the drivers of the
 //! front that made it, in order (the file store's first; on a service, the service's own), and
@@ -24,7 +25,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use anyhow::Result;
+use anyhow::{Context as _, Result};
 use rmcp::model::{
     CallToolRequestParams, CallToolResponse, ListResourceTemplatesResult, ListResourcesResult,
     ListToolsResult, PaginatedRequestParams, ReadResourceRequestParams, ReadResourceResponse,
@@ -77,26 +78,34 @@ impl Drop for Server {
     }
 }
 
-/// Serves `front` over stdin and stdout until the client goes.
-pub async fn serve_stdio(front: Front) -> Result<()> {
-    let running = Server::new(front).serve(rmcp::transport::stdio()).await?;
-    running.waiting().await?;
-    Ok(())
+/// Serves `front` over stdin and stdout until the client goes, on a runtime of its own.
+///
+/// This and [`http`] are the crate's only doors, and neither is generic nor async: the SDK's code
+/// is compiled here once, not again in each crate that serves (a release build spent 24 s more
+/// in each of the service and the binary when they instantiated it themselves).
+pub fn run_stdio(front: Front) -> Result<()> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")?;
+    runtime.block_on(async {
+        let running = Server::new(front).serve(rmcp::transport::stdio()).await?;
+        running.waiting().await?;
+        Ok(())
+    })
 }
 
-/// The streamable HTTP service of `front` (a server for each session), which accepts only the
-/// `Host`s that name this machine's loopback (what a DNS rebinding would not send); `stop` ends
-/// every session.
-pub fn http(
-    front: Front,
-    stop: CancellationToken,
-) -> StreamableHttpService<Server, LocalSessionManager> {
+/// The streamable HTTP service of `front` (a server for each session), for any path it is
+/// mounted at, which accepts only the `Host`s that name this machine's loopback (what a DNS
+/// rebinding would not send); `stop` ends every session.
+pub fn http(front: Front, stop: CancellationToken) -> axum::Router {
     let config = StreamableHttpServerConfig::default().with_cancellation_token(stop);
-    StreamableHttpService::new(
+    let service: StreamableHttpService<Server, LocalSessionManager> = StreamableHttpService::new(
         move || Ok(Server::new(front.clone())),
         Arc::new(LocalSessionManager::default()),
         config,
-    )
+    );
+    axum::Router::new().fallback_service(service)
 }
 
 /// A loop's state as a resource, and its events.
