@@ -256,32 +256,23 @@ pub fn run(cli: Cli) -> Result<i32> {
     let project = || Project::open(root.as_deref(), config.as_deref());
     // Commands that run nothing work on a config that does not load: they need no executor.
     let inspect = || Project::open_for_inspection(root.as_deref(), config.as_deref());
+    // What a front (the service, the MCP server) serves beside the file store's loops: those of
+    // the other drivers the build has, where the configuration names them.
+    let others = || -> Result<Vec<std::sync::Arc<dyn loopd_core::driver::Driver>>> {
+        #[cfg(feature = "temporal")]
+        return Ok(Vec::from_iter(crate::temporal::driver(
+            temporal.as_deref(),
+            &connect,
+            config.as_deref(),
+        )?));
+        #[cfg(not(feature = "temporal"))]
+        Ok(Vec::new())
+    };
     match command {
         Command::Serve(_) if json => Err(usage("--json: serve prints a log, not a result")),
-        Command::Serve(args) => {
-            // The file store's loops first, then those of the drivers the build has.
-            #[cfg(feature = "temporal")]
-            let others = Vec::from_iter(crate::temporal::driver(
-                temporal.as_deref(),
-                &connect,
-                config.as_deref(),
-            )?);
-            #[cfg(not(feature = "temporal"))]
-            let others = Vec::new();
-            loopd_serve::run(&roots, config.as_deref(), &args, others)
-        }
+        Command::Serve(args) => loopd_serve::run(&roots, config.as_deref(), &args, others()?),
         Command::Mcp if json => Err(usage("--json: mcp speaks JSON-RPC on stdout already")),
-        Command::Mcp => {
-            #[cfg(feature = "temporal")]
-            let others = Vec::from_iter(crate::temporal::driver(
-                temporal.as_deref(),
-                &connect,
-                config.as_deref(),
-            )?);
-            #[cfg(not(feature = "temporal"))]
-            let others = Vec::new();
-            crate::mcp::stdio(root.as_deref(), config.as_deref(), others)
-        }
+        Command::Mcp => crate::mcp::stdio(root.as_deref(), config.as_deref(), others()?),
         #[cfg(feature = "temporal")]
         Command::Worker(_) | Command::WorkerGuard => unreachable!("run by on_temporal"),
         Command::Create(args) => {
