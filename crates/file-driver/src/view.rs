@@ -119,8 +119,10 @@ impl LoopView {
             _ => standing(s, daemon_pid),
         };
         let refused = service.and_then(|v| v.refused.iter().find(|r| r.key == key));
+        // Its own reason first where a daemon drives it; else what the service knows comes first.
+        let own = s.still();
         let still = match (queued, behind, refused) {
-            _ if daemon_pid.is_some() => s.still(),
+            _ if daemon_pid.is_some() => own,
             (Some(n), _, _) => Some(Still::new(
                 format!(
                     "queued: {n} in line; the service runs at most {} loops at once",
@@ -136,7 +138,7 @@ impl LoopView {
                 format!("the service cannot take it: {}", refused.reason),
                 "fix that; the service tries again at the next change of its state file",
             )),
-            _ if s.status == Status::Running && service.is_none() && s.still().is_none() => {
+            _ if s.status == Status::Running && service.is_none() && own.is_none() => {
                 Some(Still::new(
                     "running, but nothing drives it",
                     format!(
@@ -145,7 +147,7 @@ impl LoopView {
                     ),
                 ))
             }
-            _ => s.still(),
+            _ => own,
         };
         let mut rows = engine_rows(p, s, &skill, &standing, daemon_pid);
         // A loop set to run that the service could not take says why.
