@@ -11,6 +11,8 @@ use loopd::cli::Cli;
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() -> ExitCode {
+    // Before anything opens a descriptor: what children are given passes through these.
+    loopd_exec::spawn::reserve();
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
         // Help and version go to stdout as clap prints them.

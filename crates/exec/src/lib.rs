@@ -229,13 +229,7 @@ impl Executor for Subprocess {
     /// state file records is the file's word, which anyone who can write the file can make up.
     async fn end_leftovers(&self, state_file: &std::path::Path, grace: Duration) -> usize {
         let marker = procs::marker_name(state_file);
-        let mut leftovers = procs::with_marker(&marker);
-        leftovers.extend(procs::with_env(
-            "LOOPD_STATE_FILE",
-            &state_file.display().to_string(),
-        ));
-        leftovers.sort_unstable();
-        leftovers.dedup();
+        let leftovers = procs::leftovers(&marker, state_file);
         if !leftovers.is_empty() {
             procs::end_processes(&[], &leftovers, &marker, grace).await;
         }
@@ -596,17 +590,14 @@ impl SubprocessAttempt {
     }
 }
 
-/// Spawns `command` with the marker `name` inherited: a memfd opened without close-on-exec just
-/// before the spawn and closed just after, so the child (and whatever it starts) holds it open
-/// and this process does not. Spawns are serialized so no other child inherits it, and the new
-/// executor is counted among the attempts in flight before anyone may reap a zombie (see
-/// [`procs::spawning`]).
+/// Spawns `command` with the marker `name` inherited: a memfd the child (and whatever it starts)
+/// holds open and this process does not. Spawns are serialized, and the new executor is counted
+/// among the attempts in flight before anyone may reap a zombie (see [`procs::spawning`]).
 fn spawn_marked(command: &mut spawn::Command, name: &str) -> io::Result<spawn::Child> {
     let _one_at_a_time = procs::spawning();
-    let marker = nix::sys::memfd::memfd_create(name, nix::sys::memfd::MFdFlags::empty())
+    let marker = nix::sys::memfd::memfd_create(name, nix::sys::memfd::MFdFlags::MFD_CLOEXEC)
         .map_err(io::Error::from)?;
-    let child = command.spawn();
-    drop(marker);
+    let child = command.inherit(marker).spawn();
     if let Ok(child) = &child {
         procs::attempt_started(child.id());
     }

@@ -11,14 +11,14 @@
 //! The process group alone is not enough: a child can leave it (`setsid`, `setpgid`). The daemon
 //! is therefore a child subreaper, so such a child, once its parent exits, is reparented to the
 //! daemon rather than to init; an attempt's processes are its group, the orphans reparented to the
-//! daemon that hold its marker, and their descendants ([`attempt_processes`]). A daemon that died leaves its executors to init;
-//! the next one finds them by the marker every executor inherits ([`with_marker`]), which
-//! `setsid env -i` keeps, or by the `LOOPD_STATE_FILE` in their environment ([`with_env`]), never
-//! by a pid the state file names.
+//! daemon that hold its marker, and their descendants ([`attempt_processes`]). A daemon that died
+//! leaves its executors to init; the next one finds them by the marker every executor inherits,
+//! which `setsid env -i` keeps, or by the `LOOPD_STATE_FILE` in their environment
+//! ([`leftovers`]), never by a pid the state file names.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Mutex, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use nix::errno::Errno;
@@ -288,7 +288,7 @@ fn reap_zombies() {
 fn reap_among(children: &[u32]) -> Vec<u32> {
     use nix::sys::wait::{WaitPidFlag, waitpid};
     let _no_spawn = spawning();
-    let keep = running().clone();
+    let keep: HashSet<u32> = running().iter().copied().collect();
     let mut left = Vec::with_capacity(children.len());
     for &pid in children {
         if !keep.contains(&pid)
@@ -311,63 +311,225 @@ fn reap_among(children: &[u32]) -> Vec<u32> {
 /// [`marker_name`]), or when no other attempt is in flight in this process: then nobody else's it
 /// can be. The executors of other attempts, and whatever holds their markers, are never counted:
 /// one process may run the attempts of many loops.
+///
+/// Its cost is that of the attempt's own processes and this process's children, never of every
+/// process of the machine: the tree is walked down from the group's leader and the orphans
+/// (`/proc/PID/task/TID/children`), and only where the kernel does not list children is `/proc`
+/// read whole.
 pub fn attempt_processes(pgids: &[u32], marker: &str) -> Vec<u32> {
     let me = std::process::id();
     // Every child of loopd's own that lives now was spared at its birth ([`spawn_own`]).
-    let procs = {
+    let (tree, own) = {
         let _no_spawn = spawning();
-        all()
+        let tree = Tree::read();
+        let own = tree.children(me);
+        (tree, own)
     };
-    let mut children: HashMap<u32, Vec<u32>> = HashMap::new();
-    for p in &procs {
-        children.entry(p.ppid).or_default().push(p.pid);
-    }
-    let others = {
-        let running = running();
-        running.iter().any(|g| !pgids.contains(g))
-    };
+    let in_flight: HashSet<u32> = running().iter().copied().collect();
+    let others = in_flight.iter().any(|g| !pgids.contains(g));
     let target = marker_link(marker);
-    let orphans = procs.iter().filter(|p| {
-        p.ppid == me
-            && p.is_alive()
-            && !pgids.contains(&p.pgid)
-            && !running().contains(&p.pid)
-            && !spared(p.pid)
-            && (!others || holds_marker(p.pid, &target))
+    let orphans = own.into_iter().filter(|pid| {
+        !in_flight.contains(pid)
+            && !spared(*pid)
+            && ProcStat::read(*pid).is_some_and(|p| {
+                p.is_alive() && (pgids.contains(&p.pgid) || !others || holds_marker(p.pid, &target))
+            })
     });
-    let mut stack: Vec<u32> = procs
-        .iter()
-        .filter(|p| pgids.contains(&p.pgid))
-        .chain(orphans)
-        .map(|p| p.pid)
-        .collect();
+    let mut stack: Vec<u32> = tree.members(pgids).into_iter().chain(orphans).collect();
     let mut found = HashSet::new();
     while let Some(pid) = stack.pop() {
         if pid != me && found.insert(pid) {
-            stack.extend(children.get(&pid).into_iter().flatten());
+            stack.extend(tree.children(pid));
         }
     }
-    procs
-        .iter()
-        .filter(|p| found.contains(&p.pid) && p.is_alive())
-        .map(|p| p.pid)
-        .collect()
+    let mut alive: Vec<u32> = found
+        .into_iter()
+        .filter(|pid| ProcStat::read(*pid).is_some_and(|p| p.is_alive()))
+        .collect();
+    alive.sort_unstable();
+    alive
 }
 
-/// The live processes whose environment holds `key=value` (another daemon's executors, found
-/// after that daemon died).
-pub fn with_env(key: &str, value: &str) -> Vec<u32> {
-    let needle = format!("{key}={value}");
-    let me = std::process::id();
-    all()
-        .into_iter()
-        .filter(|p| p.pid != me && p.is_alive())
-        .filter(|p| {
-            std::fs::read(format!("/proc/{}/environ", p.pid))
-                .is_ok_and(|env| env.split(|b| *b == 0).any(|var| var == needle.as_bytes()))
+/// Who is whose child: as the kernel lists each process's children, or, where it does not,
+/// from every process in `/proc`.
+enum Tree {
+    Listed,
+    Scanned(Vec<ProcStat>),
+}
+
+impl Tree {
+    fn read() -> Tree {
+        if own_children().is_some() {
+            Tree::Listed
+        } else {
+            Tree::Scanned(all())
+        }
+    }
+
+    /// The children of `pid`, of all its threads.
+    fn children(&self, pid: u32) -> Vec<u32> {
+        match self {
+            Tree::Listed => {
+                let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+                    return Vec::new();
+                };
+                tasks
+                    .filter_map(|t| {
+                        let path = t.ok()?.path().join("children");
+                        std::fs::read_to_string(path).ok()
+                    })
+                    .flat_map(|text| {
+                        text.split_whitespace()
+                            .filter_map(|p| p.parse().ok())
+                            .collect::<Vec<u32>>()
+                    })
+                    .collect()
+            }
+            Tree::Scanned(procs) => procs
+                .iter()
+                .filter(|p| p.ppid == pid)
+                .map(|p| p.pid)
+                .collect(),
+        }
+    }
+
+    /// The members of the groups `pgids` from which the others are found: each group's leader
+    /// while it lives (its descendants are walked to), and with a scan every member.
+    fn members(&self, pgids: &[u32]) -> Vec<u32> {
+        match self {
+            Tree::Listed => pgids
+                .iter()
+                .copied()
+                .filter(|g| ProcStat::read(*g).is_some_and(|p| p.is_alive() && p.pgid == *g))
+                .collect(),
+            Tree::Scanned(procs) => procs
+                .iter()
+                .filter(|p| pgids.contains(&p.pgid))
+                .map(|p| p.pid)
+                .collect(),
+        }
+    }
+}
+
+/// The live processes left by a daemon that died of the loop whose state file is `state_file`:
+/// those holding its marker `marker` (see [`marker_name`]) or naming the state file as
+/// `LOOPD_STATE_FILE` in their environment.
+///
+/// Reading every process's descriptors and environment costs as much as the machine has
+/// processes; a service taking a thousand loops at once would pay it a thousand times, over its
+/// own executors. So it is read once for the loops taken within [`CENSUS_FRESH`] of each other
+/// ([`Census`]), and never from this process's own attempts (the members of the groups in
+/// flight, which are no dead daemon's); a process found is checked to be the same one (its start
+/// time) and to hold what it held before it is named.
+pub fn leftovers(marker: &str, state_file: &std::path::Path) -> Vec<u32> {
+    let state_file = state_file.as_os_str().as_encoded_bytes();
+    let census = Census::now();
+    let mut pids: Vec<u32> = census
+        .held
+        .iter()
+        .filter(|h| {
+            h.markers.iter().any(|m| m == marker) || h.state_file.as_deref() == Some(state_file)
         })
-        .map(|p| p.pid)
-        .collect()
+        .filter(|h| ProcStat::read(h.pid).is_some_and(|p| p.is_alive() && p.start == h.start))
+        .filter(|h| {
+            holds_marker(h.pid, &marker_link(marker))
+                || environ_has(h.pid, STATE_FILE_VAR, state_file)
+        })
+        .map(|h| h.pid)
+        .collect();
+    pids.sort_unstable();
+    pids
+}
+
+/// How long a [`Census`] serves the loops taken after it.
+const CENSUS_FRESH: Duration = Duration::from_secs(1);
+
+/// The variable every executor's environment names its loop's state file in.
+const STATE_FILE_VAR: &str = "LOOPD_STATE_FILE";
+
+/// What the processes of the machine other than this one's attempts hold that names a loop.
+struct Census {
+    taken: Instant,
+    held: Vec<Held>,
+}
+
+/// One process's markers and state file, with its start time.
+struct Held {
+    pid: u32,
+    start: u64,
+    markers: Vec<String>,
+    state_file: Option<Vec<u8>>,
+}
+
+static CENSUS: Mutex<Option<Arc<Census>>> = Mutex::new(None);
+
+impl Census {
+    /// The census taken less than [`CENSUS_FRESH`] ago, or a new one.
+    fn now() -> Arc<Census> {
+        let mut kept = CENSUS.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(census) = kept.as_ref()
+            && census.taken.elapsed() < CENSUS_FRESH
+        {
+            return census.clone();
+        }
+        let census = Arc::new(Census::take());
+        *kept = Some(census.clone());
+        census
+    }
+
+    fn take() -> Census {
+        let me = std::process::id();
+        let in_flight: HashSet<u32> = running().iter().copied().collect();
+        let taken = Instant::now();
+        let held = all()
+            .into_iter()
+            .filter(|p| p.pid != me && p.is_alive() && !in_flight.contains(&p.pgid))
+            .filter_map(|p| {
+                let markers = markers_of(p.pid);
+                let state_file = environ(p.pid).and_then(|env| {
+                    env.split(|b| *b == 0)
+                        .find_map(|var| {
+                            var.strip_prefix(STATE_FILE_VAR.as_bytes())?
+                                .strip_prefix(b"=")
+                        })
+                        .map(<[u8]>::to_vec)
+                });
+                (!markers.is_empty() || state_file.is_some()).then_some(Held {
+                    pid: p.pid,
+                    start: p.start,
+                    markers,
+                    state_file,
+                })
+            })
+            .collect();
+        Census { taken, held }
+    }
+}
+
+/// The loopd markers process `pid` holds open.
+fn markers_of(pid: u32) -> Vec<String> {
+    let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
+        return Vec::new();
+    };
+    fds.filter_map(|fd| {
+        let link = std::fs::read_link(fd.ok()?.path()).ok()?;
+        let name = link
+            .to_str()?
+            .strip_prefix("/memfd:")?
+            .strip_suffix(" (deleted)")?;
+        name.starts_with("loopd-attempt:").then(|| name.to_owned())
+    })
+    .collect()
+}
+
+fn environ(pid: u32) -> Option<Vec<u8>> {
+    std::fs::read(format!("/proc/{pid}/environ")).ok()
+}
+
+/// Whether the environment of `pid` holds `key=value`.
+fn environ_has(pid: u32, key: &str, value: &[u8]) -> bool {
+    let needle = [key.as_bytes(), b"=", value].concat();
+    environ(pid).is_some_and(|env| env.split(|b| *b == 0).any(|var| var == needle))
 }
 
 fn signal_each(pids: &[u32], signal: Signal) {
@@ -391,10 +553,11 @@ pub async fn end_attempt(pgid: u32, marker: &str, grace: Duration) -> bool {
     // or running): then nothing of this attempt is left. Only the orphans are looked at.
     if group_empty && let Some(children) = own_children() {
         let children = reap_among(&children);
-        let others_in_flight = running().iter().any(|g| *g != pgid);
+        let in_flight: HashSet<u32> = running().iter().copied().collect();
+        let others_in_flight = in_flight.iter().any(|g| *g != pgid);
         let link = marker_link(marker);
         let mine = |pid: &u32| {
-            !running().contains(pid)
+            !in_flight.contains(pid)
                 && !spared(*pid)
                 && ProcStat::read(*pid).is_some_and(|p| p.is_alive())
                 && (!others_in_flight || holds_marker(*pid, &link))

@@ -1,4 +1,4 @@
-//! Starting an attempt's process without copying loopd's address space.
+//! Starting an attempt's process without copying loopd's address space or its descriptors.
 //!
 //! Theory of operation: `fork` copies the page tables of the whole process, and each of its
 //! threads then faults on every page it writes until the child has exec'd: under `loopd serve`, a
@@ -9,14 +9,26 @@
 //! attempt enters its sandbox between the clone and the exec. This module does what
 //! `posix_spawn` does, with that step in between.
 //!
+//! Descriptors likewise: a clone copies the table of descriptors, and the exec then closes each
+//! close-on-exec one, both as long as the table. A service holding a thousand loops holds
+//! thousands of descriptors (a lock per loop, the kept sandboxes' namespaces, pipes, sockets), so
+//! each spawn cost more with each loop it held. The child shares loopd's table instead
+//! (`CLONE_FILES`) while it enters its sandbox, which opens and closes nothing; it then puts what
+//! it is given (its standard streams, an attempt's marker) in a few descriptors loopd reserved
+//! at low numbers when it started ([`reserve`]), and takes a table of its own with only those
+//! (`close_range` with `CLOSE_RANGE_UNSHARE` copies only the descriptors below the first it
+//! closes). Its standard streams are 0, 1 and 2, the descriptor it inherits ([`Command::inherit`])
+//! is 3, and it has no other.
+//!
 //! The rules of the child, which shares every page with its parent: all it needs (the argument
 //! and environment arrays, each path the search of `PATH` may try, its descriptors) is made
 //! before the clone; it makes system calls only, allocates nothing, takes no lock, and writes no
-//! memory but its own stack and the [`Failure`] it reports. Signals are blocked across the clone
-//! and every handler is reset in the child before it unblocks them, so no handler of loopd's runs
-//! in it. The child is started in a process group of its own, with a pidfd (`CLONE_PIDFD`) that
-//! [`Child::wait`] waits on without a thread. A child that cannot start reports why and exits;
-//! [`Command::spawn`] then reaps it and returns the error.
+//! memory but its own stack and the [`Failure`] it reports; until it has a table of its own it
+//! changes no descriptor but the reserved ones, which loopd sets back once it runs again. Signals
+//! are blocked across the clone and every handler is reset in the child before it unblocks them,
+//! so no handler of loopd's runs in it. The child is started in a process group of its own, with
+//! a pidfd (`CLONE_PIDFD`) that [`Child::wait`] waits on without a thread. A child that cannot
+//! start reports why and exits; [`Command::spawn`] then reaps it and returns the error.
 
 #![allow(unsafe_code)]
 
@@ -24,14 +36,16 @@ use std::cell::Cell;
 use std::collections::BTreeMap;
 use std::ffi::{CString, OsStr, OsString, c_char, c_int, c_void};
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, FromRawFd, IntoRawFd, OwnedFd, RawFd};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::process::ExitStatus;
+use std::sync::{LazyLock, Mutex};
 
 use nix::errno::Errno;
 use nix::libc;
+use nix::sys::stat::Mode;
 use tokio::io::unix::AsyncFd;
 use tokio::net::unix::pipe;
 
@@ -44,6 +58,53 @@ const STACK: usize = 256 * 1024;
 /// The page below the child's stack, where it would overflow into: a fault, not a write into
 /// loopd's memory.
 const GUARD: usize = 4096;
+
+/// The descriptors a child is given, in the order it has them: its standard streams, and the one
+/// it inherits.
+const GIVEN: usize = 4;
+
+/// Descriptors reserved for the children's: `GIVEN` of them at low numbers (each `/dev/null`,
+/// close-on-exec, but while a child is being started), and `/dev/null` to set them back from and
+/// to give as a standard input of nothing.
+struct Reserved {
+    slots: [RawFd; GIVEN],
+    null: OwnedFd,
+}
+
+/// The reserved descriptors, taken at the first spawn unless [`reserve`] took them before; held
+/// by one spawn at a time.
+static RESERVED: LazyLock<Mutex<Result<Reserved, Errno>>> = LazyLock::new(|| {
+    let reserved = (|| {
+        use nix::fcntl::{FcntlArg, OFlag, fcntl, open};
+        let null = open(
+            c"/dev/null",
+            OFlag::O_RDWR | OFlag::O_CLOEXEC,
+            Mode::empty(),
+        )?;
+        let above = |fd: &OwnedFd| -> Result<OwnedFd, Errno> {
+            let fd = fcntl(fd, FcntlArg::F_DUPFD_CLOEXEC(3))?;
+            // SAFETY: `fcntl` returned a new descriptor, owned by nothing else.
+            Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+        };
+        let null = above(&null)?;
+        let mut slots = [0; GIVEN];
+        for slot in &mut slots {
+            // Open for the life of the process: its number is what is reserved.
+            *slot = above(&null)?.into_raw_fd();
+        }
+        slots.sort_unstable();
+        Ok(Reserved { slots, null })
+    })();
+    Mutex::new(reserved)
+});
+
+/// Reserves the descriptors the children's are passed through, at the lowest numbers free: called
+/// first thing, before the process opens the many a service holds (later, they may be numbered
+/// after those, and each spawn then copies as many). Reserving is otherwise done by the first
+/// spawn.
+pub fn reserve() {
+    LazyLock::force(&RESERVED);
+}
 
 /// What the child's stdin is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -61,6 +122,7 @@ pub struct Command {
     env: BTreeMap<OsString, OsString>,
     cwd: PathBuf,
     stdin: Stdin,
+    inherit: Option<OwnedFd>,
     sandbox: Option<sandbox::Prepared>,
 }
 
@@ -74,6 +136,7 @@ impl Command {
             env: std::env::vars_os().collect(),
             cwd: PathBuf::from("."),
             stdin: Stdin::Null,
+            inherit: None,
             sandbox: None,
         }
     }
@@ -122,14 +185,21 @@ impl Command {
         self
     }
 
+    /// The one descriptor the child inherits besides its standard streams: its 3, closed here
+    /// once the child is started.
+    pub fn inherit(&mut self, fd: OwnedFd) -> &mut Command {
+        self.inherit = Some(fd);
+        self
+    }
+
     /// The sandbox the child enters before it execs (see `sandbox::Prepared::enter`).
     pub fn sandbox(&mut self, sandbox: sandbox::Prepared) -> &mut Command {
         self.sandbox = Some(sandbox);
         self
     }
 
-    /// Starts the process. Descriptors of loopd's that are not close-on-exec are inherited, as
-    /// with any spawn (the attempt's marker is one such).
+    /// Starts the process, with its standard streams and what it inherits, and no other
+    /// descriptor of loopd's.
     pub fn spawn(&mut self) -> io::Result<Child> {
         let program = c_string(self.program.as_bytes())?;
         let paths = self.search_paths(&program)?;
@@ -143,31 +213,59 @@ impl Command {
             .collect::<io::Result<Vec<_>>>()?;
         let cwd = c_string(self.cwd.as_os_str().as_bytes())?;
 
+        let reserved = RESERVED.lock().unwrap_or_else(|e| e.into_inner());
+        let reserved = reserved.as_ref().map_err(|errno| {
+            io::Error::new(
+                io::Error::from(*errno).kind(),
+                format!("reserving descriptors for children: {errno}"),
+            )
+        })?;
         let (stdin_child, stdin_parent) = match self.stdin {
             Stdin::Piped => {
                 let (read, write) = pipe_above_stdio()?;
-                (read, Some(write))
+                (Some(read), Some(write))
             }
-            Stdin::Null => (above_stdio(std::fs::File::open("/dev/null")?.into())?, None),
+            Stdin::Null => (None, None),
         };
         let (stdout_parent, stdout_child) = pipe_above_stdio()?;
         let (stderr_parent, stderr_child) = pipe_above_stdio()?;
+        let stdin_raw = stdin_child
+            .as_ref()
+            .map_or(reserved.null.as_raw_fd(), |fd| fd.as_raw_fd());
+        let mut given = [-1; GIVEN];
+        given[..3].copy_from_slice(&[
+            stdin_raw,
+            stdout_child.as_raw_fd(),
+            stderr_child.as_raw_fd(),
+        ]);
+        let count = match &self.inherit {
+            Some(fd) => {
+                given[3] = fd.as_raw_fd();
+                4
+            }
+            None => 3,
+        };
 
         let ctx = Ctx {
             paths: null_terminated(&paths),
             argv: null_terminated(&argv),
             envp: null_terminated(&envp),
             cwd: &cwd,
-            stdio: [
-                stdin_child.as_raw_fd(),
-                stdout_child.as_raw_fd(),
-                stderr_child.as_raw_fd(),
-            ],
+            given: &given[..count],
+            slots: &reserved.slots[..count],
+            first_unshared: reserved.slots[GIVEN - 1] + 1,
             sandbox: self.sandbox.as_ref(),
             failure: Cell::new(None),
         };
-        let (pid, pidfd) = clone_vfork(&ctx)?;
-        drop((stdin_child, stdout_child, stderr_child));
+        let cloned = clone_vfork(&ctx);
+        // The child has exec'd or exited: the slots it filled in the table it shared are set
+        // back, which lets go of loopd's references to its pipes.
+        for slot in reserved.slots {
+            // SAFETY: puts `/dev/null` in a reserved descriptor, which nothing else uses.
+            unsafe { libc::dup3(reserved.null.as_raw_fd(), slot, libc::O_CLOEXEC) };
+        }
+        let (pid, pidfd) = cloned?;
+        drop((stdin_child, stdout_child, stderr_child, self.inherit.take()));
         if let Some(failure) = ctx.failure.get() {
             // It has exited (the parent runs again once the child has exec'd or exited).
             end(pid);
@@ -265,7 +363,12 @@ struct Ctx<'a> {
     argv: Vec<*const c_char>,
     envp: Vec<*const c_char>,
     cwd: &'a CString,
-    stdio: [RawFd; 3],
+    /// The descriptors it is given, which it has as 0, 1, 2 (and 3)...
+    given: &'a [RawFd],
+    /// ...passed through these reserved ones, ascending, each 3 or more.
+    slots: &'a [RawFd],
+    /// The number after the last reserved descriptor: the child's own table keeps those below.
+    first_unshared: RawFd,
     sandbox: Option<&'a sandbox::Prepared>,
     failure: Cell<Option<Failure>>,
 }
@@ -274,7 +377,8 @@ struct Ctx<'a> {
 /// with its pid and pidfd.
 fn clone_vfork(ctx: &Ctx<'_>) -> io::Result<(libc::pid_t, OwnedFd)> {
     let stack = Stack::map()?;
-    let flags = libc::CLONE_VM | libc::CLONE_VFORK | libc::CLONE_PIDFD | libc::SIGCHLD;
+    let flags =
+        libc::CLONE_VM | libc::CLONE_VFORK | libc::CLONE_FILES | libc::CLONE_PIDFD | libc::SIGCHLD;
     let mut pidfd: c_int = -1;
     let all = nix::sys::signal::SigSet::all();
     let mut old = nix::sys::signal::SigSet::empty();
@@ -376,11 +480,6 @@ fn prepare_and_exec(ctx: &Ctx<'_>) -> Failure {
                 libc::sigaction(signal, &default, std::ptr::null_mut());
             }
         }
-        for (target, fd) in ctx.stdio.iter().enumerate() {
-            if libc::dup2(*fd, target as c_int) < 0 {
-                return Failure::os("dup2");
-            }
-        }
         if libc::setpgid(0, 0) != 0 {
             return Failure::os("setpgid");
         }
@@ -392,6 +491,37 @@ fn prepare_and_exec(ctx: &Ctx<'_>) -> Failure {
         {
             return failure;
         }
+        // Until here the child shares loopd's table of descriptors: what it is given goes into
+        // the reserved slots of that table, then it takes a table of its own with only the
+        // descriptors below the first it closes (Linux 5.9; before it, a copy of the whole
+        // table, whose descriptors of loopd's are close-on-exec).
+        for (fd, slot) in ctx.given.iter().zip(ctx.slots) {
+            if libc::dup3(*fd, *slot, libc::O_CLOEXEC) < 0 {
+                return Failure::os("passing a descriptor");
+            }
+        }
+        let unshared = libc::syscall(
+            libc::SYS_close_range,
+            ctx.first_unshared as libc::c_uint,
+            libc::c_uint::MAX,
+            libc::CLOSE_RANGE_UNSHARE,
+        );
+        if unshared != 0 && libc::unshare(libc::CLONE_FILES) != 0 {
+            return Failure::os("taking a table of descriptors of its own");
+        }
+        // Each slot is 3 or more and above the ones before it, so none is overwritten before
+        // it is read.
+        for (target, slot) in ctx.slots.iter().enumerate() {
+            if libc::dup2(*slot, target as c_int) < 0 {
+                return Failure::os("dup2");
+            }
+        }
+        libc::syscall(
+            libc::SYS_close_range,
+            ctx.slots.len() as libc::c_uint,
+            libc::c_uint::MAX,
+            0,
+        );
         let mut none: libc::sigset_t = std::mem::zeroed();
         libc::sigemptyset(&mut none);
         libc::pthread_sigmask(libc::SIG_SETMASK, &none, std::ptr::null_mut());
@@ -540,6 +670,49 @@ mod tests {
         assert_eq!(out, format!("prompt arg hello {}\n", cwd.display()));
         assert_eq!(err, "err\n");
         assert_eq!(status.code(), Some(3));
+    }
+
+    #[tokio::test]
+    async fn a_child_has_its_streams_and_what_it_inherits_and_no_other_descriptor() {
+        // Descriptors of loopd's, close-on-exec or not, at numbers above and below the reserved
+        // ones: none reaches the child.
+        let leaky: Vec<OwnedFd> = (0..200)
+            .map(|_| {
+                let fd = nix::fcntl::open(c"/dev/null", nix::fcntl::OFlag::O_RDONLY, Mode::empty());
+                fd.unwrap()
+            })
+            .collect();
+        let marker =
+            nix::sys::memfd::memfd_create("the-marker", nix::sys::memfd::MFdFlags::MFD_CLOEXEC)
+                .unwrap();
+        let list = "ls /proc/self/fd; readlink /proc/self/fd/3";
+        let mut child = Command::new("sh")
+            .args(["-c", list])
+            .inherit(marker)
+            .spawn()
+            .unwrap();
+        let out = read_all(child.stdout.take()).await;
+        assert!(child.wait().await.unwrap().success());
+        let mut lines: Vec<&str> = out.lines().collect();
+        let link = lines.pop().unwrap();
+        // `ls` has the directory it lists open as one more.
+        let fds: Vec<u32> = lines.iter().map(|l| l.parse().unwrap()).collect();
+        assert_eq!(&fds[..4], &[0, 1, 2, 3], "{out}");
+        assert_eq!(fds.len(), 5, "{out}");
+        assert!(link.starts_with("/memfd:the-marker"), "{link}");
+
+        // Without one to inherit: the streams only (and `ls`'s own, now 3; no 3 to read as a
+        // link), and the reserved descriptors are `/dev/null` again in this process.
+        let mut child = Command::new("sh").args(["-c", list]).spawn().unwrap();
+        let out = read_all(child.stdout.take()).await;
+        child.wait().await.unwrap();
+        assert_eq!(out, "0\n1\n2\n3\n");
+        let reserved = RESERVED.lock().unwrap();
+        for slot in reserved.as_ref().unwrap().slots {
+            let target = std::fs::read_link(format!("/proc/self/fd/{slot}")).unwrap();
+            assert_eq!(target, Path::new("/dev/null"));
+        }
+        drop(leaky);
     }
 
     #[tokio::test]

@@ -24,8 +24,9 @@ use landlock::RulesetCreated;
 
 use super::view::View;
 
-/// How many sandboxes a process keeps (one a loop under `loopd serve`): past it, all are let go.
-const KEPT: usize = 512;
+/// How many sandboxes a process keeps (one a loop under `loopd serve`, a few descriptors each):
+/// past it, the one used least recently is let go.
+const KEPT: usize = 4096;
 
 /// What a sandbox is kept by.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -40,7 +41,9 @@ pub(super) struct Key {
 /// A sandbox made once, joined by each attempt.
 pub(super) struct Built {
     stamp: Stamp,
-    pub(super) ruleset: RulesetCreated,
+    /// The Landlock ruleset's descriptor: made under `CompatLevel::HardRequirement`, it is
+    /// enforced in full or not made at all.
+    pub(super) ruleset: OwnedFd,
     /// The user and mount namespaces, with the view made in them.
     pub(super) user: OwnedFd,
     pub(super) mount: OwnedFd,
@@ -106,9 +109,36 @@ fn identity(path: &Path, listed: bool) -> Option<Identity> {
     Some((m.dev(), m.ino(), s, ns))
 }
 
-static KEPT_SANDBOXES: LazyLock<Mutex<HashMap<Key, Arc<Built>>>> = LazyLock::new(Default::default);
+/// The kept sandboxes, each with when it was last used (a count of uses).
+#[derive(Default)]
+struct Kept {
+    sandboxes: HashMap<Key, (Arc<Built>, u64)>,
+    uses: u64,
+}
 
-fn kept() -> std::sync::MutexGuard<'static, HashMap<Key, Arc<Built>>> {
+impl Kept {
+    fn get(&mut self, key: &Key) -> Option<Arc<Built>> {
+        self.uses += 1;
+        let (built, used) = self.sandboxes.get_mut(key)?;
+        *used = self.uses;
+        Some(built.clone())
+    }
+
+    fn insert(&mut self, key: Key, built: Arc<Built>) {
+        if self.sandboxes.len() >= KEPT && !self.sandboxes.contains_key(&key) {
+            let oldest = self.sandboxes.iter().min_by_key(|(_, (_, used))| *used);
+            if let Some(oldest) = oldest.map(|(key, _)| key.clone()) {
+                self.sandboxes.remove(&oldest);
+            }
+        }
+        self.uses += 1;
+        self.sandboxes.insert(key, (built, self.uses));
+    }
+}
+
+static KEPT_SANDBOXES: LazyLock<Mutex<Kept>> = LazyLock::new(Default::default);
+
+fn kept() -> std::sync::MutexGuard<'static, Kept> {
     KEPT_SANDBOXES.lock().unwrap_or_else(|e| e.into_inner())
 }
 
@@ -119,13 +149,16 @@ pub(super) fn built(
     view: View,
     make: impl FnOnce() -> io::Result<(RulesetCreated, Vec<DependsOn>)>,
 ) -> io::Result<Arc<Built>> {
-    if let Some(built) = kept().get(&key)
+    let kept_one = kept().get(&key);
+    if let Some(built) = kept_one
         && built.stamp.holds(&view)
     {
-        return Ok(built.clone());
+        return Ok(built);
     }
     tracing::debug!("making the sandbox of {}", key.tree.display());
     let (ruleset, mut paths) = make()?;
+    let ruleset = Option::<OwnedFd>::from(ruleset)
+        .ok_or_else(|| io::Error::other("the sandbox could not be enforced: no Landlock"))?;
     let hosts = match &key.policy.network {
         super::Network::Hosts(hosts) => Some(hosts.clone()),
         _ => None,
@@ -153,11 +186,7 @@ pub(super) fn built(
         proxy_port,
         refusals,
     });
-    let mut kept = kept();
-    if kept.len() >= KEPT {
-        kept.clear();
-    }
-    kept.insert(key, built.clone());
+    kept().insert(key, built.clone());
     Ok(built)
 }
 

@@ -28,14 +28,16 @@ pub use view::SOCKET_VARIABLES;
 use std::ffi::CString;
 use std::fmt;
 use std::io;
+use std::os::fd::AsRawFd as _;
 use std::os::unix::fs::DirBuilderExt as _;
 use std::path::{Path, PathBuf};
 
 use landlock::{
     ABI, AccessFs, AccessNet, BitFlags, CompatLevel, Compatible, NetPort, PathBeneath, PathFd,
-    Ruleset, RulesetAttr, RulesetCreated, RulesetCreatedAttr, RulesetStatus, Scope,
+    Ruleset, RulesetAttr, RulesetCreated, RulesetCreatedAttr, Scope,
 };
 use nix::errno::Errno;
+use nix::libc;
 
 /// What an attempt may change.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -551,18 +553,20 @@ impl Prepared {
         }
         // Joining a mount namespace takes the working directory to its root.
         nix::unistd::chdir(self.cwd.as_c_str()).map_err(os("chdir in the sandbox"))?;
-        // SAFETY: a bitwise copy of the place's ruleset, consumed here. It owns no memory, only
-        // a descriptor, which in this child is the child's copy (the clone shares memory, not
-        // descriptors): closing it leaves loopd's open.
-        let ruleset = unsafe { std::ptr::read(&self.built.ruleset) };
-        match ruleset.restrict_self() {
-            Ok(status) if status.ruleset == RulesetStatus::FullyEnforced => Ok(()),
-            Ok(_) => Err(Failure {
-                step: "the sandbox could not be enforced",
-                errno: None,
-            }),
-            Err(_) => Err(Failure::os("entering the Landlock ruleset")),
+        // What the landlock crate's `restrict_self` does, on the kept descriptor: no new
+        // privileges, then the ruleset, which closes nothing (the child shares loopd's table of
+        // descriptors until it has entered the sandbox; see `crate::spawn`).
+        // SAFETY: two system calls on integers and a descriptor `Built` keeps open.
+        unsafe {
+            if libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0 {
+                return Err(Failure::os("setting no new privileges"));
+            }
+            let ruleset = self.built.ruleset.as_raw_fd();
+            if libc::syscall(libc::SYS_landlock_restrict_self, ruleset, 0) != 0 {
+                return Err(Failure::os("entering the Landlock ruleset"));
+            }
         }
+        Ok(())
     }
 
     /// What the attempt's view holds read-only (git's control files, the state directory) and
