@@ -13,10 +13,14 @@
 //!     to the executor gone, while every loop runs;
 //!   - its CPU ticks over 10 s once every loop is paused;
 //!   - a raw write of `"status": "running"` to the executor spawned (its pid file written), with
-//!     N loops known.
+//!     N loops known;
+//!   - a SIGTERM to the service with every loop running, to its exit: every executor gone, no
+//!     state left with an attempt in flight.
+//!
+//! With several sizes, a scale table follows: the same measures at each.
 //!
 //! Run: `cargo bench --bench service`. Environment:
-//!   LOOPD_BENCH_LOOPS    loops (default 200)
+//!   LOOPD_BENCH_LOOPS    loops, or sizes separated by commas (`10,200,1000`; default 200)
 //!   LOOPD_BENCH_WINDOW   seconds of the measured window under load (default 10)
 //!   LOOPD_BENCH_TRIALS   pause, stop and pick-up trials each (default 50)
 //!   LOOPD_BENCH_RUN_WINDOW  seconds of the `loopd run` baseline (default 30)
@@ -141,14 +145,16 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
     sorted[i.min(sorted.len() - 1)]
 }
 
-fn summary(name: &str, mut ms: Vec<f64>) {
+/// Prints the p50, p99 and max of `ms`; returns the p99.
+fn summary(name: &str, mut ms: Vec<f64>) -> f64 {
     ms.sort_by(f64::total_cmp);
+    let p99 = percentile(&ms, 0.99);
     println!(
-        "| {name} | {:.1} ms | {:.1} ms | {:.1} ms |",
+        "| {name} | {:.1} ms | {p99:.1} ms | {:.1} ms |",
         percentile(&ms, 0.5),
-        percentile(&ms, 0.99),
         ms.last().copied().unwrap_or(0.0)
     );
+    p99
 }
 
 /// Waits for the executor of a loop to be up (its pid file names a live agent); returns it.
@@ -200,23 +206,74 @@ fn run_baseline(agent: &str, window: Duration) -> (f64, Project) {
 }
 
 fn main() {
-    let n = env_num("LOOPD_BENCH_LOOPS", 200);
+    let sizes: Vec<usize> = std::env::var("LOOPD_BENCH_LOOPS")
+        .unwrap_or_else(|_| "200".into())
+        .split(',')
+        .map(|n| {
+            n.trim()
+                .parse()
+                .unwrap_or_else(|_| panic!("LOOPD_BENCH_LOOPS: {n:?} is not a number"))
+        })
+        .collect();
     let window = Duration::from_secs(env_num("LOOPD_BENCH_WINDOW", 10) as u64);
-    // Pause trials and stop trials each take loops of their own.
-    let trials = env_num("LOOPD_BENCH_TRIALS", 50).clamp(1, (n / 2).max(1));
-    let home_dir = tempdir();
-    let home = home_dir.path().canonicalize().expect("home");
     let agent = agent();
     let run_window = Duration::from_secs(env_num("LOOPD_BENCH_RUN_WINDOW", 30) as u64);
     let (run_cpu, _baseline) = run_baseline(&agent, run_window);
     eprintln!("`loopd run` alone: {run_cpu:.2} ms of CPU per action");
+    let rows: Vec<Row> = sizes
+        .iter()
+        .map(|n| one_service(*n, &agent, window, run_cpu))
+        .collect();
+    if rows.len() > 1 {
+        println!(
+            "
+Scale: the same loop, more of them in one service:
+"
+        );
+        println!(
+            "| loops | actions/s | service CPU per action | × `loopd run` | peak RSS | \
+             `paused` p99 | `failed` p99 | SIGTERM → exited, every executor gone |"
+        );
+        println!("|---|---|---|---|---|---|---|---|");
+        for r in &rows {
+            println!(
+                "| {} | {:.0} | {:.2} ms | {:.2} | {:.1} MiB | {:.1} ms | {:.1} ms | {:.2} s |",
+                r.loops,
+                r.actions_per_s,
+                r.cpu_per_action,
+                r.cpu_per_action / run_cpu,
+                r.peak_rss_mib,
+                r.pause_p99,
+                r.stop_p99,
+                r.sigterm.as_secs_f64()
+            );
+        }
+    }
+}
 
+/// One service's measures, for the scale table.
+struct Row {
+    loops: usize,
+    actions_per_s: f64,
+    cpu_per_action: f64,
+    peak_rss_mib: f64,
+    pause_p99: f64,
+    stop_p99: f64,
+    sigterm: Duration,
+}
+
+/// Measures one `loopd serve` driving `n` loops (see the module's documentation).
+fn one_service(n: usize, agent: &str, window: Duration, run_cpu: f64) -> Row {
+    // Pause trials and stop trials each take loops of their own.
+    let trials = env_num("LOOPD_BENCH_TRIALS", 50).clamp(1, (n / 2).max(1));
+    let home_dir = tempdir();
+    let home = home_dir.path().canonicalize().expect("home");
     let setup = Instant::now();
     let loops: Vec<Loop> = (0..n)
         .map(|_| {
             let project = Project::in_home(
                 &config(&["sh", "bin/agent.sh"], "stdin", "json", None),
-                Some(&agent),
+                Some(agent),
                 Some(&home),
             );
             let id = project.create(100_000);
@@ -273,8 +330,8 @@ fn main() {
     let cpu_per_action = (ticks1 - ticks0) as f64 * tick_ms() / actions as f64;
 
     // Pause and stop under load: from the raw write to the executor gone.
-    let mut paused = Vec::new();
-    let mut stopped = Vec::new();
+    let mut paused: Vec<f64> = Vec::new();
+    let mut stopped: Vec<f64> = Vec::new();
     for (i, l) in loops.iter().take(2 * trials).enumerate() {
         let agent = executor(l);
         let written = l.set_status(if i < trials { "paused" } else { "failed" });
@@ -340,19 +397,70 @@ fn main() {
     println!("| service CPU ticks over 10 s, every loop paused | {idle_ticks} |");
     println!("\n| raw write | p50 | p99 | max |");
     println!("|---|---|---|---|");
-    summary("`paused` → executor gone, under load", paused);
-    summary("`failed` (stop) → executor gone, under load", stopped);
+    let (pause_p99, stop_p99) = (
+        summary("`paused` → executor gone, under load", paused),
+        summary("`failed` (stop) → executor gone, under load", stopped),
+    );
     summary(
         &format!("`running` → executor spawned, {n} loops known"),
         picked,
     );
 
+    // SIGTERM with every loop running: until the service has exited, every executor gone and
+    // every loop's state left with no attempt in flight.
+    for l in &loops {
+        l.set_status("running");
+    }
+    wait("every loop running again", || running_count(&home) == n);
+    std::thread::sleep(Duration::from_secs(3));
+    let agents: Vec<u32> = loops
+        .iter()
+        .filter_map(|l| {
+            std::fs::read_to_string(l.agent_pid_file())
+                .ok()?
+                .trim()
+                .parse()
+                .ok()
+        })
+        .collect();
+    let termed = Instant::now();
     let _ = nix::sys::signal::kill(
         nix::unistd::Pid::from_raw(pid as i32),
         nix::sys::signal::Signal::SIGTERM,
     );
     let status = service.0.wait().expect("wait");
-    eprintln!("service exited: {status}");
+    let sigterm = termed.elapsed();
+    let left = agents
+        .iter()
+        .filter(|a| {
+            alive(**a)
+                && std::fs::read(format!("/proc/{a}/cmdline"))
+                    .is_ok_and(|c| String::from_utf8_lossy(&c).contains("agent.sh"))
+        })
+        .count();
+    let in_flight = loops
+        .iter()
+        .filter(|l| {
+            let state: serde_json::Value =
+                serde_json::from_slice(&std::fs::read(l.state_path()).expect("state"))
+                    .expect("a state file that parses");
+            !state["skill_state"]["in_flight"].is_null()
+        })
+        .count();
+    println!(
+        "| SIGTERM with {n} loops running → service exited ({status}) | {:.2} s; \
+         executors left: {left}; states with an attempt in flight: {in_flight} |",
+        sigterm.as_secs_f64()
+    );
+    Row {
+        loops: n,
+        actions_per_s: actions as f64 / elapsed,
+        cpu_per_action,
+        peak_rss_mib: peak_rss as f64 / 1024.0,
+        pause_p99,
+        stop_p99,
+        sigterm,
+    }
 }
 
 /// The service, killed if the benchmark panics.
