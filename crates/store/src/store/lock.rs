@@ -2,26 +2,33 @@
 //! taken by every writer for its read-modify-write; and the other lock files of the state
 //! directory (a daemon's, the work tree's).
 
+use std::sync::atomic::{AtomicBool, Ordering};
+
 use super::*;
 
 /// An exclusive lock on a loop's sidecar lock file, released on drop.
 pub struct WriteLock {
-    file: Rc<File>,
+    kept: Arc<KeptLock>,
 }
 
 impl Drop for WriteLock {
     fn drop(&mut self) {
-        let _ = self.file.unlock();
+        let _ = self.kept.file.unlock();
+        self.kept.held.store(false, Ordering::Release);
     }
 }
 
-thread_local! {
-    /// Lock files kept open, one per path and thread: a writer locks and unlocks its loop's lock
-    /// file twice per action, and opening it each time is what costs. Per thread, because
-    /// `flock` does not exclude holders of the same open file, and threads must exclude each
-    /// other like processes do.
-    static LOCK_FILES: RefCell<HashMap<PathBuf, Rc<File>>> = RefCell::new(HashMap::new());
+/// A loop's lock file, kept open once for the process: a writer locks and unlocks it twice per
+/// action, and opening it each time is what costs. `flock` does not exclude holders of the same
+/// open file, so threads exclude each other by `held` first, then the process takes the `flock`
+/// that excludes other processes. One descriptor a loop, whatever threads write it.
+struct KeptLock {
+    file: File,
+    held: AtomicBool,
 }
+
+static LOCK_FILES: LazyLock<Mutex<HashMap<PathBuf, Arc<KeptLock>>>> =
+    LazyLock::new(Default::default);
 
 impl Store {
     /// Opens a lock file of the state directory (a loop's `{id}.daemon`, `worktree.lock`),
@@ -42,30 +49,48 @@ impl Store {
         let dir = self.state_dir(true)?;
         let name = format!("{id}.lock");
         let path = dir.join(&name);
-        let file = LOCK_FILES
-            .with(|files| {
-                if let Some(file) = files.borrow().get(&path) {
-                    return Ok(file.clone());
+        let kept = {
+            let mut files = LOCK_FILES.lock().unwrap_or_else(|e| e.into_inner());
+            match files.get(&path) {
+                Some(kept) => kept.clone(),
+                None => {
+                    let file = dir.open_rw(&name).map_err(io_err(&path))?;
+                    let kept = Arc::new(KeptLock {
+                        file,
+                        held: AtomicBool::new(false),
+                    });
+                    files.insert(path.clone(), kept.clone());
+                    kept
                 }
-                let file = Rc::new(dir.open_rw(&name)?);
-                files.borrow_mut().insert(path.clone(), file.clone());
-                Ok(file)
-            })
-            .map_err(io_err(&path))?;
+            }
+        };
         let deadline = Instant::now() + LOCK_TIMEOUT;
         // Holders keep the lock for a read or a write, tens of microseconds: the first looks
         // come soon, then less and less often.
         let mut pause = Duration::from_micros(10);
         loop {
-            match file.try_lock() {
-                Ok(()) => return Ok(WriteLock { file }),
-                Err(std::fs::TryLockError::WouldBlock) if Instant::now() < deadline => {
-                    std::thread::sleep(pause);
-                    pause = (pause * 2).min(Duration::from_millis(1));
+            // This process's threads first, then other processes.
+            if kept
+                .held
+                .compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed)
+                .is_ok()
+            {
+                match kept.file.try_lock() {
+                    Ok(()) => return Ok(WriteLock { kept }),
+                    Err(std::fs::TryLockError::WouldBlock) => {
+                        kept.held.store(false, Ordering::Release);
+                    }
+                    Err(std::fs::TryLockError::Error(e)) => {
+                        kept.held.store(false, Ordering::Release);
+                        return Err(io_err(&path)(e));
+                    }
                 }
-                Err(std::fs::TryLockError::WouldBlock) => return Err(StoreError::Locked { path }),
-                Err(std::fs::TryLockError::Error(e)) => return Err(io_err(&path)(e)),
             }
+            if Instant::now() >= deadline {
+                return Err(StoreError::Locked { path });
+            }
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(Duration::from_millis(1));
         }
     }
 }

@@ -43,12 +43,10 @@
 //! durability (`durable`: the backup thread, restore and rebuild; `backup`: the backup file's
 //! format). The store itself, its paths and reading a version are here; its tests in `tests`.
 
-use std::cell::RefCell;
 use std::collections::HashMap;
 use std::fs::File;
 use std::io;
 use std::path::{Path, PathBuf};
-use std::rc::Rc;
 use std::sync::{Arc, LazyLock, Mutex, OnceLock, mpsc};
 use std::time::{Duration, Instant};
 
