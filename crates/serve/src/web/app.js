@@ -161,14 +161,17 @@ const NEXT_STEP = {
 };
 
 async function loadDetail() {
-  const { id, root } = current;
-  const loop = await api("GET", loopPath(id, root));
+  const shown = current;
+  const loop = await api("GET", loopPath(shown.id, shown.root));
+  // A reply for a loop no longer shown (the page moved on while it came) is dropped, or it
+  // would paint the other loop over the one now open.
+  if (current !== shown) return;
   const state = loop.state || {};
   const skill = state.skill_state || {};
   const view = loop.view || {};
   current.status = loop.status;
   current.driver = loop.driver;
-  $("detail-title").textContent = view.title || id;
+  $("detail-title").textContent = view.title || shown.id;
   $("detail-status").replaceChildren(badge(loop.status, view.standing),
     ` iteration ${view.iteration}/${view.max_iterations}`,
     view.action ? ` · ${view.action}` : "",
