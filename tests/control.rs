@@ -672,6 +672,23 @@ fn a_question_waits_for_its_answer_and_the_next_prompt_gets_it() {
         shown.contains(&format!("`loopd answer {id} TEXT`")),
         "{shown}"
     );
+    // Its event (and so a `needs_input` notification) says the same.
+    let asked = || {
+        p.events(&id)
+            .into_iter()
+            .find(|e| e["event"] == "awaiting_answer")
+    };
+    wait_for("the awaiting_answer event", || asked().is_some());
+    let asked = asked().unwrap();
+    assert_eq!(
+        asked["status_reason"], "waiting for an answer: Postgres or SQLite?",
+        "{asked}"
+    );
+    assert_eq!(
+        asked["next_step"],
+        format!("`loopd answer {id} TEXT`"),
+        "{asked}"
+    );
 
     let out = p.output(&["answer", &other, "sqlite"]);
     assert_eq!(code(&out), 2);

@@ -247,6 +247,36 @@ fn a_webhook_gets_the_events_it_asked_for_as_json() {
 }
 
 #[test]
+fn a_notification_of_a_loop_left_standing_says_why_and_what_moves_it_on() {
+    let hook = Hook::start(204, false);
+    let p = Project::new(GOOD_AGENT);
+    p.config(&config_with(&format!(
+        "[[notify]]\nurl = {}\nevents = [\"completed\"]\n",
+        quoted(&hook.url("/done")),
+    )));
+    let id = p.create(&["--title", "t", "--max-iterations", "1"]);
+    let out = p.run(&id, &[]);
+    assert_eq!(code(&out), 3, "{}", stderr(&out));
+
+    let done = hook.to("/done");
+    assert_eq!(done.len(), 1, "{:?}", hook.requests());
+    let got = done[0].json();
+    assert_eq!(got, sent(logged(&p, &id, "completed"), "completed", &p));
+    // The words `status --json` has for the loop now, and the command that moves it on.
+    let shown: Value = serde_json::from_str(&stdout(&p.output(&["status", &id, "--json"])))
+        .expect("status --json");
+    assert_eq!(got["outcome"], "iteration_limit", "{got}");
+    assert_eq!(got["status_reason"], shown["status_reason"], "{got}");
+    assert_eq!(got["next_step"], shown["next_step"], "{got}");
+    assert!(
+        got["next_step"]
+            .as_str()
+            .is_some_and(|s| s.contains(&format!("`loopd set {id} --max-iterations N`"))),
+        "{got}"
+    );
+}
+
+#[test]
 fn a_command_gets_the_event_on_stdin_and_one_that_overruns_is_killed() {
     let p = Project::new(GOOD_AGENT);
     let record = p.script("record.sh", "cat >> \"$1\"\n");

@@ -23,6 +23,14 @@ impl Still {
             next: next.into(),
         }
     }
+
+    /// Waiting for the reset of an account's rate limit, at `until`.
+    pub fn rate_limited(account: &str, until: &str) -> Still {
+        Still::new(
+            format!("waiting for the rate limit of {account} until {until}"),
+            format!("nothing: it goes on by itself at {until}"),
+        )
+    }
 }
 
 impl LoopState {
@@ -35,13 +43,7 @@ impl LoopState {
         let outcome = skill.and_then(|k| k.outcome.as_deref());
         if self.status == Status::Running {
             if let Some(wait) = skill.and_then(|k| k.rate_limit.as_ref()) {
-                return Some(Still::new(
-                    format!(
-                        "waiting for the rate limit of {} until {}",
-                        wait.account, wait.until
-                    ),
-                    format!("nothing: it goes on by itself at {}", wait.until),
-                ));
+                return Some(Still::rate_limited(&wait.account, &wait.until));
             }
             if let Some(q) = skill
                 .and_then(|k| k.question.as_ref())

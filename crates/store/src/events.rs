@@ -13,6 +13,7 @@ use std::path::PathBuf;
 use std::sync::{LazyLock, Mutex};
 
 use loopd_core::state::LoopState;
+use loopd_core::still::Still;
 use serde_json::{Map, Value, json};
 
 use crate::lock;
@@ -230,6 +231,18 @@ impl Event {
             self.fields.insert(key.to_owned(), value);
         }
         self
+    }
+
+    /// Says why the loop now stands still and what moves it on, under the names `status
+    /// --json` gives them (`status_reason`, `next_step`): what a notification of the event tells
+    /// a person. Nothing when the loop does not stand still.
+    pub fn still(self, still: Option<Still>) -> Event {
+        match still {
+            Some(still) => self
+                .with("status_reason", still.reason)
+                .with("next_step", still.next),
+            None => self,
+        }
     }
 }
 

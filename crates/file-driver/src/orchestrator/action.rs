@@ -4,6 +4,7 @@
 use super::attempt::Attempted;
 use loopd_core::attempt::AfterAttempt;
 use loopd_core::state::RateLimitWait;
+use loopd_core::still::Still;
 use loopd_exec::metrics::metrics;
 
 use super::*;
@@ -110,6 +111,7 @@ impl LoopRun<'_> {
         let until = Utc::now() + chrono::Duration::from_std(wait).unwrap_or_default();
         let until = self.engine.accounts.hold(account, until);
         metrics().rate_limit_wait(&step.plan.executor, account);
+        let until_ts = format_ts(until);
         self.events.emit(
             Event::new(name::RATE_LIMITED)
                 .with("iteration", step.iteration)
@@ -117,8 +119,9 @@ impl LoopRun<'_> {
                 .with("attempt", attempt)
                 .with("task_id", step.dispatch.task_id.clone())
                 .with("account", account.clone())
-                .with("until", format_ts(until))
-                .with("message", message),
+                .with("until", until_ts.clone())
+                .with("message", message)
+                .still(Some(Still::rate_limited(account, &until_ts))),
         );
         until
     }
@@ -133,16 +136,18 @@ impl LoopRun<'_> {
         let account = &step.plan.account;
         while let Some(until) = self.engine.accounts.held(account, Utc::now()) {
             metrics().rate_limit_wait(&step.plan.executor, account);
+            let until_ts = format_ts(until);
             self.events.emit(
                 Event::new(name::RATE_LIMITED)
                     .with("iteration", step.iteration)
                     .with("action", step.dispatch.action.clone())
                     .with("account", account.clone())
-                    .with("until", format_ts(until))
+                    .with("until", until_ts.clone())
                     .with(
                         "message",
                         format!("{account} is rate limited: no attempt before its reset"),
-                    ),
+                    )
+                    .still(Some(Still::rate_limited(account, &until_ts))),
             );
             if let Some(interrupt) = self.wait_rate_limit(state, account, until).await? {
                 return Ok(Some(interrupt));
@@ -224,7 +229,8 @@ impl LoopRun<'_> {
                             "{reason} — paused; look at it, then `loopd resume {}`",
                             self.id
                         ),
-                    ),
+                    )
+                    .still(after.still()),
             );
         }
         Ok(None)
@@ -246,7 +252,7 @@ impl LoopRun<'_> {
             question.clone(),
             &now_rfc3339(),
         );
-        self.commit(&state, None, None, true)?;
+        let after = self.commit(&state, None, None, true)?;
         self.events.emit(
             Event::new(name::AWAITING_ANSWER)
                 .with("action", dispatch.action.clone())
@@ -254,7 +260,8 @@ impl LoopRun<'_> {
                     "message",
                     format!("{question} (answer with `loopd answer {} TEXT`)", self.id),
                 )
-                .with("question", question),
+                .with("question", question)
+                .still(after.still()),
         );
         Ok(None)
     }

@@ -254,7 +254,8 @@ impl LoopRun<'_> {
             Event::new(name::COMPLETED)
                 .with("iteration", state.current_iteration)
                 .with("outcome", outcome.as_str())
-                .with("summary", text),
+                .with("summary", text)
+                .still(state.still()),
         );
         Exit::Completed(outcome)
     }

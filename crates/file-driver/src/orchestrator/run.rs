@@ -152,8 +152,11 @@ impl LoopRun<'_> {
                 if after.status != Status::Failed {
                     return Ok(None); // someone changed the status meanwhile
                 }
-                self.events
-                    .emit(Event::new(name::FAILED).with("error", reason.clone()));
+                self.events.emit(
+                    Event::new(name::FAILED)
+                        .with("error", reason.clone())
+                        .still(after.still()),
+                );
                 Ok(Some(Exit::Failed(reason)))
             }
             Decision::Pause(reason) => self.stall(state, reason),
