@@ -291,6 +291,42 @@ fn an_untrusted_project_blocks_the_loop_with_the_reason() {
 }
 
 #[test]
+fn a_worker_without_the_executor_s_program_blocks_the_loop_naming_itself() {
+    let Some(bin) = temporal_bin() else { return };
+    let p = Project::new(GOOD_AGENT);
+    let mut temporal = Temporal::start(&p, &bin);
+    temporal.worker(&p);
+    // Missing on the worker: the program itself (it cannot start), or the one a wrapper runs
+    // (the shell's exit 127, as `npx` or a script meets it).
+    for command in [
+        r#"["loopd-test-no-such-agent"]"#,
+        r#"["sh", "-c", "exec loopd-test-no-such-agent"]"#,
+    ] {
+        p.config(&common::TEST_CONFIG.replace(r#"["sh", "bin/agent.sh"]"#, command));
+        let id = &temporal.create(&p, &["--title", command]);
+        temporal.wait_for_status(&p, id, "paused");
+        let out = temporal.command(&p, &["status", id, "--json"]);
+        let shown: Value = serde_json::from_str(&stdout(&out)).expect("status --json");
+        let why = shown["status_reason"].as_str().expect("a status_reason");
+        assert!(
+            why.starts_with("blocked: ")
+                && why.contains("worker w0 (user ")
+                && why.contains("loopd-test-no-such-agent"),
+            "{why}"
+        );
+        // The worker said so in its log, in one line naming the loop.
+        let said = std::fs::read_to_string(common::temporal::side_dir(&p).join("worker-w0.log"))
+            .expect("the worker's log");
+        assert!(
+            said.lines()
+                .any(|l| l.contains(&format!("loop {id}: worker w0 (user "))
+                    && l.contains("cannot run it")),
+            "{said}"
+        );
+    }
+}
+
+#[test]
 fn a_skill_tuning_loop_runs_to_completion_through_two_workers() {
     let Some(bin) = temporal_bin() else { return };
     let p = common::tuning_project(common::TUNING_AGENT);

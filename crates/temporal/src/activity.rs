@@ -129,6 +129,21 @@ pub struct LoopActivities {
     pub slots: Arc<tokio::sync::Semaphore>,
 }
 
+impl LoopActivities {
+    /// Why this worker cannot run an attempt of loop `id`, said once in its log and returned for
+    /// the loop's block: a person must know where and as whom it could not run (trust is each
+    /// user's, a program each machine's).
+    fn cannot_run(&self, id: &str, why: String) -> String {
+        let worker = self
+            .holder
+            .as_ref()
+            .map_or("this worker", |h| h.name.as_str());
+        let said = format!("worker {worker} (user {}) cannot run it: {why}", user());
+        tracing::warn!("loop {id}: {said}");
+        said
+    }
+}
+
 #[activities]
 impl LoopActivities {
     /// Runs one attempt of an action: the project's config and action files are read on this
@@ -141,20 +156,15 @@ impl LoopActivities {
         input: AttemptInput,
     ) -> Result<AttemptReport, ActivityError> {
         let id = input.state.loop_id.clone();
-        let report = match run_attempt(&ctx, &self, input).await {
+        let mut report = match run_attempt(&ctx, &self, input).await {
             Ok(report) => report,
-            // Its loop waits for a person (blocked), who must know where and as whom it could
-            // not run: trust is each user's, a program is each machine's.
-            Err(e) => {
-                let worker = self
-                    .holder
-                    .as_ref()
-                    .map_or("this worker", |h| h.name.as_str());
-                let said = format!("worker {worker} (user {}) cannot run it: {e:#}", user());
-                tracing::warn!("loop {id}: {said}");
-                return Err(anyhow::anyhow!(said).into());
-            }
+            Err(e) => return Err(anyhow::anyhow!(self.cannot_run(&id, format!("{e:#}"))).into()),
         };
+        // An executor that cannot run here (a program missing on this machine, an agent not
+        // logged in as this user) blocks the loop the same way.
+        if let Verdict::Blocked { message } = &mut report.verdict {
+            *message = self.cannot_run(&id, std::mem::take(message));
+        }
         // Cancelled, its executor ended: by its loop (paused, stopped), which no longer waits
         // for it, or by this worker's shutdown, which gives it to another worker at once.
         match ctx.is_cancelled() {
