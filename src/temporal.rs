@@ -434,9 +434,15 @@ fn has_password(remote: &str) -> bool {
 /// now as their last heartbeats told (with `--json`, `heartbeats` beside the state's keys, each
 /// its action, iteration, attempt, task, lane and the last of its output; `heartbeat` the first).
 pub fn status(config: &TemporalConfig, id: &str, json: bool) -> Result<i32> {
-    let (state, holder, progress) = runtime()?.block_on(async {
+    let (state, still, holder, progress) = runtime()?.block_on(async {
         let client = connect(config).await?;
-        let state = client::state(&client, id).await?;
+        let (_, state, still) = client::seen(&client, config, id)
+            .await?
+            .ok_or_else(|| usage(format!("no loop {id} on Temporal")))?;
+        // Without a worker nothing more can be asked: no workflow answers.
+        if still.is_some() {
+            return anyhow::Ok((state, still, None, Vec::new()));
+        }
         let holder = client::holder(&client, id).await?;
         // Best effort: the state is what was asked for. A loop that no longer runs has no
         // attempt in flight, whatever its last heartbeat said.
@@ -446,14 +452,14 @@ pub fn status(config: &TemporalConfig, id: &str, json: bool) -> Result<i32> {
             }
             _ => Vec::new(),
         };
-        anyhow::Ok((state, holder, progress))
+        anyhow::Ok((state, None, holder, progress))
     })?;
     let worker = holder.map(|h| h.name);
     let mut value = serde_json::to_value(&state)?;
     value["heartbeat"] = serde_json::to_value(progress.first())?;
     value["heartbeats"] = serde_json::to_value(&progress)?;
     value["worker"] = serde_json::to_value(&worker)?;
-    let still = state.still();
+    let still = still.or_else(|| state.still());
     value["status_reason"] = serde_json::json!(still.as_ref().map(|w| &w.reason));
     value["next_step"] = serde_json::json!(still.as_ref().map(|w| &w.next));
     let mut text = format!(
@@ -497,17 +503,25 @@ pub fn status(config: &TemporalConfig, id: &str, json: bool) -> Result<i32> {
 }
 
 /// `loopd list --temporal`: the project's loops on Temporal (every project's with `all`), as the
-/// visibility store knows them.
+/// visibility store knows them, each with why it stands still (with `--json`, `status_reason`
+/// and `next_step`, as `status --json` has them).
 pub fn list(config: &TemporalConfig, root: Option<&Path>, json: bool) -> Result<i32> {
-    let listed = runtime()?.block_on(async {
+    let seen = runtime()?.block_on(async {
         let client = connect(config).await?;
-        client::list(&client, root).await
+        client::seen_all(&client, config, root, client::LIST_WAIT).await
     })?;
+    let mut shown = Vec::new();
+    for (listed, _, still) in &seen {
+        let mut value = serde_json::to_value(listed)?;
+        value["status_reason"] = json!(still.as_ref().map(|w| &w.reason));
+        value["next_step"] = json!(still.as_ref().map(|w| &w.next));
+        shown.push(value);
+    }
     let mut text = format!(
         "{:<34} {:<10} {:>4}  {:<12} {:<12} PROJECT",
         "ID", "STATUS", "ITER", "WORKFLOW", "WORKER"
     );
-    for l in &listed {
+    for (l, ..) in &seen {
         let worker = match l.worker.as_str() {
             "" => "-",
             worker => worker,
@@ -517,7 +531,7 @@ pub fn list(config: &TemporalConfig, root: Option<&Path>, json: bool) -> Result<
             l.loop_id, l.status, l.iteration, l.workflow, worker, l.project
         ));
     }
-    print_result(json, &serde_json::to_value(&listed)?, &text)?;
+    print_result(json, &serde_json::Value::Array(shown), &text)?;
     Ok(0)
 }
 

@@ -162,7 +162,11 @@ fn a_pause_holds_the_loop_and_a_resume_lets_it_finish() {
         err.contains("cannot pause loop") && err.contains("passed"),
         "{err}"
     );
-    for args in [&["logs", "no-such-loop"][..], &["stop", "no-such-loop"]] {
+    for args in [
+        &["logs", "no-such-loop"][..],
+        &["stop", "no-such-loop"],
+        &["status", "no-such-loop"],
+    ] {
         let out = temporal.command(&p, args);
         assert_eq!(code(&out), 2, "{args:?}: {}", stderr(&out));
         let err = stderr(&out);
@@ -288,6 +292,41 @@ fn an_untrusted_project_blocks_the_loop_with_the_reason() {
     );
     let out = temporal.command(&p, &["status", &id]);
     assert!(stdout(&out).contains("why   blocked: "), "{}", stdout(&out));
+}
+
+#[test]
+fn a_loop_no_worker_runs_says_it_waits_for_one_then_goes_when_one_starts() {
+    let Some(bin) = temporal_bin() else { return };
+    let p = Project::new(GOOD_AGENT);
+    let mut temporal = Temporal::start(&p, &bin);
+    let id = temporal.create(&p, &["--title", "alone"]);
+    let waiting = |shown: &Value| {
+        let why = shown["status_reason"].as_str().unwrap_or_default();
+        let next = shown["next_step"].as_str().unwrap_or_default();
+        why.starts_with("waiting for a worker: none polls task queue ")
+            && next.contains(&format!("`loopd worker --temporal {}`", temporal.address))
+    };
+    // At once, not after a query's time-out: no workflow answers without a worker.
+    let shown = temporal.state(&p, &id);
+    assert!(waiting(&shown), "{shown}");
+    let out = p.output(&["list", "--temporal", &temporal.address, "--json"]);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    let listed: Value = serde_json::from_str(&stdout(&out)).expect("list --json");
+    let row = listed
+        .as_array()
+        .and_then(|l| l.iter().find(|l| l["loop_id"] == id.as_str()))
+        .unwrap_or_else(|| panic!("{listed}"));
+    assert!(waiting(row), "{row}");
+    let out = temporal.command(&p, &["status", &id]);
+    assert!(
+        stdout(&out).contains("why   waiting for a worker"),
+        "{}",
+        stdout(&out)
+    );
+
+    temporal.worker(&p);
+    let state = temporal.wait_for_status(&p, &id, "completed");
+    assert!(state["status_reason"].is_null(), "{state}");
 }
 
 #[test]

@@ -17,6 +17,7 @@ use serde_json::{Map, Value};
 
 use crate::control::{Change, SetLimits};
 use crate::state::LoopState;
+use crate::still::Still;
 
 /// What a front asks of the loops of one driver.
 #[async_trait::async_trait]
@@ -91,6 +92,9 @@ pub struct Listed {
     pub id: String,
     /// Its state, or why it cannot be read.
     pub state: std::result::Result<LoopState, String>,
+    /// Why it stands still where only its driver knows (no worker to run it); else its state's
+    /// own reason ([`LoopState::still`]).
+    pub still: Option<Still>,
 }
 
 /// A loop as a driver holds it.
@@ -101,6 +105,9 @@ pub struct Shown {
     pub state: LoopState,
     /// The state as its driver keeps it, the fields this version does not know included.
     pub raw: Map<String, Value>,
+    /// Why it stands still where only its driver knows (no worker to run it); else its state's
+    /// own reason ([`LoopState::still`]).
+    pub still: Option<Still>,
 }
 
 /// A loop a front asks a driver to make: `loopd create`'s options.

@@ -179,6 +179,8 @@ impl Driver for Files {
                         root: p.root.clone(),
                         id,
                         state: state.map_err(|e| e.to_string()),
+                        // This machine's view ([`crate::view`]) says what only it knows.
+                        still: None,
                     });
                 }
             }
@@ -194,6 +196,7 @@ impl Driver for Files {
                 root: p.root.clone(),
                 state: loaded.state,
                 raw: loaded.raw,
+                still: None,
             })
         })
         .await

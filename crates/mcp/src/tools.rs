@@ -14,6 +14,7 @@ use serde_json::{Map, Value, json};
 use loopd_core::control::{Change, Control, NewTask};
 use loopd_core::driver::{Driver, Events, Local, NewLoop};
 use loopd_core::state::{LoopState, Status};
+use loopd_core::still::Still;
 
 use crate::Front;
 
@@ -341,6 +342,8 @@ struct Seen {
     driver: &'static str,
     root: PathBuf,
     state: LoopState,
+    /// Why it stands still where only its driver knows ([`loopd_core::driver::Shown::still`]).
+    still: Option<Still>,
 }
 
 async fn show(front: &Front, id: &str, root: Option<&Path>) -> Result<Seen> {
@@ -350,6 +353,7 @@ async fn show(front: &Front, id: &str, root: Option<&Path>) -> Result<Seen> {
             driver: d.name(),
             root: s.root,
             state: s.state,
+            still: s.still,
         }))
     })
     .await
@@ -366,7 +370,7 @@ fn summary(seen: &Seen) -> Value {
     let in_flight = skill
         .and_then(|k| k.in_flight.as_ref())
         .map(|f| json!({ "action": f.action, "attempt": f.attempt, "started_at": f.started_at }));
-    let still = s.still();
+    let still = seen.still.clone().or_else(|| s.still());
     json!({
         "loop_id": s.loop_id,
         "root": seen.root,
@@ -418,6 +422,7 @@ async fn list(front: &Front, root: Option<&Path>) -> Result<Value> {
                     driver: driver.name(),
                     root: l.root,
                     state,
+                    still: l.still,
                 }),
                 Err(error) => json!({ "loop_id": l.id, "root": l.root, "error": error }),
             });

@@ -5,7 +5,8 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::{Context as _, Result};
-use loopd_core::state::LoopState;
+use loopd_core::state::{LoopState, Status};
+use loopd_core::still::Still;
 use serde_json::Value;
 use std::collections::HashMap;
 pub use temporalio_client::Client;
@@ -14,15 +15,19 @@ use temporalio_client::errors::{
 };
 use temporalio_client::tonic::{Code, Request};
 use temporalio_client::{
-    ClientOptions, Connection, WorkflowDescribeOptions, WorkflowExecuteUpdateOptions,
-    WorkflowFetchHistoryOptions, WorkflowGetResultOptions, WorkflowHistory, WorkflowListOptions,
-    WorkflowQueryOptions, WorkflowStartOptions,
+    ClientOptions, Connection, NamespacedClient as _, WorkflowDescribeOptions,
+    WorkflowExecuteUpdateOptions, WorkflowFetchHistoryOptions, WorkflowGetResultOptions,
+    WorkflowHistory, WorkflowListOptions, WorkflowQueryOptions, WorkflowStartOptions,
 };
 
+use temporalio_common::protos::temporal::api::enums::v1::TaskQueueType;
 use temporalio_common::protos::temporal::api::operatorservice::v1::{
     AddSearchAttributesRequest, ListSearchAttributesRequest,
 };
-use temporalio_common::protos::temporal::api::workflowservice::v1::DescribeNamespaceRequest;
+use temporalio_common::protos::temporal::api::taskqueue::v1::TaskQueue;
+use temporalio_common::protos::temporal::api::workflowservice::v1::{
+    DescribeNamespaceRequest, DescribeTaskQueueRequest,
+};
 use temporalio_common::telemetry::TelemetryOptions;
 use temporalio_sdk::runtime::RuntimeOptions;
 use temporalio_sdk::workflow_replayer::{WorkflowReplayer, WorkflowReplayerOptions};
@@ -222,25 +227,124 @@ pub async fn held(client: &Client, id: &str) -> Result<Option<(PathBuf, LoopStat
     }
 }
 
-/// Every loop on Temporal with its project root and state: each asked of its workflow, and
-/// shown as the visibility store knows it where the workflow does not answer within `wait` (no
-/// worker runs, say).
-pub async fn held_all(client: &Client, wait: Duration) -> Result<Vec<(PathBuf, LoopState)>> {
-    let listed = list(client, None).await?;
-    let asked = futures::future::join_all(
-        listed
-            .iter()
-            .map(|l| tokio::time::timeout(wait, held(client, &l.loop_id))),
-    )
+/// How long a list waits for each loop's workflow to answer.
+pub const LIST_WAIT: Duration = Duration::from_secs(2);
+
+/// Every loop on Temporal (of the project `root`, or all), with its state and why it stands
+/// still: each asked of its workflow, and shown as the visibility store knows it where the
+/// workflow does not answer within `wait`, or at once where no worker runs (see [`seen`]).
+pub async fn seen_all(
+    client: &Client,
+    config: &TemporalConfig,
+    root: Option<&std::path::Path>,
+    wait: Duration,
+) -> Result<Vec<(Listed, LoopState, Option<Still>)>> {
+    let listed = list(client, root).await?;
+    let no_worker = no_worker(client, config).await?;
+    let asked = futures::future::join_all(listed.iter().map(|l| async {
+        if no_worker.is_some() {
+            return None;
+        }
+        let asked = tokio::time::timeout(wait, held(client, &l.loop_id)).await;
+        asked.ok()?.ok()?.map(|(_, state)| state)
+    }))
     .await;
     Ok(listed
         .into_iter()
         .zip(asked)
-        .map(|(listed, asked)| match asked {
-            Ok(Ok(Some(held))) => held,
-            _ => listed.as_held(),
+        .map(|(listed, asked)| {
+            let state = asked.unwrap_or_else(|| listed.as_held().1);
+            let still = match &no_worker {
+                Some(still) if waits_for_a_worker(&state) => Some(still.clone()),
+                _ => state.still(),
+            };
+            (listed, state, still)
         })
         .collect())
+}
+
+/// How long after the server last saw a worker's poll the worker counts as there: a poll waits
+/// up to a minute for a task, and the server forgets a poller minutes after it went away.
+const POLLED_WITHIN: i64 = 90;
+
+/// Why the loops of `config`'s task queue stand still when no worker polls it (none started, or
+/// all gone): `None` while one does.
+pub async fn no_worker(client: &Client, config: &TemporalConfig) -> Result<Option<Still>> {
+    let queue = config.task_queue.clone();
+    let request = DescribeTaskQueueRequest {
+        namespace: client.namespace(),
+        task_queue: Some(TaskQueue {
+            name: queue.clone(),
+            ..TaskQueue::default()
+        }),
+        task_queue_type: TaskQueueType::Workflow as i32,
+        ..DescribeTaskQueueRequest::default()
+    };
+    let pollers = client
+        .connection()
+        .workflow_service()
+        .describe_task_queue(Request::new(request))
+        .await
+        .with_context(|| format!("cannot ask Temporal for the workers of task queue {queue}"))?
+        .into_inner()
+        .pollers;
+    let now = chrono::Utc::now().timestamp();
+    let polling = pollers.iter().any(|p| {
+        p.last_access_time
+            .as_ref()
+            .is_some_and(|t| now - t.seconds < POLLED_WITHIN)
+    });
+    let address = Endpoint::resolve(config).map_or_else(|_| config.address.clone(), |e| e.address);
+    Ok((!polling).then(|| {
+        Still::new(
+            format!("waiting for a worker: none polls task queue {queue}"),
+            format!("start one where the project is: `loopd worker --temporal {address}`"),
+        )
+    }))
+}
+
+/// Loop `id` as the visibility store knows it (its status and iteration, its project), without
+/// asking its workflow; `None` when there is no such loop.
+pub async fn listed(client: &Client, id: &str) -> Result<Option<Listed>> {
+    use futures::StreamExt as _;
+    // An id is loopd's own (letters, digits, dashes); a quote would be doubled all the same.
+    let query = format!(
+        "WorkflowType = 'LoopWorkflow' AND WorkflowId = '{}'",
+        id.replace('\'', "''")
+    );
+    let mut runs = client.list_workflows(query, WorkflowListOptions::default());
+    match runs.next().await {
+        Some(run) => {
+            let run = run.with_context(|| format!("cannot read loop {id} on Temporal"))?;
+            Ok(Some(Listed::from(run.id(), &run.search_attributes())))
+        }
+        None => Ok(None),
+    }
+}
+
+/// Loop `id` as a person is shown it: asked of its workflow where a worker runs; where none
+/// does (a workflow is only answered by a worker), as the visibility store knows it, with why
+/// it stands still. `None` when there is no such loop.
+pub async fn seen(
+    client: &Client,
+    config: &TemporalConfig,
+    id: &str,
+) -> Result<Option<(PathBuf, LoopState, Option<Still>)>> {
+    let Some(still) = no_worker(client, config).await? else {
+        return Ok(held(client, id)
+            .await?
+            .map(|(root, state)| (root, state, None)));
+    };
+    Ok(listed(client, id).await?.map(|listed| {
+        let (root, state) = listed.as_held();
+        let still = waits_for_a_worker(&state).then_some(still);
+        (root, state, still)
+    }))
+}
+
+/// Whether a loop in `state` has work for a worker: one that is going.
+pub fn waits_for_a_worker(state: &LoopState) -> bool {
+    matches!(state.status, Status::Running | Status::Created)
 }
 
 /// The attempts loop `id` runs now (several for a batch or a race), each as its last heartbeat

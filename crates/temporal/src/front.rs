@@ -12,9 +12,6 @@ use loopd_core::state::LoopState;
 
 use crate::{TemporalConfig, client};
 
-/// How long a list waits for a loop's workflow to tell its state.
-const LIST_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
-
 /// The loops of one Temporal namespace.
 pub struct Fleet {
     config: TemporalConfig,
@@ -55,25 +52,34 @@ impl Driver for Fleet {
     }
 
     async fn list(&self) -> Result<Vec<Listed>> {
-        let held = client::held_all(self.client().await?, LIST_WAIT).await?;
-        Ok(held
+        let seen =
+            client::seen_all(self.client().await?, &self.config, None, client::LIST_WAIT).await?;
+        Ok(seen
             .into_iter()
-            .map(|(root, state)| Listed {
-                root,
-                id: state.loop_id.clone(),
+            .map(|(listed, state, still)| Listed {
+                root: listed.project.into(),
+                id: listed.loop_id,
                 state: Ok(state),
+                still,
             })
             .collect())
     }
 
     async fn show(&self, id: &str, root: Option<&Path>) -> Result<Option<Shown>> {
-        let Some((root, state)) = self.held(id, root).await? else {
+        let seen = client::seen(self.client().await?, &self.config, id).await?;
+        let Some((root, state, still)) = seen.filter(|(r, ..)| root.is_none_or(|root| root == r))
+        else {
             return Ok(None);
         };
         let Value::Object(raw) = serde_json::to_value(&state)? else {
             anyhow::bail!("loop {id}: its state is not an object");
         };
-        Ok(Some(Shown { root, state, raw }))
+        Ok(Some(Shown {
+            root,
+            state,
+            raw,
+            still,
+        }))
     }
 
     async fn change(&self, id: &str, root: Option<&Path>, change: Change) -> Result<Option<Value>> {

@@ -12,6 +12,7 @@ use serde_json::{Value, json};
 use super::shared::{ApiError, ApiResult, Shared, Where, blocking, held_by};
 use loopd_core::control::{Change, Control};
 use loopd_core::driver::{Driver, Local, NewLoop};
+use loopd_core::still::Still;
 use loopd_file_driver::front::Files;
 use loopd_file_driver::project::Project;
 use loopd_file_driver::service::ServiceInfo;
@@ -63,7 +64,12 @@ pub(super) async fn list_loops(State(shared): State<Shared>) -> ApiResult<Json<V
                 Ok(listed
                     .into_iter()
                     .map(|l| match l.state {
-                        Ok(state) => shown(&files, driver.as_ref(), &l.root, &state, &info),
+                        Ok(state) => shown(
+                            &files,
+                            driver.as_ref(),
+                            (&l.root, &state, l.still.as_ref()),
+                            &info,
+                        ),
                         Err(error) => json!({
                             "root": l.root, "status": "unreadable", "error": error,
                             "view": { "loop_id": l.id },
@@ -79,12 +85,12 @@ pub(super) async fn list_loops(State(shared): State<Shared>) -> ApiResult<Json<V
 
 /// A loop as the API shows it ([`summary`]): one of a driver that drives it here with its
 /// project as the service serves it, any other with `driver` naming where it lives and its
-/// project's settings read where its root is on this machine.
+/// project's settings read where its root is on this machine, and why it stands still where
+/// only its driver knows (`still`).
 fn shown(
     files: &Files,
     driver: &dyn Driver,
-    root: &Path,
-    state: &loopd_core::state::LoopState,
+    (root, state, still): (&Path, &loopd_core::state::LoopState, Option<&Still>),
     info: &ServiceInfo,
 ) -> Value {
     if driver.here()
@@ -102,9 +108,13 @@ fn shown(
         }),
     };
     value["driver"] = json!(driver.name());
-    // No daemon of this service drives it: its standing is its own.
+    // No daemon of this service drives it: its standing is its own, and so is why it stands
+    // still.
     value["view"]["standing"] = json!(state.standing());
     value["view"]["daemon_pid"] = Value::Null;
+    let still = still.cloned().or_else(|| state.still());
+    value["view"]["status_reason"] = json!(still.as_ref().map(|w| &w.reason));
+    value["view"]["next_step"] = json!(still.as_ref().map(|w| &w.next));
     value
 }
 
@@ -124,8 +134,7 @@ pub(super) async fn one_loop(
         let mut value = shown(
             &files,
             driver.as_ref(),
-            &loaded.root,
-            &loaded.state,
+            (&loaded.root, &loaded.state, loaded.still.as_ref()),
             &files.info(),
         );
         value["state"] = Value::Object(loaded.raw);
