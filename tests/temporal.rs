@@ -43,7 +43,7 @@ fn a_loop_runs_to_completion_through_two_workers() {
     let expected = serde_json::json!([{
         "loop_id": id, "status": "completed", "workflow": "ccw-loop",
         "project": p.root.display().to_string(), "iteration": state["current_iteration"],
-        "worker": "",
+        "worker": "", "status_reason": null, "next_step": null,
     }]);
     let mut listed = Value::Null;
     wait_for("the list to show the completed loop", || {
@@ -306,7 +306,7 @@ fn a_loop_no_worker_runs_says_it_waits_for_one_then_goes_when_one_starts() {
         why.starts_with("waiting for a worker: none polls task queue ")
             && next.contains(&format!("`loopd worker --temporal {}`", temporal.address))
     };
-    // At once, not after a query's time-out: no workflow answers without a worker.
+    // Within a second, not after a query's time-out: no workflow answers without a worker.
     let shown = temporal.state(&p, &id);
     assert!(waiting(&shown), "{shown}");
     let out = p.output(&["list", "--temporal", &temporal.address, "--json"]);

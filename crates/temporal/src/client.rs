@@ -230,9 +230,14 @@ pub async fn held(client: &Client, id: &str) -> Result<Option<(PathBuf, LoopStat
 /// How long a list waits for each loop's workflow to answer.
 pub const LIST_WAIT: Duration = Duration::from_secs(2);
 
+/// How long a workflow is asked all the same when the server lists no worker of its task queue:
+/// a worker that has just started may not be listed yet (the server lists the pollers of the
+/// queue's first partition), and it answers in milliseconds.
+const UNLISTED_WAIT: Duration = Duration::from_secs(1);
+
 /// Every loop on Temporal (of the project `root`, or all), with its state and why it stands
 /// still: each asked of its workflow, and shown as the visibility store knows it where the
-/// workflow does not answer within `wait`, or at once where no worker runs (see [`seen`]).
+/// workflow does not answer within `wait` (see [`seen`]).
 pub async fn seen_all(
     client: &Client,
     config: &TemporalConfig,
@@ -241,10 +246,12 @@ pub async fn seen_all(
 ) -> Result<Vec<(Listed, LoopState, Option<Still>)>> {
     let listed = list(client, root).await?;
     let no_worker = no_worker(client, config).await?;
+    let wait = if no_worker.is_some() {
+        UNLISTED_WAIT.min(wait)
+    } else {
+        wait
+    };
     let asked = futures::future::join_all(listed.iter().map(|l| async {
-        if no_worker.is_some() {
-            return None;
-        }
         let asked = tokio::time::timeout(wait, held(client, &l.loop_id)).await;
         asked.ok()?.ok()?.map(|(_, state)| state)
     }))
@@ -252,13 +259,16 @@ pub async fn seen_all(
     Ok(listed
         .into_iter()
         .zip(asked)
-        .map(|(listed, asked)| {
-            let state = asked.unwrap_or_else(|| listed.as_held().1);
-            let still = match &no_worker {
-                Some(still) if waits_for_a_worker(&state) => Some(still.clone()),
-                _ => state.still(),
-            };
-            (listed, state, still)
+        .map(|(listed, asked)| match asked {
+            Some(state) => {
+                let still = state.still();
+                (listed, state, still)
+            }
+            None => {
+                let (_, state) = listed.as_held();
+                let still = unanswered(&state, no_worker.as_ref());
+                (listed, state, still)
+            }
         })
         .collect())
 }
@@ -322,24 +332,42 @@ pub async fn listed(client: &Client, id: &str) -> Result<Option<Listed>> {
     }
 }
 
-/// Loop `id` as a person is shown it: asked of its workflow where a worker runs; where none
-/// does (a workflow is only answered by a worker), as the visibility store knows it, with why
-/// it stands still. `None` when there is no such loop.
+/// Loop `id` as a person is shown it: asked of its workflow. Where the server lists no worker
+/// of its task queue, the loop's workflow does not answer within a second (a workflow is only
+/// answered by a worker) and the visibility store has it going, it is shown as that store knows
+/// it, waiting for a worker. `None` when there is no such loop.
 pub async fn seen(
     client: &Client,
     config: &TemporalConfig,
     id: &str,
 ) -> Result<Option<(PathBuf, LoopState, Option<Still>)>> {
-    let Some(still) = no_worker(client, config).await? else {
-        return Ok(held(client, id)
-            .await?
-            .map(|(root, state)| (root, state, None)));
-    };
-    Ok(listed(client, id).await?.map(|listed| {
-        let (root, state) = listed.as_held();
-        let still = waits_for_a_worker(&state).then_some(still);
-        (root, state, still)
-    }))
+    let asking = held(client, id);
+    tokio::pin!(asking);
+    let answered =
+        |held: Option<(PathBuf, LoopState)>| held.map(|(root, state)| (root, state, None));
+    if let Some(still) = no_worker(client, config).await? {
+        match tokio::time::timeout(UNLISTED_WAIT, &mut asking).await {
+            Ok(asked) => return Ok(answered(asked?)),
+            Err(_) => {
+                if let Some(listed) = listed(client, id).await? {
+                    let (root, state) = listed.as_held();
+                    if waits_for_a_worker(&state) {
+                        return Ok(Some((root, state, Some(still))));
+                    }
+                }
+            }
+        }
+    }
+    Ok(answered(asking.await?))
+}
+
+/// Why a loop whose workflow did not answer stands still, from what the visibility store knows
+/// of it (`state`) and whether any worker polls its queue.
+fn unanswered(state: &LoopState, no_worker: Option<&Still>) -> Option<Still> {
+    match no_worker {
+        Some(still) if waits_for_a_worker(state) => Some(still.clone()),
+        _ => state.still(),
+    }
 }
 
 /// Whether a loop in `state` has work for a worker: one that is going.
