@@ -38,15 +38,17 @@ use std::path::{Path, PathBuf};
 use std::process::ExitStatus;
 use std::time::{Duration, Instant};
 
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncWriteExt;
+use tokio::net::unix::pipe;
 use tokio_util::sync::CancellationToken;
 
 use loopd_fs::Dir;
 
 /// How much of stdout is kept in memory to find the result in.
 pub const TAIL_CAP: usize = 1 << 20;
-/// The buffer each of an attempt's pipes is read into: a service holds two per loop, so they
-/// are small; a flood is read in more reads, each cheap.
+/// How much of a pipe one read takes. An attempt waits for its pipes to be readable, then reads
+/// into a buffer on the stack (see [`read_ready`]): a service running a thousand attempts holds
+/// no read buffer for any of them.
 const READ_BUF: usize = 8 * 1024;
 
 /// One attempt to run.
@@ -490,7 +492,6 @@ impl Attempt for SubprocessAttempt {
     ) -> io::Result<Run> {
         let mut stdout = self.child.stdout.take();
         let mut stderr = self.child.stderr.take();
-        let (mut out_buf, mut err_buf) = (vec![0u8; READ_BUF], vec![0u8; READ_BUF]);
         let sup = self.supervision;
         let wall = tokio::time::sleep(sup.timeout);
         let idle = tokio::time::sleep(sup.idle_timeout);
@@ -504,25 +505,20 @@ impl Attempt for SubprocessAttempt {
         let now = tokio::time::Instant::now;
         while stdout.is_some() || stderr.is_some() || status.is_none() {
             tokio::select! {
-                n = read_some(&mut stdout, &mut out_buf) => match n {
-                    Some(n) => match self.output.stdout(&out_buf[..n], told) {
-                        Heard::OverBudget => { cut = Some(Cut::Budget); break }
-                        Heard::Noise => {}
-                        Heard::Final => {
-                            idle.as_mut().reset(now() + sup.idle_timeout);
-                            linger_until.get_or_insert(now() + sup.final_grace);
-                        }
-                        Heard::Progress => idle.as_mut().reset(now() + sup.idle_timeout),
-                    },
-                    None => stdout = None,
+                () = readable(&stdout) => match read_ready(&mut stdout, |b| self.output.stdout(b, told)) {
+                    Some(Heard::OverBudget) => { cut = Some(Cut::Budget); break }
+                    Some(Heard::Noise) | None => {}
+                    Some(Heard::Final) => {
+                        idle.as_mut().reset(now() + sup.idle_timeout);
+                        linger_until.get_or_insert(now() + sup.final_grace);
+                    }
+                    Some(Heard::Progress) => idle.as_mut().reset(now() + sup.idle_timeout),
                 },
-                n = read_some(&mut stderr, &mut err_buf) => match n {
-                    Some(n) => {
-                        self.output.stderr(&err_buf[..n]);
+                () = readable(&stderr) => {
+                    if read_ready(&mut stderr, |b| self.output.stderr(b)).is_some() {
                         idle.as_mut().reset(now() + sup.idle_timeout);
                     }
-                    None => stderr = None,
-                },
+                }
                 s = self.child.wait(), if status.is_none() => {
                     status = Some(s?);
                     drain_until = Some(now() + Duration::from_millis(200));
@@ -545,8 +541,8 @@ impl SubprocessAttempt {
         mut self: Box<Self>,
         mut status: Option<ExitStatus>,
         cut: Option<Cut>,
-        mut stdout: Option<tokio::net::unix::pipe::Receiver>,
-        mut stderr: Option<tokio::net::unix::pipe::Receiver>,
+        mut stdout: Option<pipe::Receiver>,
+        mut stderr: Option<pipe::Receiver>,
     ) -> io::Result<Run> {
         let spawned = self.spawned;
         let killed =
@@ -559,15 +555,14 @@ impl SubprocessAttempt {
         };
         procs::attempt_ended(spawned.pgid);
         status = Some(waited?);
-        let mut buf = vec![0u8; READ_BUF];
         let mut out = self.output;
-        drain(&mut stdout, &mut buf, |bytes| {
+        drain(&mut stdout, |bytes| {
             out.log.write(bytes);
             out.output_tail.push(bytes);
             out.stdout_tail.push(bytes);
         })
         .await;
-        drain(&mut stderr, &mut buf, |bytes| out.stderr(bytes)).await;
+        drain(&mut stderr, |bytes| out.stderr(bytes)).await;
         out.log.finish();
         if let Some(tmp) = &self.tmp {
             tmp.put_away();
@@ -612,32 +607,44 @@ async fn sleep_until(t: Option<tokio::time::Instant>) {
     }
 }
 
-/// Reads from an optional pipe: `None` at end of file, error, or when there is no pipe (then it
-/// never resolves, so `select!` ignores it).
-async fn read_some<R: AsyncRead + Unpin>(pipe: &mut Option<R>, buf: &mut [u8]) -> Option<usize> {
+/// Resolves when an optional pipe may be read (data, its end, or an error); never when there is
+/// no pipe, so `select!` ignores it.
+async fn readable(pipe: &Option<pipe::Receiver>) {
     match pipe {
-        Some(p) => match p.read(buf).await {
-            Ok(0) | Err(_) => None,
-            Ok(n) => Some(n),
-        },
+        Some(p) => {
+            // An error is the read's to meet.
+            let _ = p.readable().await;
+        }
         None => std::future::pending().await,
+    }
+}
+
+/// Reads what a readable pipe holds into a buffer on this thread's stack, and gives it to `heard`
+/// (`None` when there was nothing after all). At its end, or on an error, the pipe is dropped.
+fn read_ready<T>(pipe: &mut Option<pipe::Receiver>, heard: impl FnOnce(&[u8]) -> T) -> Option<T> {
+    let mut buf = [0u8; READ_BUF];
+    match pipe.as_ref()?.try_read(&mut buf) {
+        Ok(n) if n > 0 => Some(heard(&buf[..n])),
+        Err(e) if e.kind() == io::ErrorKind::WouldBlock => None,
+        // Its end, or an error: nothing more comes from it.
+        _ => {
+            *pipe = None;
+            None
+        }
     }
 }
 
 /// Reads what is left in a pipe whose writers are gone, giving up on one that stays open
 /// (a process that escaped the group may hold it).
-async fn drain<R: AsyncRead + Unpin>(
-    pipe: &mut Option<R>,
-    buf: &mut [u8],
-    mut sink: impl FnMut(&[u8]),
-) {
+async fn drain(pipe: &mut Option<pipe::Receiver>, mut sink: impl FnMut(&[u8])) {
     while pipe.is_some() {
-        let Ok(Some(n)) =
-            tokio::time::timeout(Duration::from_millis(50), read_some(pipe, buf)).await
-        else {
+        if tokio::time::timeout(Duration::from_millis(50), readable(pipe))
+            .await
+            .is_err()
+        {
             return;
-        };
-        sink(&buf[..n]);
+        }
+        read_ready(pipe, &mut sink);
     }
 }
 
