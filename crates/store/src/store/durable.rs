@@ -67,7 +67,7 @@ pub(super) fn backup_thread(dev: u64) -> Option<BackupThread> {
 pub(super) struct BackupJob {
     store: Store,
     id: String,
-    bytes: Vec<u8>,
+    bytes: Arc<Vec<u8>>,
     /// How far the loop had come in it (see [`backup::Recorded::Behind`]).
     progress: u64,
     done: mpsc::SyncSender<()>,
@@ -164,7 +164,7 @@ impl Store {
 
     /// Hands the version `bytes` of loop `id`, that far (`progress`, see [`Store::record_version`]),
     /// to the backup thread, if durability is deferred and that thread runs; whether it did.
-    pub(super) fn defer_backup(&self, id: &str, bytes: &[u8], progress: u64) -> bool {
+    pub(super) fn defer_backup(&self, id: &str, bytes: &Arc<Vec<u8>>, progress: u64) -> bool {
         let Some(deferred) = self.deferred.get() else {
             return false;
         };
@@ -175,7 +175,7 @@ impl Store {
         let job = BackupJob {
             store: self.clone(),
             id: id.to_owned(),
-            bytes: bytes.to_vec(),
+            bytes: bytes.clone(),
             progress,
             done,
         };

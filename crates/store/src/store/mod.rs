@@ -126,7 +126,9 @@ pub struct Store {
 /// a service keeps one per loop, not several).
 #[derive(Debug)]
 struct Seen {
-    bytes: Vec<u8>,
+    /// Shared with the replaced versions kept for late writes ([`orphans`]): a loop that
+    /// writes often has a few of them, each the size of its state.
+    bytes: Arc<Vec<u8>>,
     state: Arc<LoopState>,
     /// Its control fields, once a watcher asked for them: the typed view's.
     control: std::sync::OnceLock<Option<Control>>,
@@ -223,20 +225,20 @@ impl Store {
     /// The object the remembered version `bytes` was written from, taken (one write uses it).
     fn take_object(&self, id: &str, bytes: &[u8]) -> Option<Map<String, Value>> {
         let seen = lock(&self.last).get(id)?.clone();
-        if seen.bytes != bytes {
+        if seen.bytes.as_slice() != bytes {
             return None;
         }
         lock(&seen.object).take()
     }
 
-    /// The parse of `bytes` if they are the last version seen of `id`.
-    fn remembered(&self, id: &str, bytes: &[u8]) -> Option<Arc<LoopState>> {
+    /// The last version seen of `id` and its parse, if `bytes` are that version.
+    fn remembered(&self, id: &str, bytes: &[u8]) -> Option<(Arc<Vec<u8>>, Arc<LoopState>)> {
         if !self.memory {
             return None;
         }
         let last = lock(&self.last);
         let seen = last.get(id)?;
-        (seen.bytes == bytes).then(|| seen.state.clone())
+        (seen.bytes.as_slice() == bytes).then(|| (seen.bytes.clone(), seen.state.clone()))
     }
 
     /// Remembers a version this process read or wrote: its bytes, its typed view, and the
@@ -244,7 +246,7 @@ impl Store {
     fn remember(
         &self,
         id: &str,
-        bytes: Vec<u8>,
+        bytes: Arc<Vec<u8>>,
         state: Arc<LoopState>,
         object: Option<Map<String, Value>>,
     ) {
@@ -359,7 +361,7 @@ impl Store {
     /// after a short retry in case another program is half-way through rewriting it; while a
     /// writer holds it open (the kernel tells), that writer is waited for, however slow
     /// ([`WRITER_HOLD_MAX`] aside).
-    fn read(&self, id: &str) -> Result<(Vec<u8>, Arc<LoopState>), StoreError> {
+    fn read(&self, id: &str) -> Result<(Arc<Vec<u8>>, Arc<LoopState>), StoreError> {
         validate_id(id)?;
         let dir = self.existing_dir()?.ok_or_else(|| self.not_found(id))?;
         let path = self.state_path(id);
@@ -373,12 +375,12 @@ impl Store {
         };
         loop {
             let bytes = self.read_bytes(&dir, id)?;
-            if let Some(state) = self.remembered(id, &bytes) {
-                return Ok((bytes, state));
+            if let Some(seen) = self.remembered(id, &bytes) {
+                return Ok(seen);
             }
             match parse_state(&path, &bytes) {
                 Ok(state) => {
-                    let state = Arc::new(state);
+                    let (bytes, state) = (Arc::new(bytes), Arc::new(state));
                     self.remember(id, bytes.clone(), state.clone(), None);
                     return Ok((bytes, state));
                 }
@@ -406,7 +408,7 @@ impl Store {
             .memory
             .then(|| lock(&self.last).get(id).cloned())
             .flatten()
-            .filter(|seen| seen.bytes == bytes);
+            .filter(|seen| *seen.bytes == bytes);
         match seen {
             Some(seen) => seen
                 .control

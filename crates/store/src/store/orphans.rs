@@ -117,7 +117,7 @@ pub(super) struct Orphan {
     pub(super) id: String,
     pub(super) name: String,
     /// What it held when it was replaced: a late write is what differs from it.
-    pub(super) base: Vec<u8>,
+    pub(super) base: Arc<Vec<u8>>,
     /// What replaced it: a key the state file no longer holds as written there was changed by
     /// someone since, and is theirs to keep.
     pub(super) written: Arc<Vec<u8>>,
@@ -238,8 +238,8 @@ impl Store {
         &self,
         id: &str,
         name: String,
-        base: Vec<u8>,
-        written: Vec<u8>,
+        base: Arc<Vec<u8>>,
+        written: Arc<Vec<u8>>,
         replaced: Option<SystemTime>,
     ) {
         let mut kept = lock(&self.orphans);
@@ -250,7 +250,6 @@ impl Store {
             }
             None => false,
         };
-        let written = Arc::new(written);
         if let Some(at) = replaced {
             kept.place(Placed {
                 id: id.to_owned(),
@@ -521,7 +520,7 @@ impl Store {
         let replaced = note["replaced"]
             .as_u64()
             .map(|ns| SystemTime::UNIX_EPOCH + Duration::from_nanos(ns));
-        self.keep_orphan(id, orphan, base, written, replaced);
+        self.keep_orphan(id, orphan, Arc::new(base), Arc::new(written), replaced);
         // Read at its settle whatever the events said: its writes came before this process knew
         // it.
         self.touch_orphans(id);
@@ -662,14 +661,14 @@ impl Store {
             // the orphan's life to finish.
             while all
                 && writing.is_none()
-                && now != base
+                && now != *base
                 && serde_json::from_slice::<Value>(&now).is_err()
                 && since.elapsed() < ORPHAN_LIFE
             {
                 std::thread::sleep(Duration::from_millis(5));
                 now = read().unwrap_or_default();
             }
-            if now == base {
+            if now == *base {
                 if settled {
                     // One still open elsewhere is not written into again.
                     if all || elsewhere == Some(true) || !self.spare(id, &name) {

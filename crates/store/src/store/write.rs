@@ -311,7 +311,7 @@ impl Store {
             raw.insert("updated_at".into(), Value::String(now_rfc3339()));
             let typed = own.then(|| known(&raw, &base)).flatten();
             let value = Value::Object(raw);
-            let bytes = to_pretty(&path, &value)?;
+            let bytes = Arc::new(to_pretty(&path, &value)?);
             let progress = progress_of(&value);
             // The write (and its backup's) wakes the watcher's reader: placed first where it
             // costs the loop least.
@@ -362,7 +362,7 @@ impl Store {
                 }
                 Swapped::Replaced { tmp, old } => {
                     let theirs = match expected {
-                        Some(e) if e != old => parse_state(&path, &old).ok(),
+                        Some(e) if e != old.as_slice() => parse_state(&path, &old).ok(),
                         _ => None,
                     };
                     if let Some(theirs) = theirs {
@@ -373,7 +373,7 @@ impl Store {
                         );
                         let _ = dir.remove(&tmp);
                         in_place = bytes;
-                        made_on = old;
+                        made_on = Arc::new(old);
                         base = Arc::new(theirs);
                         continue;
                     }
@@ -382,8 +382,8 @@ impl Store {
                     // version another writer put there on the last round (written whatever
                     // happened) differs from the version this change was made on by that
                     // writer's changes, merged when the orphan settles.
-                    let base = if old == in_place {
-                        old
+                    let base = if old == *in_place {
+                        in_place
                     } else if parse_state(&path, &old).is_ok() {
                         made_on
                     } else {
