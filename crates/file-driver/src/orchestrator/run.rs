@@ -171,12 +171,14 @@ impl LoopRun<'_> {
             )),
             Decision::Run(dispatch) => {
                 let racers = self.racers(&state, &dispatch);
+                // A race's and a batch's futures are boxed: inline, their size (12 KiB for a
+                // batch) would be every loop's for its whole life, in a service of hundreds.
                 if !racers.is_empty() {
-                    return self.run_race(state, dispatch, racers).await;
+                    return Box::pin(self.run_race(state, dispatch, racers)).await;
                 }
                 let batch = self.batch_of(&state, &dispatch);
                 if !batch.is_empty() {
-                    return self.run_batch(state, batch).await;
+                    return Box::pin(self.run_batch(state, batch)).await;
                 }
                 let consumed = state.next_action.clone();
                 self.run_action(state, &dispatch, consumed).await
