@@ -5,6 +5,7 @@
 //! `{{name}}` placeholders from [`PLACEHOLDERS`]. Everything is checked when the file is loaded,
 //! so a typo fails the start of a loop, not its fifth iteration.
 
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
@@ -182,7 +183,9 @@ pub struct ActionDef {
     pub front: FrontMatter,
     /// The project's file as it was read, for a project override: it needs `loopd trust`.
     pub project_file: Option<crate::project_file::ProjectFile>,
-    template: String,
+    /// A built-in action's is its text in the binary: a service of hundreds of loops keeps no
+    /// copy of it per loop.
+    template: Cow<'static, str>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -193,21 +196,33 @@ pub struct ActionError {
 }
 
 impl ActionDef {
-    pub fn parse(name: &str, source: &str, text: &str) -> Result<ActionDef, ActionError> {
+    pub fn parse(
+        name: &str,
+        source: &str,
+        text: impl Into<Cow<'static, str>>,
+    ) -> Result<ActionDef, ActionError> {
         let err = |reason: String| ActionError {
             file: source.to_owned(),
             reason,
         };
-        let (front, template) = match text.strip_prefix("+++\n") {
+        let text = text.into();
+        let (front, start) = match text.strip_prefix("+++\n") {
             Some(rest) => {
                 let end = rest
                     .find("\n+++\n")
                     .ok_or_else(|| err("front matter opened with +++ is never closed".into()))?;
                 let front: FrontMatter = toml::from_str(&rest[..end])
                     .map_err(|e| err(format!("front matter: {}", e.message().trim())))?;
-                (front, rest[end + 5..].to_owned())
+                (front, "+++\n".len() + end + "\n+++\n".len())
             }
-            None => (FrontMatter::default(), text.to_owned()),
+            None => (FrontMatter::default(), 0),
+        };
+        let template = match text {
+            Cow::Borrowed(text) => Cow::Borrowed(&text[start..]),
+            Cow::Owned(mut text) => {
+                text.drain(..start);
+                Cow::Owned(text)
+            }
         };
         for (key, v) in [
             ("timeout", front.timeout),
@@ -245,7 +260,7 @@ impl ActionDef {
     /// Fills the template; every placeholder in it was checked at load.
     pub fn render(&self, vars: &BTreeMap<&str, String>) -> String {
         let mut out = String::with_capacity(self.template.len() + 256);
-        let mut rest = self.template.as_str();
+        let mut rest = &*self.template;
         while let Some(start) = rest.find("{{") {
             out.push_str(&rest[..start]);
             let after = &rest[start + 2..];
@@ -295,7 +310,7 @@ pub fn load(
         let def = match loopd_fs::read_text(&path) {
             Ok(text) => ActionDef {
                 project_file: Some(crate::project_file::ProjectFile::new(&path, &text)),
-                ..ActionDef::parse(action, &path.display().to_string(), &text)?
+                ..ActionDef::parse(action, &path.display().to_string(), text)?
             },
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
                 let text = BUILTIN
