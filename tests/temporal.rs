@@ -323,6 +323,23 @@ fn a_loop_no_worker_runs_says_it_waits_for_one_then_goes_when_one_starts() {
         "{}",
         stdout(&out)
     );
+    // The service's API (and so the page) says the same, in the loop and in the list.
+    let service = p.serve(&["--temporal", &temporal.address, "--listen", "127.0.0.1:0"]);
+    let info = service.info().expect("the service's info");
+    let addr = info["listen"].as_str().expect("listen").to_owned();
+    let token = std::fs::read_to_string(p.home.join(".local/state/loopd/run/token")).unwrap();
+    let to = To::Tcp(&addr, Some(token.trim()));
+    let (status, shown) = call(&to, "GET", &format!("/v1/loops/{id}"), None);
+    assert_eq!(status, 200, "{shown}");
+    assert!(waiting(&shown["view"]), "{shown}");
+    let (status, listed) = call(&to, "GET", "/v1/loops", None);
+    assert_eq!(status, 200, "{listed}");
+    let row = listed
+        .as_array()
+        .and_then(|l| l.iter().find(|l| l["view"]["loop_id"] == id.as_str()))
+        .unwrap_or_else(|| panic!("{listed}"));
+    assert!(waiting(&row["view"]), "{row}");
+    drop(service);
 
     temporal.worker(&p);
     let state = temporal.wait_for_status(&p, &id, "completed");
