@@ -10,7 +10,7 @@
 use std::fs::File;
 use std::io::{self, Write};
 use std::path::PathBuf;
-use std::sync::{LazyLock, Mutex};
+use std::sync::{Arc, LazyLock, Mutex};
 
 use loopd_core::state::LoopState;
 use loopd_core::still::Still;
@@ -105,24 +105,15 @@ pub const KEEP_ACTIONS: u64 = 200;
 const MAX_SPARE_LOGS: usize = 64;
 
 /// A loop's progress directory (`{id}.progress`), opened on first use and again after it was
-/// removed.
+/// removed. Its clones (the event log's, the progress files', the attempts') share what they
+/// open: one descriptor of each directory a loop, in a service of a thousand.
+#[derive(Clone)]
 pub struct ProgressDir {
     store: Store,
     id: String,
-    dir: Mutex<Option<Dir>>,
+    dir: Arc<Mutex<Option<Dir>>>,
     /// `actions/`, once opened: each attempt uses it twice.
-    actions: Mutex<Option<Dir>>,
-}
-
-impl Clone for ProgressDir {
-    fn clone(&self) -> ProgressDir {
-        ProgressDir {
-            store: self.store.clone(),
-            id: self.id.clone(),
-            dir: Mutex::new(self.cached()),
-            actions: Mutex::new(lock(&self.actions).clone()),
-        }
-    }
+    actions: Arc<Mutex<Option<Dir>>>,
 }
 
 impl ProgressDir {
@@ -130,8 +121,8 @@ impl ProgressDir {
         ProgressDir {
             store: store.clone(),
             id: id.to_owned(),
-            dir: Mutex::new(None),
-            actions: Mutex::new(None),
+            dir: Arc::default(),
+            actions: Arc::default(),
         }
     }
 
