@@ -643,12 +643,16 @@ pub async fn end_processes(pgids: &[u32], extra: &[u32], marker: &str, grace: Du
         pids.dedup();
         pids
     };
+    // A walk down the tree can miss a process whose parent is exiting as it reads (the kernel is
+    // handing it to this subreaper: listed under neither): the attempt is taken for ended only
+    // when a second walk, begun after the first, finds nothing either.
+    let ended = |pids: &[u32]| pids.is_empty() && procs(extra).is_empty();
     let mut termed: HashSet<u32> = HashSet::new();
     let deadline = Instant::now() + grace;
     let mut pause = Duration::from_millis(1);
     loop {
         let pids = procs(extra);
-        if pids.is_empty() {
+        if ended(&pids) {
             reap_zombies();
             return false;
         }
@@ -669,7 +673,7 @@ pub async fn end_processes(pgids: &[u32], extra: &[u32], marker: &str, grace: Du
             signal_group(*g, Signal::SIGKILL);
         }
         let pids = procs(extra);
-        if pids.is_empty() || Instant::now() >= deadline {
+        if ended(&pids) || Instant::now() >= deadline {
             break;
         }
         signal_each(&pids, Signal::SIGKILL);
