@@ -371,7 +371,7 @@ fn unanswered(state: &LoopState, no_worker: Option<&Still>) -> Option<Still> {
 }
 
 /// Whether a loop in `state` has work for a worker: one that is going.
-pub fn waits_for_a_worker(state: &LoopState) -> bool {
+fn waits_for_a_worker(state: &LoopState) -> bool {
     matches!(state.status, Status::Running | Status::Created)
 }
 
