@@ -33,6 +33,8 @@ use std::time::Duration;
 
 use anyhow::{Context as _, Result};
 use chrono::Utc;
+use futures_util::FutureExt as _;
+use futures_util::future::BoxFuture;
 use loopd_core::state::{
     AwaitingChoice, BestValidation, Checkpoint, HistoryEntry, InFlight, LoopState, Status,
     format_ts,
@@ -204,7 +206,19 @@ impl Engine {
     }
 
     /// Drives the loop until it ends. `shutdown` carries the signal number that asked to stop.
-    pub async fn run(&self, id: &str, shutdown: watch::Receiver<Option<i32>>) -> Result<Exit> {
+    ///
+    /// Boxed, so that the loop's code is compiled here only: a caller that awaited the future
+    /// itself (the service's task for a loop) would compile all of it again, at its own crate's
+    /// optimization level.
+    pub fn run<'a>(
+        &'a self,
+        id: &'a str,
+        shutdown: watch::Receiver<Option<i32>>,
+    ) -> BoxFuture<'a, Result<Exit>> {
+        self.drive_loop(id, shutdown).boxed()
+    }
+
+    async fn drive_loop(&self, id: &str, shutdown: watch::Receiver<Option<i32>>) -> Result<Exit> {
         let progress_dir = ProgressDir::new(&self.store, id);
         let mut events = EventLog::open(id, &progress_dir)
             .with_context(|| format!("cannot open the event log of {id}"))?;
