@@ -49,13 +49,7 @@ fn percentiles(times: &mut [Duration]) -> (f64, f64) {
 
 /// The peak resident memory of process `pid`, in MiB.
 fn peak_rss(pid: u32) -> f64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    let kib: f64 = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmHWM:"))
-        .and_then(|v| v.split_whitespace().next()?.parse().ok())
-        .unwrap_or(0.0);
-    kib / 1024.0
+    common::status_kib(pid, "VmHWM:") as f64 / 1024.0
 }
 
 fn over_stdio(p: &Project, ids: &[String], calls: usize) -> (f64, f64, f64) {

@@ -11,15 +11,16 @@
 //! round, which loopd reads and applies, and to a file nobody reads in the other rounds, so that
 //! all rounds pay the backend's same work and the differences are the orchestrators'. ralph runs it as a
 //! `custom` backend (`ralph run --no-tui`, prompt as an
-//! argument) until the promise; the bare round spawns it N times as loopd does (a process group of
-//! its own, pipes read to EOF). Rounds interleave the three, so that a slow moment of the machine
-//! hits them alike. Every round's directory is removed at the end, not after the round (see
+//! argument) until the promise, twice: its prompt from `PROMPT.md`, and at its leanest (the prompt
+//! inline, `-p`; its preflight checks skipped; quiet; memories and tasks off in both); the bare
+//! round spawns it N times as loopd does (a process group of its own, pipes read to EOF). Rounds
+//! interleave the systems, so that a slow moment of the machine hits them alike. Every round's directory is removed at the end, not after the round (see
 //! [`Leftovers`]).
 //!
 //! Per system: wall time per action; its own CPU per action (the CPU of the run with its
 //! children, from `getrusage(RUSAGE_CHILDREN)`, less the bare round's: the backend's own CPU);
 //! its peak RSS (`VmHWM`, polled). Medians over the rounds, and the ratios loopd/bare,
-//! ralph/bare and loopd/ralph.
+//! ralph/bare and loopd/ralph, of the wall time and of the own CPU.
 //!
 //! ralph is installed once into a cache directory (`cargo install ralph-cli --version 2.10.1
 //! --locked --root DIR`); no code of it is part of loopd. When it cannot be installed the
@@ -173,16 +174,23 @@ fn loopd_round(dir: &Path, n: usize, json: bool) -> (Run, Leftovers) {
     (run, Box::new(p))
 }
 
-fn ralph_round(ralph: &Path, dir: &Path, n: usize) -> (Run, Leftovers) {
+/// A ralph run: its prompt from `PROMPT.md`, or with `lean` inline (`-p`), its preflight checks
+/// skipped and its output quiet, as ralph at its leanest.
+fn ralph_round(ralph: &Path, dir: &Path, n: usize, lean: bool) -> (Run, Leftovers) {
     let tmp = tempfile::tempdir_in(dir).expect("tempdir");
     let root = tmp.path();
     backend_dir(root, n);
     std::fs::write(root.join("ralph.yml"), ralph_config(n)).expect("config");
-    std::fs::write(root.join("PROMPT.md"), "Say ok.\n").expect("prompt");
+    let mut cmd = Command::new(ralph);
+    cmd.args(["run", "--no-tui", "-c", "ralph.yml"]);
+    if lean {
+        cmd.args(["-p", "Say ok.", "--skip-preflight", "--quiet"]);
+    } else {
+        std::fs::write(root.join("PROMPT.md"), "Say ok.\n").expect("prompt");
+    }
     let cpu0 = children_cpu();
     let started = Instant::now();
-    let child = Command::new(ralph)
-        .args(["run", "--no-tui", "-c", "ralph.yml"])
+    let child = cmd
         .current_dir(root)
         .env("HOME", root)
         .env("BENCH_RESULT_FILE", UNREAD_RESULT)
@@ -297,7 +305,8 @@ fn main() {
     let mut ratios = Vec::new();
     let mut leftovers = Vec::new();
     for (name, dir) in &places {
-        let (mut l, mut j, mut r, mut b) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let (mut l, mut j, mut r, mut rl, mut b) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
         let mut keep = |(run, left): (Run, Leftovers), runs: &mut Vec<Run>| {
             runs.push(run);
             leftovers.push(left);
@@ -306,7 +315,8 @@ fn main() {
             keep(loopd_round(dir, n, false), &mut l);
             keep(loopd_round(dir, n, true), &mut j);
             if let Some(ralph) = &ralph {
-                keep(ralph_round(ralph, dir, n), &mut r);
+                keep(ralph_round(ralph, dir, n, false), &mut r);
+                keep(ralph_round(ralph, dir, n, true), &mut rl);
             }
             keep(bare_round(dir, n), &mut b);
             eprintln!("{name}: round {round} of {rounds} done");
@@ -320,23 +330,35 @@ fn main() {
         println!("| {name} | loopd | {lw:.2} | {lc:.2} | {lm:.1} MiB |");
         let (jw, jc, jm) = own(&j);
         println!("| {name} | loopd, json results | {jw:.2} | {jc:.2} | {jm:.1} MiB |");
-        let ralph_row = (!r.is_empty()).then(|| own(&r));
-        if let Some((rw, rc, rm)) = ralph_row {
+        let ralph_rows = (!r.is_empty()).then(|| (own(&r), own(&rl)));
+        if let Some(((rw, rc, rm), (sw, sc, sm))) = ralph_rows {
             println!("| {name} | ralph {RALPH_VERSION} | {rw:.2} | {rc:.2} | {rm:.1} MiB |");
+            println!(
+                "| {name} | ralph {RALPH_VERSION}, inline prompt, lean | {sw:.2} | {sc:.2} | \
+                 {sm:.1} MiB |"
+            );
         }
         println!("| {name} | bare backend | {bw:.2} | | |");
         ratios.push((
             name,
             lw / bw,
-            ralph_row.map(|(rw, ..)| (rw / bw, lw / rw, jw / rw)),
+            ralph_rows.map(|((rw, rc, _), (sw, sc, _))| {
+                [rw / bw, lw / rw, jw / rw, lw / sw, lc / rc, lc / sc]
+            }),
         ));
     }
-    println!("\n| fs | loopd/bare | ralph/bare | loopd/ralph | loopd (json results)/ralph |");
-    println!("|---|---|---|---|---|");
+    println!(
+        "\n| fs | loopd/bare | ralph/bare | loopd/ralph | loopd (json results)/ralph | \
+         loopd/ralph lean | own CPU: loopd/ralph | own CPU: loopd/ralph lean |"
+    );
+    println!("|---|---|---|---|---|---|---|---|");
     for (name, lb, r) in ratios {
         match r {
-            Some((rb, lr, jr)) => println!("| {name} | {lb:.2} | {rb:.2} | {lr:.2} | {jr:.2} |"),
-            None => println!("| {name} | {lb:.2} | | | |"),
+            Some(r) => println!(
+                "| {name} | {lb:.2} | {} |",
+                r.map(|x| format!("{x:.2}")).join(" | ")
+            ),
+            None => println!("| {name} | {lb:.2} | | | | | | |"),
         }
     }
 }

@@ -32,7 +32,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{Project, alive, config, cpu_ticks, env_num, tempdir, tick_ms};
+use common::{Project, alive, config, cpu_ticks, env_num, status_kib, tempdir, tick_ms};
 
 /// Plans 20 tasks, then every action records its pid and takes 0.2 s; validation never passes,
 /// so the loop goes on (debug, develop...) until its iteration limit.
@@ -97,14 +97,6 @@ fn wait(what: &str, mut cond: impl FnMut() -> bool) {
         assert!(Instant::now() < deadline, "timed out waiting for {what}");
         std::thread::sleep(POLL);
     }
-}
-
-fn status_kib(pid: u32, key: &str) -> u64 {
-    let text = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("status");
-    text.lines()
-        .find_map(|l| l.strip_prefix(key))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .unwrap_or(0)
 }
 
 fn pss_kib(pid: u32) -> u64 {

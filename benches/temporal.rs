@@ -12,13 +12,17 @@
 //!   c) stop latency: a loop whose develop action is a shell that becomes `sleep 1000`; from the
 //!      spawn of `loopd --temporal ADDR stop ID` to the executor gone (p50, p99);
 //!   d) throughput: `LOOPS` loops of 5 actions each over 3 workers: actions per second;
-//!   e) a worker SIGKILLed while its executor runs: from the kill to the executor gone.
+//!   e) a worker SIGKILLed while its executor runs: from the kill to the executor gone;
+//!   f) scale: for each N of `WORKER_LOOPS`, N loops of 5 actions on one worker that runs them
+//!      all at once (`--max-actions N`), created at once: actions per second, the worker's
+//!      own CPU per action against trial b's, and its peak RSS.
 //!
 //! Run: `cargo bench --bench temporal --features temporal`. Environment:
 //!   LOOPD_TEMPORAL_BIN   the `temporal` program (default: ~/.cache/loopd/temporal-1.9.1/bin/temporal)
 //!   LOOPD_BENCH_STEPS    actions of trials a and b (default 50)
 //!   LOOPD_BENCH_TRIALS   stop trials (default 20)
 //!   LOOPD_BENCH_LOOPS    loops of trial d (default 50)
+//!   LOOPD_BENCH_WORKER_LOOPS  loops of trial f, sizes separated by commas (default `10,100`)
 
 mod common;
 
@@ -27,7 +31,7 @@ use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use common::temporal::{Workers, finished};
-use common::{Project, alive, cpu_ticks_with_children, env_num, median, ms, tick_ms};
+use common::{Project, alive, cpu_ticks_with_children, env_num, median, ms, status_kib, tick_ms};
 
 /// Plans `$TASKS` tasks at init; every action succeeds at once. Develop writes its pid to
 /// `develop.pid` and becomes `sleep 1000` when `hold` exists.
@@ -197,6 +201,38 @@ fn main() {
         orphans.iter().copied().fold(0.0, f64::max),
         orphans.len()
     );
+
+    // f) Many loops on one worker.
+    let sizes = std::env::var("LOOPD_BENCH_WORKER_LOOPS").unwrap_or_else(|_| "10,100".into());
+    println!(
+        "\nf) | loops | actions/s | worker CPU per action | × one loop's (b) | worker peak RSS |\n   \
+         |---|---|---|---|---|"
+    );
+    for n in sizes
+        .split(',')
+        .map(|n| n.trim().parse::<usize>().expect("a number of loops"))
+    {
+        let p = project(2);
+        let max = n.to_string();
+        let workers = Workers::start_with(&p, &server.address, 1, |cmd, _| {
+            cmd.args(["--max-actions", &max]);
+        });
+        let worker = workers.processes[0].0.id();
+        let cpu0 = cpu_ticks_with_children(worker).0;
+        let started = Instant::now();
+        for id in &create_all(&p, &server.address, n) {
+            rt.block_on(finished(config, id));
+        }
+        let elapsed = started.elapsed().as_secs_f64();
+        let own = (cpu_ticks_with_children(worker).0 - cpu0) as f64 * tick_ms() / (n * 5) as f64;
+        let peak = status_kib(worker, "VmHWM:") as f64 / 1024.0;
+        drop(workers);
+        println!(
+            "   | {n} | {:.1} | {own:.2} ms | {:.2} | {peak:.1} MiB |",
+            (n * 5) as f64 / elapsed,
+            own / worker_own
+        );
+    }
 }
 
 /// A project whose loops plan `tasks` tasks.
@@ -208,25 +244,48 @@ fn project(tasks: usize) -> Project {
 
 /// `loopd create --temporal ADDR`: the new loop's id.
 fn create(p: &Project, address: &str) -> String {
-    let out = p
-        .loopd()
-        .args([
-            "create",
-            "--temporal",
-            address,
-            "--title",
-            "t",
-            "--max-iterations",
-            "1000",
-        ])
-        .output()
-        .expect("loopd create");
+    created(create_command(p, address).output().expect("loopd create"))
+}
+
+fn create_command(p: &Project, address: &str) -> std::process::Command {
+    let mut cmd = p.loopd();
+    cmd.args([
+        "create",
+        "--temporal",
+        address,
+        "--title",
+        "t",
+        "--max-iterations",
+        "1000",
+    ]);
+    cmd
+}
+
+/// The id a `loopd create` printed.
+fn created(out: std::process::Output) -> String {
     assert!(
         out.status.success(),
         "create: {}",
         String::from_utf8_lossy(&out.stderr)
     );
     String::from_utf8_lossy(&out.stdout).trim().to_owned()
+}
+
+/// `n` loops created at once, by as many `loopd create --temporal ADDR`: their ids.
+fn create_all(p: &Project, address: &str, n: usize) -> Vec<String> {
+    let creating: Vec<_> = (0..n)
+        .map(|_| {
+            create_command(p, address)
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .expect("loopd create")
+        })
+        .collect();
+    creating
+        .into_iter()
+        .map(|c| created(c.wait_with_output().expect("loopd create")))
+        .collect()
 }
 
 /// Waits until process `pid` is gone; the milliseconds since `started`.

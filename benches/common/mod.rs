@@ -181,6 +181,17 @@ impl Project {
 }
 
 /// The median of some measures (NaN for none).
+/// A `kB` figure of process `pid`'s `/proc/PID/status` (`key` with its colon: `VmHWM:`), 0 once
+/// the process is gone.
+pub fn status_kib(pid: u32, key: &str) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix(key))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or(0)
+}
+
 pub fn median(v: &mut [f64]) -> f64 {
     v.sort_by(f64::total_cmp);
     match v.len() {
