@@ -180,7 +180,6 @@ impl Project {
     }
 }
 
-/// The median of some measures (NaN for none).
 /// A `kB` figure of process `pid`'s `/proc/PID/status` (`key` with its colon: `VmHWM:`), 0 once
 /// the process is gone.
 pub fn status_kib(pid: u32, key: &str) -> u64 {
@@ -192,6 +191,7 @@ pub fn status_kib(pid: u32, key: &str) -> u64 {
         .unwrap_or(0)
 }
 
+/// The median of some measures (NaN for none).
 pub fn median(v: &mut [f64]) -> f64 {
     v.sort_by(f64::total_cmp);
     match v.len() {
