@@ -208,8 +208,7 @@ impl Engine {
     /// Drives the loop until it ends. `shutdown` carries the signal number that asked to stop.
     ///
     /// Boxed, so that the loop's code is compiled here only: a caller that awaited the future
-    /// itself (the service's task for a loop) would compile all of it again, at its own crate's
-    /// optimization level.
+    /// itself (the service's task for a loop) would compile all of it again.
     pub fn run<'a>(
         &'a self,
         id: &'a str,
