@@ -20,6 +20,7 @@
 
 pub mod agent;
 pub mod checkpoint;
+mod clone;
 pub mod git;
 pub mod guard;
 pub mod metrics;

@@ -52,13 +52,6 @@ use tokio::net::unix::pipe;
 use crate::sandbox;
 pub use crate::sandbox::Failure;
 
-/// The child's stack: what it runs (a few system calls, the sandbox's entry) needs a few KiB.
-const STACK: usize = 256 * 1024;
-
-/// The page below the child's stack, where it would overflow into: a fault, not a write into
-/// loopd's memory.
-const GUARD: usize = 4096;
-
 /// The descriptors a child is given, in the order it has them: its standard streams, and the one
 /// it inherits.
 const GIVEN: usize = 4;
@@ -257,7 +250,7 @@ impl Command {
             sandbox: self.sandbox.as_ref(),
             failure: Cell::new(None),
         };
-        let cloned = clone_vfork(&ctx);
+        let cloned = crate::clone::clone_vfork(child_main, &ctx, 0);
         // The child has exec'd or exited: the slots it filled in the table it shared are set
         // back, which lets go of loopd's references to its pipes.
         for slot in reserved.slots {
@@ -371,84 +364,6 @@ struct Ctx<'a> {
     first_unshared: RawFd,
     sandbox: Option<&'a sandbox::Prepared>,
     failure: Cell<Option<Failure>>,
-}
-
-/// Clones the child, which runs [`child_main`] on `ctx`; returns once it has exec'd or exited,
-/// with its pid and pidfd.
-fn clone_vfork(ctx: &Ctx<'_>) -> io::Result<(libc::pid_t, OwnedFd)> {
-    let stack = Stack::map()?;
-    let flags =
-        libc::CLONE_VM | libc::CLONE_VFORK | libc::CLONE_FILES | libc::CLONE_PIDFD | libc::SIGCHLD;
-    let mut pidfd: c_int = -1;
-    let all = nix::sys::signal::SigSet::all();
-    let mut old = nix::sys::signal::SigSet::empty();
-    nix::sys::signal::pthread_sigmask(
-        nix::sys::signal::SigmaskHow::SIG_SETMASK,
-        Some(&all),
-        Some(&mut old),
-    )?;
-    // SAFETY: the child runs `child_main` on a stack of its own that outlives it (the parent
-    // waits, `CLONE_VFORK`, until it has exec'd or exited), and reads `ctx` only, which outlives
-    // it likewise; `CLONE_PIDFD` writes the pidfd to `pidfd`.
-    let pid = unsafe {
-        libc::clone(
-            child_main,
-            stack.top(),
-            flags,
-            ctx as *const Ctx<'_> as *mut c_void,
-            &mut pidfd as *mut c_int,
-        )
-    };
-    let cloned = if pid < 0 {
-        Err(io::Error::last_os_error())
-    } else {
-        Ok(pid)
-    };
-    nix::sys::signal::pthread_sigmask(nix::sys::signal::SigmaskHow::SIG_SETMASK, Some(&old), None)?;
-    drop(stack);
-    let pid = cloned?;
-    // SAFETY: the kernel gave this process the pidfd, owned by nothing else.
-    Ok((pid, unsafe { OwnedFd::from_raw_fd(pidfd) }))
-}
-
-/// The child's stack: pages of its own, mapped as it touches them, above a guard page.
-struct Stack(*mut c_void);
-
-impl Stack {
-    fn map() -> io::Result<Stack> {
-        // SAFETY: a new private mapping, which nothing else refers to.
-        unsafe {
-            let base = libc::mmap(
-                std::ptr::null_mut(),
-                GUARD + STACK,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_STACK | libc::MAP_NORESERVE,
-                -1,
-                0,
-            );
-            if base == libc::MAP_FAILED {
-                return Err(io::Error::last_os_error());
-            }
-            let stack = Stack(base);
-            if libc::mprotect(base, GUARD, libc::PROT_NONE) != 0 {
-                return Err(io::Error::last_os_error());
-            }
-            Ok(stack)
-        }
-    }
-
-    /// Where the stack starts: its end (it grows down), which a page boundary aligns as the ABI
-    /// asks.
-    fn top(&self) -> *mut c_void {
-        self.0.wrapping_byte_add(GUARD + STACK)
-    }
-}
-
-impl Drop for Stack {
-    fn drop(&mut self) {
-        // SAFETY: unmaps the mapping `map` made, which no child runs on any more.
-        unsafe { libc::munmap(self.0, GUARD + STACK) };
-    }
 }
 
 /// The child: from the clone to the exec, system calls only (see the module's rules).

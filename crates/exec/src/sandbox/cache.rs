@@ -14,7 +14,6 @@
 //! descriptors of them, then lets the helper go. Descriptors keep a namespace alive.
 
 use std::collections::HashMap;
-use std::ffi::CString;
 use std::io;
 use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
@@ -163,7 +162,7 @@ pub(super) fn built(
         super::Network::Hosts(hosts) => Some(hosts.clone()),
         _ => None,
     };
-    let (user, mount, net) = namespaces(&view, hosts.is_some())?;
+    let (user, mount, net) = super::namespaces::made(&view, hosts.is_some())?;
     let (net, proxy_port, refusals) = match (net, hosts) {
         (Some(net), Some(hosts)) => {
             let (port, refusals) = serve_network(&net, hosts)?;
@@ -188,54 +187,6 @@ pub(super) fn built(
     });
     kept().insert(key, built.clone());
     Ok(built)
-}
-
-/// A user and a mount namespace with `view` made in them, and with `network` a network namespace
-/// whose loopback is up: made by a helper, which waits on its standard input while loopd opens
-/// them, then goes.
-fn namespaces(view: &View, network: bool) -> io::Result<(OwnedFd, OwnedFd, Option<OwnedFd>)> {
-    use std::os::unix::process::CommandExt as _;
-    use std::process::{Command, Stdio};
-    let (uid, gid) = (nix::unistd::getuid(), nix::unistd::getgid());
-    let map = |id: u32| CString::new(format!("{id} {id} 1")).unwrap_or_default();
-    let maps = (map(uid.as_raw()), map(gid.as_raw()));
-    let parent = super::mount_namespace()?;
-    let made = view.made();
-    let mut helper = Command::new("/bin/sh");
-    helper
-        .args(["-c", "read _"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null());
-    // SAFETY: the closure makes system calls only: it allocates nothing and takes no lock, as a
-    // child of a process with other threads must.
-    #[allow(unsafe_code)]
-    unsafe {
-        helper.pre_exec(move || {
-            super::new_namespaces(&maps, parent, network)?;
-            if network {
-                super::network::loopback_up()?;
-            }
-            made.make()
-        });
-    }
-    crate::procs::own_child(&mut helper, |child| {
-        let open = |name: &str| -> io::Result<OwnedFd> {
-            Ok(std::fs::File::open(format!("/proc/{}/ns/{name}", child.id()))?.into())
-        };
-        let net = if network { Some(open("net")?) } else { None };
-        let fds = (open("user")?, open("mnt")?, net);
-        // Its standard input closed, it reads the end and exits.
-        drop(child.stdin.take());
-        child.wait()?;
-        // What each attempt joins is never loopd's own mount namespace (the helper checked the
-        // one it made; this is the one held).
-        let held = nix::sys::stat::fstat(&fds.1)?;
-        if (held.st_dev, held.st_ino) == parent {
-            return Err(io::Error::other("no mount namespace of its own"));
-        }
-        Ok(fds)
-    })
 }
 
 /// Makes the listeners of a network of `hosts` in the namespace `net` (from a thread that joins it

@@ -19,6 +19,7 @@
 //! Landlock (ABI 4); no network at all is a network namespace of the child's own.
 
 mod cache;
+mod namespaces;
 pub mod network;
 mod view;
 
@@ -576,48 +577,6 @@ impl Prepared {
     }
 }
 
-/// The mount namespace this process is in: `st_dev` and `st_ino` of `/proc/self/ns/mnt` (a
-/// `stat`, which allocates nothing).
-fn mount_namespace() -> nix::Result<(u64, u64)> {
-    let ns = nix::sys::stat::stat(c"/proc/self/ns/mnt")?;
-    Ok((ns.st_dev, ns.st_ino))
-}
-
-/// Makes a user and a mount namespace of the calling child's own (and a network namespace, with
-/// `network`), mapping its user and group to themselves (`maps`): never the mount namespace
-/// `parent` it was in (checked, not assumed). Only system calls that allocate nothing.
-fn new_namespaces(maps: &(CString, CString), parent: (u64, u64), network: bool) -> io::Result<()> {
-    use nix::sched::{CloneFlags, unshare};
-    let mut namespaces = CloneFlags::CLONE_NEWUSER | CloneFlags::CLONE_NEWNS;
-    if network {
-        namespaces |= CloneFlags::CLONE_NEWNET;
-    }
-    unshare(namespaces)?;
-    if mount_namespace()? == parent {
-        return Err(io::Error::other("no mount namespace of its own"));
-    }
-    write_proc(c"/proc/self/setgroups", c"deny")?;
-    write_proc(c"/proc/self/uid_map", &maps.0)?;
-    write_proc(c"/proc/self/gid_map", &maps.1)?;
-    Ok(())
-}
-
-/// Writes `text` to the file `path` of `/proc`, with system calls alone (a `CStr` path is
-/// passed as it is).
-fn write_proc(path: &std::ffi::CStr, text: &std::ffi::CStr) -> io::Result<()> {
-    use nix::fcntl::{OFlag, open};
-    let fd = open(
-        path,
-        OFlag::O_WRONLY | OFlag::O_CLOEXEC,
-        nix::sys::stat::Mode::empty(),
-    )?;
-    let bytes = text.to_bytes();
-    if nix::unistd::write(&fd, bytes)? != bytes.len() {
-        return Err(io::Error::other("a short write"));
-    }
-    Ok(())
-}
-
 /// Why a child could not start ([`crate::spawn`]): the step, and the error of its system call.
 /// Here, below the spawn, as entering the sandbox is one of its steps.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -638,9 +597,23 @@ impl fmt::Display for Failure {
 impl Failure {
     /// The failure of a system call that set `errno`.
     pub fn os(step: &'static str) -> Failure {
+        Failure::errno(step, Errno::last())
+    }
+
+    /// The failure of a system call that returned `errno`.
+    pub fn errno(step: &'static str, errno: Errno) -> Failure {
         Failure {
             step,
-            errno: Some(Errno::last()),
+            errno: Some(errno),
+        }
+    }
+
+    /// The failure of a step whose error is the system's (or, if it is not, no errno): made
+    /// without allocating.
+    pub fn io(step: &'static str, error: &io::Error) -> Failure {
+        Failure {
+            step,
+            errno: error.raw_os_error().map(Errno::from_raw),
         }
     }
 }
