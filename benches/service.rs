@@ -3,6 +3,8 @@
 //! N projects (one loop each: a loop without a worktree of its own has its project's work tree
 //! to itself) share one user's service. Each action of each loop is a shell agent that records
 //! its pid and sleeps 0.2 s. Measured:
+//!   - the time from a raw write of `"status": "running"` to every loop at once to every one
+//!     taken (in the service's list), and to every one's first executor started;
 //!   - the service's memory while every loop runs (peak RSS, PSS, threads) and its inotify
 //!     instances;
 //!   - its own CPU per action (utime + stime of the service over a window, divided by the
@@ -25,6 +27,7 @@
 //!   LOOPD_BENCH_TRIALS   pause, stop and pick-up trials each (default 50)
 //!   LOOPD_BENCH_RUN_WINDOW  seconds of the `loopd run` baseline (default 30)
 //!   LOOPD_BENCH_DIR      where the temporary projects go (default: the system temp dir)
+//!   LOOPD_BENCH_SERVICE_LOG  a directory to keep each service's log in (`serve-N.log`)
 
 mod common;
 
@@ -277,15 +280,24 @@ fn one_service(n: usize, agent: &str, window: Duration, run_cpu: f64) -> Row {
         setup.elapsed().as_secs_f64()
     );
 
-    let service: Child = loops[0]
+    let log = std::env::var_os("LOOPD_BENCH_SERVICE_LOG")
+        .map(|dir| Path::new(&dir).join(format!("serve-{n}.log")));
+    let mut service: Child = loops[0]
         .project
         .loopd()
         .args(["serve", "--max-running-loops"])
         .arg(n.to_string())
         .stdout(Stdio::null())
-        .stderr(Stdio::null())
+        .stderr(if log.is_some() {
+            Stdio::piped()
+        } else {
+            Stdio::null()
+        })
         .spawn()
         .expect("spawn loopd serve");
+    if let Some(log) = log {
+        keep_log(&mut service, log);
+    }
     let pid = service.id();
     let mut service = Guard(service);
     wait("the service", || {
@@ -298,6 +310,22 @@ fn one_service(n: usize, agent: &str, window: Duration, run_cpu: f64) -> Row {
     }
     wait("every loop running", || running_count(&home) == n);
     let all_running = start.elapsed();
+    // Taken is not yet driven: each loop's first executor, seen every 10 ms (a closer look
+    // would take a core from the service).
+    let mut spawned = 0;
+    let deadline = Instant::now() + DEADLINE;
+    while spawned < n {
+        assert!(
+            Instant::now() < deadline,
+            "timed out waiting for every executor"
+        );
+        if loops[spawned].agent_pid_file().exists() {
+            spawned += 1;
+        } else {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+    let all_driven = start.elapsed();
     std::thread::sleep(Duration::from_secs(3));
 
     // The window under load.
@@ -364,6 +392,10 @@ fn one_service(n: usize, agent: &str, window: Duration, run_cpu: f64) -> Row {
     println!(
         "| every loop taken after its raw write of `running` | {:.2} s |",
         all_running.as_secs_f64()
+    );
+    println!(
+        "| every loop's first executor started after it | {:.2} s |",
+        all_driven.as_secs_f64()
     );
     println!(
         "| service RSS, peak under load | {:.1} MiB |",
@@ -453,6 +485,21 @@ fn one_service(n: usize, agent: &str, window: Duration, run_cpu: f64) -> Row {
         stop_p99,
         sigterm,
     }
+}
+
+/// Keeps the service's log in `path`, each line stamped with the seconds since it started.
+fn keep_log(service: &mut Child, path: PathBuf) {
+    let mut file = std::fs::File::create(&path)
+        .unwrap_or_else(|e| panic!("cannot create {}: {e}", path.display()));
+    let stderr = service.stderr.take().expect("the service's stderr, piped");
+    let started = Instant::now();
+    std::thread::spawn(move || {
+        use std::io::{BufRead as _, Write as _};
+        for line in std::io::BufReader::new(stderr).lines() {
+            let Ok(line) = line else { break };
+            let _ = writeln!(file, "{:9.3} {line}", started.elapsed().as_secs_f64());
+        }
+    });
 }
 
 /// The service, killed if the benchmark panics.

@@ -303,6 +303,43 @@ fn sigterm_interrupts_every_action_records_it_and_leaves_the_loops_running() {
 }
 
 #[test]
+fn a_sigterm_while_loops_are_being_taken_leaves_every_one_to_run_again() {
+    let first = Project::new(&held_agent());
+    let mut projects = vec![first];
+    for _ in 1..24 {
+        let next = Project::beside(&projects[0], &held_agent());
+        projects.push(next);
+    }
+    let ids: Vec<String> = projects
+        .iter()
+        .map(|p| p.create(&["--title", "t"]))
+        .collect();
+    let all: Vec<&Project> = projects.iter().collect();
+    let service = projects[0].serve(&roots(&all));
+    for (p, id) in projects.iter().zip(&ids) {
+        set_status(p, id, "running");
+    }
+    // At once: some loops are driven by now, some are being taken, some not even seen.
+    let out = service.stop();
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    for (p, id) in projects.iter().zip(&ids) {
+        let state = p.state(id);
+        assert_eq!(state["status"], "running", "{state:#}\n{}", stderr(&out));
+        assert!(state["skill_state"]["in_flight"].is_null(), "{state}");
+    }
+    // Nothing of the stop holds a loop back: the next service drives each one to its end.
+    for p in &projects {
+        std::fs::write(p.root.join("go"), "").expect("write go");
+    }
+    let service = projects[0].serve(&roots(&all));
+    for (p, id) in projects.iter().zip(&ids) {
+        wait_status(p, id, "completed");
+    }
+    let out = service.stop();
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+}
+
+#[test]
 fn a_loop_that_cannot_run_is_reported_and_the_others_go_on() {
     let a = Project::new(GOOD_AGENT);
     let b = Project::beside(&a, GOOD_AGENT);

@@ -103,6 +103,8 @@ enum Ending {
     Busy(loopd_file_driver::error::WorkTreeBusy),
     Error(String),
     Panicked(String),
+    /// The service began to stop before the loop was taken: it was left as it was.
+    NotTaken,
 }
 
 /// A project the service watches.
@@ -180,10 +182,7 @@ pub fn run(
         let (tx, rx) = mpsc::unbounded_channel();
         let (signals, shutdown) = watch::channel(None);
         let (hangup, mut hangups) = mpsc::unbounded_channel();
-        tokio::spawn(loopd_file_driver::daemon::forward_signals(
-            signals,
-            Some(hangup),
-        ));
+        take_signals(signals, hangup)?;
         let reload = tx.clone();
         tokio::spawn(async move {
             while hangups.recv().await.is_some() {
@@ -225,6 +224,29 @@ pub fn run(
         supervisor.info.listen = listening.listen.map(|a| a.to_string());
         supervisor.run(rx).await
     })
+}
+
+/// Takes SIGTERM, SIGINT and SIGHUP on a thread of its own, with a runtime of its own: the
+/// service's runtime, busy starting or stopping a thousand loops at once, would see a signal only
+/// after seconds, while a loop not yet taken must see at once that the service stops.
+fn take_signals(
+    signals: watch::Sender<Option<i32>>,
+    hangup: mpsc::UnboundedSender<()>,
+) -> Result<()> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the signals' runtime")?;
+    std::thread::Builder::new()
+        .name("loopd-signals".into())
+        .spawn(move || {
+            runtime.block_on(loopd_file_driver::daemon::forward_signals(
+                signals,
+                Some(hangup),
+            ));
+        })
+        .context("cannot start the signals' thread")?;
+    Ok(())
 }
 
 impl Supervisor {
@@ -323,7 +345,10 @@ impl Supervisor {
             Wake::Ended(key, ending) => {
                 // A loop that ran frees its work tree: its project's loops refused for it may
                 // go now. (One that could not be taken freed nothing.)
-                if !matches!(ending, Ending::Refused(_) | Ending::Busy(_)) {
+                if !matches!(
+                    ending,
+                    Ending::Refused(_) | Ending::Busy(_) | Ending::NotTaken
+                ) {
                     for (other, hold) in &mut self.held {
                         if hold.refused && other.root == key.root {
                             hold.until = Instant::now();
@@ -634,7 +659,13 @@ impl Supervisor {
         let task = tokio::spawn(tracing::Instrument::instrument(
             async move {
                 let me = format!("{} serve", std::process::id());
+                let stopping = shutdown.clone();
                 let taken = tokio::task::spawn_blocking(move || {
+                    // Waited for a thread while the service began to stop: taken only to be
+                    // let go again, at a cost of its own for each of hundreds of loops.
+                    if stopping.borrow().is_some() {
+                        return Ok(None);
+                    }
                     let mut p = Project::open(Some(&root), config_flag.as_deref())?;
                     // Hundreds of loops: no object of each one's last version is kept.
                     p.store = p.store.clone().without_objects();
@@ -642,11 +673,12 @@ impl Supervisor {
                     // The executor it was started with, as `resume` remembers it.
                     let executor = state.skill_state.as_ref().and_then(|s| s.executor.clone());
                     let taken = loopd_file_driver::daemon::take(&p, &id, executor, true, &me)?;
-                    anyhow::Ok((taken, id))
+                    anyhow::Ok(Some((taken, id)))
                 })
                 .await;
                 let (mut taken, id) = match taken {
-                    Ok(Ok(taken)) => taken,
+                    Ok(Ok(Some(taken))) => taken,
+                    Ok(Ok(None)) => return Ending::NotTaken,
                     Ok(Err(e)) => {
                         return match e.downcast::<loopd_file_driver::error::WorkTreeBusy>() {
                             Ok(busy) => Ending::Busy(busy),
@@ -655,6 +687,11 @@ impl Supervisor {
                     }
                     Err(e) => return Ending::Panicked(e.to_string()),
                 };
+                if shutdown.borrow().is_some() {
+                    // Its locks let go: it was never driven.
+                    let _ = tokio::task::spawn_blocking(move || drop(taken)).await;
+                    return Ending::NotTaken;
+                }
                 taken.engine.accounts = accounts;
                 tracing::info!("driving loop {id} in {}", taken.engine.root.display());
                 let ending = match taken.engine.run(&id, shutdown).await {
@@ -739,6 +776,7 @@ impl Supervisor {
                 hold(self, FAILED_HOLD, message.clone(), false);
                 tracing::error!("loop {key} panicked: {message}; the others go on");
             }
+            Ending::NotTaken => tracing::info!("loop {key}: not taken, the service stops"),
         }
     }
 
