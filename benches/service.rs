@@ -27,6 +27,7 @@
 //!   LOOPD_BENCH_TRIALS   pause, stop and pick-up trials each (default 50)
 //!   LOOPD_BENCH_RUN_WINDOW  seconds of the `loopd run` baseline (default 30)
 //!   LOOPD_BENCH_DIR      where the temporary projects go (default: the system temp dir)
+//!   LOOPD_BENCH_GIT      `1`: each project a git repository, each action checkpointed
 //!   LOOPD_BENCH_SERVICE_LOG  a directory to keep each service's log in (`serve-N.log`)
 
 mod common;
@@ -37,7 +38,7 @@ use std::time::{Duration, Instant};
 
 use common::{Project, alive, config, cpu_ticks, env_num, status_kib, tempdir, tick_ms};
 
-/// Plans 20 tasks, then every action records its pid and takes 0.2 s; validation never passes,
+/// Plans 20 tasks, then every action records its pid, adds a line to `work.txt` and takes 0.2 s; validation never passes,
 /// so the loop goes on (debug, develop...) until its iteration limit.
 fn agent() -> String {
     let tasks = vec![r#"{"description":"t"}"#; 20].join(",");
@@ -45,6 +46,7 @@ fn agent() -> String {
         r#"#!/bin/sh
 echo $$ > "$LOOPD_PROGRESS_DIR/agent.pid"
 cat > /dev/null
+echo "$LOOPD_ACTION" >> work.txt
 case "$LOOPD_ACTION" in
   init) echo '{{"status":"success","summary":"planned","state_updates":{{"tasks":[{tasks}]}}}}' ;;
   validate) sleep 0.2; echo '{{"status":"success","summary":"not yet","state_updates":{{"passed":false,"pass_rate":50}}}}' ;;
@@ -173,11 +175,47 @@ fn executor(l: &Loop) -> u32 {
 /// actions it finished. Its project is returned, to be removed at the end: files released now
 /// would make the service's new files dearer on some filesystems (ext4 without a journal
 /// searches past recently released inodes).
-fn run_baseline(agent: &str, window: Duration) -> (f64, Project) {
-    let project = Project::new(
+/// A project of the bench's agent, sharing `home` if given; a git repository with a commit
+/// under `LOOPD_BENCH_GIT=1` (every action that changes the tree then checkpointed).
+fn project(agent: &str, home: Option<&Path>) -> Project {
+    let project = Project::in_home(
         &config(&["sh", "bin/agent.sh"], "stdin", "json", None),
         Some(agent),
+        home,
     );
+    if std::env::var("LOOPD_BENCH_GIT").as_deref() == Ok("1") {
+        for args in [
+            &["init", "-q"][..],
+            &["add", "bin"],
+            &[
+                "-c",
+                "user.name=bench",
+                "-c",
+                "user.email=bench@localhost",
+                "commit",
+                "-q",
+                "-m",
+                "start",
+            ],
+        ] {
+            let out = std::process::Command::new("git")
+                .arg("-C")
+                .arg(&project.root)
+                .args(args)
+                .output()
+                .expect("run git");
+            assert!(
+                out.status.success(),
+                "git {args:?}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+    }
+    project
+}
+
+fn run_baseline(agent: &str, window: Duration) -> (f64, Project) {
+    let project = project(agent, None);
     let id = project.create(100_000);
     let child = project
         .loopd()
@@ -266,11 +304,7 @@ fn one_service(n: usize, agent: &str, window: Duration, run_cpu: f64) -> Row {
     let setup = Instant::now();
     let loops: Vec<Loop> = (0..n)
         .map(|_| {
-            let project = Project::in_home(
-                &config(&["sh", "bin/agent.sh"], "stdin", "json", None),
-                Some(agent),
-                Some(&home),
-            );
+            let project = project(agent, Some(&home));
             let id = project.create(100_000);
             Loop { project, id }
         })

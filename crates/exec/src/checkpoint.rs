@@ -530,7 +530,7 @@ impl Repo {
         for commit in [base, ours, theirs] {
             self.import(commit)?;
         }
-        let output = crate::procs::own_output(self.git().args([
+        let output = crate::git::own_output(self.git().args([
             "merge-tree",
             "--write-tree",
             "--name-only",

@@ -74,11 +74,24 @@ pub fn as_loopd(dir: &Path) -> Command {
     cmd
 }
 
-/// Runs `cmd` as a process of loopd's own ([`crate::procs::own_output`]: no attempt's end takes
-/// it for an orphan): its standard output without the trailing newline, or why it failed (the
-/// last line git printed on stderr, or why it did not run).
+/// Runs `cmd` to its end with no input, as a process of loopd's own (no attempt's end takes it
+/// for an orphan, see [`crate::procs::spawn_own`]); what it printed, as
+/// [`Command::output`] gives it. It is started as an attempt's executor is ([`crate::spawn`]):
+/// with loopd's table of descriptors shared, not copied, so that a service holding a thousand
+/// loops (and their descriptors) pays for none of them at each git command of a checkpoint.
+pub fn own_output(cmd: &Command) -> std::io::Result<std::process::Output> {
+    let started = crate::procs::born_spared(
+        || crate::spawn::Command::from_std(cmd).start(),
+        |started| Some(started.pid),
+    )?;
+    let _spared = crate::procs::Spared(started.pid);
+    started.wait_with_output()
+}
+
+/// Runs `cmd` ([`own_output`]): its standard output without the trailing newline, or why it
+/// failed (the last line git printed on stderr, or why it did not run).
 pub fn output(cmd: &mut Command) -> Result<String, String> {
-    let output = crate::procs::own_output(cmd).map_err(|e| format!("cannot run git: {e}"))?;
+    let output = own_output(cmd).map_err(|e| format!("cannot run git: {e}"))?;
     if output.status.success() {
         return Ok(String::from_utf8_lossy(&output.stdout)
             .trim_end()
@@ -93,4 +106,38 @@ pub fn output(cmd: &mut Command) -> Result<String, String> {
             || format!("git failed ({})", output.status),
             |l| l.trim().to_owned(),
         ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn own_output_gives_what_command_output_gives_and_no_descriptor_of_loopds() {
+        let dir = tempfile::tempdir().unwrap();
+        let held = std::fs::File::open(dir.path()).unwrap();
+        let mut cmd = Command::new("sh");
+        cmd.args([
+            "-c",
+            // Both pipes filled past their buffers at once, the directory and the
+            // environment as asked, and the child's own descriptors.
+            "head -c 300000 /dev/zero; head -c 300000 /dev/zero >&2; pwd >&2; \
+             echo \"$GIVEN${HOME:-unset}\" >&2; ls /proc/$$/fd >&2; exit 3",
+        ])
+        .current_dir(dir.path())
+        .env("GIVEN", "given")
+        .env_remove("HOME");
+        let out = own_output(&cmd).unwrap();
+        assert_eq!(out.status.code(), Some(3));
+        assert_eq!(out.stdout.len(), 300_000);
+        let stderr = String::from_utf8_lossy(&out.stderr[300_000..]).into_owned();
+        let lines: Vec<&str> = stderr.lines().collect();
+        assert_eq!(lines[0], dir.path().to_str().unwrap(), "{stderr}");
+        assert_eq!(lines[1], "givenunset", "{stderr}");
+        // 0, 1, 2 and the one `ls` opened to read the directory: none of loopd's, such as
+        // `held`.
+        let fds: Vec<&str> = lines[2..].to_vec();
+        assert!(fds.len() <= 4, "{fds:?} (loopd held {held:?})");
+        assert!(["0", "1", "2"].iter().all(|fd| fds.contains(fd)), "{fds:?}");
+    }
 }

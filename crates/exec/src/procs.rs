@@ -65,18 +65,6 @@ pub fn spawn_own(cmd: &mut std::process::Command) -> std::io::Result<std::proces
     born_spared(|| cmd.spawn(), |child| Some(child.id()))
 }
 
-/// Runs `cmd` to its end as [`spawn_own`] does, with no input; what it printed, as
-/// [`std::process::Command::output`] gives it.
-pub fn own_output(cmd: &mut std::process::Command) -> std::io::Result<std::process::Output> {
-    use std::process::Stdio;
-    cmd.stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    let child = born_spared(|| cmd.spawn(), |child| Some(child.id()))?;
-    let _spared = Spared(child.id());
-    child.wait_with_output()
-}
-
 /// Runs `with` on `cmd` spawned as a process of loopd's own (spared by every orphan sweep until
 /// `with` returns, having waited for it).
 pub fn own_child<T>(
@@ -106,7 +94,7 @@ pub async fn own_output_async(
 
 /// Spawns with `spawn` and spares the child's pid before any sweep may see it (under the spawn
 /// lock, which the orphan sweep takes too).
-fn born_spared<C>(
+pub(crate) fn born_spared<C>(
     spawn: impl FnOnce() -> std::io::Result<C>,
     pid: impl Fn(&C) -> Option<u32>,
 ) -> std::io::Result<C> {
@@ -119,7 +107,7 @@ fn born_spared<C>(
 }
 
 /// [`unspare`]s its pid when dropped: when its owner has waited for it, or gave up waiting.
-struct Spared(u32);
+pub(crate) struct Spared(pub(crate) u32);
 
 impl Drop for Spared {
     fn drop(&mut self) {
@@ -745,14 +733,6 @@ mod tests {
         assert_eq!(reap_among(&[pid]), [pid]);
         assert!(own.wait().is_ok());
         unspare(pid);
-        // git through it: its output as `Command::output` gives it.
-        let out =
-            own_output(std::process::Command::new("sh").args(["-c", "echo out; echo err >&2"]))
-                .unwrap();
-        assert_eq!(
-            (&out.stdout[..], &out.stderr[..]),
-            (&b"out\n"[..], &b"err\n"[..])
-        );
     }
 
     #[test]

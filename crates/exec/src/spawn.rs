@@ -1,4 +1,5 @@
-//! Starting an attempt's process without copying loopd's address space or its descriptors.
+//! Starting a process (an attempt's executor, loopd's own git) without copying loopd's address
+//! space or its descriptors.
 //!
 //! Theory of operation: `fork` copies the page tables of the whole process, and each of its
 //! threads then faults on every page it writes until the child has exec'd: under `loopd serve`, a
@@ -191,9 +192,50 @@ impl Command {
         self
     }
 
+    /// A command as `cmd` says it (its program, arguments, changes to the environment and
+    /// working directory; not its standard streams, which are this module's).
+    pub fn from_std(cmd: &std::process::Command) -> Command {
+        let mut command = Command::new(cmd.get_program());
+        command.args(cmd.get_args());
+        for (name, value) in cmd.get_envs() {
+            match value {
+                Some(value) => command.env(name, value),
+                None => command.env_remove(name),
+            };
+        }
+        if let Some(dir) = cmd.get_current_dir() {
+            command.current_dir(dir);
+        }
+        command
+    }
+
     /// Starts the process, with its standard streams and what it inherits, and no other
-    /// descriptor of loopd's.
+    /// descriptor of loopd's; waited for in loopd's runtime.
     pub fn spawn(&mut self) -> io::Result<Child> {
+        let started = self.start()?;
+        let pid = started.pid;
+        let child = (|| {
+            // SAFETY: the pidfd is owned, open, and given to the `AsyncFd` for its whole life.
+            let pidfd = unsafe {
+                AsyncFd::register_with_interest(started.pidfd, tokio::io::Interest::READABLE)
+            }
+            .map_err(io::Error::from)?;
+            io::Result::Ok(Child {
+                pid,
+                pidfd: Some(pidfd),
+                stdin: started.stdin.map(pipe::Sender::from_owned_fd).transpose()?,
+                stdout: Some(pipe::Receiver::from_owned_fd(started.stdout)?),
+                stderr: Some(pipe::Receiver::from_owned_fd(started.stderr)?),
+                status: None,
+            })
+        })();
+        // A child whose pipes or pidfd could not be set up is not left running.
+        child.inspect_err(|_| end(pid as libc::pid_t))
+    }
+
+    /// Starts the process as [`Command::spawn`] does, with no runtime: its pid, pidfd and the
+    /// parent's ends of its pipes.
+    pub fn start(&mut self) -> io::Result<Started> {
         let program = c_string(self.program.as_bytes())?;
         let paths = self.search_paths(&program)?;
         let argv = std::iter::once(Ok(program))
@@ -264,22 +306,13 @@ impl Command {
             end(pid);
             return Err(failure.into());
         }
-        let child = (|| {
-            // SAFETY: the pidfd is owned, open, and given to the `AsyncFd` for its whole life.
-            let pidfd =
-                unsafe { AsyncFd::register_with_interest(pidfd, tokio::io::Interest::READABLE) }
-                    .map_err(io::Error::from)?;
-            io::Result::Ok(Child {
-                pid: pid as u32,
-                pidfd: Some(pidfd),
-                stdin: stdin_parent.map(pipe::Sender::from_owned_fd).transpose()?,
-                stdout: Some(pipe::Receiver::from_owned_fd(stdout_parent)?),
-                stderr: Some(pipe::Receiver::from_owned_fd(stderr_parent)?),
-                status: None,
-            })
-        })();
-        // A child whose pipes or pidfd could not be set up is not left running.
-        child.inspect_err(|_| end(pid))
+        Ok(Started {
+            pid: pid as u32,
+            pidfd,
+            stdin: stdin_parent,
+            stdout: stdout_parent,
+            stderr: stderr_parent,
+        })
     }
 
     /// The paths the child tries to exec, in order: `program` itself if it names a path, else
@@ -508,6 +541,81 @@ impl Child {
             }
         }
     }
+}
+
+/// A child [`Command::start`]ed: its pid, its pidfd, and the parent's ends of its pipes.
+pub struct Started {
+    pub pid: u32,
+    pidfd: OwnedFd,
+    pub stdin: Option<OwnedFd>,
+    stdout: OwnedFd,
+    stderr: OwnedFd,
+}
+
+impl Started {
+    /// Closes its standard input, reads its standard output and error to their ends, and
+    /// waits for it to exit (blocking the thread), as [`std::process::Child::wait_with_output`].
+    pub fn wait_with_output(self) -> io::Result<std::process::Output> {
+        drop(self.stdin);
+        let (stdout, stderr) = read_both(self.stdout, self.stderr)?;
+        let status = loop {
+            // SAFETY: waits for this process's own child.
+            let mut status = 0;
+            match unsafe { libc::waitpid(self.pid as libc::pid_t, &mut status, 0) } {
+                n if n > 0 => break ExitStatus::from_raw(status),
+                _ if Errno::last() == Errno::EINTR => {}
+                _ => return Err(io::Error::last_os_error()),
+            }
+        };
+        drop(self.pidfd);
+        Ok(std::process::Output {
+            status,
+            stdout,
+            stderr,
+        })
+    }
+}
+
+/// Reads two pipes to their ends, each as it has something: a read of the other would wait
+/// while the writer waits for this one to be read.
+fn read_both(first: OwnedFd, second: OwnedFd) -> io::Result<(Vec<u8>, Vec<u8>)> {
+    use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
+    use std::os::fd::AsFd as _;
+    let mut pipes = [(Some(first), Vec::new()), (Some(second), Vec::new())];
+    let mut buf = [0u8; 8192];
+    while pipes.iter().any(|(fd, _)| fd.is_some()) {
+        let ready: Vec<usize> = {
+            let (which, mut fds): (Vec<usize>, Vec<PollFd<'_>>) = pipes
+                .iter()
+                .enumerate()
+                .filter_map(|(i, (fd, _))| {
+                    Some((i, PollFd::new(fd.as_ref()?.as_fd(), PollFlags::POLLIN)))
+                })
+                .unzip();
+            match poll(&mut fds, PollTimeout::NONE) {
+                Ok(_) | Err(Errno::EINTR) => {}
+                Err(e) => return Err(e.into()),
+            }
+            which
+                .into_iter()
+                .zip(&fds)
+                .filter(|(_, fd)| fd.revents().is_some_and(|r| !r.is_empty()))
+                .map(|(i, _)| i)
+                .collect()
+        };
+        for i in ready {
+            let (pipe, sink) = &mut pipes[i];
+            let Some(fd) = pipe else { continue };
+            match nix::unistd::read(&*fd, &mut buf) {
+                Ok(0) => *pipe = None,
+                Ok(n) => sink.extend_from_slice(&buf[..n]),
+                Err(Errno::EAGAIN | Errno::EINTR) => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
+    let [(_, first), (_, second)] = pipes;
+    Ok((first, second))
 }
 
 /// Reaps `pid`, a child of this process, if it has exited.
