@@ -9,9 +9,9 @@
 //! the directories whose entries were listed, with their times). Each attempt plans the view and
 //! takes the stamp again, a few dozen `stat`s; while both are the same, the kept sandbox is its
 //! own. A credential file made since, a `.git/config` git replaced, a new entry in the home
-//! directory: the stamp differs, and the sandbox is made anew. The namespaces are made by a helper
-//! (`/bin/sh` waiting on its standard input) whose pre-exec makes them and the view; loopd keeps
-//! descriptors of them, then lets the helper go. Descriptors keep a namespace alive.
+//! directory: the stamp differs, and the sandbox is made anew. The namespaces are made by a child
+//! cloned into them, which makes the view and opens them for loopd (`namespaces`); descriptors
+//! keep a namespace alive.
 
 use std::collections::HashMap;
 use std::io;

@@ -6,7 +6,8 @@
 //!
 //! Theory of operation: a Landlock ruleset (no privileges needed) is built in loopd, before the
 //! spawn, from paths it opens itself ([`Policy::prepare`]), with the attempt's view of the file
-//! system (`view`), made once in a user and mount namespace of a helper's and kept (`cache`);
+//! system (`view`), made once in a user and mount namespace of a cloned child's (`namespaces`)
+//! and kept (`cache`);
 //! the attempt's child joins them and enters the ruleset, between its clone and its exec, with
 //! system calls that allocate nothing (`Prepared::enter`, [`crate::spawn`]). Landlock domains
 //! are inherited and cannot be left: a grandchild in a new session, or a program that drops every
