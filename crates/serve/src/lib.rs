@@ -687,16 +687,16 @@ impl Supervisor {
                     }
                     Err(e) => return Ending::Panicked(e.to_string()),
                 };
-                if shutdown.borrow().is_some() {
-                    // Its locks let go: it was never driven.
-                    let _ = tokio::task::spawn_blocking(move || drop(taken)).await;
-                    return Ending::NotTaken;
-                }
-                taken.engine.accounts = accounts;
-                tracing::info!("driving loop {id} in {}", taken.engine.root.display());
-                let ending = match taken.engine.run(&id, shutdown).await {
-                    Ok(exit) => Ending::Exit(exit),
-                    Err(e) => Ending::Error(format!("{e:#}")),
+                // Taken as the service began to stop: let go undriven.
+                let ending = if shutdown.borrow().is_some() {
+                    Ending::NotTaken
+                } else {
+                    taken.engine.accounts = accounts;
+                    tracing::info!("driving loop {id} in {}", taken.engine.root.display());
+                    match taken.engine.run(&id, shutdown).await {
+                        Ok(exit) => Ending::Exit(exit),
+                        Err(e) => Ending::Error(format!("{e:#}")),
+                    }
                 };
                 // The versions its writes replaced are settled before the loop is let go, as
                 // a daemon does before it exits.
