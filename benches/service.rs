@@ -36,10 +36,10 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{Project, alive, config, cpu_ticks, env_num, status_kib, tempdir, tick_ms};
+use common::{Project, alive, config, cpu_ticks, env_num, git, status_kib, tempdir, tick_ms};
 
-/// Plans 20 tasks, then every action records its pid, adds a line to `work.txt` and takes 0.2 s; validation never passes,
-/// so the loop goes on (debug, develop...) until its iteration limit.
+/// Plans 20 tasks, then every action records its pid, adds a line to `work.txt` and takes 0.2 s;
+/// validation never passes, so the loop goes on (debug, develop...) until its iteration limit.
 fn agent() -> String {
     let tasks = vec![r#"{"description":"t"}"#; 20].join(",");
     format!(
@@ -184,32 +184,9 @@ fn project(agent: &str, home: Option<&Path>) -> Project {
         home,
     );
     if std::env::var("LOOPD_BENCH_GIT").as_deref() == Ok("1") {
-        for args in [
-            &["init", "-q"][..],
-            &["add", "bin"],
-            &[
-                "-c",
-                "user.name=bench",
-                "-c",
-                "user.email=bench@localhost",
-                "commit",
-                "-q",
-                "-m",
-                "start",
-            ],
-        ] {
-            let out = std::process::Command::new("git")
-                .arg("-C")
-                .arg(&project.root)
-                .args(args)
-                .output()
-                .expect("run git");
-            assert!(
-                out.status.success(),
-                "git {args:?}: {}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-        }
+        git(&project.root, &["init", "--quiet"]);
+        git(&project.root, &["add", "bin"]);
+        git(&project.root, &["commit", "--quiet", "-m", "start"]);
     }
     project
 }
