@@ -103,7 +103,7 @@ enum Ending {
     Busy(loopd_file_driver::error::WorkTreeBusy),
     Error(String),
     Panicked(String),
-    /// The service began to stop before the loop was taken: it was left as it was.
+    /// The service began to stop before the loop was driven: it was left as it was.
     NotTaken,
 }
 
