@@ -340,6 +340,63 @@ fn a_sigterm_while_loops_are_being_taken_leaves_every_one_to_run_again() {
 }
 
 #[test]
+fn loops_whose_writes_wait_on_their_locks_leave_the_service_free_to_stop_another() {
+    let free = Project::new(&held_agent());
+    let stuck: Vec<Project> = (0..4)
+        .map(|_| Project::beside(&free, &held_agent()))
+        .collect();
+    let free_id = free.create(&["--title", "free"]);
+    let ids: Vec<String> = stuck
+        .iter()
+        .map(|p| p.create(&["--title", "stuck"]))
+        .collect();
+    let all: Vec<&Project> = std::iter::once(&free).chain(&stuck).collect();
+    let service = free.serve(&roots(&all));
+    set_status(&free, &free_id, "running");
+    for (p, id) in stuck.iter().zip(&ids) {
+        set_status(p, id, "running");
+    }
+    let agent = read_pid(&free.root.join("agent-develop.pid"));
+    for p in &stuck {
+        read_pid(&p.root.join("agent-develop.pid"));
+    }
+    // Each stuck loop's lock held by another program, then its action let finish: the write of
+    // its result waits for the lock, a blocking section that lasts as long as the lock is held.
+    let locks: Vec<std::fs::File> = stuck
+        .iter()
+        .zip(&ids)
+        .map(|(p, id)| {
+            let lock = std::fs::File::open(p.root.join(format!(".loop/{id}.lock")))
+                .expect("open the lock");
+            lock.lock().expect("take the lock");
+            lock
+        })
+        .collect();
+    for p in &stuck {
+        std::fs::write(p.root.join("go"), "").expect("write go");
+    }
+    for (p, id) in stuck.iter().zip(&ids) {
+        wait_for("the loop to say it waits for its lock", || {
+            p.events(id).iter().any(|e| {
+                e["message"]
+                    .as_str()
+                    .is_some_and(|m| m.contains("waiting for the lock"))
+            })
+        });
+    }
+    // Four sections that do not end: the service still stops another loop's executor.
+    set_status(&free, &free_id, "paused");
+    wait_for("the free loop's executor to be stopped", || !alive(agent));
+    drop(locks);
+    for (p, id) in stuck.iter().zip(&ids) {
+        wait_status(p, id, "completed");
+    }
+    assert_eq!(status(&free, &free_id), "paused");
+    let out = service.stop();
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+}
+
+#[test]
 fn a_loop_that_cannot_run_is_reported_and_the_others_go_on() {
     let a = Project::new(GOOD_AGENT);
     let b = Project::beside(&a, GOOD_AGENT);

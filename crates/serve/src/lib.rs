@@ -52,8 +52,16 @@ pub struct ServeArgs {
     pub listen: Option<std::net::SocketAddr>,
 }
 
-/// The most threads for blocking sections at once.
-const MAX_BLOCKING_THREADS: usize = 16;
+/// The most threads for blocking sections at once, per core (at least four in all). A loop's
+/// blocking section (a state write, a lock wait, a checkpoint's git) hands its worker's place to
+/// a thread of this pool ([`tokio::task::block_in_place`]), so every one of them ends up running
+/// loops and holding the allocator's pages of every size it allocates: each thread costs about
+/// a megabyte of memory, however few bytes it uses. Two per core keep both cores busy while some
+/// wait on a disk, and four sections that never end are still not enough to stall the others.
+/// The service bench at 200 loops on two cores (`cargo bench --bench service`): 16 threads,
+/// 84 MiB of RSS; 4 threads, 70 MiB, at the same CPU per action (with git repositories: 69 and
+/// 63 MiB, and 43 against 53 actions per second).
+const BLOCKING_THREADS_PER_CORE: usize = 2;
 
 /// How often every known loop is looked at even without an event, in case one was missed
 /// (inotify says when it dropped events: then every loop is looked at at once).
@@ -170,11 +178,9 @@ pub fn run(
     let _lock = service::lock(&runtime_dir)?;
     loopd_exec::procs::become_subreaper();
     raise_open_file_limit();
-    limit_malloc_arenas();
-    // Blocking sections (store writes, lock waits) run on threads of their own; a bounded
-    // number, as each thread costs memory, however many loops there are.
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let runtime = tokio::runtime::Builder::new_multi_thread()
-        .max_blocking_threads(MAX_BLOCKING_THREADS)
+        .max_blocking_threads((BLOCKING_THREADS_PER_CORE * cores).max(4))
         .enable_all()
         .build()
         .context("cannot start the async runtime")?;
@@ -826,26 +832,6 @@ impl Supervisor {
         match service::publish(&self.runtime_dir, &self.info) {
             Ok(()) => self.published = Some(text),
             Err(e) => tracing::warn!("warning: cannot write the service's status: {e}"),
-        }
-    }
-}
-
-/// Gives the allocator one arena per core, not eight: glibc gives each thread that allocates
-/// an arena of its own up to that number, and memory freed in one is not reused by another, so
-/// a service whose threads take turns on many loops holds far more than it uses (at 200 loops
-/// of the service bench, 72 MiB of RSS against 60 with one arena per core). Its work waits on
-/// processes and disks, not on the allocator. Set before the runtime starts its threads.
-fn limit_malloc_arenas() {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    {
-        let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
-        let arenas = libc::c_int::try_from(cores).unwrap_or(libc::c_int::MAX);
-        // SAFETY: `mallopt` takes two integers and changes a setting of the allocator, which
-        // this call makes before the runtime starts the threads that allocate.
-        #[allow(unsafe_code)]
-        let set = unsafe { libc::mallopt(libc::M_ARENA_MAX, arenas) };
-        if set != 1 {
-            tracing::debug!("cannot limit the allocator's arenas");
         }
     }
 }
