@@ -227,7 +227,11 @@ impl LoopRun<'_> {
                 .with("log", files.log_path.display().to_string()),
         );
         files.stock(&self.progress);
+        let parked = self.park(state);
         let (run, mut interrupt) = self.supervise(running, &done, &mut rx).await;
+        if let Some(written) = parked {
+            state.skill_state.clone_from(&written.skill_state);
+        }
         let fired = armed.fired();
         drop(armed);
         if fired.is_some() || matches!(interrupt, Some(Interrupt::Control(_))) {
@@ -390,6 +394,17 @@ impl LoopRun<'_> {
             Err(e) => return Err(e.into()),
         }
         Ok(())
+    }
+
+    /// Lets the working copy's `skill_state` go while the version just written holds the same
+    /// (an executor may run for hours, with hundreds of loops in a service): the state is then
+    /// held once, not twice. Returns that version, to take it back from when the attempt ends.
+    fn park(&self, state: &mut LoopState) -> Option<Arc<LoopState>> {
+        let written = self.ours.clone()?;
+        (written.skill_state == state.skill_state).then(|| {
+            state.skill_state = None;
+            written
+        })
     }
 
     /// Runs the attempt to its end, ending it early on a control change or a shutdown signal.
