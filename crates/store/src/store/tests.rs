@@ -639,6 +639,38 @@ fn a_commit_on_its_own_write_is_what_the_file_parses_to() {
     assert_eq!(*after, parsed());
 }
 
+/// A commit made on a version another program wrote, by a store that keeps no objects (the
+/// service's), knows its typed result without a parse too: what the file parses to, with the
+/// other program's fields.
+#[test]
+fn a_commit_on_another_writers_version_is_what_the_file_parses_to() {
+    let (dir, store) = running_loop();
+    let store = store.without_objects();
+    let parsed = || LoopState::clone(&Store::new(dir.path(), ".").load_shared("l1").unwrap());
+    let mut state = LoopState::clone(&store.load_shared("l1").unwrap());
+    state.current_iteration = 1;
+    state.skill().seq = 1;
+    let after = store.commit(&state, None, false).unwrap();
+    assert_eq!(*after, parsed());
+    // Another program writes the file whole: a title, a limit, a field loopd does not know.
+    let path = store.state_path("l1");
+    let mut theirs: Value = serde_json::from_slice(&fs::read(&path).unwrap()).unwrap();
+    theirs["title"] = "theirs".into();
+    theirs["max_iterations"] = 7.into();
+    theirs["their_note"] = "kept".into();
+    fs::write(&path, serde_json::to_vec(&theirs).unwrap()).unwrap();
+    state.current_iteration = 2;
+    state.skill().seq = 2;
+    let after = store.commit(&state, None, true).unwrap();
+    assert_eq!(
+        (after.title.as_str(), after.max_iterations),
+        ("theirs", Some(7))
+    );
+    assert_eq!(after.current_iteration, 2);
+    assert_eq!(*after, parsed());
+    assert_eq!(store.load("l1").unwrap().raw["their_note"], "kept");
+}
+
 #[test]
 fn commit_keeps_control_fields_written_by_others() {
     let dir = tempfile::tempdir().unwrap();

@@ -53,8 +53,8 @@ pub fn keep_unknown(theirs: &Value, ours: &mut Value) -> bool {
 }
 
 /// What tells a change's typed result without parsing the object it made: given that object
-/// and the typed view of the version it was made on, when that version is this store's own last
-/// write (no other writer since), the typed result, or `None` to parse it.
+/// and the typed view of the version it was made on (the parse of the same bytes as the object
+/// was, before the change), the typed result, or `None` to parse it.
 pub(super) type Known<'a> = &'a mut dyn FnMut(&Map<String, Value>, &LoopState) -> Option<LoopState>;
 
 /// The typed result of the daemon's commit of `ours` made on `base`, once the commit's change
@@ -298,8 +298,6 @@ impl Store {
         let mut made_on = in_place.clone();
         let mut object = self.take_object(id, &in_place);
         for round in 1.. {
-            // Made on this store's own last write: its typed result may be known unparsed.
-            let own = object.is_some();
             let mut raw = match object.take() {
                 Some(raw) => raw,
                 None => parse_object(&made_on).map_err(|reason| StoreError::Corrupt {
@@ -309,7 +307,7 @@ impl Store {
             };
             change(&mut raw, &base);
             raw.insert("updated_at".into(), Value::String(now_rfc3339()));
-            let typed = own.then(|| known(&raw, &base)).flatten();
+            let typed = known(&raw, &base);
             let value = Value::Object(raw);
             let bytes = Arc::new(to_pretty(&path, &value)?);
             let progress = progress_of(&value);
