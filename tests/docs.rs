@@ -960,12 +960,16 @@ impl Tour {
             }),
             "pause" => {
                 assert_eq!(self.project.state(self.id())["status"], "paused");
-                wait_for("the attempt to be recorded interrupted", || {
-                    !self
-                        .project
-                        .events_named(self.id(), "action_interrupted")
-                        .is_empty()
-                });
+                wait_for_telling(
+                    "the attempt to be recorded interrupted",
+                    || {
+                        !self
+                            .project
+                            .events_named(self.id(), "action_interrupted")
+                            .is_empty()
+                    },
+                    || self.daemon_log(),
+                );
             }
             "resume" => wait_for("the interrupted develop to run again", || {
                 self.tasks_started("task-002") > 1
@@ -984,6 +988,16 @@ impl Tour {
                  teach Tour::step"
             ),
         }
+    }
+
+    /// The loop's daemon's log and its events, for a step that timed out.
+    fn daemon_log(&self) -> String {
+        let log = std::fs::read_to_string(self.project.progress(self.id()).join("daemon.log"))
+            .unwrap_or_else(|e| format!("(no daemon.log: {e})"));
+        format!(
+            "daemon.log:\n{log}\nevents: {:?}",
+            self.project.event_names(self.id())
+        )
     }
 
     /// `logs --follow`: it shows the loop's actions and the agent's output as they come; the

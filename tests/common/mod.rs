@@ -437,10 +437,19 @@ pub fn wait_watching_rss(mut child: Running) -> (Output, u64) {
 }
 
 /// Polls `cond` until it holds, failing the test past [`DEADLINE`].
-pub fn wait_for(what: &str, mut cond: impl FnMut() -> bool) {
+pub fn wait_for(what: &str, cond: impl FnMut() -> bool) {
+    wait_for_telling(what, cond, String::new);
+}
+
+/// [`wait_for`], failing with what `tell` says (a daemon's log, say) past the deadline.
+pub fn wait_for_telling(what: &str, mut cond: impl FnMut() -> bool, tell: impl Fn() -> String) {
     let deadline = Instant::now() + DEADLINE;
     while !cond() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        assert!(
+            Instant::now() < deadline,
+            "timed out waiting for {what}\n{}",
+            tell()
+        );
         std::thread::sleep(Duration::from_millis(5));
     }
 }
