@@ -243,6 +243,47 @@ fn pause_and_resume_twenty_times_during_one_loop() {
     assert_eq!(count(&p, &id, "action_failed"), 0);
 }
 
+/// A pause set back to `running` at once, before the daemon's watcher has read the file (a page's
+/// pause and resume, seen together under load): the attempt in flight still ends, as a pause
+/// ends it, and the loop goes on with the interrupted action, as after any resume.
+#[test]
+fn a_pause_undone_before_the_daemon_looks_still_ends_the_attempt_in_flight() {
+    let p = Project::new(&agent(&[(
+        "develop",
+        "echo $$ >> starts.log; [ -e second.go ] || sleep 100",
+    )]));
+    let id = p.create(&["--title", "t"]);
+    let run = p.spawn_run(&id, &[]);
+    let starts = p.root.join("starts.log");
+    wait_for("the first develop", || lines(&starts) >= 1);
+    wait_for("its attempt recorded in flight", || {
+        !p.state(&id)["skill_state"]["in_flight"].is_null()
+    });
+    std::fs::write(p.root.join("second.go"), "").unwrap();
+    // Two renames microseconds apart: the watcher mostly wakes to a file that says running.
+    set_status_stamped(&p, &id, "paused", "a controller of this test");
+    set_status_stamped(&p, &id, "running", "a controller of this test");
+    wait_events(&p, &id, "action_interrupted", 1);
+    let interrupted = p
+        .events(&id)
+        .into_iter()
+        .find(|e| e["event"] == "action_interrupted")
+        .unwrap();
+    assert_eq!(interrupted["action"], "develop", "{interrupted}");
+    let message = interrupted["message"].as_str().unwrap_or_default();
+    assert!(
+        message.contains("a controller of this test"),
+        "the interruption says who: {interrupted}"
+    );
+    wait_for("the develop run again", || lines(&starts) >= 2);
+    finish(run, 0);
+    let state = p.state(&id);
+    assert_eq!(state["status"], "completed");
+    assert_eq!(count(&p, &id, "action_interrupted"), 1);
+    assert_eq!(count(&p, &id, "action_failed"), 0);
+    assert_eq!(state["skill_state"]["error_count"], 0);
+}
+
 /// How often each thread of a process has gone to sleep so far (`voluntary_ctxt_switches`): a
 /// thread that is woken and sleeps again adds one.
 fn sleeps(pid: u32) -> std::collections::HashMap<String, u64> {

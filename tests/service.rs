@@ -222,6 +222,37 @@ fn stopping_one_loop_ends_its_processes_and_leaves_the_other_loops_alone() {
     drop(service);
 }
 
+/// A pause and a resume written one right after the other (a page's, told to the watcher
+/// together when it is slow to wake): the attempt in flight ends, as the pause alone would end
+/// it, and the service drives the loop on with the interrupted action.
+#[test]
+fn a_pause_undone_at_once_ends_the_attempt_and_the_service_drives_the_loop_on() {
+    let p = Project::new(&agent(&[(
+        "develop",
+        "echo $$ >> starts.log; [ -e second.go ] || sleep 100",
+    )]));
+    let id = p.create(&["--title", "t"]);
+    let service = p.serve(&["--root", p.root.to_str().unwrap()]);
+    set_status(&p, &id, "running");
+    let starts = p.root.join("starts.log");
+    let started = || std::fs::read_to_string(&starts).map_or(0, |s| s.lines().count());
+    wait_for("the first develop", || started() == 1);
+    wait_for("its attempt recorded in flight", || {
+        !p.state(&id)["skill_state"]["in_flight"].is_null()
+    });
+    std::fs::write(p.root.join("second.go"), "").expect("second.go");
+    set_status_stamped(&p, &id, "paused", "the page");
+    set_status_stamped(&p, &id, "running", "the page");
+    wait_status(&p, &id, "completed");
+    let names = p.event_names(&id);
+    let interrupted = names.iter().filter(|n| *n == "action_interrupted").count();
+    assert_eq!(interrupted, 1, "{names:?}");
+    // The plan's two develops, and the interrupted one again.
+    assert_eq!(started(), 3, "the interrupted develop ran again");
+    let out = service.stop();
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+}
+
 #[test]
 fn a_service_killed_mid_action_leaves_no_orphan_once_started_again_and_finishes_the_loop() {
     // The first develop hangs with a grandchild; later ones succeed.

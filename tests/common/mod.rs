@@ -690,6 +690,22 @@ impl Drop for Service {
     }
 }
 
+/// Sets a loop's status by an atomic rewrite of its state file stamped as loopd's controllers
+/// stamp it (`status_by`: who set it, and when).
+pub fn set_status_stamped(p: &Project, id: &str, status: &str, by: &str) {
+    let mut state = p.state(id);
+    state["status"] = status.into();
+    state["status_by"] = serde_json::json!({
+        "status": status,
+        "by": by,
+        "pid": std::process::id(),
+        "at": chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true),
+    });
+    let tmp = p.root.join(".loop").join(format!(".{id}.{status}.edit"));
+    std::fs::write(&tmp, serde_json::to_vec_pretty(&state).expect("serialise")).expect("write");
+    std::fs::rename(&tmp, p.state_path(id)).expect("rename");
+}
+
 /// Sets a loop's status by an atomic rewrite of its state file, as a person's tool would.
 pub fn set_status(p: &Project, id: &str, status: &str) {
     let mut state = p.state(id);

@@ -237,11 +237,12 @@ impl Control {
 
     /// Why an attempt was ended for these fields: the status, and who set it.
     pub fn interruption(&self) -> String {
-        format!(
-            "the loop's status became {}, set by {}",
-            self.status,
-            StatusBy::who(self.status_by.as_ref(), &self.status)
-        )
+        let who = StatusBy::who(self.status_by.as_ref(), &self.status);
+        match self.status {
+            // Set back before the watcher read the pause or stop (see loopd_store::watch).
+            Status::Running => format!("the loop was paused or stopped, then set running by {who}"),
+            _ => format!("the loop's status became {}, set by {who}", self.status),
+        }
     }
 
     /// The answer to the question an executor asked, once given.

@@ -136,16 +136,24 @@ impl Looks {
             None => Snapshot::read(&self.store, &self.id),
         };
         let Some(snapshot) = snapshot else { return };
-        let stopped = snapshot.control.status != Status::Running;
-        let control = stopped.then(|| snapshot.control.clone());
+        // A status set back to running since the last look, by a controller after the attempt
+        // in flight started: the loop was paused or stopped meanwhile, though no look saw it (a
+        // pause and a resume written together, read at once).
+        let set_back = || {
+            last.as_ref()
+                .is_some_and(|l| l.control.status_by != snapshot.control.status_by)
+                && self.armed.set_running_since(&snapshot.control)
+        };
+        let ends = snapshot.control.status != Status::Running || set_back();
+        let control = ends.then(|| snapshot.control.clone());
         self.tx.send_if_modified(|old| {
             let changed = old.as_ref() != Some(&snapshot);
             *old = Some(snapshot);
             changed
         });
-        // A stop or pause ends the attempt in flight from here, at once: the daemon's task,
-        // which may wait for a worker of a busy runtime, does the rest (grace, SIGKILL,
-        // reaping, the record).
+        // A stop or pause (or one undone already) ends the attempt in flight from here, at
+        // once: the daemon's task, which may wait for a worker of a busy runtime, does the rest
+        // (grace, SIGKILL, reaping, the record).
         if let Some(control) = control {
             self.armed.fire(control);
         }
@@ -322,7 +330,10 @@ impl Watch {
         let looks = &self.looks;
         let _order = lock(&looks.order);
         *lock(&looks.armed.fired) = None;
-        *lock(&looks.armed.attempt) = Some(Box::new(end));
+        *lock(&looks.armed.attempt) = Some(Flight {
+            end: Box::new(end),
+            since: chrono::Utc::now(),
+        });
         let stopped = looks
             .tx
             .borrow()
@@ -340,11 +351,16 @@ impl Watch {
 /// Ends an attempt in flight; true when it did.
 type EndAttempt = Box<dyn FnOnce() -> bool + Send>;
 
+/// An attempt in flight: what ends it, and when it was armed.
+struct Flight {
+    end: EndAttempt,
+    since: chrono::DateTime<chrono::Utc>,
+}
+
 /// The attempt in flight of a watched loop, as the watcher may end it.
 #[derive(Default)]
 struct Armed {
-    /// What ends it; true when it did.
-    attempt: Mutex<Option<EndAttempt>>,
+    attempt: Mutex<Option<Flight>>,
     /// The control fields read when the watcher ended it.
     fired: Mutex<Option<Control>>,
 }
@@ -352,9 +368,27 @@ struct Armed {
 impl Armed {
     fn fire(&self, control: Control) {
         let attempt = lock(&self.attempt).take();
-        if attempt.is_some_and(|end| end()) {
+        if attempt.is_some_and(|flight| (flight.end)()) {
             *lock(&self.fired) = Some(control);
         }
+    }
+
+    /// Whether a controller set the status `running` after the attempt in flight was armed
+    /// (its stamp says when): only a loop that was not running can be resumed, retried or
+    /// started, so the loop left `running` meanwhile. A stamp of the same millisecond as the
+    /// arming, or of another program that stamps nothing, is not taken for one.
+    fn set_running_since(&self, control: &Control) -> bool {
+        let Some(at) = control
+            .status_by
+            .as_ref()
+            .filter(|by| by.status == Status::Running)
+            .and_then(|by| loopd_core::state::parse_ts(by.at.as_deref()?))
+        else {
+            return false;
+        };
+        lock(&self.attempt)
+            .as_ref()
+            .is_some_and(|flight| at > flight.since)
     }
 }
 
