@@ -260,6 +260,8 @@ fn a_pause_undone_before_the_daemon_looks_still_ends_the_attempt_in_flight() {
         !p.state(&id)["skill_state"]["in_flight"].is_null()
     });
     std::fs::write(p.root.join("second.go"), "").unwrap();
+    // Stamped after the attempt was armed (the record in flight comes after the arming).
+    wait_for_the_next_millisecond();
     // Two renames microseconds apart: the watcher mostly wakes to a file that says running.
     set_status_stamped(&p, &id, "paused", "a controller of this test");
     set_status_stamped(&p, &id, "running", "a controller of this test");

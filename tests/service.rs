@@ -241,6 +241,8 @@ fn a_pause_undone_at_once_ends_the_attempt_and_the_service_drives_the_loop_on() 
         !p.state(&id)["skill_state"]["in_flight"].is_null()
     });
     std::fs::write(p.root.join("second.go"), "").expect("second.go");
+    // Stamped after the attempt was armed (the record in flight comes after the arming).
+    wait_for_the_next_millisecond();
     set_status_stamped(&p, &id, "paused", "the page");
     set_status_stamped(&p, &id, "running", "the page");
     wait_status(&p, &id, "completed");

@@ -690,6 +690,15 @@ impl Drop for Service {
     }
 }
 
+/// Waits for the wall clock's next millisecond: a controller's stamp (`status_by.at`) counts in
+/// milliseconds, so one made after this is later than anything the daemon did before it.
+pub fn wait_for_the_next_millisecond() {
+    let now = chrono::Utc::now().timestamp_millis();
+    wait_for("the next millisecond", || {
+        chrono::Utc::now().timestamp_millis() > now
+    });
+}
+
 /// Sets a loop's status by an atomic rewrite of its state file stamped as loopd's controllers
 /// stamp it (`status_by`: who set it, and when).
 pub fn set_status_stamped(p: &Project, id: &str, status: &str, by: &str) {
