@@ -710,17 +710,20 @@ pub fn set_status_stamped(p: &Project, id: &str, status: &str, by: &str) {
         "pid": std::process::id(),
         "at": chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true),
     });
-    let tmp = p.root.join(".loop").join(format!(".{id}.{status}.edit"));
-    std::fs::write(&tmp, serde_json::to_vec_pretty(&state).expect("serialise")).expect("write");
-    std::fs::rename(&tmp, p.state_path(id)).expect("rename");
+    replace_state(p, id, &state);
 }
 
 /// Sets a loop's status by an atomic rewrite of its state file, as a person's tool would.
 pub fn set_status(p: &Project, id: &str, status: &str) {
     let mut state = p.state(id);
     state["status"] = status.into();
+    replace_state(p, id, &state);
+}
+
+/// Puts `state` in place of the loop's state file, whole, by one rename.
+fn replace_state(p: &Project, id: &str, state: &Value) {
     let tmp = p.root.join(".loop").join(format!(".{id}.edit"));
-    std::fs::write(&tmp, serde_json::to_vec_pretty(&state).expect("serialise")).expect("write");
+    std::fs::write(&tmp, serde_json::to_vec_pretty(state).expect("serialise")).expect("write");
     std::fs::rename(&tmp, p.state_path(id)).expect("rename");
 }
 
