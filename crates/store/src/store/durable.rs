@@ -296,7 +296,7 @@ impl Store {
                 if fields_older(&now.state, &backed.state) {
                     let _lock = self.lock(id)?;
                     let (_, repaired) =
-                        self.update_repairing(&dir, id, true, |_, _| {}, &mut |_, _| None)?;
+                        self.update_repairing(&dir, id, true, &mut |_, _| {}, &mut |_, _| None)?;
                     let from = self.backup_path(id).display().to_string();
                     return Ok(repaired.map(|reason| (reason, from)));
                 }
@@ -383,7 +383,7 @@ impl Store {
         dir: &Dir,
         id: &str,
         durable: bool,
-        mut change: impl FnMut(&mut Map<String, Value>, &LoopState),
+        change: write::Change<'_>,
         known: write::Known<'_>,
     ) -> Result<(Arc<LoopState>, Option<String>), StoreError> {
         // Read whole only when its header does not tell that the file is as far on (a file whose
@@ -393,7 +393,7 @@ impl Store {
             .flatten();
         let mut backed = None;
         let repaired = std::cell::RefCell::new(None);
-        let change = |raw: &mut Map<String, Value>, current: &LoopState| {
+        let mut change = |raw: &mut Map<String, Value>, current: &LoopState| {
             repaired.replace(None);
             let seq = current.skill_state.as_ref().map_or(0, |k| k.seq);
             let as_far = progress.is_some_and(|p| p > 0 && seq >= p);
@@ -414,7 +414,7 @@ impl Store {
                 .then(|| known(raw, base))
                 .flatten()
         };
-        let state = self.update_locked(dir, id, durable, change, &mut known)?;
+        let state = self.update_locked(dir, id, durable, &mut change, &mut known)?;
         Ok((state, repaired.into_inner()))
     }
 

@@ -746,7 +746,7 @@ impl Store {
                 dir,
                 id,
                 true,
-                |raw, _| {
+                &mut |raw, _| {
                     edits.clear();
                     for key in &changed {
                         let unchanged = self.as_if_merged(id, replaced, key, written.get(key));

@@ -57,6 +57,12 @@ pub fn keep_unknown(theirs: &Value, ours: &mut Value) -> bool {
 /// was, before the change), the typed result, or `None` to parse it.
 pub(super) type Known<'a> = &'a mut dyn FnMut(&Map<String, Value>, &LoopState) -> Option<LoopState>;
 
+/// A change to the raw JSON object of a loop's state, given the typed view of the version it is
+/// made on. Passed as a trait object below [`Store::update`], so that the read, the parse and
+/// the write are compiled once, in this crate, rather than once per caller's closure in each
+/// crate that calls it.
+pub(super) type Change<'a> = &'a mut dyn FnMut(&mut Map<String, Value>, &LoopState);
+
 /// The typed result of the daemon's commit of `ours` made on `base`, once the commit's change
 /// made `raw`: `base` with the daemon's fields of `ours` and the top-level fields the change may
 /// set (a transition's, a consumed choice, the time) as `raw` has them. `None` where `raw` holds
@@ -241,9 +247,9 @@ impl Store {
         &self,
         id: &str,
         durable: bool,
-        change: impl FnMut(&mut Map<String, Value>, &LoopState),
+        mut change: impl FnMut(&mut Map<String, Value>, &LoopState),
     ) -> Result<Arc<LoopState>, StoreError> {
-        self.update_with(id, durable, change, &mut |_, _| None)
+        self.update_with(id, durable, &mut change, &mut |_, _| None)
     }
 
     /// [`Store::update`], with what tells its typed result without a parse.
@@ -251,7 +257,7 @@ impl Store {
         &self,
         id: &str,
         durable: bool,
-        change: impl FnMut(&mut Map<String, Value>, &LoopState),
+        change: Change<'_>,
         known: Known<'_>,
     ) -> Result<Arc<LoopState>, StoreError> {
         validate_id(id)?;
@@ -268,7 +274,7 @@ impl Store {
         dir: &Dir,
         id: &str,
         durable: bool,
-        change: impl FnMut(&mut Map<String, Value>, &LoopState),
+        change: Change<'_>,
         known: Known<'_>,
     ) -> Result<Arc<LoopState>, StoreError> {
         let (state, repaired) = self.update_repairing(dir, id, durable, change, known)?;
@@ -287,7 +293,7 @@ impl Store {
         dir: &Dir,
         id: &str,
         durable: bool,
-        mut change: impl FnMut(&mut Map<String, Value>, &LoopState),
+        change: Change<'_>,
         known: Known<'_>,
     ) -> Result<Arc<LoopState>, StoreError> {
         let path = self.state_path(id);
@@ -431,7 +437,7 @@ impl Store {
         // Whether the change kept keys of the file's that `ours` lacks: its typed result is then
         // the parse's to tell.
         let kept = std::cell::Cell::new(false);
-        let change = |raw: &mut Map<String, Value>, current: &LoopState| {
+        let mut change = |raw: &mut Map<String, Value>, current: &LoopState| {
             kept.set(false);
             // The first round moves the daemon's fields in; a round that starts over (another
             // writer changed the file meanwhile) makes them again.
@@ -483,7 +489,7 @@ impl Store {
         let mut known = |raw: &Map<String, Value>, base: &LoopState| {
             (!kept.get()).then(|| committed(base, ours, raw)).flatten()
         };
-        self.update_with(&ours.loop_id, durable, change, &mut known)
+        self.update_with(&ours.loop_id, durable, &mut change, &mut known)
     }
 }
 
