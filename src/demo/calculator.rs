@@ -51,7 +51,7 @@ pub fn create_args() -> loopd_file_driver::create::CreateArgs {
 
 /// The tasks and how they ended.
 pub fn print_outcome(skill: &loopd_core::state::SkillState) -> Result<()> {
-    let ccw: CcwState = skill.part();
+    let ccw = CcwState::from_fields(&skill.part).unwrap_or_default();
     for t in &ccw.develop.tasks {
         let mark = if t.status == TaskStatus::Completed {
             "x"

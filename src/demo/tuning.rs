@@ -130,8 +130,11 @@ fn fix(root: &Path, area: &str) -> Result<Option<&'static str>> {
 
 /// The loop's own fields, read from its state file as an agent would.
 fn tuning(state_file: &str) -> Result<TuningState> {
-    let state: Value = serde_json::from_slice(&std::fs::read(state_file)?)?;
-    Ok(serde_json::from_value(state["skill_state"].clone())?)
+    let mut state: Value = serde_json::from_slice(&std::fs::read(state_file)?)?;
+    let Value::Object(fields) = state["skill_state"].take() else {
+        anyhow::bail!("{state_file} has no skill_state object");
+    };
+    TuningState::from_fields(&fields).map_err(anyhow::Error::msg)
 }
 
 /// The scripted executor's result for one action of the skill-tuning loop.
@@ -253,7 +256,7 @@ pub fn act(action: &str, root: &Path, env: impl Fn(&str) -> String) -> Result<Va
 
 /// The gate, and what became of each issue.
 pub fn print_outcome(skill: &loopd_core::state::SkillState) -> Result<()> {
-    let t: TuningState = skill.part();
+    let t = TuningState::from_fields(&skill.part).unwrap_or_default();
     crate::outln!(
         "  quality gate {} (score {}), {} issue(s) resolved, {} left",
         t.quality_gate.map_or("-", |g| g.as_str()),

@@ -355,6 +355,16 @@ impl SkillState {
     }
 }
 
+/// A workflow's typed view of its own fields among `fields` (those of a `skill_state` object);
+/// why they do not fit it, if they do not.
+pub fn part_of<P: WorkflowPart>(fields: &Extra) -> Result<P, String> {
+    // Read where they are: a workflow's fields (its tasks, its notes) are read several times an
+    // action, and a copy of them cost as much as the reading.
+    let mine = P::KEYS.iter().filter_map(|k| Some((*k, fields.get(*k)?)));
+    P::deserialize(serde::de::value::MapDeserializer::<_, serde_json::Error>::new(mine))
+        .map_err(|e| e.to_string())
+}
+
 /// A workflow's typed view of its own fields of `skill_state`.
 pub trait WorkflowPart: Serialize + serde::de::DeserializeOwned + Default {
     /// The keys it owns.
@@ -364,13 +374,7 @@ pub trait WorkflowPart: Serialize + serde::de::DeserializeOwned + Default {
 impl SkillState {
     /// The workflow's own fields as its typed view; why they do not fit it, if they do not.
     pub fn try_part<P: WorkflowPart>(&self) -> Result<P, String> {
-        // Read where they are: a workflow's fields (its tasks, its notes) are read several
-        // times an action, and a copy of them cost as much as the reading.
-        let mine = P::KEYS
-            .iter()
-            .filter_map(|k| Some((*k, self.part.get(*k)?)));
-        P::deserialize(serde::de::value::MapDeserializer::<_, serde_json::Error>::new(mine))
-            .map_err(|e| e.to_string())
+        part_of(&self.part)
     }
 
     /// The workflow's own fields as its typed view (its defaults, where they do not fit: a state

@@ -7,7 +7,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::state::ListedTask;
-use crate::state::{Extra, WorkflowPart};
+use crate::state::{Extra, WorkflowPart, part_of};
 
 /// ccw-loop's part of `skill_state`.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
@@ -26,6 +26,15 @@ pub struct CcwState {
     /// `seq` of the last develop that left a task failed.
     #[serde(default)]
     pub develop_failed_seq: Option<u64>,
+}
+
+impl CcwState {
+    /// ccw-loop's fields among those of a `skill_state` object ([`part_of`]). Not generic: a crate
+    /// above that reads them (the demo's agent) calls this rather than compile their
+    /// deserializer again.
+    pub fn from_fields(fields: &Extra) -> Result<CcwState, String> {
+        part_of(fields)
+    }
 }
 
 impl WorkflowPart for CcwState {

@@ -4,7 +4,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::state::{Extra, WorkflowPart};
+use crate::state::{Extra, WorkflowPart, part_of};
 
 /// How many issues `issues` keeps; a new one beyond it replaces the least severe.
 pub const MAX_ISSUES: usize = 100;
@@ -102,6 +102,15 @@ impl TuningState {
             round: 1,
             ..TuningState::default()
         }
+    }
+}
+
+impl TuningState {
+    /// skill-tuning's fields among those of a `skill_state` object ([`part_of`]). Not generic: a crate
+    /// above that reads them (the demo's agent) calls this rather than compile their
+    /// deserializer again.
+    pub fn from_fields(fields: &Extra) -> Result<TuningState, String> {
+        part_of(fields)
     }
 }
 
