@@ -130,11 +130,11 @@ fn fix(root: &Path, area: &str) -> Result<Option<&'static str>> {
 
 /// The loop's own fields, read from its state file as an agent would.
 fn tuning(state_file: &str) -> Result<TuningState> {
-    let mut state: Value = serde_json::from_slice(&std::fs::read(state_file)?)?;
-    let Value::Object(fields) = state["skill_state"].take() else {
+    let state: Value = serde_json::from_slice(&std::fs::read(state_file)?)?;
+    let Some(Value::Object(fields)) = state.get("skill_state") else {
         anyhow::bail!("{state_file} has no skill_state object");
     };
-    TuningState::from_fields(&fields).map_err(anyhow::Error::msg)
+    TuningState::from_fields(fields).map_err(anyhow::Error::msg)
 }
 
 /// The scripted executor's result for one action of the skill-tuning loop.

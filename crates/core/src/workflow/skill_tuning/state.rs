@@ -103,11 +103,9 @@ impl TuningState {
             ..TuningState::default()
         }
     }
-}
 
-impl TuningState {
-    /// skill-tuning's fields among those of a `skill_state` object ([`part_of`]). Not generic: a crate
-    /// above that reads them (the demo's agent) calls this rather than compile their
+    /// skill-tuning's fields among those of a `skill_state` object ([`part_of`]). Not generic:
+    /// a crate above that reads them (the demo's agent) calls this rather than compile their
     /// deserializer again.
     pub fn from_fields(fields: &Extra) -> Result<TuningState, String> {
         part_of(fields)
