@@ -30,6 +30,18 @@ const HANG_WITH_GRANDCHILD: &str =
 /// Ignores SIGTERM (so does its `sleep`: an ignored signal stays ignored across exec) and hangs.
 const HANG_IGNORING_TERM: &str = "trap '' TERM; echo $$ > agent.pid; sleep 100";
 
+/// Ignores SIGTERM, starts a child that ignores it too (its pid in `grandchild.pid`) and a thread,
+/// then ends its main thread alone: the executor shows as a zombie while it lives on in its
+/// thread, which the kernel hands the child to.
+const HANG_IN_A_THREAD: &str = r#"echo $$ > agent.pid; exec python3 -c '
+import ctypes, os, signal, subprocess, threading, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+child = subprocess.Popen(["sleep", "100"])
+open("grandchild.pid", "w").write(str(child.pid))
+threading.Thread(target=time.sleep, args=(100,)).start()
+ctypes.CDLL(None).syscall({"x86_64": 60, "aarch64": 93}[os.uname().machine], 0)  # exit(2)
+'"#;
+
 // ---------------------------------------------------------------------------------------------
 // Helpers
 // ---------------------------------------------------------------------------------------------
@@ -166,6 +178,29 @@ fn stop_kills_an_executor_that_ignores_sigterm_after_the_grace() {
         stopped_at.elapsed()
     );
     assert_stopped(&p, &id, &[agent_pid], "Manually stopped by user");
+}
+
+#[test]
+fn stop_ends_an_executor_whose_main_thread_ended_alone() {
+    let p = Project::new(&agent(&[("develop", HANG_IN_A_THREAD)]));
+    let id = p.create(&["--title", "t"]);
+    let run = p.spawn_run(&id, &[]);
+    let agent_pid = read_pid(&p.root.join("agent.pid"));
+    let grandchild = read_pid(&p.root.join("grandchild.pid"));
+    let main_thread = format!("/proc/{agent_pid}/task/{agent_pid}/stat");
+    wait_for("the executor's main thread to end alone", || {
+        std::fs::read_to_string(&main_thread).is_ok_and(|s| s.contains(") Z "))
+    });
+    assert!(alive(agent_pid) && alive(grandchild));
+
+    control(&p, "stop", &id);
+    finish(run, 5);
+    assert_stopped(
+        &p,
+        &id,
+        &[agent_pid, grandchild],
+        "Manually stopped by user",
+    );
 }
 
 #[test]

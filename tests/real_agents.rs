@@ -378,6 +378,19 @@ fn no_key_or_a_rejected_key_blocks_the_loop_without_using_it_up() {
 
 /// The live processes whose environment has `LOOPD_STATE_FILE=state`: an executor of that loop
 /// and whatever it started.
+/// What `pids` are, for an assertion's message: each one's `/proc/PID/stat` and command line.
+fn described(pids: &[u32]) -> String {
+    pids.iter()
+        .map(|pid| {
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+            let cmdline = std::fs::read(format!("/proc/{pid}/cmdline"))
+                .map(|c| String::from_utf8_lossy(&c).replace('\0', " "))
+                .unwrap_or_default();
+            format!("\n  {} | {}", stat.trim(), cmdline.trim())
+        })
+        .collect()
+}
+
 fn processes_of(state: &Path) -> Vec<u32> {
     let needle = format!("LOOPD_STATE_FILE={}", state.display());
     std::fs::read_dir("/proc")
@@ -414,10 +427,8 @@ fn a_stop_mid_request_ends_every_process_of_the_cli() {
             pids.len(),
             started.elapsed().as_millis()
         );
-        assert!(
-            processes_of(&p.state_path(&id)).is_empty(),
-            "{cli}: nothing left behind"
-        );
+        let left = processes_of(&p.state_path(&id));
+        assert!(left.is_empty(), "{cli}: left behind:{}", described(&left));
         let status = daemon.wait().unwrap();
         assert_eq!(status.code(), Some(5), "{cli}: stopped by a user");
     });
@@ -490,10 +501,8 @@ fn a_model_that_stops_answering_ends_in_the_idle_timeout_with_the_whole_tree() {
         assert_eq!(failed.len(), 1, "{cli}: {failed:?}");
         assert_eq!(failed[0]["outcome"], "timeout", "{cli}: {}", failed[0]);
         assert_eq!(failed[0]["error"], "no output for 3s", "{cli}");
-        assert!(
-            processes_of(&p.state_path(&id)).is_empty(),
-            "{cli}: nothing left behind"
-        );
+        let left = processes_of(&p.state_path(&id));
+        assert!(left.is_empty(), "{cli}: left behind:{}", described(&left));
     });
 }
 

@@ -454,18 +454,21 @@ pub fn wait_for_telling(what: &str, mut cond: impl FnMut() -> bool, tell: impl F
     }
 }
 
-/// Whether a process is alive (not a zombie).
+/// Whether process `pid` lives: any of its threads (a process whose main thread ended alone shows
+/// as a zombie, yet runs on in its other threads).
 pub fn alive(pid: u32) -> bool {
-    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        Ok(stat) => {
-            let state = stat
-                .rfind(')')
-                .and_then(|i| stat[i + 1..].split_whitespace().next())
-                .unwrap_or("X");
-            !matches!(state, "Z" | "X")
-        }
-        Err(_) => false,
-    }
+    let live = |stat: &str| {
+        let state = stat
+            .rfind(')')
+            .and_then(|i| stat[i + 1..].split_whitespace().next())
+            .unwrap_or("X");
+        !matches!(state, "Z" | "X")
+    };
+    std::fs::read_dir(format!("/proc/{pid}/task")).is_ok_and(|tasks| {
+        tasks.filter_map(Result::ok).any(|task| {
+            std::fs::read_to_string(task.path().join("stat")).is_ok_and(|stat| live(&stat))
+        })
+    })
 }
 
 /// Reads a pid a fake executor wrote to a file, once it is there.

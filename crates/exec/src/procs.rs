@@ -2,7 +2,9 @@
 //!
 //! Stop sequence (as nextest and watchexec do it): SIGTERM to the whole group, a grace timer,
 //! SIGKILL to the group, and a bounded wait until no live member is left. Zombies do not count as
-//! alive: they hold no resources but a pid and cannot be killed, only reaped by their parent.
+//! alive: they hold no resources but a pid and cannot be killed, only reaped by their parent. A
+//! process whose main thread ended alone shows as a zombie too, yet lives on in its other threads
+//! and holds its children: it counts as alive ([`ProcStat::is_alive`]).
 //!
 //! The attempts in flight are known by their process groups ([`attempt_started`]): a second
 //! signal ends them all, and reaping a zombie never takes one of their executors from the task
@@ -180,13 +182,15 @@ pub struct ProcStat {
 
 impl ProcStat {
     pub fn read(pid: u32) -> Option<ProcStat> {
+        Self::read_from(&format!("/proc/{pid}/stat"))
+    }
+
+    /// Reads a `stat` file of `/proc`: a process's, or one of its threads'.
+    fn read_from(path: &str) -> Option<ProcStat> {
         use std::io::Read;
         // One read: the file is short, and /proc reports its size as 0.
         let mut buf = [0u8; 1024];
-        let n = std::fs::File::open(format!("/proc/{pid}/stat"))
-            .ok()?
-            .read(&mut buf)
-            .ok()?;
+        let n = std::fs::File::open(path).ok()?.read(&mut buf).ok()?;
         Self::parse(std::str::from_utf8(&buf[..n]).ok()?)
     }
 
@@ -205,9 +209,32 @@ impl ProcStat {
         })
     }
 
+    /// Whether the process lives: its main thread does, or, where the main thread ended alone (a
+    /// zombie, not reaped while the rest of its process lives on), another of its threads does.
+    /// Such a process still runs, holds its children (the kernel hands the main thread's
+    /// children to a live thread of the same process) and cannot be reaped: it must be ended as
+    /// any other.
     pub fn is_alive(&self) -> bool {
-        !matches!(self.state, 'Z' | 'X' | 'x')
+        match self.state {
+            'X' | 'x' => false,
+            'Z' => another_thread_lives(self.pid),
+            _ => true,
+        }
     }
+}
+
+/// Whether a thread of process `pid` other than its main thread lives.
+fn another_thread_lives(pid: u32) -> bool {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return false;
+    };
+    tasks
+        .filter_map(|t| t.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|tid| *tid != pid)
+        .any(|tid| {
+            ProcStat::read_from(&format!("/proc/{pid}/task/{tid}/stat"))
+                .is_some_and(|t| !matches!(t.state, 'Z' | 'X' | 'x'))
+        })
 }
 
 /// Every process visible in `/proc`.
