@@ -215,11 +215,12 @@ impl ProcStat {
     /// children to a live thread of the same process) and cannot be reaped: it must be ended as
     /// any other.
     pub fn is_alive(&self) -> bool {
-        match self.state {
-            'X' | 'x' => false,
-            'Z' => another_thread_lives(self.pid),
-            _ => true,
-        }
+        self.thread_lives() || (self.state == 'Z' && another_thread_lives(self.pid))
+    }
+
+    /// Whether the thread this line is of (a process's main thread, or another) lives.
+    fn thread_lives(&self) -> bool {
+        !matches!(self.state, 'Z' | 'X' | 'x')
     }
 }
 
@@ -233,7 +234,7 @@ fn another_thread_lives(pid: u32) -> bool {
         .filter(|tid| *tid != pid)
         .any(|tid| {
             ProcStat::read_from(&format!("/proc/{pid}/task/{tid}/stat"))
-                .is_some_and(|t| !matches!(t.state, 'Z' | 'X' | 'x'))
+                .is_some_and(|t| t.thread_lives())
         })
 }
 
