@@ -142,13 +142,16 @@ fn assert_stopped(p: &Project, id: &str, pids: &[u32], reason: &str) {
 // Stop
 // ---------------------------------------------------------------------------------------------
 
-#[test]
-fn stop_ends_the_executor_and_its_grandchild() {
-    let p = Project::new(&agent(&[("develop", HANG_WITH_GRANDCHILD)]));
+/// Runs a loop whose executor `script` records its pid and its child's (`agent.pid`,
+/// `grandchild.pid`), waits for `what`: `ready` to hold of the executor's pid, stops the loop, and
+/// checks that both processes are gone.
+fn stop_ends_executor_and_grandchild(script: &str, what: &str, ready: fn(u32) -> bool) {
+    let p = Project::new(&agent(&[("develop", script)]));
     let id = p.create(&["--title", "t"]);
     let run = p.spawn_run(&id, &[]);
     let agent_pid = read_pid(&p.root.join("agent.pid"));
     let grandchild = read_pid(&p.root.join("grandchild.pid"));
+    wait_for(what, || ready(agent_pid));
     assert!(alive(agent_pid) && alive(grandchild));
 
     control(&p, "stop", &id);
@@ -159,6 +162,11 @@ fn stop_ends_the_executor_and_its_grandchild() {
         &[agent_pid, grandchild],
         "Manually stopped by user",
     );
+}
+
+#[test]
+fn stop_ends_the_executor_and_its_grandchild() {
+    stop_ends_executor_and_grandchild(HANG_WITH_GRANDCHILD, "the executor to run", alive);
 }
 
 #[test]
@@ -182,24 +190,13 @@ fn stop_kills_an_executor_that_ignores_sigterm_after_the_grace() {
 
 #[test]
 fn stop_ends_an_executor_whose_main_thread_ended_alone() {
-    let p = Project::new(&agent(&[("develop", HANG_IN_A_THREAD)]));
-    let id = p.create(&["--title", "t"]);
-    let run = p.spawn_run(&id, &[]);
-    let agent_pid = read_pid(&p.root.join("agent.pid"));
-    let grandchild = read_pid(&p.root.join("grandchild.pid"));
-    let main_thread = format!("/proc/{agent_pid}/task/{agent_pid}/stat");
-    wait_for("the executor's main thread to end alone", || {
-        std::fs::read_to_string(&main_thread).is_ok_and(|s| s.contains(") Z "))
-    });
-    assert!(alive(agent_pid) && alive(grandchild));
-
-    control(&p, "stop", &id);
-    finish(run, 5);
-    assert_stopped(
-        &p,
-        &id,
-        &[agent_pid, grandchild],
-        "Manually stopped by user",
+    stop_ends_executor_and_grandchild(
+        HANG_IN_A_THREAD,
+        "the executor's main thread to end alone",
+        |pid| {
+            std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/stat"))
+                .is_ok_and(|stat| stat.contains(") Z "))
+        },
     );
 }
 
