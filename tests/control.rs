@@ -193,10 +193,7 @@ fn stop_ends_an_executor_whose_main_thread_ended_alone() {
     stop_ends_executor_and_grandchild(
         HANG_IN_A_THREAD,
         "the executor's main thread to end alone",
-        |pid| {
-            std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/stat"))
-                .is_ok_and(|stat| stat.contains(") Z "))
-        },
+        main_thread_ended_alone,
     );
 }
 

@@ -83,6 +83,58 @@ fn an_escape_with_a_clean_environment_is_ended_after_the_daemon_is_killed() {
     assert_eq!(status.code(), Some(5));
 }
 
+/// An agent whose develop starts two processes, orphaned in sessions of their own, that end their
+/// main thread alone (`threaded.py`): one without `LOOPD_STATE_FILE` (it keeps the marker), one
+/// that closes the marker (it keeps the variable). Then it waits to be stopped.
+const THREADED_ESCAPES: &str = r#"cat > /dev/null
+case "$LOOPD_ACTION" in
+  init) echo '{"status":"success","state_updates":{"tasks":[{"description":"x"}]}}' > "$LOOPD_RESULT_FILE" ;;
+  develop)
+    setsid sh -c 'env -u LOOPD_STATE_FILE python3 threaded.py marker.pid &' > /dev/null 2>&1 < /dev/null
+    setsid sh -c 'python3 threaded.py environ.pid close-fds &' > /dev/null 2>&1 < /dev/null
+    touch waiting; sleep 1000 ;;
+  *) echo '{"status":"success"}' > "$LOOPD_RESULT_FILE" ;;
+esac
+"#;
+
+/// `python3 threaded.py PIDFILE [close-fds]`: closes its inherited descriptors if told, starts a
+/// thread, writes its pid, and ends its main thread alone (`exit(2)`): its `/proc/PID/fd` and
+/// `/proc/PID/environ` are then empty, its thread's are not.
+const THREADED: &str = r#"import ctypes, os, sys, threading, time
+if sys.argv[2:] == ["close-fds"]:
+    os.closerange(3, 65536)
+threading.Thread(target=time.sleep, args=(1000,)).start()
+open(sys.argv[1], "w").write(str(os.getpid()))
+ctypes.CDLL(None).syscall({"x86_64": 60, "aarch64": 93}[os.uname().machine], 0)
+"#;
+
+#[test]
+fn escapes_whose_main_thread_ended_alone_are_ended_after_the_daemon_is_killed() {
+    let p = Project::new(THREADED_ESCAPES);
+    std::fs::write(p.root.join("threaded.py"), THREADED).unwrap();
+    let id = p.create(&["--title", "t"]);
+    let mut run = p.spawn_run(&id, &[]);
+    wait_for("develop to wait", || p.root.join("waiting").exists());
+    let escapes = ["marker.pid", "environ.pid"].map(|f| read_pid(&p.root.join(f)));
+    wait_for("the escapes' main threads to end alone", || {
+        escapes.iter().all(|pid| main_thread_ended_alone(*pid))
+    });
+    run.kill().unwrap();
+    run.wait().unwrap();
+    assert!(
+        escapes.iter().all(|pid| alive(*pid)),
+        "the escapes died with the daemon"
+    );
+    // The next daemon finds each by what it kept, through its live thread, and ends it.
+    let mut again = p.spawn_run(&id, &[]);
+    wait_for("the escapes to be ended", || {
+        escapes.iter().all(|pid| !alive(*pid))
+    });
+    assert!(p.output(&["stop", &id]).status.success());
+    let status = again.wait().unwrap();
+    assert_eq!(status.code(), Some(5));
+}
+
 #[test]
 fn a_state_file_naming_a_foreign_process_in_flight_kills_nothing() {
     let p = Project::new(

@@ -471,6 +471,14 @@ pub fn alive(pid: u32) -> bool {
     })
 }
 
+/// Whether the main thread of process `pid` has ended alone: it shows as a zombie while the
+/// process lives on in another thread.
+pub fn main_thread_ended_alone(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/stat"))
+        .is_ok_and(|stat| stat.contains(") Z "))
+        && alive(pid)
+}
+
 /// Reads a pid a fake executor wrote to a file, once it is there.
 pub fn read_pid(path: &Path) -> u32 {
     let mut pid = 0;

@@ -215,7 +215,23 @@ impl ProcStat {
     /// children to a live thread of the same process) and cannot be reaped: it must be ended as
     /// any other.
     pub fn is_alive(&self) -> bool {
-        self.thread_lives() || (self.state == 'Z' && another_thread_lives(self.pid))
+        self.thread_lives() || (self.state == 'Z' && another_live_thread(self.pid).is_some())
+    }
+
+    /// The directory of `/proc` through which what the process's threads share (its descriptors
+    /// in `fd`, its `environ`) is read: `/proc/PID`, or, where the main thread ended alone (and
+    /// with it those files of `/proc/PID`), a live thread's `/proc/PID/task/TID`.
+    fn shared_dir(&self) -> String {
+        let pid = self.pid;
+        let thread = if self.thread_lives() {
+            None
+        } else {
+            another_live_thread(pid)
+        };
+        match thread {
+            Some(tid) => format!("/proc/{pid}/task/{tid}"),
+            None => format!("/proc/{pid}"),
+        }
     }
 
     /// Whether the thread this line is of (a process's main thread, or another) lives.
@@ -224,15 +240,13 @@ impl ProcStat {
     }
 }
 
-/// Whether a thread of process `pid` other than its main thread lives.
-fn another_thread_lives(pid: u32) -> bool {
-    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
-        return false;
-    };
-    tasks
+/// A live thread of process `pid` other than its main thread.
+fn another_live_thread(pid: u32) -> Option<u32> {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .ok()?
         .filter_map(|t| t.ok()?.file_name().to_str()?.parse::<u32>().ok())
         .filter(|tid| *tid != pid)
-        .any(|tid| {
+        .find(|tid| {
             ProcStat::read_from(&format!("/proc/{pid}/task/{tid}/stat"))
                 .is_some_and(|t| t.thread_lives())
         })
@@ -348,7 +362,7 @@ pub fn attempt_processes(pgids: &[u32], marker: &str) -> Vec<u32> {
         !in_flight.contains(pid)
             && !spared(*pid)
             && ProcStat::read(*pid).is_some_and(|p| {
-                p.is_alive() && (pgids.contains(&p.pgid) || !others || holds_marker(p.pid, &target))
+                p.is_alive() && (pgids.contains(&p.pgid) || !others || holds_marker(&p, &target))
             })
     });
     let mut stack: Vec<u32> = tree.members(pgids).into_iter().chain(orphans).collect();
@@ -446,10 +460,13 @@ pub fn leftovers(marker: &str, state_file: &std::path::Path) -> Vec<u32> {
         .filter(|h| {
             h.markers.iter().any(|m| m == marker) || h.state_file.as_deref() == Some(state_file)
         })
-        .filter(|h| ProcStat::read(h.pid).is_some_and(|p| p.is_alive() && p.start == h.start))
         .filter(|h| {
-            holds_marker(h.pid, &marker_link(marker))
-                || environ_has(h.pid, STATE_FILE_VAR, state_file)
+            ProcStat::read(h.pid).is_some_and(|p| {
+                p.is_alive()
+                    && p.start == h.start
+                    && (holds_marker(&p, &marker_link(marker))
+                        || environ_has(&p, STATE_FILE_VAR, state_file))
+            })
         })
         .map(|h| h.pid)
         .collect();
@@ -501,8 +518,8 @@ impl Census {
             .into_iter()
             .filter(|p| p.pid != me && p.is_alive() && !in_flight.contains(&p.pgid))
             .filter_map(|p| {
-                let markers = markers_of(p.pid);
-                let state_file = environ(p.pid).and_then(|env| {
+                let markers = markers_of(&p);
+                let state_file = environ(&p).and_then(|env| {
                     env.split(|b| *b == 0)
                         .find_map(|var| {
                             var.strip_prefix(STATE_FILE_VAR.as_bytes())?
@@ -522,9 +539,9 @@ impl Census {
     }
 }
 
-/// The loopd markers process `pid` holds open.
-fn markers_of(pid: u32) -> Vec<String> {
-    let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
+/// The loopd markers process `p` holds open.
+fn markers_of(p: &ProcStat) -> Vec<String> {
+    let Ok(fds) = std::fs::read_dir(format!("{}/fd", p.shared_dir())) else {
         return Vec::new();
     };
     fds.filter_map(|fd| {
@@ -538,14 +555,14 @@ fn markers_of(pid: u32) -> Vec<String> {
     .collect()
 }
 
-fn environ(pid: u32) -> Option<Vec<u8>> {
-    std::fs::read(format!("/proc/{pid}/environ")).ok()
+fn environ(p: &ProcStat) -> Option<Vec<u8>> {
+    std::fs::read(format!("{}/environ", p.shared_dir())).ok()
 }
 
-/// Whether the environment of `pid` holds `key=value`.
-fn environ_has(pid: u32, key: &str, value: &[u8]) -> bool {
+/// Whether the environment of process `p` holds `key=value`.
+fn environ_has(p: &ProcStat, key: &str, value: &[u8]) -> bool {
     let needle = [key.as_bytes(), b"=", value].concat();
-    environ(pid).is_some_and(|env| env.split(|b| *b == 0).any(|var| var == needle))
+    environ(p).is_some_and(|env| env.split(|b| *b == 0).any(|var| var == needle))
 }
 
 fn signal_each(pids: &[u32], signal: Signal) {
@@ -575,8 +592,8 @@ pub async fn end_attempt(pgid: u32, marker: &str, grace: Duration) -> bool {
         let mine = |pid: &u32| {
             !in_flight.contains(pid)
                 && !spared(*pid)
-                && ProcStat::read(*pid).is_some_and(|p| p.is_alive())
-                && (!others_in_flight || holds_marker(*pid, &link))
+                && ProcStat::read(*pid)
+                    .is_some_and(|p| p.is_alive() && (!others_in_flight || holds_marker(&p, &link)))
         };
         if !children.iter().any(mine) {
             return false;
@@ -604,8 +621,8 @@ fn marker_link(name: &str) -> String {
     format!("/memfd:{name} (deleted)")
 }
 
-fn holds_marker(pid: u32, link: &str) -> bool {
-    std::fs::read_dir(format!("/proc/{pid}/fd")).is_ok_and(|fds| {
+fn holds_marker(p: &ProcStat, link: &str) -> bool {
+    std::fs::read_dir(format!("{}/fd", p.shared_dir())).is_ok_and(|fds| {
         fds.filter_map(Result::ok)
             .any(|fd| std::fs::read_link(fd.path()).is_ok_and(|l| l.as_os_str() == link))
     })
@@ -618,7 +635,7 @@ pub fn with_marker(name: &str) -> Vec<u32> {
     let me = std::process::id();
     all()
         .into_iter()
-        .filter(|p| p.pid != me && p.is_alive() && holds_marker(p.pid, &link))
+        .filter(|p| p.pid != me && p.is_alive() && holds_marker(p, &link))
         .map(|p| p.pid)
         .collect()
 }
