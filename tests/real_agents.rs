@@ -376,8 +376,6 @@ fn no_key_or_a_rejected_key_blocks_the_loop_without_using_it_up() {
     });
 }
 
-/// The live processes whose environment has `LOOPD_STATE_FILE=state`: an executor of that loop
-/// and whatever it started.
 /// What `pids` are, for an assertion's message: each one's `/proc/PID/stat` and command line.
 fn described(pids: &[u32]) -> String {
     pids.iter()
@@ -391,6 +389,8 @@ fn described(pids: &[u32]) -> String {
         .collect()
 }
 
+/// The live processes whose environment has `LOOPD_STATE_FILE=state`: an executor of that loop
+/// and whatever it started.
 fn processes_of(state: &Path) -> Vec<u32> {
     let needle = format!("LOOPD_STATE_FILE={}", state.display());
     std::fs::read_dir("/proc")
